@@ -17,6 +17,16 @@
 #define FO_MAX_DIMS 8
 
 /*
+ Most threads `fo_set_num_threads` accepts.
+ */
+#define FO_MAX_THREADS 1024
+
+/*
+ Most ranks of an in-process group (`fo_comm_create_local_group`).
+ */
+#define FO_MAX_LOCAL_WORLD 1024
+
+/*
  The ABI version this header describes; compare with `fo_abi_version()` at load time.
  */
 #define FO_ABI_VERSION 1
@@ -100,7 +110,8 @@ typedef struct fo_packed_entry {
 /*
  How to load. `strict` (default 1): missing or unexpected keys are an error; 0: they
  are skipped and reported. `params`: 1 also loads params saved under their FQN.
- `param_groups` (default 1): restores each group's saved hyper-parameters.
+ `param_groups` (default 1): restores each group's saved hyper-parameters. Each field
+ is 0 or 1; other values are FO_ERR_INVALID_ARGUMENT.
  */
 typedef struct fo_load_options {
   int32_t strict;
@@ -207,7 +218,7 @@ typedef struct fo_broadcast_dest {
 
 /*
  `strategy`: 0 scatter (each rank receives only its shard), 1 full broadcast (every
- rank receives every full tensor; for comparison). `allow_int_float_cast`: non-zero
+ rank receives every full tensor; for comparison). `allow_int_float_cast`: 1
  allows conversions involving integer or bool dtypes.
  */
 typedef struct fo_broadcast_options {
@@ -228,8 +239,8 @@ typedef struct fo_broadcast_stats {
 } fo_broadcast_stats;
 
 /*
- One gradient for `fo_clip_grad_norm`: `is_shard` non-zero when it is this rank's
- shard of a sharded gradient (summed across ranks), zero when replicated or plain
+ One gradient for `fo_clip_grad_norm`: `is_shard` 1 when it is this rank's
+ shard of a sharded gradient (summed across ranks), 0 when replicated or plain
  (identical on every rank: counted once).
  */
 typedef struct fo_clip_grad {
@@ -442,8 +453,9 @@ fo_status fo_comm_create_callbacks(int32_t rank,
 
 /*
  An in-process group: writes `world_size` handles to `out[0..world_size]` (index =
- rank), each to be used by its own thread. A collective waiting longer than
- `timeout_s` seconds (<= 0: 600) fails every rank; so does destroying a handle.
+ rank), each to be used by its own thread. `world_size` is 1..=1024
+ (`FO_MAX_LOCAL_WORLD`). A collective waiting longer than `timeout_s` seconds (finite,
+ > 0, at most one week: 604800) fails every rank; so does destroying a handle.
  */
 fo_status fo_comm_create_local_group(int32_t world_size, double timeout_s, struct fo_comm **out);
 
@@ -655,7 +667,8 @@ fo_status fo_offload_plan(const int64_t *numels, size_t n, double fraction, int3
 
 /*
  Threads used by optimizer steps (fo's own pool). 0 restores the default:
- `FO_NUM_THREADS` if set, else the available cores.
+ `FO_NUM_THREADS` if set, else the available cores (capped at 1024). More than 1024
+ (`FO_MAX_THREADS`) is FO_ERR_INVALID_ARGUMENT. Threads start at the next step, not here.
  */
 fo_status fo_set_num_threads(int32_t n);
 

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_void, CString};
 use std::path::Path;
 
-use super::args::{arg_mut, arg_ref, arg_str};
+use super::args::{arg_flag, arg_mut, arg_ref, arg_str};
 use super::optim::{fo_optimizer, opt_mut, opt_ref, write_string};
 use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
@@ -28,8 +28,9 @@ pub struct fo_pack_options {
 
 impl fo_pack_options {
     unsafe fn to_options(self) -> Result<SaveOptions> {
-        let count =
-            |v: i32, what: &str| usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")));
+        let count = |v: i32, what: &str| {
+            usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
+        };
         let mode = match self.mode {
             0 => Mode::Compressed,
             1 => Mode::Portable,
@@ -58,7 +59,12 @@ impl fo_pack_options {
         };
         o.write_unsharded = match self.write_unsharded {
             -1 => None,
-            w => Some(w != 0),
+            w => Some(arg_flag(w, "options.write_unsharded").map_err(|_| {
+                Error::invalid(
+                    "options.write_unsharded",
+                    format!("{w} is not -1 (rank 0), 0 or 1"),
+                )
+            })?),
         };
         if !self.save_id.is_null() {
             o.save_id = arg_str(self.save_id, "options.save_id")?.to_string();
@@ -114,21 +120,29 @@ pub unsafe extern "C" fn fo_state_pack(
     guard(|| {
         let out = arg_mut(out, "out")?;
         let packed = ckpt::pack(opt_ref(opt)?, &arg_ref(options, "options")?.to_options()?)?;
-        let cstr = |s: &str| CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")));
+        let cstr = |s: &str| {
+            CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")))
+        };
         let names = packed
             .plan
             .chunks
             .iter()
             .map(|c| Ok((cstr(&c.name)?, cstr(&c.key)?)))
             .collect::<Result<_>>()?;
-        *out = Box::into_raw(Box::new(fo_packed { inner: packed, names }));
+        *out = Box::into_raw(Box::new(fo_packed {
+            inner: packed,
+            names,
+        }));
         Ok(())
     })
 }
 
 /// The number of chunks in a packed state.
 #[no_mangle]
-pub unsafe extern "C" fn fo_packed_num_entries(packed: *const fo_packed, out: *mut usize) -> fo_status {
+pub unsafe extern "C" fn fo_packed_num_entries(
+    packed: *const fo_packed,
+    out: *mut usize,
+) -> fo_status {
     guard(|| {
         *arg_mut(out, "out")? = arg_ref(packed, "packed")?.inner.plan.chunks.len();
         Ok(())
@@ -151,9 +165,12 @@ pub unsafe extern "C" fn fo_packed_get_entry(
 impl fo_packed {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
         let chunks = &self.inner.plan.chunks;
-        let c = chunks
-            .get(index)
-            .ok_or_else(|| Error::invalid("index", format!("{index} is out of range ({} entries)", chunks.len())))?;
+        let c = chunks.get(index).ok_or_else(|| {
+            Error::invalid(
+                "index",
+                format!("{index} is out of range ({} entries)", chunks.len()),
+            )
+        })?;
         let data = self.inner.chunk_data(index);
         Ok(fo_packed_entry {
             name: self.names[index].0.as_ptr(),
@@ -191,7 +208,12 @@ pub unsafe extern "C" fn fo_packed_metadata_json(
 /// Writes a packed state as this rank's file in `dir` (atomic: temp file, fsync, rename).
 #[no_mangle]
 pub unsafe extern "C" fn fo_packed_save(packed: *const fo_packed, dir: *const c_char) -> fo_status {
-    guard(|| ckpt::save_rank(Path::new(arg_str(dir, "dir")?), &arg_ref(packed, "packed")?.inner))
+    guard(|| {
+        ckpt::save_rank(
+            Path::new(arg_str(dir, "dir")?),
+            &arg_ref(packed, "packed")?.inner,
+        )
+    })
 }
 
 /// Frees a packed state (NULL is a no-op).
@@ -223,7 +245,8 @@ pub unsafe extern "C" fn fo_state_save(
 
 /// How to load. `strict` (default 1): missing or unexpected keys are an error; 0: they
 /// are skipped and reported. `params`: 1 also loads params saved under their FQN.
-/// `param_groups` (default 1): restores each group's saved hyper-parameters.
+/// `param_groups` (default 1): restores each group's saved hyper-parameters. Each field
+/// is 0 or 1; other values are FO_ERR_INVALID_ARGUMENT.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_load_options {
@@ -258,11 +281,14 @@ pub unsafe extern "C" fn fo_state_load(
     report: *mut fo_load_report,
 ) -> fo_status {
     guard(|| {
-        let o = options.as_ref().map_or_else(LoadOptions::default, |o| LoadOptions {
-            strict: o.strict != 0,
-            params: o.params != 0,
-            param_groups: o.param_groups != 0,
-        });
+        let o = match options.as_ref() {
+            None => LoadOptions::default(),
+            Some(o) => LoadOptions {
+                strict: arg_flag(o.strict, "options.strict")?,
+                params: arg_flag(o.params, "options.params")?,
+                param_groups: arg_flag(o.param_groups, "options.param_groups")?,
+            },
+        };
         let r = ckpt::load(opt_mut(opt)?, Path::new(arg_str(dir, "dir")?), &o)?;
         if let Some(out) = report.as_mut() {
             (out.loaded, out.missing, out.unexpected, out.requantized) = (
@@ -284,7 +310,10 @@ pub unsafe extern "C" fn fo_state_load(
 /// Writes every key's full tensor into `out_dir/model-00001-of-00001.safetensors` plus
 /// `model.safetensors.index.json` (integer and 0-dim tensors kept exactly).
 #[no_mangle]
-pub unsafe extern "C" fn fo_checkpoint_consolidate(dir: *const c_char, out_dir: *const c_char) -> fo_status {
+pub unsafe extern "C" fn fo_checkpoint_consolidate(
+    dir: *const c_char,
+    out_dir: *const c_char,
+) -> fo_status {
     guard(|| {
         ckpt::consolidate(
             Path::new(arg_str(dir, "dir")?),

@@ -2,12 +2,13 @@
 //! `fo_clip_grad_norm`. Argument conversion failures are handed to the core's `_checked`
 //! entry points, so a bad argument on one rank becomes every rank's error, not a hang.
 use std::ffi::c_void;
-use std::time::Duration;
 
-use super::args::{arg_count, arg_mut, arg_ref, arg_slice, arg_str};
+use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
-use crate::broadcast::{broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy};
+use crate::broadcast::{
+    broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy,
+};
 use crate::clip::clip_grad_norm_checked;
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
@@ -36,8 +37,12 @@ pub const FO_REDUCE_MAX: i32 = 1;
 #[derive(Clone, Copy)]
 pub struct fo_comm_callbacks {
     pub user: *mut c_void,
-    pub broadcast: Option<unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32>,
-    pub all_reduce_f64: Option<unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32>,
+    pub broadcast: Option<
+        unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32,
+    >,
+    pub all_reduce_f64: Option<
+        unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32,
+    >,
     pub barrier: Option<unsafe extern "C" fn(user: *mut c_void) -> i32>,
     pub scatter: Option<
         unsafe extern "C" fn(
@@ -71,7 +76,7 @@ pub struct fo_broadcast_dest {
 }
 
 /// `strategy`: 0 scatter (each rank receives only its shard), 1 full broadcast (every
-/// rank receives every full tensor; for comparison). `allow_int_float_cast`: non-zero
+/// rank receives every full tensor; for comparison). `allow_int_float_cast`: 1
 /// allows conversions involving integer or bool dtypes.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -92,8 +97,8 @@ pub struct fo_broadcast_stats {
     pub tensors: u64,
 }
 
-/// One gradient for `fo_clip_grad_norm`: `is_shard` non-zero when it is this rank's
-/// shard of a sharded gradient (summed across ranks), zero when replicated or plain
+/// One gradient for `fo_clip_grad_norm`: `is_shard` 1 when it is this rank's
+/// shard of a sharded gradient (summed across ranks), 0 when replicated or plain
 /// (identical on every rank: counted once).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -132,37 +137,56 @@ impl fo_broadcast_options {
         let strategy = match self.strategy {
             0 => Strategy::Scatter,
             1 => Strategy::FullBroadcast,
-            s => return Err(Error::invalid("opts.strategy", format!("{s} is not 0 (scatter) or 1 (full broadcast)"))),
+            s => {
+                return Err(Error::invalid(
+                    "opts.strategy",
+                    format!("{s} is not 0 (scatter) or 1 (full broadcast)"),
+                ))
+            }
         };
-        Ok(BroadcastOptions { allow_int_float_cast: self.allow_int_float_cast != 0, strategy })
+        Ok(BroadcastOptions {
+            allow_int_float_cast: arg_flag(self.allow_int_float_cast, "opts.allow_int_float_cast")?,
+            strategy,
+        })
     }
 }
 
-unsafe fn sources(p: *const fo_broadcast_source, n: i64) -> Result<Option<Vec<(String, HostTensor)>>> {
+unsafe fn sources(
+    p: *const fo_broadcast_source,
+    n: i64,
+) -> Result<Option<Vec<(String, HostTensor)>>> {
     if p.is_null() && n == 0 {
         return Ok(None);
     }
     let s = arg_slice(p, arg_count(n, "n_full")?, "full")?;
     let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, HostTensor)> {
-        Ok((arg_str(e.key, &format!("full[{i}].key"))?.to_string(), e.tensor.to_host(&format!("full[{i}].tensor"))?))
+        Ok((
+            arg_str(e.key, &format!("full[{i}].key"))?.to_string(),
+            e.tensor.to_host(&format!("full[{i}].tensor"))?,
+        ))
     };
-    s.iter().enumerate().map(one).collect::<Result<Vec<_>>>().map(Some)
+    s.iter()
+        .enumerate()
+        .map(one)
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 unsafe fn dest_list(p: *const fo_broadcast_dest, n: i64) -> Result<Vec<BroadcastDest>> {
     let s = arg_slice(p, arg_count(n, "n_dests")?, "dests")?;
-    let one = |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
-        Ok(BroadcastDest {
-            key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
-            tensor: e.tensor.to_host(&format!("dests[{i}].tensor"))?,
-            spec: match e.spec.as_ref() {
-                None => None,
-                Some(s) => {
-                    Some(s.to_spec().map_err(|err| Error::invalid(format!("dests[{i}].spec"), err.to_string()))?)
-                }
-            },
-        })
-    };
+    let one =
+        |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
+            Ok(BroadcastDest {
+                key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
+                tensor: e.tensor.to_host(&format!("dests[{i}].tensor"))?,
+                spec: match e.spec.as_ref() {
+                    None => None,
+                    Some(s) => Some(s.to_spec().map_err(|err| {
+                        Error::invalid(format!("dests[{i}].spec"), err.to_string())
+                    })?),
+                },
+            })
+        };
     s.iter().enumerate().map(one).collect()
 }
 
@@ -178,16 +202,20 @@ pub unsafe extern "C" fn fo_comm_create_callbacks(
     guard(|| {
         let cb = arg_ref(callbacks, "callbacks")?.to_callbacks()?;
         let out = arg_mut(out, "out")?;
-        let comm =
-            Comm::from_callbacks(arg_count(rank as i64, "rank")?, arg_count(world_size as i64, "world_size")?, cb)?;
+        let comm = Comm::from_callbacks(
+            arg_count(rank as i64, "rank")?,
+            arg_count(world_size as i64, "world_size")?,
+            cb,
+        )?;
         *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
         Ok(())
     })
 }
 
 /// An in-process group: writes `world_size` handles to `out[0..world_size]` (index =
-/// rank), each to be used by its own thread. A collective waiting longer than
-/// `timeout_s` seconds (<= 0: 600) fails every rank; so does destroying a handle.
+/// rank), each to be used by its own thread. `world_size` is 1..=1024
+/// (`FO_MAX_LOCAL_WORLD`). A collective waiting longer than `timeout_s` seconds (finite,
+/// > 0, at most one week: 604800) fails every rank; so does destroying a handle.
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_create_local_group(
     world_size: i32,
@@ -196,16 +224,10 @@ pub unsafe extern "C" fn fo_comm_create_local_group(
 ) -> fo_status {
     guard(|| {
         let n = arg_count(world_size as i64, "world_size")?;
-        if n == 0 {
-            return Err(Error::invalid("world_size", "must be >= 1, got 0"));
-        }
+        let opts = LocalGroupOptions::with_timeout_s(timeout_s)?;
+        let comms = Comm::try_local_group(n, opts)?;
         let out = super::args::arg_slice_mut(out, n, "out")?;
-        let timeout = if timeout_s > 0.0 {
-            Duration::from_secs_f64(timeout_s.min(1e9))
-        } else {
-            LocalGroupOptions::default().timeout
-        };
-        for (o, c) in out.iter_mut().zip(Comm::local_group_with(n, LocalGroupOptions { timeout })) {
+        for (o, c) in out.iter_mut().zip(comms) {
             *o = Box::into_raw(Box::new(fo_comm { inner: c }));
         }
         Ok(())
@@ -225,7 +247,10 @@ pub unsafe extern "C" fn fo_comm_create_nccl(
 ) -> fo_status {
     guard(|| {
         let out = arg_mut(out, "out")?;
-        let (r, w) = (arg_count(rank as i64, "rank")?, arg_count(world_size as i64, "world_size")?);
+        let (r, w) = (
+            arg_count(rank as i64, "rank")?,
+            arg_count(world_size as i64, "world_size")?,
+        );
         let comm = Comm::from_nccl(nccl_comm, cuda_stream, r, w)?;
         *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
         Ok(())
@@ -245,7 +270,11 @@ pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
 
 /// This rank's index and the group's size.
 #[no_mangle]
-pub unsafe extern "C" fn fo_comm_info(comm: *const fo_comm, rank: *mut i32, world_size: *mut i32) -> fo_status {
+pub unsafe extern "C" fn fo_comm_info(
+    comm: *const fo_comm,
+    rank: *mut i32,
+    world_size: *mut i32,
+) -> fo_status {
     guard(|| {
         let c = &arg_ref(comm, "comm")?.inner;
         *arg_mut(rank, "rank")? = c.rank() as i32;
@@ -275,8 +304,12 @@ pub unsafe extern "C" fn fo_broadcast_state_dict(
 ) -> fo_status {
     guard(|| {
         let comm = &arg_ref(comm, "comm")?.inner;
-        let local =
-            opts.as_ref().copied().unwrap_or_default().to_options().and_then(|o| Ok((o, dest_list(dests, n_dests)?)));
+        let local = opts
+            .as_ref()
+            .copied()
+            .unwrap_or_default()
+            .to_options()
+            .and_then(|o| Ok((o, dest_list(dests, n_dests)?)));
         let (opts, dests) = match local {
             Ok((o, d)) => (o, Ok(d)),
             Err(e) => (BroadcastOptions::default(), Err(e)),
@@ -307,16 +340,25 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
 ) -> fo_status {
     guard(|| {
         let comm = &arg_ref(comm, "comm")?.inner;
+        // Every local check feeds the collective's agreement, so a bad argument on one
+        // rank fails every rank instead of leaving the others waiting.
         let local = arg_mut(total_norm, "total_norm").and_then(|out| {
+            arg_flag(error_if_nonfinite, "error_if_nonfinite")?;
             let g = arg_slice(grads, arg_count(n_grads, "n_grads")?, "grads")?;
-            let g = g.iter().enumerate().map(|(i, g)| Ok((g.tensor.to_host(&format!("grads[{i}]"))?, g.is_shard != 0)));
+            let g = g.iter().enumerate().map(|(i, g)| {
+                Ok((
+                    g.tensor.to_host(&format!("grads[{i}]"))?,
+                    arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
+                ))
+            });
             Ok((out, g.collect::<Result<Vec<_>>>()?))
         });
         let (out, grads) = match local {
             Ok((o, g)) => (Some(o), Ok(g)),
             Err(e) => (None, Err(e)),
         };
-        let total = clip_grad_norm_checked(comm, grads, max_norm, norm_type, error_if_nonfinite != 0)?;
+        let total =
+            clip_grad_norm_checked(comm, grads, max_norm, norm_type, error_if_nonfinite == 1)?;
         if let Some(o) = out {
             *o = total;
         }

@@ -18,7 +18,8 @@ pub unsafe extern "C" fn fo_wrap_uneven(
     out: *mut fo_shard_info,
 ) -> fo_status {
     guard(|| {
-        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec =
+            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         *arg_mut(out, "out")? = spec.info().into();
         Ok(())
     })
@@ -41,24 +42,27 @@ pub unsafe extern "C" fn fo_shard_indices(
     out_len: *mut i64,
 ) -> fo_status {
     guard(|| {
-        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec =
+            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         let out_len = arg_mut(out_len, "out_len")?;
         let d = arg_count(dim as i64, "dim")?;
         if d >= spec.global_shape().len() {
-            return Err(Error::invalid("dim", format!("{dim} is outside a tensor with {ndim} dims")));
-        }
-        let capacity = arg_count(capacity, "capacity")?;
-        let idx = spec.indices(d);
-        *out_len = idx.len() as i64;
-        if idx.len() > capacity {
             return Err(Error::invalid(
-                "capacity",
-                format!("{capacity} is too small for the {} indices held along dim {d}", idx.len()),
+                "dim",
+                format!("{dim} is outside a tensor with {ndim} dims"),
             ));
         }
-        for (o, i) in arg_slice_mut(out, idx.len(), "out")?.iter_mut().zip(idx) {
-            *o = i as i64;
+        let capacity = arg_count(capacity, "capacity")?;
+        let runs = spec.runs(d);
+        let n = runs.len();
+        *out_len = n as i64;
+        if n > capacity {
+            return Err(Error::invalid(
+                "capacity",
+                format!("{capacity} is too small for the {n} indices held along dim {d}"),
+            ));
         }
+        runs.write_into(arg_slice_mut(out, n, "out")?);
         Ok(())
     })
 }
@@ -90,9 +94,26 @@ pub unsafe extern "C" fn fo_grouped_placements(
         let n = super::args::arg_ndim(mesh_ndim, "mesh_ndim", true)?;
         let src: Vec<fo_placement> = super::args::arg_slice(placements, n, "placements")?.to_vec();
         let dst = arg_slice_mut(out, n, "out")?;
-        for (i, (o, p)) in dst.iter_mut().zip(src).enumerate() {
-            *o = fo_placement::from_placement(p.to_placement(&format!("placements[{i}]"))?.shifted_for_grouped());
-        }
+        // Checked before anything is written: `out` may alias `placements`. The stacked
+        // tensor has one more dim than the weight, so a shifted dim must stay below 8.
+        let shifted = src
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let q = p.to_placement(&format!("placements[{i}]"))?;
+                match q.shard_dim() {
+                    Some(d) if d + 1 >= crate::tensor::MAX_DIMS => Err(Error::invalid(
+                        format!("placements[{i}].dim"),
+                        format!(
+                            "{d}: the stacked tensor's dim {} would exceed FO_MAX_DIMS",
+                            d + 1
+                        ),
+                    )),
+                    _ => Ok(fo_placement::from_placement(q.shifted_for_grouped())),
+                }
+            })
+            .collect::<crate::error::Result<Vec<_>>>()?;
+        dst.copy_from_slice(&shifted);
         Ok(())
     })
 }

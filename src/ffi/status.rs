@@ -32,6 +32,12 @@ pub const FO_ERR_INTERNAL: fo_status = 10;
 /// Most tensor or mesh dims fo accepts.
 pub const FO_MAX_DIMS: usize = 8;
 
+/// Most threads `fo_set_num_threads` accepts.
+pub const FO_MAX_THREADS: i32 = 1024;
+
+/// Most ranks of an in-process group (`fo_comm_create_local_group`).
+pub const FO_MAX_LOCAL_WORLD: i32 = 1024;
+
 /// The ABI version this header describes; compare with `fo_abi_version()` at load time.
 pub const FO_ABI_VERSION: u32 = 1;
 
@@ -81,7 +87,9 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> fo_status {
             code
         }
         Err(payload) => {
-            set_last_error(Error::Internal(format!("panic: {}", panic_text(payload.as_ref()))).to_string());
+            set_last_error(
+                Error::Internal(format!("panic: {}", panic_text(payload.as_ref()))).to_string(),
+            );
             FO_ERR_INTERNAL
         }
     }
@@ -141,7 +149,9 @@ mod tests {
     use std::ffi::CStr;
 
     fn last() -> String {
-        unsafe { CStr::from_ptr(fo_last_error_message()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(fo_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     #[test]
@@ -164,6 +174,8 @@ mod tests {
         codes.dedup();
         assert_eq!(codes.len(), all.len());
         assert_eq!(FO_MAX_DIMS, crate::tensor::MAX_DIMS);
+        assert_eq!(FO_MAX_THREADS as usize, crate::optim::threads::MAX_THREADS);
+        assert_eq!(FO_MAX_LOCAL_WORLD as usize, crate::comm::MAX_LOCAL_WORLD);
     }
 
     #[test]

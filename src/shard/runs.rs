@@ -62,10 +62,15 @@ impl Runs {
     pub fn strided_shard(&self, split_factor: usize, n: usize, r: usize) -> Runs {
         let len = self.len();
         let mut out = Vec::new();
-        for j in 0..split_factor {
+        // Pieces past the first `len` are empty (`chunk_range` gives them `len..len`), so
+        // the work is O(min(split_factor, len)) whatever the factor.
+        for j in 0..split_factor.min(len) {
             let piece = chunk_range(len, split_factor, j);
             let mine = chunk_range(piece.len(), n, r);
-            for run in self.slice(piece.start + mine.start..piece.start + mine.end).0 {
+            for run in self
+                .slice(piece.start + mine.start..piece.start + mine.end)
+                .0
+            {
                 push_merged(&mut out, run);
             }
         }
@@ -74,6 +79,14 @@ impl Runs {
 
     pub fn first(&self) -> Option<usize> {
         self.0.first().map(|r| r.start)
+    }
+
+    /// The runs' indices, ascending, into `out` (which must hold `len()` entries); unlike
+    /// `to_vec` this allocates nothing, so a caller's buffer bounds the work.
+    pub fn write_into(&self, out: &mut [i64]) {
+        for (o, i) in out.iter_mut().zip(self.0.iter().flat_map(|r| r.clone())) {
+            *o = i as i64;
+        }
     }
 
     pub fn to_vec(&self) -> Vec<usize> {
@@ -122,5 +135,15 @@ mod tests {
         let r = Runs::full(10).strided_shard(2, 2, 1);
         assert_eq!(r.to_vec(), vec![3, 4, 8, 9]);
         assert_eq!(r.0.len(), 2);
+    }
+
+    #[test]
+    fn a_split_factor_far_beyond_the_length_costs_only_the_length() {
+        // 3 rows, split factor i32::MAX: pieces 0..3 hold one row each, the rest are empty.
+        let r = Runs::full(3).strided_shard(i32::MAX as usize, 2, 0);
+        assert_eq!(r.to_vec(), vec![0, 1, 2]);
+        assert!(Runs::full(3)
+            .strided_shard(i32::MAX as usize, 2, 1)
+            .is_empty());
     }
 }
