@@ -58,7 +58,8 @@ def _options(rank, world_size, mode, params, write_unsharded, save_id):
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if params not in PARAMS:
         raise ValueError(f"params must be None, 'stored' or 'master', got {params!r}")
-    w = -1 if write_unsharded is None else int(bool(write_unsharded))
+    # Passed through as given: the library accepts only -1 (None), 0 and 1, so write_unsharded=5 is an error.
+    w = -1 if write_unsharded is None else int(write_unsharded)
     return PackOptions(rank, world_size, MODES[mode], PARAMS[params], w, None if save_id is None else save_id.encode())
 
 

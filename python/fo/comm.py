@@ -50,6 +50,7 @@ class _Grad(ctypes.Structure):
 
 _pp = ctypes.POINTER(ctypes.c_void_p)
 _create_cb = declare("fo_comm_create_callbacks", [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_Callbacks), _pp])
+MAX_LOCAL_WORLD = 1024  # FO_MAX_LOCAL_WORLD in fo.h
 _create_local = declare("fo_comm_create_local_group", [ctypes.c_int32, ctypes.c_double, _pp])
 _create_nccl = declare("fo_comm_create_nccl", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, _pp])
 _destroy = declare("fo_comm_destroy", [ctypes.c_void_p], None)
@@ -82,7 +83,9 @@ class Comm:
     @classmethod
     def local_group(cls, world_size, timeout=600.0):
         """`world_size` handles talking through shared memory; use each from its own thread."""
-        out = (ctypes.c_void_p * world_size)()
+        # Room for the handles only within the library's bound: it refuses other sizes
+        # before writing, so a huge world_size is an FoError, not a huge allocation here.
+        out = (ctypes.c_void_p * world_size)() if 1 <= world_size <= MAX_LOCAL_WORLD else None
         check(_create_local(world_size, timeout, out))
         return [cls(h) for h in out]
 

@@ -89,11 +89,19 @@ class ShardSpec:
                          tuple(out.global_shape[:n]), tuple(out.global_stride[:n]), bool(out.is_box))
 
     def indices(self, dim):
-        n = ctypes.c_int64(0)
-        # Ask for the count first: a too-small buffer still reports it.
-        cap = self.global_shape[dim] if 0 <= dim < len(self.global_shape) else 0
-        buf = (ctypes.c_int64 * max(cap, 1))()
-        check(_shard_indices(*self._args(), dim, ctypes.cast(buf, i64p), cap, ctypes.byref(n)))
+        # Ask for the count first (a too-small buffer still reports it; -1 stays when the
+        # arguments themselves are bad), then allocate exactly that: a count no list can
+        # hold raises the library's own FoError, not a MemoryError.
+        n = ctypes.c_int64(-1)
+        status = _shard_indices(*self._args(), dim, None, 0, ctypes.byref(n))
+        if n.value <= 0:
+            check(status)
+            return []
+        try:
+            buf = (ctypes.c_int64 * n.value)()
+        except (MemoryError, OverflowError):
+            check(status)
+        check(_shard_indices(*self._args(), dim, ctypes.cast(buf, i64p), n.value, ctypes.byref(n)))
         return list(buf[:n.value])
 
 
