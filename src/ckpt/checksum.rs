@@ -26,8 +26,7 @@ pub fn xxh64(data: &[u8]) -> u64 {
     let len = data.len();
     let mut i = 0;
     let mut h = if len >= 32 {
-        let (mut v1, mut v2, mut v3, mut v4) =
-            (P1.wrapping_add(P2), P2, 0u64, 0u64.wrapping_sub(P1));
+        let (mut v1, mut v2, mut v3, mut v4) = (P1.wrapping_add(P2), P2, 0u64, 0u64.wrapping_sub(P1));
         for stripe in data[..len - len % 32].chunks_exact(32) {
             v1 = round(v1, u64_at(stripe, 0));
             v2 = round(v2, u64_at(stripe, 8));
@@ -61,9 +60,7 @@ pub fn xxh64(data: &[u8]) -> u64 {
         i += 4;
     }
     for &b in &data[i..] {
-        h = (h ^ (b as u64).wrapping_mul(P5))
-            .rotate_left(11)
-            .wrapping_mul(P1);
+        h = (h ^ (b as u64).wrapping_mul(P5)).rotate_left(11).wrapping_mul(P1);
     }
     h ^= h >> 33;
     h = h.wrapping_mul(P2);
@@ -83,9 +80,7 @@ pub fn num_blocks(nbytes: usize) -> usize {
 
 /// The block checksums of `data`, as 16 lowercase hex digits each, concatenated.
 pub fn block_hex(data: &[u8]) -> String {
-    data.chunks(BLOCK_BYTES)
-        .map(|b| format!("{:016x}", xxh64(b)))
-        .collect()
+    data.chunks(BLOCK_BYTES).map(|b| format!("{:016x}", xxh64(b))).collect()
 }
 
 #[cfg(test)]
@@ -97,10 +92,7 @@ mod tests {
         assert_eq!(xxh64(b""), 0xEF46DB3751D8E999);
         assert_eq!(xxh64(b"a"), 0xD24EC4F1A98C6E5B);
         assert_eq!(xxh64(b"abc"), 0x44BC2CF5AD770999);
-        assert_eq!(
-            xxh64(b"Nobody inspects the spammish repetition"),
-            0xFBCEA83C8A378BF1
-        );
+        assert_eq!(xxh64(b"Nobody inspects the spammish repetition"), 0xFBCEA83C8A378BF1);
     }
 
     #[test]

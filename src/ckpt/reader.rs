@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 
 use super::checksum::xxh64;
 use super::format::{
-    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta,
-    FORMAT_VERSION,
+    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta, FORMAT_VERSION,
 };
 use super::reshard::{overlap_runs, BoxIn, Run};
 use crate::dtype::DType;
@@ -64,10 +63,9 @@ impl Checkpoint {
     /// formed, offsets inside each key's global shape, dtypes consistent, one save.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::NotFound(format!(
-                "checkpoint directory {} does not exist",
-                dir.display()
-            )),
+            std::io::ErrorKind::NotFound => {
+                Error::NotFound(format!("checkpoint directory {} does not exist", dir.display()))
+            }
             _ => Error::io(dir, e),
         })?;
         let mut ranks = Vec::new();
@@ -140,8 +138,7 @@ impl Checkpoint {
         let h = read_header(path, file)?;
         let fo: Option<FoMeta> = match h.metadata.get("fo") {
             Some(s) => Some(
-                serde_json::from_str(s)
-                    .map_err(|e| Error::corrupt(path, format!("fo metadata is not valid: {e}")))?,
+                serde_json::from_str(s).map_err(|e| Error::corrupt(path, format!("fo metadata is not valid: {e}")))?,
             ),
             None => None,
         };
@@ -158,8 +155,7 @@ impl Checkpoint {
             Some(s) => parse_sharding_info(path, s)?,
             None => BTreeMap::new(),
         };
-        self.block_bytes
-            .push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes));
+        self.block_bytes.push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes));
         for t in h.tensors {
             let fot = fo.as_ref().and_then(|m| m.tensors.get(&t.name));
             let (key, offset, gshape, sums) = match fot {
@@ -179,10 +175,7 @@ impl Checkpoint {
                     let off = dcp.get(&t.name).cloned().ok_or_else(|| {
                         Error::corrupt(
                             path,
-                            format!(
-                                "tensor {:?} has no saved_offsets in DCP_SHARDING_INFO",
-                                t.name
-                            ),
+                            format!("tensor {:?} has no saved_offsets in DCP_SHARDING_INFO", t.name),
                         )
                     })?;
                     (t.name.clone(), off, None, None)
@@ -240,9 +233,7 @@ impl Checkpoint {
     fn finish_keys(&mut self) -> Result<()> {
         for info in self.keys.values() {
             for c in &info.chunks {
-                if (0..c.shape.len())
-                    .any(|d| c.global_offset[d] + c.shape[d] > info.global_shape[d])
-                {
+                if (0..c.shape.len()).any(|d| c.global_offset[d] + c.shape[d] > info.global_shape[d]) {
                     return Err(Error::corrupt(
                         &self.files[c.file],
                         format!(
@@ -261,12 +252,9 @@ impl Checkpoint {
     }
 
     pub fn key(&self, key: &str) -> Result<&KeyInfo> {
-        self.keys.get(key).ok_or_else(|| {
-            Error::NotFound(format!(
-                "key {key} is not in checkpoint {}",
-                self.dir.display()
-            ))
-        })
+        self.keys
+            .get(key)
+            .ok_or_else(|| Error::NotFound(format!("key {key} is not in checkpoint {}", self.dir.display())))
     }
 
     /// The local shard `dest` describes of `key`, in the saved dtype.
@@ -291,12 +279,7 @@ impl Checkpoint {
 
     /// Fills a local tensor of `local_shape` whose boxes are `dest` (local and global
     /// offsets) from every saved chunk they overlap; errors if any element is in no chunk.
-    pub fn read_chunks(
-        &self,
-        info: &KeyInfo,
-        local_shape: &[usize],
-        dest: &[Chunk],
-    ) -> Result<Tensor> {
+    pub fn read_chunks(&self, info: &KeyInfo, local_shape: &[usize], dest: &[Chunk]) -> Result<Tensor> {
         let mut out = Tensor::zeros(info.dtype, local_shape.to_vec());
         let es = info.dtype.size();
         let mut covered = 0usize;
@@ -329,14 +312,7 @@ impl Checkpoint {
 
     /// Copies `runs` (elements) of saved chunk `c` into `out`, reading only the checksum
     /// blocks they touch and verifying each one.
-    fn read_runs(
-        &self,
-        info: &KeyInfo,
-        c: &SavedChunk,
-        runs: &[Run],
-        es: usize,
-        out: &mut [u8],
-    ) -> Result<()> {
+    fn read_runs(&self, info: &KeyInfo, c: &SavedChunk, runs: &[Run], es: usize, out: &mut [u8]) -> Result<()> {
         let path = &self.files[c.file];
         let file = &self.handles[c.file];
         let io = |e| Error::io(path, e);
@@ -346,8 +322,7 @@ impl Checkpoint {
                 // No checksums (torch's files): read exactly the runs, nothing more.
                 for r in runs {
                     let at = c.data_start + (r.src * es) as u64;
-                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at)
-                        .map_err(io)?;
+                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at).map_err(io)?;
                 }
                 return Ok(());
             }
@@ -374,10 +349,7 @@ impl Checkpoint {
             while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
                 j += 1;
             }
-            let (a, b) = (
-                blocks[i] * block,
-                ((blocks[j - 1] + 1) * block).min(c.nbytes),
-            );
+            let (a, b) = (blocks[i] * block, ((blocks[j - 1] + 1) * block).min(c.nbytes));
             let at = buf.len();
             buf.resize(at + (b - a), 0);
             file.read_exact_at(&mut buf[at..], c.data_start + a as u64)
@@ -405,9 +377,7 @@ impl Checkpoint {
     }
 
     fn verify(&self, info: &KeyInfo, c: &SavedChunk, block: usize, bytes: &[u8]) -> Result<()> {
-        let Some(sums) = &c.checksums else {
-            return Ok(());
-        };
+        let Some(sums) = &c.checksums else { return Ok(()) };
         let want = sums.get(block * 16..block * 16 + 16);
         let got = format!("{:016x}", xxh64(bytes));
         if want != Some(got.as_str()) {

@@ -20,8 +20,7 @@ pub struct Verified {
 
 fn overlaps(a: &SavedChunk, b: &SavedChunk) -> bool {
     (0..a.shape.len()).all(|d| {
-        a.global_offset[d] < b.global_offset[d] + b.shape[d]
-            && b.global_offset[d] < a.global_offset[d] + a.shape[d]
+        a.global_offset[d] < b.global_offset[d] + b.shape[d] && b.global_offset[d] < a.global_offset[d] + a.shape[d]
     })
 }
 
@@ -33,16 +32,8 @@ pub fn verify(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Verified
         keys: ck.keys.len(),
         ..Default::default()
     };
-    let total: u64 = ck
-        .keys
-        .values()
-        .flat_map(|k| &k.chunks)
-        .map(|c| c.nbytes as u64)
-        .sum();
-    let block = ck
-        .meta
-        .as_ref()
-        .map_or(1 << 22, |m| m.checksum_block_bytes.max(1));
+    let total: u64 = ck.keys.values().flat_map(|k| &k.chunks).map(|c| c.nbytes as u64).sum();
+    let block = ck.meta.as_ref().map_or(1 << 22, |m| m.checksum_block_bytes.max(1));
     let mut buf = vec![0u8; block];
     for info in ck.keys.values() {
         let numel: usize = info.global_shape.iter().product();
@@ -84,10 +75,7 @@ pub fn verify(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Verified
                     if sums.get(k * 16..k * 16 + 16) != Some(got.as_str()) {
                         return Err(Error::corrupt(
                             path,
-                            format!(
-                                "key {} (tensor {:?}): checksum mismatch in block {k}",
-                                info.key, c.name
-                            ),
+                            format!("key {} (tensor {:?}): checksum mismatch in block {k}", info.key, c.name),
                         ));
                     }
                 }

@@ -18,8 +18,7 @@ use std::path::{Path, PathBuf};
 
 use super::checksum::{block_hex, num_blocks, BLOCK_BYTES};
 use super::format::{
-    encode_header, parse_shard_file_name, shard_file_name, sharding_info, FoMeta, FoTensor,
-    TensorEntry, FORMAT_VERSION,
+    encode_header, parse_shard_file_name, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, FORMAT_VERSION,
 };
 use super::pack::{chunk_bytes, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
@@ -189,10 +188,7 @@ pub fn commit(dir: &Path, staged: Vec<Staged>, world_size: Option<usize>) -> Res
     if let Some(world) = world_size {
         for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
             let p = e.map_err(|e| Error::io(dir, e))?.path();
-            let rank = p
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(parse_shard_file_name);
+            let rank = p.file_name().and_then(|n| n.to_str()).and_then(parse_shard_file_name);
             if rank.is_some_and(|r| r >= world) {
                 std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
             }
@@ -207,13 +203,7 @@ pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
     let staged: Vec<Result<Staged>> = std::thread::scope(|s| {
         let handles: Vec<_> = packs
             .iter()
-            .map(|p| {
-                s.spawn(move || {
-                    stage_rank_file(dir, &p.plan, &p.opts, &mut |e| {
-                        Ok(Cow::Borrowed(&p.entries[e]))
-                    })
-                })
-            })
+            .map(|p| s.spawn(move || stage_rank_file(dir, &p.plan, &p.opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e])))))
             .collect();
         handles
             .into_iter()
@@ -233,11 +223,7 @@ pub fn save_rank(dir: &Path, pack: &Packed) -> Result<()> {
     let staged = stage_rank_file(dir, &pack.plan, &pack.opts, &mut |e| {
         Ok(Cow::Borrowed(&pack.entries[e]))
     })?;
-    commit(
-        dir,
-        vec![staged],
-        (pack.opts.rank == 0).then_some(pack.opts.world_size),
-    )
+    commit(dir, vec![staged], (pack.opts.rank == 0).then_some(pack.opts.world_size))
 }
 
 /// Saves one rank's state without holding it all: `fetch(i)` produces entry `i`'s local
@@ -250,20 +236,12 @@ pub fn save_streaming(
 ) -> Result<()> {
     let plan = super::pack::plan(metas, opts)?;
     let staged = stage_rank_file(dir, &plan, opts, &mut |e| fetch(e).map(Cow::Owned))?;
-    commit(
-        dir,
-        vec![staged],
-        (opts.rank == 0).then_some(opts.world_size),
-    )
+    commit(dir, vec![staged], (opts.rank == 0).then_some(opts.world_size))
 }
 
 /// Writes `path` atomically from a header and a stream of data: temp file, fsync,
 /// rename, fsync of the directory. `body` writes the data after the header.
-pub fn write_atomic(
-    path: &Path,
-    head: &[u8],
-    body: &mut dyn FnMut(&mut File) -> Result<()>,
-) -> Result<()> {
+pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) -> Result<()>) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
@@ -281,10 +259,5 @@ pub fn write_atomic(
 
 /// A fresh (truncated) temporary file, the first step of every atomic write.
 fn create_truncated(path: &Path) -> Result<File> {
-    OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))
+    OpenOptions::new().write(true).create(true).truncate(true).open(path).map_err(|e| Error::io(path, e))
 }
