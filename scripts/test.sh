@@ -41,6 +41,25 @@ step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
 .venv/bin/python -m pytest -q python/tests
 
+step "fuzz: 20 s per cargo-fuzz target (header, load) from the committed seed corpus"
+# Stable toolchain: RUSTC_BOOTSTRAP=1 lets it take cargo-fuzz's -Z flags. No sanitizer here
+# (a quick build; panics, aborts, hangs and OOM are still caught); scripts/fuzz.sh runs long
+# fuzzing with AddressSanitizer. New inputs go to a scratch dir, not fuzz/corpus/.
+command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+fuzz_scratch=$(mktemp -d)
+for t in header load; do
+  mkdir -p "$fuzz_scratch/$t"
+  if ! (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run --release -s none --target-dir target/quick "$t" \
+        "$fuzz_scratch/$t" "corpus/$t" -- -max_total_time=20 -timeout=10 -rss_limit_mb=2048 \
+        -print_final_stats=1) >"$fuzz_scratch/$t.log" 2>&1; then
+    tail -n 60 "$fuzz_scratch/$t.log"
+    echo "fuzz target $t found a crash: see fuzz/artifacts/$t/" >&2
+    exit 1
+  fi
+  grep -E "stat::number_of_executed_units|^Done" "$fuzz_scratch/$t.log" | sed "s/^/$t: /"
+done
+rm -rf "$fuzz_scratch"
+
 step "the README's main job: fo demo"
 cargo run --release --bin fo -- demo
 step "all tests passed"

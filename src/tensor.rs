@@ -11,6 +11,24 @@ pub fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
     })
 }
 
+/// An empty vector with room for `n` elements, where `n` comes from a caller or a file:
+/// an allocation that fails is an error naming `what` (Rust's out-of-memory abort cannot
+/// be caught at the C boundary).
+pub fn try_with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::invalid(what, format!("cannot allocate {n} elements of {} bytes", std::mem::size_of::<T>()))
+    })?;
+    Ok(v)
+}
+
+/// `n` zero bytes, allocated as `try_with_capacity` does.
+pub fn try_zeroed(n: usize, what: &str) -> Result<Vec<u8>> {
+    let mut v = try_with_capacity(n, what)?;
+    v.resize(n, 0);
+    Ok(v)
+}
+
 /// Row-major (contiguous) strides of `shape`, in elements. A size-0 dim counts as 1,
 /// as torch reports it.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
@@ -126,6 +144,14 @@ impl HostTensor {
             ushape.push(s as usize);
         }
         let numel = checked_numel(&ushape, &format!("{what}.shape"))?;
+        // Bytes as listed (not as stored: a stride-0 view lists more than it stores) must
+        // be addressable, so `nbytes()` and every copy of the view are well defined.
+        if numel.checked_mul(dtype.size()).is_none_or(|b| b > isize::MAX as usize) {
+            return Err(Error::invalid(
+                format!("{what}.shape"),
+                format!("{ushape:?} of {dtype} is more than 2^63-1 bytes"),
+            ));
+        }
         let ustrides = match strides {
             None => contiguous_strides(&ushape),
             Some(st) => {
@@ -235,17 +261,18 @@ impl HostTensor {
         Some(std::slice::from_raw_parts_mut(self.ptr, self.nbytes()))
     }
 
-    /// Byte offsets of every element, in row-major logical order.
-    fn element_offsets(&self) -> Vec<usize> {
+    /// Calls `f(i, offset)` with the byte offset of every element `i`, in row-major
+    /// logical order. A visitor, not a list: a list of offsets would cost 8 bytes per
+    /// element on top of the data.
+    fn for_each_offset(&self, mut f: impl FnMut(usize, usize)) {
         let n = self.numel();
-        let mut out = Vec::with_capacity(n);
         if n == 0 {
-            return out;
+            return;
         }
         let nd = self.shape.len();
         let mut idx = vec![0usize; nd];
-        for _ in 0..n {
-            out.push(idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>() * self.dtype.size());
+        for i in 0..n {
+            f(i, idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>() * self.dtype.size());
             for d in (0..nd).rev() {
                 idx[d] += 1;
                 if idx[d] < self.shape[d] {
@@ -254,7 +281,6 @@ impl HostTensor {
                 idx[d] = 0;
             }
         }
-        out
     }
 
     /// Copies the elements out, row-major, into an owned tensor.
@@ -267,13 +293,31 @@ impl HostTensor {
             None => {
                 let es = self.dtype.size();
                 let mut v = Vec::with_capacity(self.nbytes());
-                for off in self.element_offsets() {
-                    v.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es));
-                }
+                self.for_each_offset(|_, off| v.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es)));
                 v
             }
         };
         Tensor { dtype: self.dtype, shape: self.shape.clone(), data }
+    }
+
+    /// `to_tensor` for views whose size is the caller's word (any strides, so a stride-0
+    /// view may claim far more elements than its memory): a buffer that cannot be
+    /// allocated is an error naming `what`, not the process abort of a failed `Vec`.
+    ///
+    /// # Safety
+    /// The memory must be valid for reads.
+    pub unsafe fn try_to_tensor(&self, what: &str) -> Result<Tensor> {
+        let mut data = try_with_capacity::<u8>(self.nbytes(), what)?;
+        match self.contiguous_bytes() {
+            Some(b) => data.extend_from_slice(b),
+            None => {
+                let es = self.dtype.size();
+                self.for_each_offset(|_, off| {
+                    data.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es))
+                });
+            }
+        }
+        Ok(Tensor { dtype: self.dtype, shape: self.shape.clone(), data })
     }
 
     /// Writes row-major `bytes` (exactly `nbytes()` of them) into the viewed memory.
@@ -294,9 +338,9 @@ impl HostTensor {
             Some(dst) => dst.copy_from_slice(bytes),
             None => {
                 let es = self.dtype.size();
-                for (i, off) in self.element_offsets().into_iter().enumerate() {
-                    std::ptr::copy_nonoverlapping(bytes.as_ptr().add(i * es), self.ptr.add(off), es);
-                }
+                self.for_each_offset(|i, off| {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr().add(i * es), self.ptr.add(off), es)
+                });
             }
         }
         Ok(())
@@ -327,6 +371,20 @@ mod tests {
         let src: Vec<u8> = [10f32, 12., 14., 11., 13., 15.].iter().flat_map(|x| x.to_le_bytes()).collect();
         unsafe { v.write_bytes(&src).unwrap() };
         assert_eq!(buf, vec![10., 11., 12., 13., 14., 15.]);
+    }
+
+    #[test]
+    fn views_larger_than_memory_can_hold_are_errors_not_aborts() {
+        let mut x = 0f32;
+        let p = &mut x as *mut f32 as *mut u8;
+        // A stride-0 view listing 2^59 f32 (2^61 bytes): valid to describe, impossible to copy.
+        let v = unsafe { HostTensor::new(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }.unwrap();
+        let e = unsafe { v.try_to_tensor("values[0]") }.unwrap_err();
+        assert!(e.to_string().contains("values[0]") && e.to_string().contains("cannot allocate"), "{e}");
+        let e = unsafe { HostTensor::new(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
+        assert!(e.to_string().contains("2^63-1 bytes"), "{e}");
+        assert!(try_zeroed(usize::MAX / 2, "n").is_err());
+        assert_eq!(try_zeroed(3, "n").unwrap(), vec![0, 0, 0]);
     }
 
     #[test]

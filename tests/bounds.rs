@@ -195,3 +195,37 @@ fn collective_flags_are_refused_on_every_rank() {
     refused(st, t0, "opts.allow_int_float_cast");
     unsafe { fo_comm_destroy(comm) };
 }
+
+#[test]
+fn a_stride_0_view_of_2_61_bytes_is_an_error_not_an_allocation_abort() {
+    let mut cfg = adamw();
+    cfg.master_weight_bits = 0;
+    let mut opt = null_mut();
+    assert_eq!(unsafe { fo_optimizer_create(&cfg, &mut opt) }, FO_OK);
+    let mut w = [1.0f32; 4];
+    let shape4 = [4i64];
+    let p = fo_tensor {
+        data: w.as_mut_ptr() as *mut _,
+        dtype: 0,
+        ndim: 1,
+        shape: shape4.as_ptr(),
+        strides: null(),
+        device: -1,
+    };
+    let mut idx = -1;
+    assert_eq!(unsafe { fo_optimizer_add_param(opt, c"w".as_ptr(), &p, null(), &mut idx) }, FO_OK, "{}", msg());
+    let mut one = 0f32;
+    let (huge, zero) = ([1i64 << 59], [0i64]);
+    let v = fo_tensor {
+        data: &mut one as *mut f32 as *mut _,
+        dtype: 0,
+        ndim: 1,
+        shape: huge.as_ptr(),
+        strides: zero.as_ptr(),
+        device: -1,
+    };
+    let keys = [c"exp_avg".as_ptr()];
+    let t0 = Instant::now();
+    refused(unsafe { fo_optimizer_set_state(opt, 0, keys.as_ptr(), &v, 1) }, t0, "values[0]");
+    unsafe { fo_optimizer_destroy(opt) };
+}

@@ -25,7 +25,7 @@ use crate::cast;
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shard::{rank_to_coord, ShardSpec};
-use crate::tensor::HostTensor;
+use crate::tensor::{checked_numel, try_zeroed, HostTensor};
 
 /// One destination: the key, this rank's tensor, and where it lies in the global tensor
 /// (`None`: the whole tensor, e.g. a buffer).
@@ -152,9 +152,13 @@ pub unsafe fn broadcast_state_dict_checked(
     for (i, p) in plans.iter().enumerate() {
         let Some(p) = p else { continue };
         let e = &table.0[i];
-        let src: Option<Cow<[u8]>> = by_key
-            .get(e.key.as_str())
-            .map(|t| t.contiguous_bytes().map(Cow::Borrowed).unwrap_or_else(|| Cow::Owned(t.to_tensor().data)));
+        let src: Option<Cow<[u8]>> = match by_key.get(e.key.as_str()) {
+            None => None,
+            Some(t) => Some(match t.contiguous_bytes() {
+                Some(b) => Cow::Borrowed(b),
+                None => Cow::Owned(t.try_to_tensor(&format!("full[{:?}]", e.key))?.data),
+            }),
+        };
         let buf = move_one(comm, e, p, src.as_deref(), opts, &mut stats)?;
         stats.tensors += 1;
         if cast_err.is_none() {
@@ -183,10 +187,15 @@ fn move_one(
     stats: &mut BroadcastStats,
 ) -> Result<Vec<u8>> {
     let es = e.dtype.size();
-    let full_bytes = e.shape.iter().product::<usize>() * es;
+    let full_bytes = checked_numel(&e.shape, &format!("key {:?}", e.key))?
+        .checked_mul(es)
+        .ok_or_else(|| Error::invalid(format!("key {:?}", e.key), format!("shape {:?} overflows", e.shape)))?;
     let others = comm.world_size() as u64 - 1;
     let broadcast_full = |stats: &mut BroadcastStats| -> Result<Vec<u8>> {
-        let mut buf = src.map(<[u8]>::to_vec).unwrap_or_else(|| vec![0u8; full_bytes]);
+        let mut buf = match src {
+            Some(s) => s.to_vec(),
+            None => try_zeroed(full_bytes, &format!("key {:?}", e.key))?,
+        };
         comm.broadcast(&mut buf, 0)?;
         stats.bytes_received += full_bytes as u64;
         if src.is_some() {
@@ -211,7 +220,7 @@ fn move_one(
         stats.bytes_sent +=
             parts.iter().enumerate().filter(|(r, _)| *r != comm.rank()).map(|(_, x)| x.len() as u64).sum::<u64>();
     }
-    let mut recv = vec![0u8; spec.local_numel() * es];
+    let mut recv = try_zeroed(spec.local_numel() * es, &format!("key {:?}", e.key))?;
     comm.scatter(parts, &mut recv, 0)?;
     stats.bytes_received += recv.len() as u64;
     Ok(recv)

@@ -133,7 +133,8 @@ impl fo_broadcast_options {
             1 => Strategy::FullBroadcast,
             s => return Err(Error::invalid("opts.strategy", format!("{s} is not 0 (scatter) or 1 (full broadcast)"))),
         };
-        Ok(BroadcastOptions { allow_int_float_cast: arg_flag(self.allow_int_float_cast, "opts.allow_int_float_cast")?, strategy })
+        let allow_int_float_cast = arg_flag(self.allow_int_float_cast, "opts.allow_int_float_cast")?;
+        Ok(BroadcastOptions { allow_int_float_cast, strategy })
     }
 }
 

@@ -288,7 +288,10 @@ pub unsafe extern "C" fn fo_optimizer_set_state(
             .map(|(i, (&k, v))| {
                 Ok((
                     arg_str(k, &format!("keys[{i}]"))?.to_string(),
-                    v.to_host(&format!("values[{i}]"))?.to_tensor(),
+                    {
+                        let what = format!("values[{i}]");
+                        v.to_host(&what)?.try_to_tensor(&what)?
+                    },
                 ))
             })
             .collect::<Result<Vec<(String, Tensor)>>>()?;

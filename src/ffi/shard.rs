@@ -52,7 +52,8 @@ pub unsafe extern "C" fn fo_shard_indices(
         let n = runs.len();
         *out_len = n as i64;
         if n > capacity {
-            return Err(Error::invalid("capacity", format!("{capacity} is too small for the {n} indices held along dim {d}")));
+            let reason = format!("{capacity} is too small for the {n} indices held along dim {d}");
+            return Err(Error::invalid("capacity", reason));
         }
         runs.write_into(arg_slice_mut(out, n, "out")?);
         Ok(())

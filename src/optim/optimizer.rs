@@ -314,7 +314,7 @@ impl Optimizer {
                     ),
                 ));
             }
-            gathered.push((!g.is_contiguous()).then(|| g.to_tensor().data));
+            gathered.push(if g.is_contiguous() { None } else { Some(g.try_to_tensor("grads")?.data) });
         }
         let grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()

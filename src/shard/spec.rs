@@ -13,7 +13,9 @@ pub const MAX_BOXES: usize = 1 << 20;
 /// non-empty whatever the split factor.
 fn max_runs(global_shape: &[usize], placements: &[Placement], d: usize) -> usize {
     placements.iter().fold(1usize, |acc, p| match *p {
-        Placement::StridedShard { dim, split_factor } if dim == d => acc.saturating_add(split_factor.min(global_shape[d])),
+        Placement::StridedShard { dim, split_factor } if dim == d => {
+            acc.saturating_add(split_factor.min(global_shape[d]))
+        }
         _ => acc,
     })
 }
