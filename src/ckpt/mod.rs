@@ -23,6 +23,8 @@
 //!   verify exactly the blocks they touch.
 //! - A 0-element shard writes nothing (torch writes an empty tensor; fo reads both).
 pub mod checksum;
+pub mod collective;
+pub mod commit;
 pub mod consolidate;
 pub mod format;
 pub mod optim;
@@ -30,9 +32,11 @@ pub mod pack;
 pub mod quant;
 pub mod reader;
 pub mod reshard;
+pub mod validate;
 pub mod verify;
 pub mod writer;
 
+pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
 pub use optim::{load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions};
 pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};
