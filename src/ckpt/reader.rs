@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 
 use super::checksum::{block_sum, chunk_binding};
 use super::commit::{committed_files, read_commit};
-use super::format::{parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta};
-use super::validate;
+use super::format::{
+    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta,
+};
 use super::reshard::{overlap_runs, BoxIn, Run};
+use super::validate;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Chunk, ShardSpec};
@@ -83,7 +85,12 @@ impl Checkpoint {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
             let fo = ck.add_file(&path, &file, i)?;
             if let Some(fo) = fo {
-                validate::same_save(&path, &fo, i, ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())))?;
+                validate::same_save(
+                    &path,
+                    &fo,
+                    i,
+                    ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())),
+                )?;
                 if let Some(c) = &commit {
                     if fo.save_id != c.save_id || fo.world_size != c.world_size {
                         return Err(Error::corrupt(
@@ -103,7 +110,10 @@ impl Checkpoint {
                     });
                 }
             } else if ck.meta.is_some() {
-                return Err(Error::corrupt(&path, "has no fo metadata while the other rank files do"));
+                return Err(Error::corrupt(
+                    &path,
+                    "has no fo metadata while the other rank files do",
+                ));
             }
             ck.files.push(path);
             ck.handles.push(file);
@@ -132,7 +142,8 @@ impl Checkpoint {
             validate::tables_agree(path, m, &h, &dcp)?;
         }
         let v2 = fo.as_ref().is_some_and(|m| m.format_version >= 2);
-        self.block_bytes.push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes.max(1)));
+        self.block_bytes
+            .push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes.max(1)));
         for t in h.tensors {
             let fot = fo.as_ref().and_then(|m| m.tensors.get(&t.name));
             let (key, offset, gshape, sums) = match fot {
@@ -146,7 +157,10 @@ impl Checkpoint {
                     let off = dcp.get(&t.name).cloned().ok_or_else(|| {
                         Error::corrupt(
                             path,
-                            format!("tensor {:?} has no saved_offsets in DCP_SHARDING_INFO", t.name),
+                            format!(
+                                "tensor {:?} has no saved_offsets in DCP_SHARDING_INFO",
+                                t.name
+                            ),
                         )
                     })?;
                     (t.name.clone(), off, None, None)
@@ -214,9 +228,12 @@ impl Checkpoint {
     }
 
     pub fn key(&self, key: &str) -> Result<&KeyInfo> {
-        self.keys
-            .get(key)
-            .ok_or_else(|| Error::NotFound(format!("key {key} is not in checkpoint {}", self.dir.display())))
+        self.keys.get(key).ok_or_else(|| {
+            Error::NotFound(format!(
+                "key {key} is not in checkpoint {}",
+                self.dir.display()
+            ))
+        })
     }
 
     /// The local shard `dest` describes of `key`, in the saved dtype.
@@ -241,7 +258,12 @@ impl Checkpoint {
 
     /// Fills a local tensor of `local_shape` whose boxes are `dest` (local and global
     /// offsets) from every saved chunk they overlap; errors if any element is in no chunk.
-    pub fn read_chunks(&self, info: &KeyInfo, local_shape: &[usize], dest: &[Chunk]) -> Result<Tensor> {
+    pub fn read_chunks(
+        &self,
+        info: &KeyInfo,
+        local_shape: &[usize],
+        dest: &[Chunk],
+    ) -> Result<Tensor> {
         let mut out = Tensor::zeros(info.dtype, local_shape.to_vec());
         let es = info.dtype.size();
         let mut covered = 0usize;
@@ -274,7 +296,14 @@ impl Checkpoint {
 
     /// Copies `runs` (elements) of saved chunk `c` into `out`, reading only the checksum
     /// blocks they touch and verifying each one.
-    fn read_runs(&self, info: &KeyInfo, c: &SavedChunk, runs: &[Run], es: usize, out: &mut [u8]) -> Result<()> {
+    fn read_runs(
+        &self,
+        info: &KeyInfo,
+        c: &SavedChunk,
+        runs: &[Run],
+        es: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let path = &self.files[c.file];
         let file = &self.handles[c.file];
         let io = |e| Error::io(path, e);
@@ -284,7 +313,8 @@ impl Checkpoint {
                 // No checksums (torch's files): read exactly the runs, nothing more.
                 for r in runs {
                     let at = c.data_start + (r.src * es) as u64;
-                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at).map_err(io)?;
+                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at)
+                        .map_err(io)?;
                 }
                 return Ok(());
             }
@@ -311,7 +341,10 @@ impl Checkpoint {
             while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
                 j += 1;
             }
-            let (a, b) = (blocks[i] * block, ((blocks[j - 1] + 1) * block).min(c.nbytes));
+            let (a, b) = (
+                blocks[i] * block,
+                ((blocks[j - 1] + 1) * block).min(c.nbytes),
+            );
             let at = buf.len();
             buf.resize(at + (b - a), 0);
             file.read_exact_at(&mut buf[at..], c.data_start + a as u64)
@@ -345,7 +378,9 @@ impl Checkpoint {
 
     /// Checks block `block` of chunk `c` against its stored checksum.
     pub fn verify(&self, info: &KeyInfo, c: &SavedChunk, block: usize, bytes: &[u8]) -> Result<()> {
-        let Some(sums) = &c.checksums else { return Ok(()) };
+        let Some(sums) = &c.checksums else {
+            return Ok(());
+        };
         let want = sums.get(block * 16..block * 16 + 16);
         let got = block_sum(bytes, c.bind, block);
         if want != Some(got.as_str()) {
@@ -375,9 +410,10 @@ fn missing(dir: &Path, rank: usize, why: String) -> Error {
 /// `shard-*` file, ranks 0..n with none missing.
 fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            Error::NotFound(format!("checkpoint directory {} does not exist", dir.display()))
-        }
+        std::io::ErrorKind::NotFound => Error::NotFound(format!(
+            "checkpoint directory {} does not exist",
+            dir.display()
+        )),
         _ => Error::io(dir, e),
     })?;
     let mut ranks = Vec::new();
@@ -403,5 +439,8 @@ fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
             ));
         }
     }
-    Ok(ranks.iter().map(|&r| dir.join(shard_file_name(r))).collect())
+    Ok(ranks
+        .iter()
+        .map(|&r| dir.join(shard_file_name(r)))
+        .collect())
 }
