@@ -58,32 +58,12 @@ fn tensor(dtype: DType, shape: &[usize], seed: u32) -> Tensor {
 
 fn globals() -> Vec<(&'static str, Tensor, bool)> {
     vec![
-        (
-            "state.fc.weight.exp_avg",
-            tensor(DType::F32, &[10, 7], 1),
-            true,
-        ),
-        (
-            "state.fc.weight.exp_avg_sq",
-            tensor(DType::BF16, &[11, 9], 2),
-            true,
-        ),
-        (
-            "state.fc.bias.momentum_buffer",
-            tensor(DType::F64, &[13], 3),
-            true,
-        ),
-        (
-            "state.fc.weight.error_bits",
-            tensor(DType::I16, &[10, 7], 4),
-            true,
-        ),
+        ("state.fc.weight.exp_avg", tensor(DType::F32, &[10, 7], 1), true),
+        ("state.fc.weight.exp_avg_sq", tensor(DType::BF16, &[11, 9], 2), true),
+        ("state.fc.bias.momentum_buffer", tensor(DType::F64, &[13], 3), true),
+        ("state.fc.weight.error_bits", tensor(DType::I16, &[10, 7], 4), true),
         ("state.tiny.exp_avg", tensor(DType::F32, &[2, 3], 5), true),
-        (
-            "state.fc.weight.step",
-            Tensor::from_f32(vec![], &[3.0]).unwrap(),
-            false,
-        ),
+        ("state.fc.weight.step", Tensor::from_f32(vec![], &[3.0]).unwrap(), false),
         ("bn.num_batches_tracked", tensor(DType::I64, &[], 6), false),
         ("empty", Tensor::zeros(DType::F32, vec![0, 4]), true),
     ]
@@ -126,10 +106,7 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
             for coord in mesh_coords(&dst.mesh) {
                 for (key, g, sharded) in globals() {
                     if g.numel() == 0 {
-                        assert!(
-                            !ck.keys.contains_key(key),
-                            "0-element entries produce no chunk"
-                        );
+                        assert!(!ck.keys.contains_key(key), "0-element entries produce no chunk");
                         continue;
                     }
                     let s = if sharded {
@@ -137,9 +114,9 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
                     } else {
                         ShardSpec::unsharded(g.shape.clone()).unwrap()
                     };
-                    let got = ck.read(key, &s).unwrap_or_else(|e| {
-                        panic!("{key} {:?}->{:?}: {e}", src.placements, dst.placements)
-                    });
+                    let got = ck
+                        .read(key, &s)
+                        .unwrap_or_else(|e| panic!("{key} {:?}->{:?}: {e}", src.placements, dst.placements));
                     assert_eq!(
                         got,
                         local_shard(&g, &s),
@@ -169,10 +146,7 @@ fn replicated_and_unsharded_entries_are_written_once() {
     let ck = Checkpoint::open(&dir).unwrap();
     let w = &ck.keys["state.fc.weight.exp_avg"];
     assert_eq!(w.chunks.len(), 2, "two distinct shards, each written once");
-    assert!(
-        w.chunks.iter().all(|c| c.file < 2),
-        "written by coordinates (0, *)"
-    );
+    assert!(w.chunks.iter().all(|c| c.file < 2), "written by coordinates (0, *)");
     assert_eq!(ck.keys["state.fc.weight.step"].chunks.len(), 1);
     assert_eq!(ck.keys["state.fc.weight.step"].chunks[0].file, 0);
     assert!(!ck.keys.contains_key("empty"));
@@ -220,11 +194,7 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     let g = tensor(DType::F32, &[1100, 1024], 9); // 4.3 MiB on one rank: two blocks
     save(
         &dir,
-        &[Packed::new(
-            vec![StateEntry::new("big", g.clone(), None)],
-            PackOptions::new(0, 1),
-        )
-        .unwrap()],
+        &[Packed::new(vec![StateEntry::new("big", g.clone(), None)], PackOptions::new(0, 1)).unwrap()],
     )
     .unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
@@ -244,12 +214,7 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     ] {
         for c in mesh_coords(&l.mesh) {
             let s = spec(&g.shape, &l, c);
-            assert_eq!(
-                ck.read("big", &s).unwrap(),
-                local_shard(&g, &s),
-                "{:?}",
-                l.placements
-            );
+            assert_eq!(ck.read("big", &s).unwrap(), local_shard(&g, &s), "{:?}", l.placements);
         }
     }
     // Corrupt the second block: rows in the first block still read, rows in the second fail.
@@ -261,25 +226,10 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     b[at] ^= 1;
     std::fs::write(&path, b).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
-    let first = ShardSpec::new(
-        vec![1100, 1024],
-        vec![3],
-        vec![0],
-        vec![Placement::Shard(0)],
-    )
-    .unwrap(); // rows 0..367: bytes < 1.5 MiB
+    let first = ShardSpec::new(vec![1100, 1024], vec![3], vec![0], vec![Placement::Shard(0)]).unwrap(); // rows 0..367: bytes < 1.5 MiB
     assert!(ck.read("big", &first).is_ok());
-    let last = ShardSpec::new(
-        vec![1100, 1024],
-        vec![3],
-        vec![2],
-        vec![Placement::Shard(0)],
-    )
-    .unwrap();
+    let last = ShardSpec::new(vec![1100, 1024], vec![3], vec![2], vec![Placement::Shard(0)]).unwrap();
     let e = ck.read("big", &last).unwrap_err().to_string();
-    assert!(
-        e.contains("checksum mismatch in block 1") && e.contains("big"),
-        "{e}"
-    );
+    assert!(e.contains("checksum mismatch in block 1") && e.contains("big"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -60,11 +60,7 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(
-        ".{name}.tmp-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
+    let tmp = dir.join(format!(".{name}.tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
     let res = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -86,16 +82,12 @@ pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(&path, e)),
     };
-    let c: Commit = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::corrupt(&path, format!("commit record is not valid: {e}")))?;
+    let c: Commit =
+        serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&path, format!("commit record is not valid: {e}")))?;
     if c.world_size == 0 || c.digests.len() != c.world_size {
         return Err(Error::corrupt(
             &path,
-            format!(
-                "commit record names {} digests for a world of {}",
-                c.digests.len(),
-                c.world_size
-            ),
+            format!("commit record names {} digests for a world of {}", c.digests.len(), c.world_size),
         ));
     }
     Ok(Some(c))
@@ -103,25 +95,13 @@ pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
 
 /// Records that `rank` of save `save_id` has its file staged, and commits the save if
 /// every rank has. Returns whether this call committed.
-pub fn finish_rank(
-    dir: &Path,
-    save_id: &str,
-    rank: usize,
-    world_size: usize,
-    digest: &str,
-) -> Result<bool> {
+pub fn finish_rank(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<bool> {
     mark_done(dir, save_id, rank, world_size, digest)?;
     try_commit(dir, save_id, world_size)
 }
 
 /// Writes `rank`'s done marker for save `save_id` (no commit attempt).
-pub fn mark_done(
-    dir: &Path,
-    save_id: &str,
-    rank: usize,
-    world_size: usize,
-    digest: &str,
-) -> Result<()> {
+pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<()> {
     let stage = stage_dir(dir, save_id);
     let done = Done {
         save_id: save_id.to_string(),
@@ -189,9 +169,7 @@ fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
     }
     for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let p = e.map_err(|e| Error::io(dir, e))?.path();
-        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
-            continue;
-        };
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else { continue };
         if parse_shard_file_name(name).is_some_and(|r| r >= commit.world_size) {
             ignore_missing(std::fs::remove_file(&p), &p)?;
         } else if name.starts_with(STAGE_PREFIX) {

@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_sum, chunk_binding};
-use super::commit::{committed_files, read_commit};
+use super::commit::{committed_files, read_commit, COMMIT_FILE};
 use super::format::{
     parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta,
 };
@@ -83,7 +83,18 @@ impl Checkpoint {
         let mut world = paths.len();
         for (i, path) in paths.into_iter().enumerate() {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            let fo = ck.add_file(&path, &file, i)?;
+            let (fo, digest) = ck.add_file(&path, &file, i)?;
+            if let Some(c) = &commit {
+                if digest.as_deref() != Some(c.digests[i].as_str()) {
+                    return Err(Error::corrupt(
+                        &path,
+                        format!(
+                            "its header digest {digest:?} is not the one the commit record {} names ({}): not the committed file",
+                            COMMIT_FILE, c.digests[i]
+                        ),
+                    ));
+                }
+            }
             if let Some(fo) = fo {
                 validate::same_save(
                     &path,
@@ -131,8 +142,10 @@ impl Checkpoint {
         Ok(ck)
     }
 
-    fn add_file(&mut self, path: &Path, file: &File, idx: usize) -> Result<Option<FoMeta>> {
+    /// Adds a rank file's chunks; returns its fo metadata and stated digest.
+    fn add_file(&mut self, path: &Path, file: &File, idx: usize) -> Result<(Option<FoMeta>, Option<String>)> {
         let h = read_header(path, file)?;
+        let digest = h.metadata.get(super::format::DIGEST_KEY).cloned();
         let fo = validate::fo_meta(path, &h)?;
         let dcp = match h.metadata.get("DCP_SHARDING_INFO") {
             Some(s) => parse_sharding_info(path, s)?,
@@ -220,7 +233,7 @@ impl Checkpoint {
                 });
             }
         }
-        Ok(fo)
+        Ok((fo, digest))
     }
 
     pub fn file(&self, i: usize) -> &File {

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
 use super::commit::{finish_rank, stage_dir, sync_dir};
 use super::format::{
-    encode_header, header_digest, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry,
-    DIGEST_KEY, FORMAT_VERSION,
+    encode_header, header_digest, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
+    FORMAT_VERSION,
 };
 use super::pack::{chunk_bytes, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
@@ -66,21 +66,10 @@ pub fn generated_save_id() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
-    format!(
-        "auto-{}-{}-{}",
-        t.as_secs(),
-        t.subsec_nanos(),
-        std::process::id()
-    )
+    format!("auto-{}-{}-{}", t.as_secs(), t.subsec_nanos(), std::process::id())
 }
 
-fn metadata(
-    plan: &Plan,
-    opts: &PackOptions,
-    sums: &[String],
-    entries: &[TensorEntry],
-    placeholder: bool,
-) -> BTreeMap<String, String> {
+fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String], entries: &[TensorEntry], placeholder: bool) -> BTreeMap<String, String> {
     let offsets: Vec<(String, Vec<usize>)> = plan
         .chunks
         .iter()
@@ -122,11 +111,7 @@ fn metadata(
         ("DCP_SHARDING_INFO".to_string(), sharding_info(&offsets)),
         ("fo".to_string(), serde_json::to_string(&fo).unwrap()),
     ]);
-    let digest = if placeholder {
-        "0".repeat(16)
-    } else {
-        header_digest(&m, entries)
-    };
+    let digest = if placeholder { "0".repeat(16) } else { header_digest(&m, entries) };
     m.insert(DIGEST_KEY.to_string(), digest);
     m
 }
@@ -178,10 +163,7 @@ pub fn stage_rank_file<'t>(
         .iter()
         .map(|t| "0".repeat(16 * num_blocks((t.end - t.start) as usize)))
         .collect();
-    let head = encode_header(
-        &metadata(plan, opts, &placeholder, &entries, true),
-        &entries,
-    );
+    let head = encode_header(&metadata(plan, opts, &placeholder, &entries, true), &entries);
     let io = |e| Error::io(&staged.tmp, e);
     let mut f = create_truncated(&staged.tmp)?;
     f.write_all(&head).map_err(io)?;
@@ -205,12 +187,7 @@ pub fn stage_rank_file<'t>(
             let bytes = chunk_bytes(c, &local);
             sums.push(block_hex(
                 &bytes,
-                chunk_binding(
-                    &c.key,
-                    c.dtype.safetensors_name(),
-                    &c.shape,
-                    &c.global_offset,
-                ),
+                chunk_binding(&c.key, c.dtype.safetensors_name(), &c.shape, &c.global_offset),
             ));
             f.write_all(&bytes).map_err(io)?;
             i += 1;
@@ -248,12 +225,7 @@ fn remove_stale_temps(dir: &Path, name: &str) -> Result<()> {
 /// Renames a rank's staged file to its staged name and drops its done marker; the last
 /// rank of the save to get here commits it.
 pub fn finish(dir: &Path, staged: Staged) -> Result<()> {
-    let (save_id, rank, world, digest) = (
-        staged.save_id.clone(),
-        staged.rank,
-        staged.world_size,
-        staged.digest.clone(),
-    );
+    let (save_id, rank, world, digest) = (staged.save_id.clone(), staged.rank, staged.world_size, staged.digest.clone());
     publish(dir, staged)?;
     finish_rank(dir, &save_id, rank, world, &digest)?;
     Ok(())
@@ -270,20 +242,11 @@ pub fn publish(dir: &Path, staged: Staged) -> Result<String> {
 /// Saves the packed state of every in-process rank into `dir` (one file per rank,
 /// written in parallel, committed together). Without a save id, one is generated.
 pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
-    let given = packs
-        .first()
-        .map_or(String::new(), |p| p.opts.save_id.clone());
+    let given = packs.first().map_or(String::new(), |p| p.opts.save_id.clone());
     if packs.iter().any(|p| p.opts.save_id != given) {
-        return Err(Error::invalid(
-            "save_id",
-            "the packs of one save carry different save ids",
-        ));
+        return Err(Error::invalid("save_id", "the packs of one save carry different save ids"));
     }
-    let save_id = if given.is_empty() {
-        generated_save_id()
-    } else {
-        given
-    };
+    let save_id = if given.is_empty() { generated_save_id() } else { given };
     let staged: Vec<Result<Staged>> = std::thread::scope(|s| {
         let handles: Vec<_> = packs
             .iter()
@@ -294,9 +257,7 @@ pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
                         save_id: save_id.clone(),
                         ..p.opts.clone()
                     };
-                    stage_rank_file(dir, &p.plan, &opts, &mut |e| {
-                        Ok(Cow::Borrowed(&p.entries[e]))
-                    })
+                    stage_rank_file(dir, &p.plan, &opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e])))
                 })
             })
             .collect();
@@ -321,9 +282,7 @@ pub fn save_rank(dir: &Path, pack: &Packed) -> Result<()> {
         save_id: resolve_save_id(&pack.opts.save_id, pack.opts.world_size)?,
         ..pack.opts.clone()
     };
-    let staged = stage_rank_file(dir, &pack.plan, &opts, &mut |e| {
-        Ok(Cow::Borrowed(&pack.entries[e]))
-    })?;
+    let staged = stage_rank_file(dir, &pack.plan, &opts, &mut |e| Ok(Cow::Borrowed(&pack.entries[e])))?;
     finish(dir, staged)
 }
 
@@ -346,11 +305,7 @@ pub fn save_streaming(
 
 /// Writes `path` atomically from a header and a stream of data: temp file, fsync,
 /// rename, fsync of the directory. `body` writes the data after the header.
-pub fn write_atomic(
-    path: &Path,
-    head: &[u8],
-    body: &mut dyn FnMut(&mut File) -> Result<()>,
-) -> Result<()> {
+pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) -> Result<()>) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
@@ -373,10 +328,5 @@ pub fn write_atomic(
 
 /// A fresh (truncated) temporary file, the first step of every atomic write.
 fn create_truncated(path: &Path) -> Result<File> {
-    OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))
+    OpenOptions::new().write(true).create(true).truncate(true).open(path).map_err(|e| Error::io(path, e))
 }

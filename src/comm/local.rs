@@ -17,9 +17,7 @@ pub struct LocalGroupOptions {
 
 impl Default for LocalGroupOptions {
     fn default() -> Self {
-        LocalGroupOptions {
-            timeout: Duration::from_secs(600),
-        }
+        LocalGroupOptions { timeout: Duration::from_secs(600) }
     }
 }
 
@@ -62,15 +60,8 @@ pub(super) fn group(world_size: usize, opts: LocalGroupOptions) -> Vec<Comm> {
     });
     (0..world_size)
         .map(|rank| {
-            Comm::from_backend(
-                rank,
-                world_size,
-                Box::new(Local {
-                    rank,
-                    shared: shared.clone(),
-                }),
-            )
-            .expect("rank < world_size")
+            Comm::from_backend(rank, world_size, Box::new(Local { rank, shared: shared.clone() }))
+                .expect("rank < world_size")
         })
         .collect()
 }
@@ -91,12 +82,7 @@ impl Local {
         self.exchange_parts(op, data, Vec::new())
     }
 
-    fn exchange_parts(
-        &self,
-        op: &'static str,
-        data: Vec<u8>,
-        parts: Vec<Vec<u8>>,
-    ) -> Result<Arc<Vec<Deposit>>> {
+    fn exchange_parts(&self, op: &'static str, data: Vec<u8>, parts: Vec<Vec<u8>>) -> Result<Arc<Vec<Deposit>>> {
         let sh = &self.shared;
         let mut st = self.lock();
         if let Some(why) = &st.poisoned {
@@ -119,8 +105,7 @@ impl Local {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    let missing: Vec<usize> =
-                        (0..sh.world).filter(|&r| st.slots[r].is_none()).collect();
+                    let missing: Vec<usize> = (0..sh.world).filter(|&r| st.slots[r].is_none()).collect();
                     let why = format!(
                         "timed out after {:.1?} on rank {} waiting for ranks {missing:?} of {}",
                         sh.timeout, self.rank, sh.world
@@ -129,11 +114,7 @@ impl Local {
                     sh.cv.notify_all();
                     return Err(Error::Comm(format!("{op}: {why}")));
                 }
-                st = sh
-                    .cv
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
+                st = sh.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
             }
         }
         let result = st.result.clone();
@@ -152,10 +133,7 @@ impl Drop for Local {
     fn drop(&mut self) {
         let mut st = self.lock();
         if st.poisoned.is_none() {
-            st.poisoned = Some(format!(
-                "rank {} left the group (its handle was dropped)",
-                self.rank
-            ));
+            st.poisoned = Some(format!("rank {} left the group (its handle was dropped)", self.rank));
         }
         self.shared.cv.notify_all();
     }
@@ -163,11 +141,7 @@ impl Drop for Local {
 
 impl Backend for Local {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let mine = if self.rank == root {
-            buf.to_vec()
-        } else {
-            Vec::new()
-        };
+        let mine = if self.rank == root { buf.to_vec() } else { Vec::new() };
         let all = self.exchange("broadcast", mine)?;
         let src = &all[root].data;
         if src.len() != buf.len() {
@@ -203,9 +177,7 @@ impl Backend for Local {
         }
         // Every rank reduces in rank order, so all get bit-identical results.
         for (i, v) in vals.iter_mut().enumerate() {
-            let at = |r: usize| {
-                f64::from_le_bytes(all[r].data[1 + i * 8..9 + i * 8].try_into().unwrap())
-            };
+            let at = |r: usize| f64::from_le_bytes(all[r].data[1 + i * 8..9 + i * 8].try_into().unwrap());
             *v = (1..all.len()).fold(at(0), |acc, r| op.combine(acc, at(r)));
         }
         Ok(())
@@ -223,10 +195,7 @@ impl Backend for Local {
         let mine = parts.filter(|_| self.rank == root).unwrap_or_default();
         let all = self.exchange_parts("scatter", Vec::new(), mine)?;
         let Some(part) = all[root].parts.get(self.rank) else {
-            return Err(Error::Comm(format!(
-                "scatter: root {root} sent no part to rank {}",
-                self.rank
-            )));
+            return Err(Error::Comm(format!("scatter: root {root} sent no part to rank {}", self.rank)));
         };
         if part.len() != recv.len() {
             return Err(Error::Comm(format!(
@@ -247,9 +216,7 @@ mod tests {
     use std::thread;
 
     fn short() -> LocalGroupOptions {
-        LocalGroupOptions {
-            timeout: Duration::from_millis(500),
-        }
+        LocalGroupOptions { timeout: Duration::from_millis(500) }
     }
 
     #[test]
@@ -290,14 +257,7 @@ mod tests {
             .map(|c| {
                 thread::spawn(move || {
                     // 1 + 3 * 2^-24 rounds to 1 + 2^-22 only when accumulated wider than f32.
-                    let mut v = vec![
-                        if c.rank() == 0 {
-                            1.0f32
-                        } else {
-                            2f32.powi(-24)
-                        },
-                        c.rank() as f32,
-                    ];
+                    let mut v = vec![if c.rank() == 0 { 1.0f32 } else { 2f32.powi(-24) }, c.rank() as f32];
                     c.all_reduce_f32_sum(&mut v).unwrap();
                     c.all_reduce_f32_sum(&mut []).unwrap();
                     v
@@ -314,10 +274,7 @@ mod tests {
         let mut comms = Comm::local_group_with(3, short());
         let absent = comms.pop().unwrap();
         let t0 = Instant::now();
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| thread::spawn(move || c.barrier()))
-            .collect();
+        let handles: Vec<_> = comms.into_iter().map(|c| thread::spawn(move || c.barrier())).collect();
         for h in handles {
             let e = h.join().unwrap().unwrap_err().to_string();
             assert!(e.contains("timed out") && e.contains("[2]"), "{e}");
@@ -328,12 +285,7 @@ mod tests {
 
     #[test]
     fn a_dropped_handle_fails_the_others_at_once() {
-        let mut comms = Comm::local_group_with(
-            2,
-            LocalGroupOptions {
-                timeout: Duration::from_secs(30),
-            },
-        );
+        let mut comms = Comm::local_group_with(2, LocalGroupOptions { timeout: Duration::from_secs(30) });
         let gone = comms.pop().unwrap();
         let c = comms.pop().unwrap();
         let h = thread::spawn(move || c.all_reduce_f64(&mut [1.0], ReduceOp::Sum));
@@ -351,13 +303,15 @@ mod tests {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|c| {
-                thread::spawn(move || {
-                    if c.rank() == 0 {
-                        c.barrier()
-                    } else {
-                        c.all_reduce_f64(&mut [1.0], ReduceOp::Sum)
-                    }
-                })
+                thread::spawn(
+                    move || {
+                        if c.rank() == 0 {
+                            c.barrier()
+                        } else {
+                            c.all_reduce_f64(&mut [1.0], ReduceOp::Sum)
+                        }
+                    },
+                )
             })
             .collect();
         for h in handles {

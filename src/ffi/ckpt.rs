@@ -28,9 +28,8 @@ pub struct fo_pack_options {
 
 impl fo_pack_options {
     unsafe fn to_options(self) -> Result<SaveOptions> {
-        let count = |v: i32, what: &str| {
-            usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
-        };
+        let count =
+            |v: i32, what: &str| usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")));
         let mode = match self.mode {
             0 => Mode::Compressed,
             1 => Mode::Portable,
@@ -115,29 +114,21 @@ pub unsafe extern "C" fn fo_state_pack(
     guard(|| {
         let out = arg_mut(out, "out")?;
         let packed = ckpt::pack(opt_ref(opt)?, &arg_ref(options, "options")?.to_options()?)?;
-        let cstr = |s: &str| {
-            CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")))
-        };
+        let cstr = |s: &str| CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")));
         let names = packed
             .plan
             .chunks
             .iter()
             .map(|c| Ok((cstr(&c.name)?, cstr(&c.key)?)))
             .collect::<Result<_>>()?;
-        *out = Box::into_raw(Box::new(fo_packed {
-            inner: packed,
-            names,
-        }));
+        *out = Box::into_raw(Box::new(fo_packed { inner: packed, names }));
         Ok(())
     })
 }
 
 /// The number of chunks in a packed state.
 #[no_mangle]
-pub unsafe extern "C" fn fo_packed_num_entries(
-    packed: *const fo_packed,
-    out: *mut usize,
-) -> fo_status {
+pub unsafe extern "C" fn fo_packed_num_entries(packed: *const fo_packed, out: *mut usize) -> fo_status {
     guard(|| {
         *arg_mut(out, "out")? = arg_ref(packed, "packed")?.inner.plan.chunks.len();
         Ok(())
@@ -160,12 +151,9 @@ pub unsafe extern "C" fn fo_packed_get_entry(
 impl fo_packed {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
         let chunks = &self.inner.plan.chunks;
-        let c = chunks.get(index).ok_or_else(|| {
-            Error::invalid(
-                "index",
-                format!("{index} is out of range ({} entries)", chunks.len()),
-            )
-        })?;
+        let c = chunks
+            .get(index)
+            .ok_or_else(|| Error::invalid("index", format!("{index} is out of range ({} entries)", chunks.len())))?;
         let data = self.inner.chunk_data(index);
         Ok(fo_packed_entry {
             name: self.names[index].0.as_ptr(),
@@ -203,12 +191,7 @@ pub unsafe extern "C" fn fo_packed_metadata_json(
 /// Writes a packed state as this rank's file in `dir` (atomic: temp file, fsync, rename).
 #[no_mangle]
 pub unsafe extern "C" fn fo_packed_save(packed: *const fo_packed, dir: *const c_char) -> fo_status {
-    guard(|| {
-        ckpt::save_rank(
-            Path::new(arg_str(dir, "dir")?),
-            &arg_ref(packed, "packed")?.inner,
-        )
-    })
+    guard(|| ckpt::save_rank(Path::new(arg_str(dir, "dir")?), &arg_ref(packed, "packed")?.inner))
 }
 
 /// Frees a packed state (NULL is a no-op).
@@ -275,13 +258,11 @@ pub unsafe extern "C" fn fo_state_load(
     report: *mut fo_load_report,
 ) -> fo_status {
     guard(|| {
-        let o = options
-            .as_ref()
-            .map_or_else(LoadOptions::default, |o| LoadOptions {
-                strict: o.strict != 0,
-                params: o.params != 0,
-                param_groups: o.param_groups != 0,
-            });
+        let o = options.as_ref().map_or_else(LoadOptions::default, |o| LoadOptions {
+            strict: o.strict != 0,
+            params: o.params != 0,
+            param_groups: o.param_groups != 0,
+        });
         let r = ckpt::load(opt_mut(opt)?, Path::new(arg_str(dir, "dir")?), &o)?;
         if let Some(out) = report.as_mut() {
             (out.loaded, out.missing, out.unexpected, out.requantized) = (
@@ -303,10 +284,7 @@ pub unsafe extern "C" fn fo_state_load(
 /// Writes every key's full tensor into `out_dir/model-00001-of-00001.safetensors` plus
 /// `model.safetensors.index.json` (integer and 0-dim tensors kept exactly).
 #[no_mangle]
-pub unsafe extern "C" fn fo_checkpoint_consolidate(
-    dir: *const c_char,
-    out_dir: *const c_char,
-) -> fo_status {
+pub unsafe extern "C" fn fo_checkpoint_consolidate(dir: *const c_char, out_dir: *const c_char) -> fo_status {
     guard(|| {
         ckpt::consolidate(
             Path::new(arg_str(dir, "dir")?),

@@ -19,3 +19,4 @@ pub use optim::*;
 pub use shard::*;
 pub use status::*;
 pub use types::*;
+

@@ -18,8 +18,7 @@ pub unsafe extern "C" fn fo_wrap_uneven(
     out: *mut fo_shard_info,
 ) -> fo_status {
     guard(|| {
-        let spec =
-            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         *arg_mut(out, "out")? = spec.info().into();
         Ok(())
     })
@@ -42,15 +41,11 @@ pub unsafe extern "C" fn fo_shard_indices(
     out_len: *mut i64,
 ) -> fo_status {
     guard(|| {
-        let spec =
-            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         let out_len = arg_mut(out_len, "out_len")?;
         let d = arg_count(dim as i64, "dim")?;
         if d >= spec.global_shape().len() {
-            return Err(Error::invalid(
-                "dim",
-                format!("{dim} is outside a tensor with {ndim} dims"),
-            ));
+            return Err(Error::invalid("dim", format!("{dim} is outside a tensor with {ndim} dims")));
         }
         let capacity = arg_count(capacity, "capacity")?;
         let idx = spec.indices(d);
@@ -58,10 +53,7 @@ pub unsafe extern "C" fn fo_shard_indices(
         if idx.len() > capacity {
             return Err(Error::invalid(
                 "capacity",
-                format!(
-                    "{capacity} is too small for the {} indices held along dim {d}",
-                    idx.len()
-                ),
+                format!("{capacity} is too small for the {} indices held along dim {d}", idx.len()),
             ));
         }
         for (o, i) in arg_slice_mut(out, idx.len(), "out")?.iter_mut().zip(idx) {
@@ -99,10 +91,7 @@ pub unsafe extern "C" fn fo_grouped_placements(
         let src: Vec<fo_placement> = super::args::arg_slice(placements, n, "placements")?.to_vec();
         let dst = arg_slice_mut(out, n, "out")?;
         for (i, (o, p)) in dst.iter_mut().zip(src).enumerate() {
-            *o = fo_placement::from_placement(
-                p.to_placement(&format!("placements[{i}]"))?
-                    .shifted_for_grouped(),
-            );
+            *o = fo_placement::from_placement(p.to_placement(&format!("placements[{i}]"))?.shifted_for_grouped());
         }
         Ok(())
     })

@@ -189,10 +189,7 @@ impl OptimConfig {
         if self.algorithm.is_adam() || self.algorithm == Algorithm::Lion {
             for (n, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
                 if !(0.0..=1.0).contains(&b) {
-                    return Err(Error::invalid(
-                        n,
-                        format!("invalid beta {b} (must be in [0, 1])"),
-                    ));
+                    return Err(Error::invalid(n, format!("invalid beta {b} (must be in [0, 1])")));
                 }
             }
         }
@@ -230,10 +227,7 @@ impl OptimConfig {
         } else if self.nesterov {
             return Err(Error::invalid(
                 "nesterov",
-                format!(
-                    "only SGD and SGDW take nesterov, not {}",
-                    self.algorithm.name()
-                ),
+                format!("only SGD and SGDW take nesterov, not {}", self.algorithm.name()),
             ));
         }
         if self.decouple_lr {
@@ -309,17 +303,9 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("lr"));
         c.lr = 1e-3;
         c.master_weight_bits = 16;
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("master_weight_bits"));
+        assert!(c.validate().unwrap_err().to_string().contains("master_weight_bits"));
         let mut c = OptimConfig::default_for(Algorithm::Adam);
         c.decouple_lr = true;
-        assert!(c
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("decouple_lr"));
+        assert!(c.validate().unwrap_err().to_string().contains("decouple_lr"));
     }
 }

@@ -136,10 +136,7 @@ fn isa() -> Isa {
             {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }

@@ -231,11 +231,7 @@ impl Rule {
                     };
                     let d = match momentum {
                         Some(mom) => {
-                            let b = if first {
-                                gi
-                            } else {
-                                gi.mul_add(wdamp, m[i] * mom)
-                            };
+                            let b = if first { gi } else { gi.mul_add(wdamp, m[i] * mom) };
                             m[i] = b;
                             if nesterov {
                                 b.mul_add(mom, gi)

@@ -65,10 +65,7 @@ impl Runs {
         for j in 0..split_factor {
             let piece = chunk_range(len, split_factor, j);
             let mine = chunk_range(piece.len(), n, r);
-            for run in self
-                .slice(piece.start + mine.start..piece.start + mine.end)
-                .0
-            {
+            for run in self.slice(piece.start + mine.start..piece.start + mine.end).0 {
                 push_merged(&mut out, run);
             }
         }

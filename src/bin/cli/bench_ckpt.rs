@@ -28,13 +28,7 @@ fn fill(n: usize, seed: u64) -> Vec<u8> {
 }
 
 fn spec(rows: usize, world: usize, rank: usize) -> ShardSpec {
-    ShardSpec::new(
-        vec![rows, COLS],
-        vec![world],
-        vec![rank],
-        vec![Placement::Shard(0)],
-    )
-    .unwrap()
+    ShardSpec::new(vec![rows, COLS], vec![world], vec![rank], vec![Placement::Shard(0)]).unwrap()
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -86,11 +80,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let t = Instant::now();
     save(&dir, &packs).map_err(|e| e.to_string())?;
     let save_s = t.elapsed().as_secs_f64();
-    println!(
-        "save  {world} ranks: {:.2} GB/s ({:.2} s)",
-        gbps(bytes, save_s),
-        save_s
-    );
+    println!("save  {world} ranks: {:.2} GB/s ({:.2} s)", gbps(bytes, save_s), save_s);
     if f.switch("save-only") {
         return Ok(());
     }
@@ -120,8 +110,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             let ck = &ck;
             sc.spawn(move || {
                 for k in 0..TENSORS {
-                    ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, to, r))
-                        .unwrap();
+                    ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, to, r)).unwrap();
                 }
             });
         }
@@ -171,26 +160,15 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 let mut scales = vec![half::f16::ZERO; quant8::num_groups(x.len())];
                 quant8::quantize_signed(&x, &mut codes, &mut scales);
                 let ck = format!("state.layer{k}.exp_avg::quantized");
-                let codes = Tensor::new(
-                    DType::I8,
-                    t.shape.clone(),
-                    codes.into_iter().map(|c| c as u8).collect(),
-                )
-                .unwrap();
+                let codes =
+                    Tensor::new(DType::I8, t.shape.clone(), codes.into_iter().map(|c| c as u8).collect()).unwrap();
                 let sc = Tensor::new(
                     DType::F16,
                     vec![scales.len()],
-                    scales
-                        .iter()
-                        .flat_map(|s| s.to_bits().to_le_bytes())
-                        .collect(),
+                    scales.iter().flat_map(|s| s.to_bits().to_le_bytes()).collect(),
                 )
                 .unwrap();
-                entries.push(StateEntry::new(
-                    ck.clone(),
-                    codes,
-                    Some(spec(rows, world, p.opts.rank)),
-                ));
+                entries.push(StateEntry::new(ck.clone(), codes, Some(spec(rows, world, p.opts.rank))));
                 entries.push(StateEntry::group_scales(
                     format!("state.layer{k}.exp_avg::scales"),
                     sc,

@@ -49,12 +49,7 @@ fn best(v: Vec<f64>) -> f64 {
 /// Seconds per pass of the no-math AdamW memory pattern over n elements.
 fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
     let pool = threads::pool().map_err(|e| e.to_string())?;
-    let (mut p, g, mut m, mut v) = (
-        fill(n, 1, 1.0),
-        fill(n, 2, 1.0),
-        fill(n, 3, 1.0),
-        fill(n, 4, 1.0),
-    );
+    let (mut p, g, mut m, mut v) = (fill(n, 1, 1.0), fill(n, 2, 1.0), fill(n, 3, 1.0), fill(n, 4, 1.0));
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -89,11 +84,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         cfg.state_format = StateFormat::Fp32;
         cfg.master_weight_bits = 0;
     }
-    let (dtype, elem) = if compressed {
-        (DType::BF16, 2)
-    } else {
-        (DType::F32, 4)
-    };
+    let (dtype, elem) = if compressed { (DType::BF16, 2) } else { (DType::F32, 4) };
     let to_bytes = |v: Vec<f32>| -> Vec<u8> {
         if compressed {
             v.iter()
@@ -118,8 +109,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         .collect();
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     let view = |b: &mut Vec<u8>| unsafe {
-        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
-            .map_err(|e| e.to_string())
+        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t").map_err(|e| e.to_string())
     };
     for (i, p) in params.iter_mut().enumerate() {
         unsafe {
@@ -127,10 +117,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
                 .map_err(|e| e.to_string())?
         };
     }
-    let gs: Vec<Option<HostTensor>> = grads
-        .iter_mut()
-        .map(|g| view(g).map(Some))
-        .collect::<Result<_, _>>()?;
+    let gs: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| view(g).map(Some)).collect::<Result<_, _>>()?;
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -198,11 +185,7 @@ pub fn run(f: &Flags) -> Result<(), String> {
             if comp {
                 cases.push(("bf16+quant8+24-bit AdamW, 1 tensor".into(), 1, true));
                 if largest {
-                    cases.push((
-                        format!("bf16+quant8+24 AdamW, {tensors} tensors"),
-                        tensors,
-                        true,
-                    ));
+                    cases.push((format!("bf16+quant8+24 AdamW, {tensors} tensors"), tensors, true));
                 }
             }
             for (label, k, compressed) in cases {
@@ -211,11 +194,7 @@ pub fn run(f: &Flags) -> Result<(), String> {
                 let c = ceiling(n, iters)?;
                 let cr = n as f64 / c;
                 row("  ceiling (4 reads + 3 writes, f32)", n, c, FP32_BYTES, cr);
-                let bytes = if compressed {
-                    COMPRESSED_BYTES
-                } else {
-                    FP32_BYTES
-                };
+                let bytes = if compressed { COMPRESSED_BYTES } else { FP32_BYTES };
                 row(&label, n, step_time(n, k, compressed, iters)?, bytes, cr);
             }
         }

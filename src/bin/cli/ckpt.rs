@@ -35,9 +35,7 @@ impl Progress {
         self.last = step;
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         if self.tty {
-            let bar: String = (0..40)
-                .map(|i| if i * 100 < pct * 40 { '#' } else { ' ' })
-                .collect();
+            let bar: String = (0..40).map(|i| if i * 100 < pct * 40 { '#' } else { ' ' }).collect();
             eprint!(
                 "\r{} [{bar}] {pct:3}% {:.2}/{:.2} GiB",
                 self.what,
@@ -48,12 +46,7 @@ impl Progress {
                 eprintln!();
             }
         } else {
-            eprintln!(
-                "{} {pct}% ({:.2}/{:.2} GiB)",
-                self.what,
-                gib(done),
-                gib(total)
-            );
+            eprintln!("{} {pct}% ({:.2}/{:.2} GiB)", self.what, gib(done), gib(total));
         }
         let _ = std::io::stderr().flush();
     }
@@ -68,8 +61,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         ["inspect", dir] => inspect(Path::new(dir)),
         ["verify", dir] => {
             let mut p = Progress::new("verify");
-            let v =
-                verify(Path::new(dir), &mut |d, t| p.update(d, t)).map_err(|e| e.to_string())?;
+            let v = verify(Path::new(dir), &mut |d, t| p.update(d, t)).map_err(|e| e.to_string())?;
             println!(
                 "ok: {} files, {} keys, {} chunks, {} bytes; every element saved exactly once; {} of {} chunks checksummed and verified",
                 v.files, v.keys, v.chunks, v.bytes, v.checksummed_chunks, v.chunks
@@ -78,8 +70,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
         ["consolidate", dir, out] => {
             let mut p = Progress::new("consolidate");
-            let c = consolidate(Path::new(dir), Path::new(out), &mut |d, t| p.update(d, t))
-                .map_err(|e| e.to_string())?;
+            let c =
+                consolidate(Path::new(dir), Path::new(out), &mut |d, t| p.update(d, t)).map_err(|e| e.to_string())?;
             println!(
                 "wrote {} ({} keys, {} bytes) and {}",
                 c.file.display(),
@@ -118,9 +110,7 @@ fn inspect(dir: &Path) -> Result<(), String> {
         let bytes: usize = info.chunks.iter().map(|c| c.nbytes).sum();
         total += bytes;
         let sharding = match &info.fo {
-            Some(f) if f.group_scales_of.is_some() => {
-                format!("scales of [{}] groups", f.placements.join(","))
-            }
+            Some(f) if f.group_scales_of.is_some() => format!("scales of [{}] groups", f.placements.join(",")),
             Some(f) => format!("mesh {:?} [{}]", f.mesh, f.placements.join(",")),
             None => "saved_offsets only".to_string(),
         };
@@ -138,11 +128,7 @@ fn inspect(dir: &Path) -> Result<(), String> {
     println!(
         "{} keys, {total} bytes of tensor data; state is {}",
         ck.keys.len(),
-        if compressed {
-            "compressed (quant8)"
-        } else {
-            "portable"
-        }
+        if compressed { "compressed (quant8)" } else { "portable" }
     );
     Ok(())
 }

@@ -48,9 +48,7 @@ impl Flags {
     pub fn parse_or<T: std::str::FromStr>(&self, name: &str, default: T) -> Result<T, String> {
         match self.get(name) {
             None => Ok(default),
-            Some(v) => v
-                .parse()
-                .map_err(|_| format!("--{name}: cannot parse {v:?}")),
+            Some(v) => v.parse().map_err(|_| format!("--{name}: cannot parse {v:?}")),
         }
     }
 
@@ -60,12 +58,6 @@ impl Flags {
         if v.is_empty() {
             return Ok(vec![]);
         }
-        v.split(',')
-            .map(|s| {
-                s.trim()
-                    .parse()
-                    .map_err(|_| format!("--{name}: cannot parse {s:?} in {v:?}"))
-            })
-            .collect()
+        v.split(',').map(|s| s.trim().parse().map_err(|_| format!("--{name}: cannot parse {s:?} in {v:?}"))).collect()
     }
 }

@@ -41,13 +41,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "ckpt" => ckpt::run(rest),
         "bench" => match rest.split_first() {
             Some((what, flags)) if what == "step" => bench_step::run(&Flags::parse(flags)?),
-            Some((what, flags)) if what == "broadcast" => {
-                bench_broadcast::run(&Flags::parse(flags)?)
-            }
+            Some((what, flags)) if what == "broadcast" => bench_broadcast::run(&Flags::parse(flags)?),
             Some((what, more)) if what == "ckpt" => bench_ckpt::run(more),
-            _ => Err(format!(
-                "usage: fo bench <step|broadcast|ckpt> [flags]\n\n{USAGE}"
-            )),
+            _ => Err(format!("usage: fo bench <step|broadcast|ckpt> [flags]\n\n{USAGE}")),
         },
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
