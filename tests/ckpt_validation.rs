@@ -53,7 +53,15 @@ fn rewrite(
     }
     if redigest {
         let d = header_digest(&meta, &tensors);
-        meta.insert(DIGEST_KEY.into(), d);
+        meta.insert(DIGEST_KEY.into(), d.clone());
+        // ... and names the new digest in the commit record too.
+        let rec = path.parent().unwrap().join(fo::ckpt::commit::COMMIT_FILE);
+        if let Ok(b) = std::fs::read(&rec) {
+            let mut c: Value = serde_json::from_slice(&b).unwrap();
+            let rank = fo::ckpt::format::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap()).unwrap();
+            c["digests"][rank] = Value::String(d);
+            std::fs::write(&rec, c.to_string()).unwrap();
+        }
     }
     let mut out = encode_header(&meta, &tensors);
     out.extend_from_slice(data);

@@ -84,17 +84,6 @@ impl Checkpoint {
         for (i, path) in paths.into_iter().enumerate() {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
             let (fo, digest) = ck.add_file(&path, &file, i)?;
-            if let Some(c) = &commit {
-                if digest.as_deref() != Some(c.digests[i].as_str()) {
-                    return Err(Error::corrupt(
-                        &path,
-                        format!(
-                            "its header digest {digest:?} is not the one the commit record {} names ({}): not the committed file",
-                            COMMIT_FILE, c.digests[i]
-                        ),
-                    ));
-                }
-            }
             if let Some(fo) = fo {
                 validate::same_save(
                     &path,
@@ -125,6 +114,17 @@ impl Checkpoint {
                     &path,
                     "has no fo metadata while the other rank files do",
                 ));
+            }
+            if let Some(c) = &commit {
+                if digest.as_deref() != Some(c.digests[i].as_str()) {
+                    return Err(Error::corrupt(
+                        &path,
+                        format!(
+                            "its header digest {digest:?} is not the one the commit record {} names ({}): not the committed file",
+                            COMMIT_FILE, c.digests[i]
+                        ),
+                    ));
+                }
             }
             ck.files.push(path);
             ck.handles.push(file);
