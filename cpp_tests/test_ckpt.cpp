@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <thread>
 #include <vector>
 #include <unistd.h>
 
@@ -167,7 +168,35 @@ static void consolidates_torch_checkpoint_bit_for_bit() {
   }
 }
 
+// Independent ranks must name their save; through a communicator the ranks agree on a
+// generated id and fo_state_save_comm returns once the checkpoint is committed.
+void saves_need_an_id_or_a_communicator() {
+  fs::path dir = fs::temp_directory_path() / ("fo-cpp-commit-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  Rank a(2, 0), b(2, 1);
+  a.step(0);
+  b.step(0);
+  fo_pack_options o{0, 2, 1, 0, -1, nullptr};
+  CHECK_ERR(fo_state_save(a.opt, dir.c_str(), &o), FO_ERR_INVALID_ARGUMENT, "save_id");
+  fo_comm* comms[2] = {nullptr, nullptr};
+  CHECK_OK(fo_comm_create_local_group(2, 60.0, comms));
+  fo_status st[2];
+  std::thread t([&] {
+    fo_pack_options o1{1, 2, 1, 0, -1, nullptr};
+    st[1] = fo_state_save_comm(b.opt, dir.c_str(), &o1, comms[1]);
+  });
+  st[0] = fo_state_save_comm(a.opt, dir.c_str(), &o, comms[0]);
+  t.join();
+  CHECK(st[0] == FO_OK && st[1] == FO_OK);
+  CHECK(fs::exists(dir / "fo-commit.json"));
+  CHECK_OK(fo_checkpoint_verify(dir.c_str()));
+  fo_comm_destroy(comms[0]);
+  fo_comm_destroy(comms[1]);
+  fs::remove_all(dir);
+}
+
 int main() {
+  saves_need_an_id_or_a_communicator();
   packed_view_lists_chunks_with_global_offsets();
   save_on_three_ranks_load_on_two();
   consolidates_torch_checkpoint_bit_for_bit();

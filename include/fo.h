@@ -77,8 +77,9 @@ typedef int32_t fo_status;
  bits), 1 portable (dequantized f32 state). `params`: 0 state only, 1 also the params
  under their plain FQN as stored, 2 also as f32 masters (param + error bits).
  `write_unsharded`: -1 rank 0 writes unsharded entries, 0 this rank does not, 1 it
- does. `save_id`: the same string on every rank of one save (NULL: none); a directory
- mixing saves is refused on load.
+ does. `save_id`: the same string on every rank of one save; required when
+ `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
+ for one rank generates one. The save becomes visible when the last rank finishes.
  */
 typedef struct fo_pack_options {
   int32_t rank;
@@ -420,6 +421,18 @@ void fo_packed_destroy(struct fo_packed *packed);
 fo_status fo_state_save(const struct fo_optimizer *opt,
                         const char *dir,
                         const struct fo_pack_options *options);
+
+/*
+ `fo_state_save` through a communicator (its rank and world size must be the
+ options'): the ranks agree on the save id (rank 0's, generated when NULL), each
+ stages its file, and rank 0 commits once every rank reported success. Returns OK on
+ every rank only once the checkpoint is committed; on failure every rank returns the
+ first failing rank's error and the previous checkpoint stays the visible one.
+ */
+fo_status fo_state_save_comm(const struct fo_optimizer *opt,
+                             const char *dir,
+                             const struct fo_pack_options *options,
+                             const struct fo_comm *comm);
 
 /*
  Loads checkpoint `dir` (any sharding, fo's or PyTorch DCP HuggingFace files) into the

@@ -23,7 +23,9 @@ fn fixture(name: &str) -> (PathBuf, Vec<Rank>) {
     let cfg = config(StateFormat::Fp32, 0);
     let rs = ranks(2, &cfg, DType::F32, 2);
     for (r, rank) in rs.iter().enumerate() {
-        save_optimizer(&rank.opt, &dir, &SaveOptions::new(r, 2, Mode::Portable)).unwrap();
+        let mut o = SaveOptions::new(r, 2, Mode::Portable);
+        o.save_id = "fixture".into();
+        save_optimizer(&rank.opt, &dir, &o).unwrap();
     }
     (dir, rs)
 }
@@ -126,8 +128,28 @@ fn directory_mixing_two_saves_is_refused() {
     let mut o = SaveOptions::new(1, 2, Mode::Portable);
     o.save_id = "another".into();
     save_optimizer(&rs[1].opt, &other, &o).unwrap();
-    std::fs::copy(shard(&other, 1), shard(&dir, 1)).unwrap();
+    // One rank of two saved: nothing is committed, the file waits in the staging directory.
+    assert!(!shard(&other, 1).exists() && Checkpoint::open(&other).is_err());
+    let staged = fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::format::shard_file_name(1));
+    std::fs::copy(staged, shard(&dir, 1)).unwrap();
     assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
+    // Without the record (fo 0.1.0's directories), the save ids still tell.
+    std::fs::remove_file(dir.join(fo::ckpt::commit::COMMIT_FILE)).unwrap();
+    assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
+}
+
+/// Temporary files in `dir` and its staging directories.
+fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()) {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(temporaries(&p));
+        } else if e.file_name().to_string_lossy().contains(".tmp-") {
+            out.push(p);
+        }
+    }
+    out
 }
 
 /// Runs `fo bench ckpt --save-only` into `dir` and SIGKILLs it as soon as a temporary
@@ -151,9 +173,7 @@ fn kill_mid_save(dir: &Path, mib: usize) -> bool {
         .unwrap();
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(60) {
-        let writing = std::fs::read_dir(dir).unwrap().filter_map(|e| e.ok()).any(|e| {
-            e.file_name().to_string_lossy().contains(".tmp-") && e.metadata().is_ok_and(|m| m.len() > 1 << 20)
-        });
+        let writing = temporaries(dir).iter().any(|p| p.metadata().is_ok_and(|m| m.len() > 1 << 20));
         if writing {
             child.kill().unwrap(); // SIGKILL
             child.wait().unwrap();
@@ -214,11 +234,13 @@ fn writer_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
         .output()
         .unwrap();
     assert!(ok.status.success());
-    let left: Vec<_> = std::fs::read_dir(&dir)
+    let left = temporaries(&dir);
+    assert!(left.is_empty(), "stale temporaries: {left:?}");
+    let stages: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".fo-stage-"))
         .collect();
-    assert!(left.is_empty(), "stale temporaries: {left:?}");
+    assert!(stages.is_empty(), "staging directories left after a commit: {stages:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

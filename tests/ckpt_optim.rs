@@ -295,6 +295,7 @@ fn params_saved_as_stored_reload_with_their_error_bits() {
     for (r, rank) in src.iter().enumerate() {
         let mut o = SaveOptions::new(r, 2, Mode::Compressed);
         o.params = Some(ParamsAs::Stored);
+        o.save_id = "stored".into();
         save_optimizer(&rank.opt, &dir, &o).unwrap();
     }
     for (r, s) in src.iter().enumerate() {

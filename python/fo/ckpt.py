@@ -48,6 +48,7 @@ _meta = declare("fo_packed_metadata_json", [_P, ctypes.c_char_p, ctypes.c_size_t
 _psave = declare("fo_packed_save", [_P, ctypes.c_char_p])
 _pdestroy = declare("fo_packed_destroy", [_P], None)
 _save = declare("fo_state_save", [_P, ctypes.c_char_p, ctypes.POINTER(PackOptions)])
+_save_comm = declare("fo_state_save_comm", [_P, ctypes.c_char_p, ctypes.POINTER(PackOptions), _P])
 _load = declare("fo_state_load", [_P, ctypes.c_char_p, ctypes.POINTER(LoadOptions), ctypes.POINTER(LoadReport)])
 _consolidate = declare("fo_checkpoint_consolidate", [ctypes.c_char_p, ctypes.c_char_p])
 _verify = declare("fo_checkpoint_verify", [ctypes.c_char_p])
@@ -119,11 +120,18 @@ def pack(opt, rank=0, world_size=1, mode="compressed", params=None, write_unshar
     return Packed(h)
 
 
-def save(opt, directory, rank=0, world_size=1, mode="compressed", params=None, write_unsharded=None, save_id=None):
-    """Writes this rank's file `shard-{rank+1:05}-model-00001-of-00001.safetensors` in
-    `directory`, streaming and atomically."""
+def save(opt, directory, rank=0, world_size=1, mode="compressed", params=None, write_unsharded=None, save_id=None,
+         comm=None):
+    """Writes this rank's file `shard-{rank+1:05}-model-00001-of-00001.safetensors` of
+    save `save_id` into `directory`'s staging area; the checkpoint becomes visible when
+    the last rank finishes (commit record `fo-commit.json`). `save_id` is required when
+    `world_size` > 1 unless `comm` (an `fo.comm.Comm`) is given: then rank 0's id (or a
+    generated one) is agreed, rank 0 commits, and the call returns once committed."""
     o = _options(rank, world_size, mode, params, write_unsharded, save_id)
-    check(_save(opt._handle, str(directory).encode(), ctypes.byref(o)))
+    if comm is None:
+        check(_save(opt._handle, str(directory).encode(), ctypes.byref(o)))
+    else:
+        check(_save_comm(opt._handle, str(directory).encode(), ctypes.byref(o), comm._h))
 
 
 def load(opt, directory, strict=True, params=False, param_groups=True):

@@ -29,9 +29,11 @@ def make_rank(world, rank, state_format="fp32", steps=2):
 
 
 def test_files_open_with_the_safetensors_package_and_carry_dcp_sharding_info(tmp_path):
-    for r in range(3):
-        opt, _, r0, n = make_rank(3, r, "quant8")
+    ranks = [make_rank(3, r, "quant8") for r in range(3)]
+    for r, (opt, _, _, _) in enumerate(ranks):
         fo.ckpt.save(opt, tmp_path, rank=r, world_size=3, mode="compressed", save_id="py")
+    # Every rank's file is visible once the last rank has saved.
+    for r, (opt, _, r0, n) in enumerate(ranks):
         path = tmp_path / f"shard-{r + 1:05d}-model-00001-of-00001.safetensors"
         tensors = load_file(str(path))
         np.testing.assert_array_equal(tensors["state.w.exp_avg::quantized"], opt.get_state(0, "exp_avg::quantized"))
@@ -51,7 +53,7 @@ def test_saved_on_three_ranks_loads_on_two_bit_for_bit(tmp_path):
     for r in range(3):
         opt, _, r0, n = make_rank(3, r)
         m[r0:r0 + n] = opt.get_state(0, "exp_avg")
-        fo.ckpt.save(opt, tmp_path, rank=r, world_size=3, mode="portable")
+        fo.ckpt.save(opt, tmp_path, rank=r, world_size=3, mode="portable", save_id="three")
     for r in range(2):
         opt, _, r0, n = make_rank(2, r, steps=0)
         report = fo.ckpt.load(opt, tmp_path)
@@ -100,3 +102,21 @@ def test_corrupt_file_raises_naming_it_and_leaves_the_optimizer(tmp_path):
     np.testing.assert_array_equal(fresh.get_state(0, "exp_avg"), before)
     with pytest.raises(fo.FoError, match="does not exist"):
         fo.ckpt.load(fresh, tmp_path / "missing")
+
+
+def test_multi_rank_save_needs_a_save_id_and_commits_when_the_last_rank_is_done(tmp_path):
+    opt, _, _, _ = make_rank(2, 0)
+    with pytest.raises(fo.FoError, match="save_id"):
+        fo.ckpt.save(opt, tmp_path, rank=0, world_size=2, mode="portable")
+    fo.ckpt.save(opt, tmp_path, rank=0, world_size=2, mode="portable", save_id="a")
+    # One rank of two: nothing is visible yet.
+    with pytest.raises(fo.FoError):
+        fo.ckpt.verify(tmp_path)
+    # A rank of another save does not complete it.
+    opt1, _, _, _ = make_rank(2, 1)
+    fo.ckpt.save(opt1, tmp_path, rank=1, world_size=2, mode="portable", save_id="b")
+    with pytest.raises(fo.FoError):
+        fo.ckpt.verify(tmp_path)
+    fo.ckpt.save(opt1, tmp_path, rank=1, world_size=2, mode="portable", save_id="a")
+    fo.ckpt.verify(tmp_path)
+    assert json.loads((tmp_path / "fo-commit.json").read_text())["save_id"] == "a"

@@ -19,8 +19,13 @@ use crate::tensor::checked_numel;
 /// The largest header fo accepts (the safetensors crate uses the same limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// Version of fo's metadata layout; readers refuse newer versions.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of fo's metadata layout; readers refuse newer versions. 2: header digest
+/// (`fo_digest`), per-tensor dtype and shape, checksums bound to placement, committed
+/// saves (`fo-commit.json`). fo 0.1.0's version 1 files are still read (no digest).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The `__metadata__` entry holding [`header_digest`].
+pub const DIGEST_KEY: &str = "fo_digest";
 
 /// The file rank `rank` (0-based) writes, named as PyTorch's HuggingFace writer names it.
 pub fn shard_file_name(rank: usize) -> String {
@@ -80,6 +85,11 @@ pub struct FoTensor {
     pub global_offset: Vec<usize>,
     /// Block checksums, 16 hex digits each, concatenated.
     pub xxh64: String,
+    /// The tensor's dtype and (local) shape as the header must state them (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<usize>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -230,6 +240,20 @@ fn parse_entry(path: &Path, name: &str, v: &Value, data_len: u64) -> Result<Tens
         start: offs[0],
         end: offs[1],
     })
+}
+
+/// The digest of everything a header says: each tensor's name, dtype, shape and byte
+/// range, and every `__metadata__` entry but the digest itself (fo's metadata with its
+/// placements, checksums and `param_groups`; DCP's sharding info). 16 hex digits.
+pub fn header_digest(metadata: &BTreeMap<String, String>, tensors: &[TensorEntry]) -> String {
+    let mut ts: Vec<(&str, &str, &[usize], u64, u64)> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype.safetensors_name(), t.shape.as_slice(), t.start, t.end))
+        .collect();
+    ts.sort_unstable();
+    let meta: Vec<(&String, &String)> = metadata.iter().filter(|(k, _)| *k != DIGEST_KEY).collect();
+    let s = serde_json::to_string(&(ts, meta)).unwrap();
+    format!("{:016x}", super::checksum::xxh64_seeded(s.as_bytes(), 0x666f_6864_6967_6573))
 }
 
 /// `DCP_SHARDING_INFO`: `{name: {"saved_offsets": [...]}}` as torch's HF writer stores it.

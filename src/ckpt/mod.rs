@@ -19,10 +19,16 @@
 //!   saved coordinate's shard copies codes and scales bit for bit; any other destination
 //!   is dequantized with the saved groups and requantized in its own groups
 //!   (`quant.rs` states the error bound).
-//! - Checksums: xxh64 per 4 MiB block of each tensor, so partial (resharding) reads
-//!   verify exactly the blocks they touch.
+//! - Checksums: xxh64 per 4 MiB block of each tensor, seeded by the chunk's key, dtype,
+//!   shape and offset, so partial (resharding) reads verify exactly the blocks they
+//!   touch and data never passes as another chunk's. A header digest (`fo_digest`)
+//!   covers everything the header says (`format.rs`).
+//! - Saves are staged and committed by a record written once every rank is done
+//!   (`commit.rs`, `collective.rs`); every reader runs the same checks (`validate.rs`).
 //! - A 0-element shard writes nothing (torch writes an empty tensor; fo reads both).
 pub mod checksum;
+pub mod collective;
+pub mod commit;
 pub mod consolidate;
 pub mod format;
 pub mod optim;
@@ -30,9 +36,11 @@ pub mod pack;
 pub mod quant;
 pub mod reader;
 pub mod reshard;
+pub mod validate;
 pub mod verify;
 pub mod writer;
 
+pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
 pub use optim::{load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions};
 pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::pack::{EntryMeta, Layout, PackOptions, Packed};
 use super::quant::{codes_key, scales_key};
 use super::reader::Checkpoint;
-use super::writer::{commit, stage_rank_file};
+use super::writer::{finish, resolve_save_id, stage_rank_file};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, StateFormat};
@@ -59,7 +59,7 @@ impl SaveOptions {
 }
 
 /// Where an entry's data comes from.
-enum Source {
+pub(super) enum Source {
     State { i: usize, key: String, dtype: DType },
     Param(usize),
 }
@@ -71,7 +71,7 @@ fn packed_params(opt: &Optimizer) -> Vec<usize> {
     (0..opt.num_params()).filter(|&i| opt.param(i).numel() > 0).collect()
 }
 
-fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>, Vec<Source>) {
+pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>, Vec<Source>) {
     let (mut metas, mut srcs) = (Vec::new(), Vec::new());
     let mut push = |key: String, dtype, shape: Vec<usize>, spec: Option<ShardSpec>, layout, src| {
         metas.push(EntryMeta {
@@ -198,7 +198,7 @@ fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>, Vec<Source
     (metas, srcs)
 }
 
-fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
+pub(super) fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
     PackOptions {
         rank: o.rank,
         world_size: o.world_size,
@@ -215,7 +215,7 @@ fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
     }
 }
 
-fn fetch(opt: &Optimizer, s: &Source) -> Result<Tensor> {
+pub(super) fn fetch(opt: &Optimizer, s: &Source) -> Result<Tensor> {
     match s {
         Source::State { i, key, dtype } => opt.get_state_as(*i, key, *dtype),
         // SAFETY: registered params stay valid for the optimizer's lifetime.
@@ -243,10 +243,11 @@ pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
 /// largest entry).
 pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
     let (metas, srcs) = plan_entries(opt, o);
-    let popts = pack_options(opt, o);
+    let mut popts = pack_options(opt, o);
+    popts.save_id = resolve_save_id(&o.save_id, o.world_size)?;
     let plan = super::pack::plan(&metas, &popts)?;
     let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetch(opt, &srcs[e]).map(Cow::Owned))?;
-    commit(dir, vec![staged], (o.rank == 0).then_some(o.world_size))
+    finish(dir, staged)
 }
 
 #[derive(Debug, Clone)]

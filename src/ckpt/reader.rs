@@ -5,11 +5,13 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::checksum::xxh64;
+use super::checksum::{block_sum, chunk_binding};
+use super::commit::{committed_files, read_commit, COMMIT_FILE};
 use super::format::{
-    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta, FORMAT_VERSION,
+    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta,
 };
 use super::reshard::{overlap_runs, BoxIn, Run};
+use super::validate;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Chunk, ShardSpec};
@@ -26,6 +28,8 @@ pub struct SavedChunk {
     pub nbytes: usize,
     /// fo's block checksums (None in files torch wrote).
     pub checksums: Option<String>,
+    /// The seed binding the checksums to key, dtype, shape and offset (0: fo 0.1.0's).
+    pub bind: u64,
 }
 
 impl SavedChunk {
@@ -59,29 +63,15 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `dir` and validates every header: all shard files present, headers well
-    /// formed, offsets inside each key's global shape, dtypes consistent, one save.
+    /// Opens `dir` and validates it as a whole before any data is read
+    /// (`validate.rs`): the committed save's files (or, with no commit record, every shard
+    /// file), each header's digest, fo's metadata against the header and DCP's sharding
+    /// info, one save across files, and every element of every key saved exactly once.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                Error::NotFound(format!("checkpoint directory {} does not exist", dir.display()))
-            }
-            _ => Error::io(dir, e),
-        })?;
-        let mut ranks = Vec::new();
-        for e in rd {
-            let name = e.map_err(|e| Error::io(dir, e))?.file_name();
-            if let Some(r) = name.to_str().and_then(parse_shard_file_name) {
-                ranks.push(r);
-            }
-        }
-        ranks.sort_unstable();
-        if ranks.is_empty() {
-            return Err(Error::NotFound(format!(
-                "no shard-*-model-00001-of-00001.safetensors files in {}",
-                dir.display()
-            )));
-        }
+        let (paths, commit) = match read_commit(dir)? {
+            Some(c) => (committed_files(dir, &c)?, Some(c)),
+            None => (legacy_files(dir)?, None),
+        };
         let mut ck = Checkpoint {
             dir: dir.to_path_buf(),
             files: vec![],
@@ -90,72 +80,83 @@ impl Checkpoint {
             keys: BTreeMap::new(),
             meta: None,
         };
-        let mut world = ranks.len();
-        for (i, &r) in ranks.iter().enumerate() {
-            if r != i {
-                return Err(missing(
-                    dir,
-                    i,
-                    format!("{} exists", shard_file_name(*ranks.last().unwrap())),
-                ));
-            }
-            let path = dir.join(shard_file_name(r));
+        let mut world = paths.len();
+        for (i, path) in paths.into_iter().enumerate() {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            let fo = ck.add_file(&path, &file, i)?;
+            let (fo, digest) = ck.add_file(&path, &file, i)?;
             if let Some(fo) = fo {
-                match &ck.meta {
-                    None => world = fo.world_size,
-                    Some(first) if first.save_id != fo.save_id => {
-                        return Err(Error::corrupt(&path, format!(
-                            "save_id {:?} differs from {:?} in {}: the directory mixes two saves (a save was interrupted while committing)",
-                            fo.save_id, first.save_id, ck.files[0].display()
-                        )))
+                validate::same_save(
+                    &path,
+                    &fo,
+                    i,
+                    ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())),
+                )?;
+                if let Some(c) = &commit {
+                    if fo.save_id != c.save_id || fo.world_size != c.world_size {
+                        return Err(Error::corrupt(
+                            &path,
+                            format!(
+                                "file of save {:?} (world {}) where the commit record names save {:?} (world {})",
+                                fo.save_id, fo.world_size, c.save_id, c.world_size
+                            ),
+                        ));
                     }
-                    Some(_) => {}
                 }
                 if ck.meta.is_none() {
+                    world = fo.world_size;
                     ck.meta = Some(FoMeta {
                         tensors: BTreeMap::new(),
                         ..fo
                     });
                 }
+            } else if ck.meta.is_some() {
+                return Err(Error::corrupt(
+                    &path,
+                    "has no fo metadata while the other rank files do",
+                ));
+            }
+            if let Some(c) = &commit {
+                if digest.as_deref() != Some(c.digests[i].as_str()) {
+                    return Err(Error::corrupt(
+                        &path,
+                        format!(
+                            "its header digest {digest:?} is not the one the commit record {} names ({}): not the committed file",
+                            COMMIT_FILE, c.digests[i]
+                        ),
+                    ));
+                }
             }
             ck.files.push(path);
             ck.handles.push(file);
         }
-        if world > ranks.len() {
+        if world > ck.files.len() {
             return Err(missing(
                 dir,
-                ranks.len(),
+                ck.files.len(),
                 format!("the checkpoint was saved by {world} ranks"),
             ));
         }
-        ck.finish_keys()?;
+        for info in ck.keys.values() {
+            validate::coverage(info, &ck.files)?;
+        }
         Ok(ck)
     }
 
-    fn add_file(&mut self, path: &Path, file: &File, idx: usize) -> Result<Option<FoMeta>> {
+    /// Adds a rank file's chunks; returns its fo metadata and stated digest.
+    fn add_file(&mut self, path: &Path, file: &File, idx: usize) -> Result<(Option<FoMeta>, Option<String>)> {
         let h = read_header(path, file)?;
-        let fo: Option<FoMeta> = match h.metadata.get("fo") {
-            Some(s) => Some(
-                serde_json::from_str(s).map_err(|e| Error::corrupt(path, format!("fo metadata is not valid: {e}")))?,
-            ),
-            None => None,
-        };
-        if let Some(m) = &fo {
-            if m.format_version > FORMAT_VERSION {
-                return Err(Error::Unsupported(format!(
-                    "{}: fo format version {} is newer than this fo ({FORMAT_VERSION})",
-                    path.display(),
-                    m.format_version
-                )));
-            }
-        }
+        let digest = h.metadata.get(super::format::DIGEST_KEY).cloned();
+        let fo = validate::fo_meta(path, &h)?;
         let dcp = match h.metadata.get("DCP_SHARDING_INFO") {
             Some(s) => parse_sharding_info(path, s)?,
             None => BTreeMap::new(),
         };
-        self.block_bytes.push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes));
+        if let Some(m) = &fo {
+            validate::tables_agree(path, m, &h, &dcp)?;
+        }
+        let v2 = fo.as_ref().is_some_and(|m| m.format_version >= 2);
+        self.block_bytes
+            .push(fo.as_ref().map_or(0, |m| m.checksum_block_bytes.max(1)));
         for t in h.tensors {
             let fot = fo.as_ref().and_then(|m| m.tensors.get(&t.name));
             let (key, offset, gshape, sums) = match fot {
@@ -165,17 +166,14 @@ impl Checkpoint {
                     Some(x.global_shape.clone()),
                     Some(x.xxh64.clone()),
                 ),
-                None if fo.is_some() => {
-                    return Err(Error::corrupt(
-                        path,
-                        format!("tensor {:?} is missing from fo's metadata", t.name),
-                    ))
-                }
                 None => {
                     let off = dcp.get(&t.name).cloned().ok_or_else(|| {
                         Error::corrupt(
                             path,
-                            format!("tensor {:?} has no saved_offsets in DCP_SHARDING_INFO", t.name),
+                            format!(
+                                "tensor {:?} has no saved_offsets in DCP_SHARDING_INFO",
+                                t.name
+                            ),
                         )
                     })?;
                     (t.name.clone(), off, None, None)
@@ -190,32 +188,39 @@ impl Checkpoint {
                     ),
                 ));
             }
+            let fo_key = fo.as_ref().and_then(|m| m.keys.get(&key).cloned());
             let info = self.keys.entry(key.clone()).or_insert_with(|| KeyInfo {
                 key: key.clone(),
                 dtype: t.dtype,
                 global_shape: gshape.clone().unwrap_or_else(|| vec![0; t.shape.len()]),
                 chunks: vec![],
-                fo: fo.as_ref().and_then(|m| m.keys.get(&key).cloned()),
+                fo: fo_key.clone(),
             });
             if info.dtype != t.dtype
                 || info.global_shape.len() != t.shape.len()
                 || gshape.as_ref().is_some_and(|g| *g != info.global_shape)
+                || info.fo != fo_key
             {
                 return Err(Error::corrupt(
                     path,
                     format!(
-                        "key {key}: chunk {:?} is {} {:?} of global {gshape:?}, other chunks are {} of global {:?}",
-                        t.name, t.dtype, t.shape, info.dtype, info.global_shape
+                        "key {key}: chunk {:?} is {} {:?} of global {gshape:?} saved as {fo_key:?}, other chunks are {} of global {:?} saved as {:?}",
+                        t.name, t.dtype, t.shape, info.dtype, info.global_shape, info.fo
                     ),
                 ));
             }
             if gshape.is_none() {
                 // torch's files carry no global shape: it is where the furthest chunk ends.
                 for ((g, o), n) in info.global_shape.iter_mut().zip(&offset).zip(&t.shape) {
-                    *g = (*g).max(o + n);
+                    *g = (*g).max(o.saturating_add(*n));
                 }
             }
             if t.shape.iter().product::<usize>() > 0 {
+                let bind = if v2 {
+                    chunk_binding(&key, t.dtype.safetensors_name(), &t.shape, &offset)
+                } else {
+                    0
+                };
                 info.chunks.push(SavedChunk {
                     file: idx,
                     name: t.name.clone(),
@@ -224,27 +229,11 @@ impl Checkpoint {
                     data_start: h.data_start + t.start,
                     nbytes: (t.end - t.start) as usize,
                     checksums: sums,
+                    bind,
                 });
             }
         }
-        Ok(fo)
-    }
-
-    fn finish_keys(&mut self) -> Result<()> {
-        for info in self.keys.values() {
-            for c in &info.chunks {
-                if (0..c.shape.len()).any(|d| c.global_offset[d] + c.shape[d] > info.global_shape[d]) {
-                    return Err(Error::corrupt(
-                        &self.files[c.file],
-                        format!(
-                            "tensor {:?} at {:?} of shape {:?} lies outside key {}'s global shape {:?}",
-                            c.name, c.global_offset, c.shape, info.key, info.global_shape
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
+        Ok((fo, digest))
     }
 
     pub fn file(&self, i: usize) -> &File {
@@ -252,9 +241,12 @@ impl Checkpoint {
     }
 
     pub fn key(&self, key: &str) -> Result<&KeyInfo> {
-        self.keys
-            .get(key)
-            .ok_or_else(|| Error::NotFound(format!("key {key} is not in checkpoint {}", self.dir.display())))
+        self.keys.get(key).ok_or_else(|| {
+            Error::NotFound(format!(
+                "key {key} is not in checkpoint {}",
+                self.dir.display()
+            ))
+        })
     }
 
     /// The local shard `dest` describes of `key`, in the saved dtype.
@@ -279,7 +271,12 @@ impl Checkpoint {
 
     /// Fills a local tensor of `local_shape` whose boxes are `dest` (local and global
     /// offsets) from every saved chunk they overlap; errors if any element is in no chunk.
-    pub fn read_chunks(&self, info: &KeyInfo, local_shape: &[usize], dest: &[Chunk]) -> Result<Tensor> {
+    pub fn read_chunks(
+        &self,
+        info: &KeyInfo,
+        local_shape: &[usize],
+        dest: &[Chunk],
+    ) -> Result<Tensor> {
         let mut out = Tensor::zeros(info.dtype, local_shape.to_vec());
         let es = info.dtype.size();
         let mut covered = 0usize;
@@ -312,7 +309,14 @@ impl Checkpoint {
 
     /// Copies `runs` (elements) of saved chunk `c` into `out`, reading only the checksum
     /// blocks they touch and verifying each one.
-    fn read_runs(&self, info: &KeyInfo, c: &SavedChunk, runs: &[Run], es: usize, out: &mut [u8]) -> Result<()> {
+    fn read_runs(
+        &self,
+        info: &KeyInfo,
+        c: &SavedChunk,
+        runs: &[Run],
+        es: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let path = &self.files[c.file];
         let file = &self.handles[c.file];
         let io = |e| Error::io(path, e);
@@ -322,7 +326,8 @@ impl Checkpoint {
                 // No checksums (torch's files): read exactly the runs, nothing more.
                 for r in runs {
                     let at = c.data_start + (r.src * es) as u64;
-                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at).map_err(io)?;
+                    file.read_exact_at(&mut out[r.dst * es..(r.dst + r.len) * es], at)
+                        .map_err(io)?;
                 }
                 return Ok(());
             }
@@ -349,7 +354,10 @@ impl Checkpoint {
             while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
                 j += 1;
             }
-            let (a, b) = (blocks[i] * block, ((blocks[j - 1] + 1) * block).min(c.nbytes));
+            let (a, b) = (
+                blocks[i] * block,
+                ((blocks[j - 1] + 1) * block).min(c.nbytes),
+            );
             let at = buf.len();
             buf.resize(at + (b - a), 0);
             file.read_exact_at(&mut buf[at..], c.data_start + a as u64)
@@ -376,10 +384,18 @@ impl Checkpoint {
         Ok(())
     }
 
-    fn verify(&self, info: &KeyInfo, c: &SavedChunk, block: usize, bytes: &[u8]) -> Result<()> {
-        let Some(sums) = &c.checksums else { return Ok(()) };
+    /// The checksum block size of file `i` (0: the file has no checksums).
+    pub fn block_bytes(&self, i: usize) -> usize {
+        self.block_bytes[i]
+    }
+
+    /// Checks block `block` of chunk `c` against its stored checksum.
+    pub fn verify(&self, info: &KeyInfo, c: &SavedChunk, block: usize, bytes: &[u8]) -> Result<()> {
+        let Some(sums) = &c.checksums else {
+            return Ok(());
+        };
         let want = sums.get(block * 16..block * 16 + 16);
-        let got = format!("{:016x}", xxh64(bytes));
+        let got = block_sum(bytes, c.bind, block);
         if want != Some(got.as_str()) {
             return Err(Error::corrupt(
                 &self.files[c.file],
@@ -401,4 +417,43 @@ fn missing(dir: &Path, rank: usize, why: String) -> Error {
         dir.display(),
         shard_file_name(rank)
     ))
+}
+
+/// The shard files of a directory without a commit record (fo 0.1.0's or torch's): every
+/// `shard-*` file, ranks 0..n with none missing.
+fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NotFound(format!(
+            "checkpoint directory {} does not exist",
+            dir.display()
+        )),
+        _ => Error::io(dir, e),
+    })?;
+    let mut ranks = Vec::new();
+    for e in rd {
+        let name = e.map_err(|e| Error::io(dir, e))?.file_name();
+        if let Some(r) = name.to_str().and_then(parse_shard_file_name) {
+            ranks.push(r);
+        }
+    }
+    ranks.sort_unstable();
+    if ranks.is_empty() {
+        return Err(Error::NotFound(format!(
+            "no shard-*-model-00001-of-00001.safetensors files in {}",
+            dir.display()
+        )));
+    }
+    for (i, &r) in ranks.iter().enumerate() {
+        if r != i {
+            return Err(missing(
+                dir,
+                i,
+                format!("{} exists", shard_file_name(*ranks.last().unwrap())),
+            ));
+        }
+    }
+    Ok(ranks
+        .iter()
+        .map(|&r| dir.join(shard_file_name(r)))
+        .collect())
 }

@@ -1,14 +1,12 @@
-//! Atomic, streaming writes of rank files.
+//! Atomic, streaming writes of rank files, committed together (`commit.rs`).
 //!
-//! Each file is written to a temporary name in the target directory, header first with
-//! placeholder checksums of the final length, then tensor by tensor (only one entry's
-//! data is held at a time), then the real header is written over the placeholder, the
-//! file is fsynced, renamed over its final name, and the directory fsynced. A kill or an
-//! error before the rename leaves the previous file untouched. A save of several
-//! in-process ranks stages every file before renaming any, so a kill during the long
-//! data phase leaves the whole previous checkpoint loadable; the renames themselves take
-//! microseconds, and a directory that still ends up mixing two saves is refused on load
-//! (the files' `save_id`s differ).
+//! Each file is written to a temporary name in the save's staging directory, header
+//! first with placeholder checksums and digest of the final length, then tensor by tensor
+//! (only one entry's data is held at a time), then the real header is written over the
+//! placeholder, the file is fsynced and renamed to its staged name. The rank then drops
+//! its done marker; the last rank to do so commits the save (`commit::finish_rank`).
+//! Nothing of a save is visible before its commit, so a kill at any point leaves the
+//! previous checkpoint loadable.
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -16,9 +14,11 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::checksum::{block_hex, num_blocks, BLOCK_BYTES};
+use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
+use super::commit::{finish_rank, stage_dir, sync_dir};
 use super::format::{
-    encode_header, parse_shard_file_name, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, FORMAT_VERSION,
+    encode_header, header_digest, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
+    FORMAT_VERSION,
 };
 use super::pack::{chunk_bytes, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
@@ -29,6 +29,11 @@ use crate::tensor::Tensor;
 pub struct Staged {
     tmp: PathBuf,
     dest: PathBuf,
+    /// The header digest (empty for files that are not rank files).
+    digest: String,
+    rank: usize,
+    world_size: usize,
+    save_id: String,
 }
 
 impl Drop for Staged {
@@ -38,7 +43,33 @@ impl Drop for Staged {
     }
 }
 
-fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String]) -> BTreeMap<String, String> {
+/// The save id a save uses: the caller's, or for a single rank a fresh one. Several ranks
+/// saving independently cannot agree on a generated id, so they must name one.
+pub fn resolve_save_id(save_id: &str, world_size: usize) -> Result<String> {
+    if !save_id.is_empty() {
+        return Ok(save_id.to_string());
+    }
+    if world_size > 1 {
+        return Err(Error::invalid(
+            "save_id",
+            format!(
+                "a save by {world_size} ranks needs a save_id, the same on every rank (e.g. the step): \
+                 it is what keeps ranks of two saves from being committed together"
+            ),
+        ));
+    }
+    Ok(generated_save_id())
+}
+
+/// A save id unique to this process and moment.
+pub fn generated_save_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("auto-{}-{}-{}", t.as_secs(), t.subsec_nanos(), std::process::id())
+}
+
+fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String], entries: &[TensorEntry], placeholder: bool) -> BTreeMap<String, String> {
     let offsets: Vec<(String, Vec<usize>)> = plan
         .chunks
         .iter()
@@ -54,6 +85,8 @@ fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String]) -> BTreeMap<String
                 global_shape: c.global_shape.clone(),
                 global_offset: c.global_offset.clone(),
                 xxh64: s.clone(),
+                dtype: Some(c.dtype.safetensors_name().to_string()),
+                shape: Some(c.shape.clone()),
             };
             (c.name.clone(), t)
         })
@@ -72,15 +105,19 @@ fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String]) -> BTreeMap<String
         tensors,
         keys: plan.keys.clone(),
     };
-    BTreeMap::from([
+    let mut m = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         ("DCP_VERSION".to_string(), "1.0".to_string()),
         ("DCP_SHARDING_INFO".to_string(), sharding_info(&offsets)),
         ("fo".to_string(), serde_json::to_string(&fo).unwrap()),
-    ])
+    ]);
+    let digest = if placeholder { "0".repeat(16) } else { header_digest(&m, entries) };
+    m.insert(DIGEST_KEY.to_string(), digest);
+    m
 }
 
-/// Writes one rank's file to a temporary name in `dir`. `fetch(entry)` returns the local
+/// Writes one rank's file to a temporary name in the staging directory of `opts.save_id`
+/// (which must be resolved: see [`resolve_save_id`]). `fetch(entry)` returns the local
 /// tensor of an entry; it is called once per entry that has chunks, in order.
 pub fn stage_rank_file<'t>(
     dir: &Path,
@@ -94,12 +131,20 @@ pub fn stage_rank_file<'t>(
             format!("{} is outside a world of {}", opts.rank, opts.world_size),
         ));
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    if opts.save_id.is_empty() {
+        return Err(Error::invalid("save_id", "a rank file needs its save's id"));
+    }
+    let stage = stage_dir(dir, &opts.save_id);
+    std::fs::create_dir_all(&stage).map_err(|e| Error::io(&stage, e))?;
     let name = shard_file_name(opts.rank);
-    remove_stale_temps(dir, &name)?;
-    let staged = Staged {
-        tmp: dir.join(format!(".{name}.tmp-{}", std::process::id())),
-        dest: dir.join(&name),
+    remove_stale_temps(&stage, &name)?;
+    let mut staged = Staged {
+        tmp: stage.join(format!(".{name}.tmp-{}", std::process::id())),
+        dest: stage.join(&name),
+        digest: String::new(),
+        rank: opts.rank,
+        world_size: opts.world_size,
+        save_id: opts.save_id.clone(),
     };
     let mut entries = Vec::with_capacity(plan.chunks.len());
     let mut at = 0u64;
@@ -118,7 +163,7 @@ pub fn stage_rank_file<'t>(
         .iter()
         .map(|t| "0".repeat(16 * num_blocks((t.end - t.start) as usize)))
         .collect();
-    let head = encode_header(&metadata(plan, opts, &placeholder), &entries);
+    let head = encode_header(&metadata(plan, opts, &placeholder, &entries, true), &entries);
     let io = |e| Error::io(&staged.tmp, e);
     let mut f = create_truncated(&staged.tmp)?;
     f.write_all(&head).map_err(io)?;
@@ -140,12 +185,17 @@ pub fn stage_rank_file<'t>(
                 )));
             }
             let bytes = chunk_bytes(c, &local);
-            sums.push(block_hex(&bytes));
+            sums.push(block_hex(
+                &bytes,
+                chunk_binding(&c.key, c.dtype.safetensors_name(), &c.shape, &c.global_offset),
+            ));
             f.write_all(&bytes).map_err(io)?;
             i += 1;
         }
     }
-    let head2 = encode_header(&metadata(plan, opts, &sums), &entries);
+    let meta = metadata(plan, opts, &sums, &entries, false);
+    staged.digest = meta[DIGEST_KEY].clone();
+    let head2 = encode_header(&meta, &entries);
     if head2.len() != head.len() {
         return Err(Error::Internal(
             "checkpoint header changed length between placeholder and final write".into(),
@@ -172,38 +222,44 @@ fn remove_stale_temps(dir: &Path, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(dir, e))
+/// Renames a rank's staged file to its staged name and drops its done marker; the last
+/// rank of the save to get here commits it.
+pub fn finish(dir: &Path, staged: Staged) -> Result<()> {
+    let (save_id, rank, world, digest) = (staged.save_id.clone(), staged.rank, staged.world_size, staged.digest.clone());
+    publish(dir, staged)?;
+    finish_rank(dir, &save_id, rank, world, &digest)?;
+    Ok(())
 }
 
-/// Renames staged files over their final names, then fsyncs the directory. When
-/// `world_size` is given, shard files of ranks beyond it (left by an earlier, larger
-/// save) are removed, so the directory holds exactly one checkpoint.
-pub fn commit(dir: &Path, staged: Vec<Staged>, world_size: Option<usize>) -> Result<()> {
-    for s in &staged {
-        std::fs::rename(&s.tmp, &s.dest).map_err(|e| Error::io(&s.dest, e))?;
-    }
-    if let Some(world) = world_size {
-        for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-            let p = e.map_err(|e| Error::io(dir, e))?.path();
-            let rank = p.file_name().and_then(|n| n.to_str()).and_then(parse_shard_file_name);
-            if rank.is_some_and(|r| r >= world) {
-                std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
-            }
-        }
-    }
-    sync_dir(dir)
+/// Renames a rank's staged file to its staged name (still invisible to readers) and
+/// returns its header digest.
+pub fn publish(dir: &Path, staged: Staged) -> Result<String> {
+    std::fs::rename(&staged.tmp, &staged.dest).map_err(|e| Error::io(&staged.dest, e))?;
+    sync_dir(staged.dest.parent().unwrap_or(dir))?;
+    Ok(staged.digest.clone())
 }
 
 /// Saves the packed state of every in-process rank into `dir` (one file per rank,
-/// written in parallel, committed together).
+/// written in parallel, committed together). Without a save id, one is generated.
 pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
+    let given = packs.first().map_or(String::new(), |p| p.opts.save_id.clone());
+    if packs.iter().any(|p| p.opts.save_id != given) {
+        return Err(Error::invalid("save_id", "the packs of one save carry different save ids"));
+    }
+    let save_id = if given.is_empty() { generated_save_id() } else { given };
     let staged: Vec<Result<Staged>> = std::thread::scope(|s| {
         let handles: Vec<_> = packs
             .iter()
-            .map(|p| s.spawn(move || stage_rank_file(dir, &p.plan, &p.opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e])))))
+            .map(|p| {
+                let save_id = &save_id;
+                s.spawn(move || {
+                    let opts = PackOptions {
+                        save_id: save_id.clone(),
+                        ..p.opts.clone()
+                    };
+                    stage_rank_file(dir, &p.plan, &opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e])))
+                })
+            })
             .collect();
         handles
             .into_iter()
@@ -214,16 +270,20 @@ pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
             .collect()
     });
     let staged = staged.into_iter().collect::<Result<Vec<_>>>()?;
-    let world = packs.first().map(|p| p.opts.world_size);
-    commit(dir, staged, world)
+    for s in staged {
+        finish(dir, s)?;
+    }
+    Ok(())
 }
 
 /// Saves one rank's packed state (the call each process of a distributed job makes).
 pub fn save_rank(dir: &Path, pack: &Packed) -> Result<()> {
-    let staged = stage_rank_file(dir, &pack.plan, &pack.opts, &mut |e| {
-        Ok(Cow::Borrowed(&pack.entries[e]))
-    })?;
-    commit(dir, vec![staged], (pack.opts.rank == 0).then_some(pack.opts.world_size))
+    let opts = PackOptions {
+        save_id: resolve_save_id(&pack.opts.save_id, pack.opts.world_size)?,
+        ..pack.opts.clone()
+    };
+    let staged = stage_rank_file(dir, &pack.plan, &opts, &mut |e| Ok(Cow::Borrowed(&pack.entries[e])))?;
+    finish(dir, staged)
 }
 
 /// Saves one rank's state without holding it all: `fetch(i)` produces entry `i`'s local
@@ -234,9 +294,13 @@ pub fn save_streaming(
     opts: &PackOptions,
     fetch: &mut dyn FnMut(usize) -> Result<Tensor>,
 ) -> Result<()> {
-    let plan = super::pack::plan(metas, opts)?;
-    let staged = stage_rank_file(dir, &plan, opts, &mut |e| fetch(e).map(Cow::Owned))?;
-    commit(dir, vec![staged], (opts.rank == 0).then_some(opts.world_size))
+    let opts = PackOptions {
+        save_id: resolve_save_id(&opts.save_id, opts.world_size)?,
+        ..opts.clone()
+    };
+    let plan = super::pack::plan(metas, &opts)?;
+    let staged = stage_rank_file(dir, &plan, &opts, &mut |e| fetch(e).map(Cow::Owned))?;
+    finish(dir, staged)
 }
 
 /// Writes `path` atomically from a header and a stream of data: temp file, fsync,
@@ -248,13 +312,18 @@ pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) ->
     let staged = Staged {
         tmp: dir.join(format!(".{name}.tmp-{}", std::process::id())),
         dest: path.to_path_buf(),
+        digest: String::new(),
+        rank: 0,
+        world_size: 1,
+        save_id: String::new(),
     };
     let io = |e| Error::io(&staged.tmp, e);
     let mut f = create_truncated(&staged.tmp)?;
     f.write_all(head).map_err(io)?;
     body(&mut f)?;
     f.sync_all().map_err(io)?;
-    commit(dir, vec![staged], None)
+    std::fs::rename(&staged.tmp, &staged.dest).map_err(|e| Error::io(&staged.dest, e))?;
+    sync_dir(dir)
 }
 
 /// A fresh (truncated) temporary file, the first step of every atomic write.

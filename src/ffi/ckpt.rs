@@ -13,8 +13,9 @@ use crate::error::{Error, Result};
 /// bits), 1 portable (dequantized f32 state). `params`: 0 state only, 1 also the params
 /// under their plain FQN as stored, 2 also as f32 masters (param + error bits).
 /// `write_unsharded`: -1 rank 0 writes unsharded entries, 0 this rank does not, 1 it
-/// does. `save_id`: the same string on every rank of one save (NULL: none); a directory
-/// mixing saves is refused on load.
+/// does. `save_id`: the same string on every rank of one save; required when
+/// `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
+/// for one rank generates one. The save becomes visible when the last rank finishes.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_pack_options {
@@ -220,6 +221,25 @@ pub unsafe extern "C" fn fo_state_save(
             Path::new(arg_str(dir, "dir")?),
             &arg_ref(options, "options")?.to_options()?,
         )
+    })
+}
+
+/// `fo_state_save` through a communicator (its rank and world size must be the
+/// options'): the ranks agree on the save id (rank 0's, generated when NULL), each
+/// stages its file, and rank 0 commits once every rank reported success. Returns OK on
+/// every rank only once the checkpoint is committed; on failure every rank returns the
+/// first failing rank's error and the previous checkpoint stays the visible one.
+#[no_mangle]
+pub unsafe extern "C" fn fo_state_save_comm(
+    opt: *const fo_optimizer,
+    dir: *const c_char,
+    options: *const fo_pack_options,
+    comm: *const super::comm::fo_comm,
+) -> fo_status {
+    guard(|| {
+        let o = arg_ref(options, "options")?.to_options()?;
+        let comm = &arg_ref(comm, "comm")?.inner;
+        ckpt::save_optimizer_comm(opt_ref(opt)?, Path::new(arg_str(dir, "dir")?), &o, comm).map(|_| ())
     })
 }
 

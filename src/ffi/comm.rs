@@ -14,7 +14,7 @@ use crate::tensor::HostTensor;
 
 /// One rank's communicator (opaque). Use it from one thread at a time.
 pub struct fo_comm {
-    inner: Comm,
+    pub(super) inner: Comm,
 }
 
 /// `all_reduce_f64`'s `op`: sum.

@@ -34,9 +34,9 @@ pub fn save_checkpoints(rank: &Rank, dir: &Path) -> Result<()> {
     for (mode, sub) in [(Mode::Compressed, "compressed"), (Mode::Portable, "portable")] {
         let mut opts = SaveOptions::new(rank.comm.rank(), rank.comm.world_size(), mode);
         opts.params = Some(ParamsAs::Stored);
-        ckpt::save_optimizer(&rank.opt, &dir.join(sub), &opts)?;
+        ckpt::save_optimizer_comm(&rank.opt, &dir.join(sub), &opts, &rank.comm)?;
     }
-    rank.comm.barrier()
+    Ok(())
 }
 
 pub fn restore(rank: &mut Rank, start: &Start) -> Result<Option<BroadcastReport>> {

@@ -1,0 +1,94 @@
+//! Saves through a communicator: the ranks agree on the save id, each stages its file,
+//! they report success to each other, and rank 0 writes the commit record once every
+//! rank has staged. When this returns OK on any rank, the checkpoint is committed; when
+//! it fails, it fails on every rank with the first failing rank's error and the previous
+//! checkpoint stays the visible one.
+use std::borrow::Cow;
+use std::path::Path;
+
+use super::commit::{mark_done, try_commit};
+use super::optim::{fetch, pack_options, plan_entries, SaveOptions};
+use super::writer::{generated_save_id, publish, stage_rank_file};
+use crate::comm::{agree, Comm};
+use crate::error::{Error, Result};
+use crate::optim::Optimizer;
+
+/// Longest save id agreed through the communicator (bytes).
+const MAX_ID: usize = 1024;
+
+/// Rank 0's save id (its `save_id`, or a generated one when empty), on every rank. A rank
+/// that names a different id fails every rank.
+pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
+    let mine = if save_id.is_empty() && comm.rank() == 0 { generated_save_id() } else { save_id.to_string() };
+    let local = if mine.len() > MAX_ID {
+        Err(Error::invalid("save_id", format!("is {} bytes, at most {MAX_ID}", mine.len())))
+    } else {
+        Ok(())
+    };
+    agree(comm, local)?;
+    let mut buf = vec![0u8; MAX_ID + 8];
+    if comm.rank() == 0 {
+        buf[..8].copy_from_slice(&(mine.len() as u64).to_le_bytes());
+        buf[8..8 + mine.len()].copy_from_slice(mine.as_bytes());
+    }
+    comm.broadcast(&mut buf, 0)?;
+    let n = (u64::from_le_bytes(buf[..8].try_into().unwrap()) as usize).min(MAX_ID);
+    let id = String::from_utf8_lossy(&buf[8..8 + n]).into_owned();
+    let local = if !save_id.is_empty() && save_id != id {
+        Err(Error::invalid(
+            "save_id",
+            format!("rank {} saves {save_id:?} while rank 0 saves {id:?}", comm.rank()),
+        ))
+    } else {
+        Ok(())
+    };
+    agree(comm, local)?;
+    Ok(id)
+}
+
+/// Saves `opt`'s state of this rank (`o.rank`/`o.world_size` must be the communicator's)
+/// and commits the save collectively. Returns the save id.
+pub fn save_optimizer_comm(opt: &Optimizer, dir: &Path, o: &SaveOptions, comm: &Comm) -> Result<String> {
+    let local = if o.rank != comm.rank() || o.world_size != comm.world_size() {
+        Err(Error::invalid(
+            "options.rank",
+            format!(
+                "rank {} of {} differs from the communicator's rank {} of {}",
+                o.rank,
+                o.world_size,
+                comm.rank(),
+                comm.world_size()
+            ),
+        ))
+    } else {
+        Ok(())
+    };
+    agree(comm, local)?;
+    let save_id = agree_save_id(comm, &o.save_id)?;
+    let staged = (|| {
+        let (metas, srcs) = plan_entries(opt, o);
+        let mut popts = pack_options(opt, o);
+        popts.save_id = save_id.clone();
+        let plan = super::pack::plan(&metas, &popts)?;
+        let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetch(opt, &srcs[e]).map(Cow::Owned))?;
+        let digest = publish(dir, staged)?;
+        mark_done(dir, &save_id, o.rank, o.world_size, &digest)
+    })();
+    agree(comm, staged)?;
+    let committed = if comm.rank() == 0 {
+        try_commit(dir, &save_id, o.world_size).and_then(|done| {
+            if done {
+                Ok(())
+            } else {
+                Err(Error::Internal(format!(
+                    "every rank reported its file of save {save_id:?} staged, but a done marker is missing in {}",
+                    dir.display()
+                )))
+            }
+        })
+    } else {
+        Ok(())
+    };
+    agree(comm, committed)?;
+    Ok(save_id)
+}

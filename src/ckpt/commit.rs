@@ -1,0 +1,217 @@
+//! All-or-nothing saves across ranks.
+//!
+//! Every rank writes its file for save `S` into the staging directory
+//! `DIR/.fo-stage-<hash of S>/`, then a done marker `done-<rank>.json` naming `S`, the
+//! world size and the file's header digest. Whichever rank finds all `world_size` markers
+//! of `S` present after writing its own (the last to finish; two finishing together both
+//! write the same record) writes `DIR/fo-commit.json` atomically: that rename is the
+//! commit. It then moves the staged files over the visible ones, removes shard files of
+//! ranks beyond the world size and other saves' staging directories.
+//!
+//! A reader that finds `fo-commit.json` reads, for each rank, the file (visible or still
+//! staged) whose digest the record names, so a kill at any point leaves either the
+//! previous or the new checkpoint readable, never a mix. Markers are per save id, so
+//! ranks of two different saves can never complete one commit.
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::checksum::xxh64;
+use super::format::{parse_shard_file_name, read_header, shard_file_name, DIGEST_KEY};
+use crate::error::{Error, Result};
+
+/// The commit record's file name.
+pub const COMMIT_FILE: &str = "fo-commit.json";
+
+/// `fo-commit.json`: which save is the checkpoint, and each rank file's header digest.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Commit {
+    pub save_id: String,
+    pub world_size: usize,
+    pub digests: Vec<String>,
+}
+
+/// `done-<rank>.json` in a staging directory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Done {
+    save_id: String,
+    rank: usize,
+    world_size: usize,
+    digest: String,
+}
+
+const STAGE_PREFIX: &str = ".fo-stage-";
+
+/// The staging directory of save `save_id` (hashed: ids may hold any characters).
+pub fn stage_dir(dir: &Path, save_id: &str) -> PathBuf {
+    dir.join(format!("{STAGE_PREFIX}{:016x}", xxh64(save_id.as_bytes())))
+}
+
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, e))
+}
+
+/// Writes `bytes` to `path` through a temporary file, fsync and rename (the rename is
+/// atomic, so a reader sees the old content or the new, never a part).
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    let tmp = dir.join(format!(".{name}.tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let res = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::io(path, e));
+    }
+    sync_dir(dir)
+}
+
+/// The commit record of `dir`, if it has one.
+pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
+    let path = dir.join(COMMIT_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(&path, e)),
+    };
+    let c: Commit =
+        serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&path, format!("commit record is not valid: {e}")))?;
+    if c.world_size == 0 || c.digests.len() != c.world_size {
+        return Err(Error::corrupt(
+            &path,
+            format!("commit record names {} digests for a world of {}", c.digests.len(), c.world_size),
+        ));
+    }
+    Ok(Some(c))
+}
+
+/// Records that `rank` of save `save_id` has its file staged, and commits the save if
+/// every rank has. Returns whether this call committed.
+pub fn finish_rank(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<bool> {
+    mark_done(dir, save_id, rank, world_size, digest)?;
+    try_commit(dir, save_id, world_size)
+}
+
+/// Writes `rank`'s done marker for save `save_id` (no commit attempt).
+pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<()> {
+    let stage = stage_dir(dir, save_id);
+    let done = Done {
+        save_id: save_id.to_string(),
+        rank,
+        world_size,
+        digest: digest.to_string(),
+    };
+    write_file_atomic(
+        &stage.join(format!("done-{rank}.json")),
+        serde_json::to_string(&done).unwrap().as_bytes(),
+    )
+}
+
+/// Commits save `save_id` if all of its `world_size` done markers are present.
+pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
+    let stage = stage_dir(dir, save_id);
+    let mut digests = Vec::with_capacity(world_size);
+    for r in 0..world_size {
+        let Ok(bytes) = std::fs::read(stage.join(format!("done-{r}.json"))) else {
+            return Ok(false);
+        };
+        match serde_json::from_slice::<Done>(&bytes) {
+            Ok(d) if d.save_id == save_id && d.world_size == world_size && d.rank == r => digests.push(d.digest),
+            Ok(d) => {
+                return Err(Error::invalid(
+                    "save_id",
+                    format!(
+                        "rank {r} of save {save_id:?} in {} was saved with world size {} (this rank: {world_size})",
+                        dir.display(),
+                        d.world_size
+                    ),
+                ))
+            }
+            Err(_) => return Ok(false),
+        }
+    }
+    let commit = Commit {
+        save_id: save_id.to_string(),
+        world_size,
+        digests,
+    };
+    write_file_atomic(
+        &dir.join(COMMIT_FILE),
+        serde_json::to_string_pretty(&commit).unwrap().as_bytes(),
+    )?;
+    roll_forward(dir, &commit)?;
+    Ok(true)
+}
+
+fn ignore_missing(r: std::io::Result<()>, path: &Path) -> Result<()> {
+    match r {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(path, e)),
+        _ => Ok(()),
+    }
+}
+
+/// After a commit: staged files replace the visible ones, shard files of ranks beyond the
+/// world size and every other staging directory go. Safe to repeat or to race with another
+/// rank doing the same (every step tolerates a file already moved or removed).
+fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
+    let stage = stage_dir(dir, &commit.save_id);
+    for r in 0..commit.world_size {
+        let from = stage.join(shard_file_name(r));
+        ignore_missing(std::fs::rename(&from, dir.join(shard_file_name(r))), &from)?;
+    }
+    for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let p = e.map_err(|e| Error::io(dir, e))?.path();
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else { continue };
+        if parse_shard_file_name(name).is_some_and(|r| r >= commit.world_size) {
+            ignore_missing(std::fs::remove_file(&p), &p)?;
+        } else if name.starts_with(STAGE_PREFIX) {
+            ignore_missing(std::fs::remove_dir_all(&p), &p)?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// The header digest a rank file states (None: none, or not readable).
+fn stated_digest(path: &Path) -> Option<String> {
+    let f = File::open(path).ok()?;
+    read_header(path, &f).ok()?.metadata.remove(DIGEST_KEY)
+}
+
+/// The file of each rank of the committed save: the visible one if its digest is the
+/// committed one, else the one still staged (a commit interrupted while moving files).
+/// When neither states the committed digest, the visible file is returned if it exists,
+/// so that opening it reports what is wrong with it (truncated, edited, another save).
+pub fn committed_files(dir: &Path, commit: &Commit) -> Result<Vec<PathBuf>> {
+    let stage = stage_dir(dir, &commit.save_id);
+    (0..commit.world_size)
+        .map(|r| {
+            let want = Some(commit.digests[r].as_str());
+            let visible = dir.join(shard_file_name(r));
+            let staged = stage.join(shard_file_name(r));
+            if stated_digest(&visible).as_deref() == want {
+                return Ok(visible);
+            }
+            if stated_digest(&staged).as_deref() == want {
+                return Ok(staged);
+            }
+            if visible.exists() {
+                return Ok(visible);
+            }
+            Err(Error::NotFound(format!(
+                "checkpoint {}: shard file {} is missing (committed save {:?} of {} ranks)",
+                dir.display(),
+                shard_file_name(r),
+                commit.save_id,
+                commit.world_size
+            )))
+        })
+        .collect()
+}
