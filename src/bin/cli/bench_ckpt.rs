@@ -5,7 +5,6 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::Flags;
 use fo::ckpt::{save, Checkpoint, PackOptions, Packed, StateEntry};
 use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
@@ -43,17 +42,37 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    let f = Flags::parse(args)?;
-    let mib: usize = f.parse_or("size-mib", 2048)?;
-    let world: usize = f.parse_or("ranks", 4)?;
-    let seed: u64 = f.parse_or("seed", 1)?;
-    let dir = PathBuf::from(f.get("dir").map(String::from).unwrap_or_else(|| {
-        std::env::temp_dir()
-            .join(format!("fo-bench-ckpt-{}", std::process::id()))
-            .display()
-            .to_string()
-    }));
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench ckpt                              2 GiB over 4 ranks in a temporary directory
+  fo bench ckpt --size-mib 512 --dir /mnt/nvme/fo-bench --keep")]
+pub struct BenchCkptArgs {
+    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns).
+    #[arg(long, default_value_t = 2048)]
+    pub size_mib: usize,
+    /// In-process ranks saving and loading (Shard(0)).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Seed of the data.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Directory to write into (default: a new one under the temporary directory).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Keep the directory afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// Only measure the save.
+    #[arg(long)]
+    pub save_only: bool,
+}
+
+pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
+    let (mib, world, seed) = (a.size_mib, a.ranks, a.seed);
+    let dir = a
+        .dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id())));
     let rows = (mib << 20) / 4 / COLS / TENSORS;
     let bytes = (rows * COLS * 4 * TENSORS) as u64;
     eprintln!("fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {:.2} GiB, Shard(0) over {world} in-process ranks, dir {}", bytes as f64 / (1u64 << 30) as f64, dir.display());
@@ -81,7 +100,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     save(&dir, &packs).map_err(|e| e.to_string())?;
     let save_s = t.elapsed().as_secs_f64();
     println!("save  {world} ranks: {:.2} GB/s ({:.2} s)", gbps(bytes, save_s), save_s);
-    if f.switch("save-only") {
+    if a.save_only {
         return Ok(());
     }
     let t = Instant::now();
@@ -191,7 +210,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "checkpoint size: portable {portable} bytes, compressed {compressed} bytes ({:.3}x)",
         compressed as f64 / portable as f64
     );
-    if !f.switch("keep") {
+    if !a.keep {
         std::fs::remove_dir_all(&dir).map_err(|e| e.to_string())?;
     }
     Ok(())
