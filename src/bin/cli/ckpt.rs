@@ -41,11 +41,14 @@ pub enum CkptCommand {
         /// The output directory.
         out: PathBuf,
     },
+    /// Per key max abs / max rel difference and elements out of tolerance, across shardings.
+    Diff(super::ckpt_diff::DiffArgs),
 }
 
 pub fn run(a: &CkptArgs) -> Result<(), String> {
     match &a.command {
         CkptCommand::Inspect { dir } => inspect(dir),
+        CkptCommand::Diff(d) => super::ckpt_diff::run(d),
         CkptCommand::Verify { dir } => {
             let pb = progress::bytes("verify", 0);
             let v = verify(dir, &mut progress::hook(&pb)).map_err(|e| e.to_string())?;
