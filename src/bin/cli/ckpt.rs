@@ -43,12 +43,15 @@ pub enum CkptCommand {
     },
     /// Per key max abs / max rel difference and elements out of tolerance, across shardings.
     Diff(super::ckpt_diff::DiffArgs),
+    /// Reshard onto another world size or mesh, or change the format, offline.
+    Convert(super::ckpt_convert::ConvertArgs),
 }
 
 pub fn run(a: &CkptArgs) -> Result<(), String> {
     match &a.command {
         CkptCommand::Inspect { dir } => inspect(dir),
         CkptCommand::Diff(d) => super::ckpt_diff::run(d),
+        CkptCommand::Convert(c) => super::ckpt_convert::run(c),
         CkptCommand::Verify { dir } => {
             let pb = progress::bytes("verify", 0);
             let v = verify(dir, &mut progress::hook(&pb)).map_err(|e| e.to_string())?;

@@ -5,6 +5,7 @@ mod bench_broadcast;
 mod bench_ckpt;
 mod bench_step;
 mod ckpt;
+mod ckpt_convert;
 mod ckpt_diff;
 mod ckpt_source;
 mod demo;
