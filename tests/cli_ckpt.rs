@@ -44,6 +44,6 @@ fn verify_and_consolidate_succeed_and_fail_clearly() {
     let (ok, _, err) = fo(&["ckpt", "verify", tmp.join("broken").to_str().unwrap()]);
     assert!(!ok && err.contains("shard-00003"), "{err}");
     let (ok, _, err) = fo(&["ckpt", "frobnicate"]);
-    assert!(!ok && err.contains("usage: fo ckpt"), "{err}");
+    assert!(!ok && err.contains("Usage: fo ckpt"), "{err}");
     std::fs::remove_dir_all(&tmp).unwrap();
 }

@@ -38,5 +38,5 @@ fn bad_input_exits_nonzero_with_the_reason() {
     let (ok, _, err) = fo(&["shard", "--shape", "10", "--mesh", "2", "--placements", "Q"]);
     assert!(!ok && err.contains("\"Q\""), "{err}");
     let (ok, _, err) = fo(&["frobnicate"]);
-    assert!(!ok && err.contains("unknown command"), "{err}");
+    assert!(!ok && err.contains("unrecognized subcommand 'frobnicate'"), "{err}");
 }

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::Flags;
 use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy};
 use fo::comm::Comm;
 use fo::shard::{Placement, ShardSpec};
@@ -86,10 +85,24 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
-pub fn run(f: &Flags) -> Result<(), String> {
-    let ranks: usize = f.parse_or("ranks", 4)?;
-    let size_mib: usize = f.parse_or("size-mib", 1024)?;
-    let tensors: usize = f.parse_or("tensors", 16)?;
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench broadcast                    1 GiB over 4 ranks
+  fo bench broadcast --ranks 8 --size-mib 256 --tensors 4")]
+pub struct BroadcastArgs {
+    /// In-process ranks.
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Size of rank 0's state dict in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub size_mib: usize,
+    /// Number of f32 tensors it is split into.
+    #[arg(long, default_value_t = 16)]
+    pub tensors: usize,
+}
+
+pub fn run(a: &BroadcastArgs) -> Result<(), String> {
+    let (ranks, size_mib, tensors) = (a.ranks, a.size_mib, a.tensors);
     if ranks == 0 || tensors == 0 || size_mib == 0 {
         return Err("--ranks, --tensors and --size-mib must be >= 1".into());
     }

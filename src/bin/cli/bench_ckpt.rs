@@ -2,14 +2,16 @@
 //! ranks, against a plain sequential write and read of the same bytes in the same run,
 //! and the size of that state compressed (quant8) vs portable (f32).
 use std::io::{Read, Write};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::Flags;
 use fo::ckpt::{save, Checkpoint, PackOptions, Packed, StateEntry};
 use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
+
+use super::progress;
 
 const COLS: usize = 4096;
 const TENSORS: usize = 8;
@@ -43,18 +45,51 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    let f = Flags::parse(args)?;
-    let mib: usize = f.parse_or("size-mib", 2048)?;
-    let world: usize = f.parse_or("ranks", 4)?;
-    let seed: u64 = f.parse_or("seed", 1)?;
-    let dir = PathBuf::from(f.get("dir").map(String::from).unwrap_or_else(|| {
-        std::env::temp_dir()
-            .join(format!("fo-bench-ckpt-{}", std::process::id()))
-            .display()
-            .to_string()
-    }));
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench ckpt                              2 GiB over 4 ranks in a temporary directory
+  fo bench ckpt --size-mib 512 --rounds 5 --dir /mnt/nvme/fo-bench --keep
+
+Each round saves with fo (every rank's file in parallel, fsync'd) and writes the same bytes as
+one plain file (write + fsync), then reads both back cold (posix_fadvise DONTNEED first):
+fo on every rank at once, checksums verified, and resharded onto ranks - 1; the plain file
+sequentially. Rounds alternate which side goes first; medians over the rounds are reported.")]
+pub struct BenchCkptArgs {
+    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns).
+    #[arg(long, default_value_t = 2048)]
+    pub size_mib: usize,
+    /// In-process ranks saving and loading (Shard(0)).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Seed of the data.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Directory to write into (default: a new one under the temporary directory).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Keep the directory afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// Only measure the save.
+    #[arg(long)]
+    pub save_only: bool,
+    /// Rounds of fo and the baseline, interleaved; medians are reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
+}
+
+pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
+    let (mib, world, seed) = (a.size_mib, a.ranks, a.seed);
+    let dir = a
+        .dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id())));
     let rows = (mib << 20) / 4 / COLS / TENSORS;
+    if rows == 0 || world == 0 {
+        return Err(format!(
+            "--size-mib {mib} --ranks {world}: need at least 1 MiB and 1 rank"
+        ));
+    }
     let bytes = (rows * COLS * 4 * TENSORS) as u64;
     eprintln!("fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {:.2} GiB, Shard(0) over {world} in-process ranks, dir {}", bytes as f64 / (1u64 << 30) as f64, dir.display());
     let packs: Vec<Packed> = (0..world)
@@ -77,77 +112,51 @@ pub fn run(args: &[String]) -> Result<(), String> {
             Packed::new(entries, o).unwrap()
         })
         .collect();
-    let t = Instant::now();
-    save(&dir, &packs).map_err(|e| e.to_string())?;
-    let save_s = t.elapsed().as_secs_f64();
-    println!("save  {world} ranks: {:.2} GB/s ({:.2} s)", gbps(bytes, save_s), save_s);
-    if f.switch("save-only") {
+    let fo_dir = dir.join("fo");
+    let plain = dir.join("plain.bin");
+    let to = world.max(2) - 1;
+    let mut m = Measured::default();
+    let pb = progress::bytes("bench ckpt", bytes * a.rounds as u64 * if a.save_only { 2 } else { 5 });
+    // Interleaved: each round runs fo and the baseline back to back, alternating which goes
+    // first, so both see the same machine state; reads start cold (page cache dropped).
+    for round in 0..a.rounds {
+        let fo_side = |m: &mut Measured| -> Result<(), String> {
+            m.save.push(timed(|| save(&fo_dir, &packs).map_err(|e| e.to_string()))?);
+            pb.inc(bytes);
+            if !a.save_only {
+                drop_cache(&fo_dir)?;
+                m.load.push(timed(|| load(&fo_dir, rows, world))?);
+                drop_cache(&fo_dir)?;
+                m.reshard.push(timed(|| load(&fo_dir, rows, to))?);
+                pb.inc(2 * bytes);
+            }
+            Ok(())
+        };
+        let plain_side = |m: &mut Measured| -> Result<(), String> {
+            m.plain_write.push(timed(|| plain_write(&plain, &packs))?);
+            pb.inc(bytes);
+            if !a.save_only {
+                drop_cache(&plain)?;
+                m.plain_read.push(timed(|| plain_read(&plain, bytes))?);
+                pb.inc(bytes);
+            }
+            Ok(())
+        };
+        if round % 2 == 0 {
+            fo_side(&mut m)?;
+            plain_side(&mut m)?;
+        } else {
+            plain_side(&mut m)?;
+            fo_side(&mut m)?;
+        }
+    }
+    pb.finish_and_clear();
+    std::fs::remove_file(&plain).ok();
+    m.print(bytes, world, to, a.save_only);
+    if a.save_only {
         return Ok(());
     }
-    let t = Instant::now();
-    let ck = Checkpoint::open(&dir).map_err(|e| e.to_string())?;
-    std::thread::scope(|sc| {
-        for r in 0..world {
-            let ck = &ck;
-            sc.spawn(move || {
-                for k in 0..TENSORS {
-                    ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, world, r))
-                        .unwrap();
-                }
-            });
-        }
-    });
-    let load_s = t.elapsed().as_secs_f64();
-    println!(
-        "load  {world} ranks: {:.2} GB/s ({:.2} s), checksums verified",
-        gbps(bytes, load_s),
-        load_s
-    );
-    let to = world.max(2) - 1;
-    let t = Instant::now();
-    std::thread::scope(|sc| {
-        for r in 0..to {
-            let ck = &ck;
-            sc.spawn(move || {
-                for k in 0..TENSORS {
-                    ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, to, r)).unwrap();
-                }
-            });
-        }
-    });
-    let re_s = t.elapsed().as_secs_f64();
-    println!(
-        "load  resharded {world}->{to} ranks: {:.2} GB/s ({:.2} s)",
-        gbps(bytes, re_s),
-        re_s
-    );
-    // Baseline: the same bytes, one file, plain sequential write + fsync and read.
-    let plain = dir.join("plain.bin");
-    let t = Instant::now();
-    {
-        let mut w = std::fs::File::create(&plain).map_err(|e| e.to_string())?;
-        for p in &packs {
-            for i in 0..p.plan.chunks.len() {
-                w.write_all(p.chunk_data(i)).map_err(|e| e.to_string())?;
-            }
-        }
-        w.sync_all().map_err(|e| e.to_string())?;
-    }
-    let pw = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let mut buf = Vec::with_capacity(bytes as usize);
-    std::fs::File::open(&plain)
-        .and_then(|mut r| r.read_to_end(&mut buf))
-        .map_err(|e| e.to_string())?;
-    let pr = t.elapsed().as_secs_f64();
-    drop(buf);
-    std::fs::remove_file(&plain).ok();
-    println!(
-        "plain sequential write+fsync: {:.2} GB/s ({pw:.2} s); read: {:.2} GB/s ({pr:.2} s)",
-        gbps(bytes, pw),
-        gbps(bytes, pr)
-    );
-    let portable = dir_bytes(&dir);
+    let portable = dir_bytes(&fo_dir);
     // The same state as quant8 momentum codes + fp16 scales, saved the same way.
     let cdir = dir.join("compressed");
     let cpacks: Vec<Packed> = packs
@@ -191,8 +200,135 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "checkpoint size: portable {portable} bytes, compressed {compressed} bytes ({:.3}x)",
         compressed as f64 / portable as f64
     );
-    if !f.switch("keep") {
+    if !a.keep {
         std::fs::remove_dir_all(&dir).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Medians of each measurement, in seconds.
+#[derive(Default)]
+struct Measured {
+    save: Vec<f64>,
+    load: Vec<f64>,
+    reshard: Vec<f64>,
+    plain_write: Vec<f64>,
+    plain_read: Vec<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+impl Measured {
+    fn print(&self, bytes: u64, world: usize, to: usize, save_only: bool) {
+        let rounds = self.save.len();
+        let row = |what: &str, fo: &[f64], base: &[f64], base_name: &str| {
+            let (f, b) = (median(fo), median(base));
+            println!(
+                "{what:<28} fo {:>6.2} GB/s ({f:.3} s)   {base_name:<17} {:>6.2} GB/s ({b:.3} s)   fo/plain {:.2}x",
+                gbps(bytes, f),
+                gbps(bytes, b),
+                b / f
+            );
+        };
+        println!("medians of {rounds} interleaved rounds; reads cold (posix_fadvise DONTNEED before each)");
+        row(
+            &format!("save, {world} ranks"),
+            &self.save,
+            &self.plain_write,
+            "plain write+fsync",
+        );
+        if save_only {
+            return;
+        }
+        row(
+            &format!("load, {world} ranks"),
+            &self.load,
+            &self.plain_read,
+            "plain read",
+        );
+        row(
+            &format!("load resharded {world}->{to}"),
+            &self.reshard,
+            &self.plain_read,
+            "plain read",
+        );
+    }
+}
+
+fn timed(f: impl FnOnce() -> Result<(), String>) -> Result<f64, String> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Every rank of `world` reads its Shard(0) of every tensor (checksums verified).
+fn load(dir: &Path, rows: usize, world: usize) -> Result<(), String> {
+    let ck = Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let ck = &ck;
+                sc.spawn(move || {
+                    for k in 0..TENSORS {
+                        ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, world, r))
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok::<(), String>(())
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .try_for_each(|h| h.join().map_err(|_| "a reader thread panicked".to_string())?)
+    })
+}
+
+/// The baseline: the same bytes, one file, plain sequential write + fsync.
+fn plain_write(path: &Path, packs: &[Packed]) -> Result<(), String> {
+    let mut w = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    for p in packs {
+        for i in 0..p.plan.chunks.len() {
+            w.write_all(p.chunk_data(i)).map_err(|e| e.to_string())?;
+        }
+    }
+    w.sync_all().map_err(|e| e.to_string())
+}
+
+fn plain_read(path: &Path, bytes: u64) -> Result<(), String> {
+    let mut buf = Vec::with_capacity(bytes as usize);
+    std::fs::File::open(path)
+        .and_then(|mut r| r.read_to_end(&mut buf))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    std::hint::black_box(&buf);
+    Ok(())
+}
+
+/// Drops `path`'s pages (a file, or every file of a directory) from the page cache, so
+/// the next read comes from the disk. The files were fsync'd, so their pages are clean.
+fn drop_cache(path: &Path) -> Result<(), String> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)
+            .map_err(|e| e.to_string())?
+            .filter_map(|e| Some(e.ok()?.path()))
+            .collect()
+    } else {
+        vec![path.to_path_buf()]
+    };
+    for f in files {
+        let file = std::fs::File::open(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        // SAFETY: a valid open descriptor; offset 0 and length 0 mean the whole file.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(format!("posix_fadvise({}): error {rc}", f.display()));
+        }
     }
     Ok(())
 }

@@ -7,25 +7,13 @@ use fo::optim::{set_num_threads, threads, Algorithm, OptimConfig, Optimizer, Sta
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
-use super::Flags;
+use super::args::{Count, Csv};
 
 /// Bytes moved per parameter: fp32 AdamW reads p, g, m, v and writes p, m, v (4 bytes
 /// each); the compressed step reads bf16 p and g, int8 m, uint8 v, int8 error bits and
 /// writes p, m, v, error bits, plus 2 fp16 scales per 32 elements each way.
 const FP32_BYTES: f64 = 28.0;
 const COMPRESSED_BYTES: f64 = 2.0 + 2.0 + 3.0 + 2.0 + 3.0 + 2.0 * 4.0 / 32.0;
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mul) = match s.chars().last() {
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("cannot parse size {s:?}"))
-}
 
 /// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
 fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -139,22 +127,37 @@ fn row(label: &str, n: usize, secs: f64, bytes: f64, ceiling_rate: f64) {
     );
 }
 
-pub fn run(f: &Flags) -> Result<(), String> {
-    let sizes: Vec<usize> = f
-        .get("sizes")
-        .unwrap_or("1M,16M,64M")
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<_, _>>()?;
-    let thread_counts: Vec<usize> = if f.get("threads").is_some() {
-        f.list("threads")?
-    } else {
-        vec![1, 2]
-    };
-    let tensors: usize = f.parse_or("tensors", 200)?;
-    let budget: f64 = f.parse_or("iters-params", 6.4e8)?;
-    // --only fp32|compressed: skip the other kind (profiling one kernel).
-    let only = f.get("only").unwrap_or("all");
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench step                              1M, 16M, 64M params on 1 and 2 threads
+  fo bench step --sizes 16M --threads 2 --only compressed")]
+pub struct StepArgs {
+    /// Parameter counts, comma-separated (K and M suffixes).
+    #[arg(long, default_value = "1M,16M,64M", value_name = "N,..")]
+    pub sizes: Csv<Count>,
+    /// Thread counts to run each size on, comma-separated.
+    #[arg(long, default_value = "1,2", value_name = "T,..")]
+    pub threads: Csv<usize>,
+    /// The largest size is also run split into this many tensors.
+    #[arg(long, default_value_t = 200)]
+    pub tensors: usize,
+    /// Parameters stepped per case in total (sets the number of timed steps, 3..=50).
+    #[arg(long, default_value_t = 6.4e8)]
+    pub iters_params: f64,
+    /// Run only one kind of step (profiling one kernel).
+    #[arg(long, default_value = "all", value_parser = ["all", "fp32", "compressed"])]
+    pub only: String,
+}
+
+pub fn run(a: &StepArgs) -> Result<(), String> {
+    let sizes: Vec<usize> = a.sizes.0.iter().map(|c| c.0).collect();
+    let thread_counts: Vec<usize> = a.threads.0.clone();
+    let tensors = a.tensors;
+    let budget = a.iters_params;
+    let only = a.only.as_str();
+    if sizes.is_empty() || thread_counts.is_empty() {
+        return Err("--sizes and --threads need at least one value".into());
+    }
     let (fp32, comp) = (only != "compressed", only != "fp32");
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()

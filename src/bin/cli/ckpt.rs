@@ -1,77 +1,71 @@
 //! `fo ckpt inspect|verify|consolidate DIR`: look into a checkpoint directory (fo's or
 //! PyTorch's HuggingFace DCP files).
-use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::Flags;
+use super::progress;
 use fo::ckpt::{consolidate, verify, Checkpoint};
 
-/// Progress on stderr for checkpoints above 64 MiB: a bar on a terminal, otherwise a
-/// line per 10%.
-pub struct Progress {
-    what: &'static str,
-    last: u64,
-    tty: bool,
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo ckpt inspect tests/oracle/ckpt_fsdp_tp_2x2/sharded
+  fo ckpt verify ckpt/step-1000
+  fo ckpt consolidate ckpt/step-1000 ckpt/full")]
+pub struct CkptArgs {
+    #[command(subcommand)]
+    pub command: CkptCommand,
 }
 
-impl Progress {
-    pub fn new(what: &'static str) -> Progress {
-        Progress {
-            what,
-            last: u64::MAX,
-            tty: unsafe { libc::isatty(2) } == 1,
-        }
-    }
-
-    pub fn update(&mut self, done: u64, total: u64) {
-        if total < 64 << 20 {
-            return;
-        }
-        let pct = done * 100 / total.max(1);
-        let step = if self.tty { pct } else { pct / 10 * 10 };
-        if step == self.last {
-            return;
-        }
-        self.last = step;
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        if self.tty {
-            let bar: String = (0..40).map(|i| if i * 100 < pct * 40 { '#' } else { ' ' }).collect();
-            eprint!(
-                "\r{} [{bar}] {pct:3}% {:.2}/{:.2} GiB",
-                self.what,
-                gib(done),
-                gib(total)
-            );
-            if done >= total {
-                eprintln!();
-            }
-        } else {
-            eprintln!("{} {pct}% ({:.2}/{:.2} GiB)", self.what, gib(done), gib(total));
-        }
-        let _ = std::io::stderr().flush();
-    }
+#[derive(Debug, clap::Subcommand)]
+pub enum CkptCommand {
+    /// Keys, dtypes, global shapes, sharding, sizes; compressed or portable.
+    #[command(after_help = "Examples:\n  fo ckpt inspect tests/oracle/ckpt_fsdp_tp_2x2/sharded")]
+    Inspect {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// Every checksum, and every global element saved exactly once.
+    #[command(
+        after_help = "Examples:\n  fo ckpt verify ckpt/step-1000\n  fo -q ckpt verify ckpt/step-1000 && echo intact"
+    )]
+    Verify {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// One full safetensors file + model.safetensors.index.json.
+    #[command(
+        after_help = "Examples:\n  fo ckpt consolidate ckpt/step-1000 ckpt/full   writes ckpt/full/model-00001-of-00001.safetensors"
+    )]
+    Consolidate {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The output directory.
+        out: PathBuf,
+    },
+    /// Per key max abs / max rel difference and elements out of tolerance, across shardings.
+    Diff(super::ckpt_diff::DiffArgs),
+    /// Reshard onto another world size or mesh, or change the format, offline.
+    Convert(super::ckpt_convert::ConvertArgs),
 }
 
-const USAGE: &str = "usage: fo ckpt inspect DIR | verify DIR | consolidate DIR OUT";
-
-pub fn run(args: &[String]) -> Result<(), String> {
-    let f = Flags::parse(args)?;
-    let pos: Vec<&str> = f.positional.iter().map(String::as_str).collect();
-    match pos.as_slice() {
-        ["inspect", dir] => inspect(Path::new(dir)),
-        ["verify", dir] => {
-            let mut p = Progress::new("verify");
-            let v = verify(Path::new(dir), &mut |d, t| p.update(d, t)).map_err(|e| e.to_string())?;
+pub fn run(a: &CkptArgs) -> Result<(), String> {
+    match &a.command {
+        CkptCommand::Inspect { dir } => inspect(dir),
+        CkptCommand::Diff(d) => super::ckpt_diff::run(d),
+        CkptCommand::Convert(c) => super::ckpt_convert::run(c),
+        CkptCommand::Verify { dir } => {
+            let pb = progress::bytes("verify", 0);
+            let v = verify(dir, &mut progress::hook(&pb)).map_err(|e| e.to_string())?;
+            pb.finish_and_clear();
             println!(
                 "ok: {} files, {} keys, {} chunks, {} bytes; every element saved exactly once; {} of {} chunks checksummed and verified",
                 v.files, v.keys, v.chunks, v.bytes, v.checksummed_chunks, v.chunks
             );
             Ok(())
         }
-        ["consolidate", dir, out] => {
-            let mut p = Progress::new("consolidate");
-            let c =
-                consolidate(Path::new(dir), Path::new(out), &mut |d, t| p.update(d, t)).map_err(|e| e.to_string())?;
+        CkptCommand::Consolidate { dir, out } => {
+            let pb = progress::bytes("consolidate", 0);
+            let c = consolidate(dir, out, &mut progress::hook(&pb)).map_err(|e| e.to_string())?;
+            pb.finish_and_clear();
             println!(
                 "wrote {} ({} keys, {} bytes) and {}",
                 c.file.display(),
@@ -81,7 +75,6 @@ pub fn run(args: &[String]) -> Result<(), String> {
             );
             Ok(())
         }
-        _ => Err(USAGE.to_string()),
     }
 }
 
@@ -110,7 +103,9 @@ fn inspect(dir: &Path) -> Result<(), String> {
         let bytes: usize = info.chunks.iter().map(|c| c.nbytes).sum();
         total += bytes;
         let sharding = match &info.fo {
-            Some(f) if f.group_scales_of.is_some() => format!("scales of [{}] groups", f.placements.join(",")),
+            Some(f) if f.group_scales_of.is_some() => {
+                format!("scales of [{}] groups", f.placements.join(","))
+            }
             Some(f) => format!("mesh {:?} [{}]", f.mesh, f.placements.join(",")),
             None => "saved_offsets only".to_string(),
         };

@@ -1,54 +1,101 @@
-//! Subcommand dispatch. Each subcommand lives in its own file.
+//! Subcommand dispatch (clap derive). Each subcommand lives in its own file, next to the
+//! clap `Args` struct its `run` takes.
+mod args;
 mod bench_broadcast;
 mod bench_ckpt;
 mod bench_step;
 mod ckpt;
+mod ckpt_convert;
+mod ckpt_diff;
+mod ckpt_source;
 mod demo;
-mod flags;
+pub mod progress;
 mod shard;
 
-pub use flags::Flags;
+use clap::{CommandFactory, Parser, Subcommand};
 
-const USAGE: &str = "usage: fo <command> [flags]
+const EXAMPLES: &str = "Examples:
+  fo demo                                              train a small MLP through the whole library
+  fo shard --shape 10,7 --mesh 2,3 --placements SS0:3,S0
+  fo ckpt inspect tests/oracle/ckpt_fsdp_tp_2x2/sharded
+  fo ckpt diff A B --rtol 1e-3                         compare two checkpoints, any shardings
+  fo ckpt convert SRC DST --ranks 3                    reshard offline onto 3 ranks
+  fo bench step --sizes 16M --threads 2
+  fo completions bash > ~/.local/share/bash-completion/completions/fo
 
-commands:
-  shard     print every mesh coordinate's local shape, global offset and index ranges
-            fo shard --shape 10,7 --mesh 2,3 --placements S0,SS0:3
-            placements: R (Replicate), P (Partial), S<dim> (Shard), SS<dim>:<sf> (_StridedShard)
-  ckpt      fo ckpt inspect DIR      keys, dtypes, global shapes, sharding, sizes, compressed or portable
-            fo ckpt verify DIR       checksums, and every global element saved exactly once
-            fo ckpt consolidate DIR OUT   one full safetensors file + model.safetensors.index.json
-  bench     benchmarks:
-            fo bench step [--sizes 1M,16M,64M] [--threads 1,2] [--tensors 200] [--only fp32|compressed]
-            optimizer-step params/s and GB/s (fp32 AdamW, bf16+quant8+24-bit AdamW) vs a
-            memory ceiling measured just before each case (best of the timed steps)
-            fo bench broadcast [--ranks 4] [--size-mib 1024] [--tensors 16]
-            rank 0's state dict to an in-process group: scatter vs full broadcast, bytes and time
-            fo bench ckpt [--size-mib 2048] [--ranks 4] [--dir D] [--keep] [--save-only]
-            save/load GB/s vs plain sequential write/read; compressed vs portable size
-  demo      train a small bf16 MLP on in-process ranks through the whole library, with
-            checkpoint restarts (same and other rank counts) and a broadcast restore
-            fo demo [--ranks 4] [--steps 200] [--seed 0] [--out DIR] [--keep]
-  help      this text";
+Exit status: 0 success, 1 failure (or `fo ckpt diff` found a difference), 2 bad usage.";
 
-pub fn run(args: &[String]) -> Result<(), String> {
-    let Some((cmd, rest)) = args.split_first() else {
-        return Err(format!("no command given\n\n{USAGE}"));
-    };
-    match cmd.as_str() {
-        "shard" => shard::run(&Flags::parse(rest)?),
-        "demo" => demo::run(&Flags::parse(rest)?),
-        "ckpt" => ckpt::run(rest),
-        "bench" => match rest.split_first() {
-            Some((what, flags)) if what == "step" => bench_step::run(&Flags::parse(flags)?),
-            Some((what, flags)) if what == "broadcast" => bench_broadcast::run(&Flags::parse(flags)?),
-            Some((what, more)) if what == "ckpt" => bench_ckpt::run(more),
-            _ => Err(format!("usage: fo bench <step|broadcast|ckpt> [flags]\n\n{USAGE}")),
+/// fo: memory-efficient optimizer steps and distributed checkpoint state.
+#[derive(Debug, Parser)]
+#[command(name = "fo", version, about, after_help = EXAMPLES, propagate_version = true)]
+pub struct Cli {
+    /// No progress bars (they are hidden anyway when stderr is not a terminal).
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print every mesh coordinate's local shape, global offset and index ranges.
+    Shard(shard::ShardArgs),
+    /// Train a small bf16 MLP on in-process ranks through the whole library, with checkpoint
+    /// restarts (same and other rank counts) and a broadcast restore; checks its own results.
+    Demo(demo::DemoArgs),
+    /// Inspect, verify, consolidate, compare and convert checkpoints (fo's or PyTorch DCP's).
+    Ckpt(ckpt::CkptArgs),
+    /// Benchmarks, each against a baseline measured in the same run.
+    Bench(BenchArgs),
+    /// Print a shell completion script to stdout.
+    #[command(after_help = "Examples:
+  fo completions bash > ~/.local/share/bash-completion/completions/fo
+  fo completions zsh > ~/.zfunc/_fo
+  fo completions fish > ~/.config/fish/completions/fo.fish")]
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Optimizer-step params/s and GB/s (fp32 AdamW, bf16+quant8+24-bit AdamW) vs a memory
+    /// ceiling measured just before each case (best of the timed steps).
+    Step(bench_step::StepArgs),
+    /// Rank 0's state dict to an in-process group: scatter vs full broadcast, bytes and time.
+    Broadcast(bench_broadcast::BroadcastArgs),
+    /// Checkpoint save/load GB/s vs a plain sequential write/read (interleaved rounds, medians,
+    /// cold reads); compressed vs portable size.
+    Ckpt(bench_ckpt::BenchCkptArgs),
+}
+
+pub fn run(cli: Cli) -> Result<(), String> {
+    progress::set_quiet(cli.quiet);
+    match cli.command {
+        Command::Shard(a) => shard::run(&a),
+        Command::Demo(a) => demo::run(&a),
+        Command::Ckpt(a) => ckpt::run(&a),
+        Command::Bench(b) => match b.command {
+            BenchCommand::Step(a) => bench_step::run(&a),
+            BenchCommand::Broadcast(a) => bench_broadcast::run(&a),
+            BenchCommand::Ckpt(a) => bench_ckpt::run(&a),
         },
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}");
-            Ok(())
+        Command::Completions { shell } => {
+            // Generated into memory first: clap_complete panics on a write error, and a
+            // closed pipe (`fo completions bash | head`) is not a failure worth a panic.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "fo", &mut script);
+            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing to stdout: {e}")),
+                _ => Ok(()),
+            }
         }
-        other => Err(format!("unknown command {other:?}\n\n{USAGE}")),
     }
 }

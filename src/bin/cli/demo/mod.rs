@@ -14,7 +14,6 @@ mod restore;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::Flags;
 use fo::comm::Comm;
 use fo::Result;
 use rank::{Rank, Setup};
@@ -28,23 +27,43 @@ struct Trace {
     broadcast: Option<restore::BroadcastReport>,
 }
 
-pub fn run(f: &Flags) -> Result<(), String> {
-    let ranks: usize = f.parse_or("ranks", 4)?;
-    let steps: usize = f.parse_or("steps", 200)?;
-    let seed: u64 = f.parse_or("seed", 0)?;
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo demo                               4 ranks, 200 steps, checkpoints in a temporary directory
+  fo demo --ranks 3 --steps 12 --out /tmp/fo-demo --keep")]
+pub struct DemoArgs {
+    /// In-process ranks of the reference run (restarts use ranks - 1).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: usize,
+    /// Optimizer steps (checkpoints are saved halfway).
+    #[arg(long, default_value_t = 200)]
+    pub steps: usize,
+    /// Seed of the data and initial weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Directory for the checkpoints (kept); default a temporary one, removed at the end.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Keep the temporary checkpoint directory.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+pub fn run(a: &DemoArgs) -> Result<(), String> {
+    let (ranks, steps, seed) = (a.ranks, a.steps, a.seed);
     if !(2..=64).contains(&ranks) {
         return Err(format!("--ranks {ranks}: need 2..=64 (the demo restarts on ranks - 1)"));
     }
     if steps < 4 {
         return Err(format!("--steps {steps}: need at least 4 (the demo checkpoints halfway)"));
     }
-    let (out, temp) = match f.get("out") {
-        Some(d) => (PathBuf::from(d), false),
+    let (out, temp) = match &a.out {
+        Some(d) => (d.clone(), false),
         None => (std::env::temp_dir().join(format!("fo-demo-{}", std::process::id())), true),
     };
     std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     let result = demo(ranks, steps, seed, &out);
-    if temp && !f.switch("keep") {
+    if temp && !a.keep {
         let _ = std::fs::remove_dir_all(&out);
     } else {
         println!("checkpoints kept in {}", out.display());
@@ -67,13 +86,17 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
     println!("(no GPU here: both groups step on the host; the split is what a hybrid optimizer would use)\n");
 
     println!("[1/4] reference run on {ranks} ranks, checkpoint at step {half}");
-    let reference = phase(ranks, &setup, Start::Fresh(mlp::init_params(seed)), 0..steps, Some((half, out))).map_err(e)?;
+    let reference =
+        phase(ranks, &setup, Start::Fresh(mlp::init_params(seed)), 0..steps, Some((half, out))).map_err(e)?;
     println!("[2/4] restart on {ranks} ranks from the compressed checkpoint (same sharding)");
     let same = phase(ranks, &setup, Start::Checkpoint(out.join("compressed")), half..steps, None).map_err(e)?;
     println!("[3/4] restart on {} ranks from the compressed checkpoint (resharded on load)", ranks - 1);
     let resharded =
         phase(ranks - 1, &setup, Start::Checkpoint(out.join("compressed")), half..steps, None).map_err(e)?;
-    println!("[4/4] restart on {} ranks: rank 0 reads the consolidated checkpoint, broadcast_state_dict scatters", ranks - 1);
+    println!(
+        "[4/4] restart on {} ranks: rank 0 reads the consolidated checkpoint, broadcast_state_dict scatters",
+        ranks - 1
+    );
     let consolidated = out.join("consolidated");
     fo::ckpt::consolidate(&out.join("portable"), &consolidated, &mut |_, _| {}).map_err(e)?;
     let broadcast = phase(ranks - 1, &setup, Start::Broadcast(consolidated), half..steps, None).map_err(e)?;
@@ -108,7 +131,10 @@ fn phase(
                 s.spawn(move || run_rank(comm, setup, start, steps, save))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(fo::Error::Internal("a rank panicked".into())))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(fo::Error::Internal("a rank panicked".into()))))
+            .collect()
     });
     results.into_iter().collect()
 }
