@@ -139,9 +139,10 @@ class _FoOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             cfg = self._config(g)
             if gi == len(self._pushed):
-                self._fo.add_param_group(self.algorithm)
-                self._pushed.append(None)
-            if bytes(cfg) != bytes(self._pushed[gi] or b""):
+                g_idx = ctypes.c_int32(-1)
+                check(_optim._add_group(self._fo._handle, ctypes.byref(cfg), ctypes.byref(g_idx)))
+                self._pushed.append(cfg)
+            if bytes(cfg) != bytes(self._pushed[gi]):
                 self._fo.set_group_config(gi, cfg)
                 self._pushed[gi] = cfg
         for gi, p, name in self._names():
