@@ -229,6 +229,8 @@ class _FoOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """torch's layout: {"state": {index: {...}}, "param_groups": [...]} with indices
         counted across groups in order, as `torch.optim.Optimizer.state_dict` numbers them."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         state, groups, start = {}, [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -238,12 +240,17 @@ class _FoOptimizer(torch.optim.Optimizer):
                     state[start + j] = self._export(p)
             start += len(g["params"])
             groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, out) or out
+        return out
 
     def load_state_dict(self, state_dict):
         """Loads torch's layout (from fo.torch or torch.optim, any state format) into this
         optimizer's own format; group hyper-parameters come from the checkpoint, fo's
         storage keys (`state_format`, `master_weight_bits`, `arithmetic`) stay as they are."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
@@ -264,6 +271,8 @@ class _FoOptimizer(torch.optim.Optimizer):
         self._sync(also={by_id[k] for k in state_dict["state"]})
         for k, entries in state_dict["state"].items():
             self._load_param(by_id[k], entries)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None):

@@ -293,3 +293,18 @@ def test_arithmetic_reaches_fo_when_the_library_has_it():
     fo.torch.AdamW([w], arithmetic="exact")  # fo's default arithmetic, with or without the field
     with pytest.raises(ValueError, match="arithmetic"):
         fo.torch.AdamW([w], arithmetic="sloppy")
+
+
+def test_state_dict_hooks_run_as_torchs():
+    m = make_model()
+    opt = fo.torch.SGD(m.parameters(), lr=1e-2, momentum=0.9, state_format="fp32")
+    train(m, opt, steps=2)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1 and set(sd["state"][0]) == {"momentum_buffer"}
+    opt.load_state_dict(sd)
+    assert seen == ["pre", "loaded"]
