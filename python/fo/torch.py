@@ -18,7 +18,7 @@ import torch
 
 from . import optim as _optim
 from ._ffi import check, tensor_array
-from ._torch_args import INVALID_ARGUMENT, UNSUPPORTED, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_args import UNSUPPORTED, TorchArg, error, is_dtensor, like_param, local, shard_spec
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 

@@ -40,3 +40,13 @@ def test_fsdp2_offload_trains_on_4_ranks_and_resumes_on_2(tmp_path):
     curve = [a[s] for s in sorted(a)] + [b[s] for s in sorted(b)]
     assert all(x > y for x, y in zip(curve, curve[1:])), curve  # falls through the resume
     assert a[10] < 3.6 and b[80] < 0.1 * a[10]  # below a uniform guess (ln 37), then learned
+
+
+def test_torch_distributed_example_matches_distribute_tensor_on_4_ranks():
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(ROOT / "examples" / "python" / "torch_distributed.py")],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python")),
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+    assert sorted(re.findall(r"rank (\d): OK", out.stdout)) == ["0", "1", "2", "3"], out.stdout
