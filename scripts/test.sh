@@ -41,6 +41,24 @@ step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
 .venv/bin/python -m pytest -q python/tests
 
+step "torch venv (torch==2.15.0 from PyPI, cached in \${FO_TORCH_VENV:-~/.cache/fo/torch-venv})"
+TORCH_VENV="${FO_TORCH_VENV:-$HOME/.cache/fo/torch-venv}"
+if [ -x "$TORCH_VENV/bin/python" ] && "$TORCH_VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  echo "reusing $TORCH_VENV (torch $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
+else
+  t0=$(date +%s)
+  rm -rf "$TORCH_VENV"
+  mkdir -p "$(dirname "$TORCH_VENV")"
+  python3 -m venv "$TORCH_VENV"
+  "$TORCH_VENV/bin/python" -m pip install -q --upgrade pip
+  "$TORCH_VENV/bin/python" -m pip install -q torch==2.15.0 -r python/requirements-test.txt
+  echo "installed torch into $TORCH_VENV in $(( $(date +%s) - t0 ))s"
+fi
+"$TORCH_VENV/bin/python" -m pip install -q -r python/requirements-test.txt
+
+step "pytest with torch (fo.torch optimizers, FSDP2 + CPUOffloadPolicy on gloo, DCP resharding, every torch test)"
+OMP_NUM_THREADS=1 "$TORCH_VENV/bin/python" -m pytest -q python/tests
+
 step "fuzz: 20 s per cargo-fuzz target (header, load) from the committed seed corpus"
 # Stable toolchain: RUSTC_BOOTSTRAP=1 lets it take cargo-fuzz's -Z flags. No sanitizer here
 # (a quick build; panics, aborts, hangs and OOM are still caught); scripts/fuzz.sh runs long

@@ -1,0 +1,89 @@
+"""torch tensors as fo_tensor structs, zero-copy, and DTensor placements as fo shard specs.
+
+Only `fo.torch` imports this module (it needs torch)."""
+import ctypes
+
+import torch
+
+from ._ffi import DTYPE_CODES, FoError, Tensor, i64p
+from .shard import Partial, Replicate, Shard, ShardSpec, StridedShard
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # torch built without distributed
+    DTensor = _StridedShard = None
+
+_CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+          torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+          torch.bool: "bool", torch.float8_e4m3fn: "f8_e4m3", torch.float8_e5m2: "f8_e5m2"}
+# fo reads nothing through an empty tensor's pointer but takes NULL as "no gradient", so an
+# empty local shard (a rank past the end of an uneven dim) points here instead.
+_EMPTY = ctypes.create_string_buffer(16)
+
+INVALID_ARGUMENT, DTYPE, UNSUPPORTED = 1, 2, 9
+
+
+def error(status, message):
+    names = {INVALID_ARGUMENT: "FO_ERR_INVALID_ARGUMENT", DTYPE: "FO_ERR_DTYPE", UNSUPPORTED: "FO_ERR_UNSUPPORTED"}
+    return FoError(status, names[status], message)
+
+
+def is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """The tensor whose memory fo touches: a DTensor's local shard, else `t` itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+class TorchArg:
+    """An fo_tensor over a torch tensor's memory: its data_ptr(), dtype, shape and strides
+    exactly as torch holds them. Keeps the tensor and the shape/stride arrays alive."""
+
+    def __init__(self, t, what, empty_non_null=False):
+        t = local(t)
+        if t.device.type != "cpu":
+            raise error(UNSUPPORTED, f"{what} is on {t.device}; this libfo steps host (CPU) tensors only "
+                                     "(FSDP2's CPUOffloadPolicy keeps shards on the host)")
+        code = _CODES.get(t.dtype)
+        if code is None:
+            raise error(DTYPE, f"{what} has dtype {t.dtype}, which fo has no code for")
+        self.tensor = t
+        nd = t.dim()
+        self._shape = (ctypes.c_int64 * max(nd, 1))(*t.shape)
+        self._strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())
+        ptr = t.data_ptr() if t.numel() else (ctypes.addressof(_EMPTY) if empty_non_null else None)
+        self.struct = Tensor(ptr, DTYPE_CODES[code], nd, ctypes.cast(self._shape, i64p),
+                             ctypes.cast(self._strides, i64p), -1)
+
+
+def _placement(pl):
+    if _StridedShard is not None and isinstance(pl, _StridedShard):
+        return StridedShard(pl.dim, int(pl.split_factor))
+    if pl.is_shard():
+        return Shard(pl.dim)
+    if pl.is_replicate():
+        return Replicate()
+    if pl.is_partial():
+        return Partial()
+    raise error(UNSUPPORTED, f"placement {pl!r} has no fo equivalent")
+
+
+def shard_spec(p, what):
+    """fo's ShardSpec for a DTensor parameter: global shape, mesh shape, this rank's mesh
+    coordinate and placements (uneven and strided shards as torch lays them out)."""
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise error(INVALID_ARGUMENT, f"{what}: this rank is not in the parameter's device mesh")
+    return ShardSpec(tuple(p.shape), tuple(mesh.shape), tuple(coord), [_placement(x) for x in p.placements])
+
+
+def like_param(t, p):
+    """`t` (a local tensor shaped like p's local shard) as p is: a DTensor with p's mesh,
+    placements, global shape and stride when p is one."""
+    if not is_dtensor(p):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

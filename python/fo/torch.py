@@ -1,0 +1,352 @@
+"""fo as a `torch.optim.Optimizer`: the one-line change for a torch training loop.
+
+    import fo.torch
+    opt = fo.torch.AdamW(model.parameters(), lr=1e-3, state_format="quant8")
+
+Parameters and gradients are read in place through `data_ptr()` (a DTensor through its local
+shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
+with `CPUOffloadPolicy` are stepped where they lie. `param_groups` stay torch dicts: what an
+lr scheduler writes there is pushed to fo before every step. `state_dict()` has torch's
+layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params),
+decoded to float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
+torch.optim checkpoint loads into any fo state format.
+"""
+import ctypes
+from collections.abc import Mapping
+
+import torch
+
+from . import optim as _optim
+from ._ffi import check, tensor_array
+from ._torch_args import UNSUPPORTED, TorchArg, error, is_dtensor, like_param, local, shard_spec
+
+__all__ = ["AdamW", "Adam", "SGD", "Lion"]
+
+# fo's own knobs, kept in each param group beside torch's. They describe how state is
+# stored, so loading a checkpoint keeps the optimizer's own values (any format loads).
+FO_KEYS = ("state_format", "master_weight_bits", "arithmetic")
+PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
+ARITHMETIC = {"exact": 0, "fast": 1}
+HAS_ARITHMETIC = "arithmetic" in dict(_optim.OptimConfig._fields_)
+
+
+def _create(cfg):
+    """An fo.optim.Optimizer whose group 0 is the OptimConfig `cfg`."""
+    opt = _optim.Optimizer.__new__(_optim.Optimizer)
+    opt._handle, opt._params = None, []
+    h = _optim._P()
+    check(_optim._create(ctypes.byref(cfg), ctypes.byref(h)))
+    opt._handle = h
+    return opt
+
+
+def _arithmetic_code(value):
+    code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
+    if code not in ARITHMETIC.values():
+        raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
+    if code != 0 and not HAS_ARITHMETIC:
+        raise error(UNSUPPORTED, f"arithmetic={value!r}: this libfo's fo_optim_config has no arithmetic field")
+    return code
+
+
+class _State(Mapping):
+    """`optimizer.state` as torch code reads it: param -> {key: tensor}, only for params
+    that have fo state, decoded on access (fo holds the real, possibly quantized, state)."""
+
+    def __init__(self, opt):
+        self._opt = opt
+
+    def __getitem__(self, p):
+        return self._opt._export(p) if self._opt._has_state(p) else {}
+
+    def __contains__(self, p):
+        return self._opt._has_state(p)
+
+    def __iter__(self):
+        return iter([p for p in list(self._opt._index) if self._opt._has_state(p)])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+class _FoOptimizer(torch.optim.Optimizer):
+    algorithm = "adamw"
+
+    def __init__(self, params, defaults):
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if defaults.get(flag):
+                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
+        defaults["arithmetic"] = _arithmetic_code(defaults.get("arithmetic", 0))
+        _optim.STATE_FORMATS[defaults["state_format"]]  # KeyError names a bad format early
+        self._fo = None  # fo.optim.Optimizer, built at the first step or load
+        self._index = {}  # param -> fo index
+        self._where = {}  # param -> (data_ptr, shape, dtype) registered with fo
+        self._keep = {}  # param -> what fo borrows (the local tensor, its shard spec)
+        self._pushed = []  # the config last pushed for each fo group
+        super().__init__(params, defaults)
+        self.state = _State(self)
+
+    # -- hyper-parameters -------------------------------------------------------------
+    def _hp(self, group):
+        """fo's hyper-parameters for a torch param group (subclasses map torch's names)."""
+        raise NotImplementedError
+
+    def _config(self, group):
+        hp = self._hp(group)
+        hp["lr"] = float(group["lr"])
+        hp["weight_decay"] = float(group["weight_decay"])
+        hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
+        hp["state_format"] = group["state_format"]
+        hp["master_weight_bits"] = int(group["master_weight_bits"])
+        if HAS_ARITHMETIC:
+            hp["arithmetic"] = _arithmetic_code(group["arithmetic"])
+        else:
+            _arithmetic_code(group["arithmetic"])
+        return _optim.config(self.algorithm, **hp)
+
+    # -- registration -----------------------------------------------------------------
+    def _names(self):
+        for gi, g in enumerate(self.param_groups):
+            names = g.get("param_names")
+            for j, p in enumerate(g["params"]):
+                yield gi, p, (names[j] if names else f"param_groups[{gi}].params[{j}]")
+
+    @staticmethod
+    def _placed(p):
+        t = local(p)
+        return (t.data_ptr(), tuple(t.shape), t.dtype)
+
+    def _register(self, p, gi, name):
+        arg = TorchArg(p, f"parameter {name}")
+        spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
+        idx = ctypes.c_int32(-1)
+        check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
+                                ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
+        self._index[p] = idx.value
+        self._where[p] = self._placed(p)
+        self._keep[p] = (arg, spec)
+
+    def _sync(self, also=()):
+        """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
+        one fo group per torch group with its current hyper-parameters, and every parameter
+        that has a gradient (or is in `also`) registered."""
+        if self._fo is not None and any(self._placed(p) != w for p, w in self._where.items()):
+            self._rebuild()
+        if self._fo is None:
+            first = self._config(self.param_groups[0])
+            self._fo = _create(first)
+            self._pushed = [first]
+        for gi, g in enumerate(self.param_groups):
+            cfg = self._config(g)
+            if gi == len(self._pushed):
+                g_idx = ctypes.c_int32(-1)
+                check(_optim._add_group(self._fo._handle, ctypes.byref(cfg), ctypes.byref(g_idx)))
+                self._pushed.append(cfg)
+            if bytes(cfg) != bytes(self._pushed[gi]):
+                self._fo.set_group_config(gi, cfg)
+                self._pushed[gi] = cfg
+        for gi, p, name in self._names():
+            if p not in self._index and (p.grad is not None or p in also):
+                self._register(p, gi, name)
+
+    def _rebuild(self):
+        """A parameter's storage moved (its module reloaded or re-sharded): register the
+        parameters again and carry their state over decoded (master weights excepted: the
+        parameter now holds whatever was written into it)."""
+        saved = {p: self._export(p, local_only=True) for p in self._index if self._has_state(p)}
+        self._fo.close()
+        self._fo, self._index, self._where, self._keep, self._pushed = None, {}, {}, {}, []
+        self._sync(also=set(saved))
+        for p, st in saved.items():
+            st.pop("master", None)
+            self._load_param(p, st)
+
+    # -- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync()
+        grads = [None] * len(self._index)
+        names = {p: n for _, p, n in self._names()}
+        for p, i in self._index.items():
+            if p.grad is not None:
+                grads[i] = TorchArg(p.grad, f"gradient of parameter {names.get(p, i)}", empty_non_null=True)
+        check(_optim._step(self._fo._handle, tensor_array(grads), len(grads)))
+        return loss
+
+    def add_param_group(self, param_group):
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if param_group.get(flag):
+                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
+        super().add_param_group(param_group)
+
+    # -- state ------------------------------------------------------------------------
+    def _has_state(self, p):
+        i = self._index.get(p)
+        return i is not None and bool(self._fo.state_keys(i))
+
+    def _export(self, p, local_only=False):
+        """Parameter p's state in torch's keys, decoded to float32 (`master`: the float32
+        master weight, present when error bits are kept)."""
+        i = self._index[p]
+        native = self._fo.state_keys(i)
+        out = {}
+        for key in PORTABLE:
+            if key in native or key + "::quantized" in native:
+                out[key] = self._get(i, key)
+        if "error_bits" in native:
+            out["master"] = self._get(i, "master")
+        if not local_only:
+            out = {k: (v if k == "step" else like_param(v, p)) for k, v in out.items()}
+        return out
+
+    def _get(self, i, key):
+        _, shape = self._fo.state_info(i, key)
+        t = torch.empty(shape, dtype=torch.float32)
+        arg = TorchArg(t, f"state {key}")
+        check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
+        return t
+
+    def _load_param(self, p, entries):
+        keys, args = [], []
+        for k, v in entries.items():
+            if k not in PORTABLE and k != "master":
+                continue
+            if not isinstance(v, torch.Tensor):
+                v = torch.tensor(float(v))
+            v = local(v).detach()
+            v = (v.float() if k == "step" else v).cpu().contiguous()
+            keys.append(k)
+            args.append(TorchArg(v, f"state {k}"))
+        if not keys:
+            return
+        ckeys = (ctypes.c_char_p * len(keys))(*[k.encode() for k in keys])
+        check(_optim._set_state(self._fo._handle, self._index[p], ckeys, tensor_array(args), len(keys)))
+
+    def state_dict(self):
+        """torch's layout: {"state": {index: {...}}, "param_groups": [...]} with indices
+        counted across groups in order, as `torch.optim.Optimizer.state_dict` numbers them."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state, groups, start = {}, [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            for j, p in enumerate(g["params"]):
+                if self._has_state(p):
+                    state[start + j] = self._export(p)
+            start += len(g["params"])
+            groups.append(packed)
+        out = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, out) or out
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Loads torch's layout (from fo.torch or torch.optim, any state format) into this
+        optimizer's own format; group hyper-parameters come from the checkpoint, fo's
+        storage keys (`state_format`, `master_weight_bits`, `arithmetic`) stay as they are."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        by_id = {}
+        for gi, (g, s) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(s["params"]) != len(g["params"]):
+                raise ValueError(f"loaded param group {gi} has {len(s['params'])} parameters, "
+                                 f"this optimizer's has {len(g['params'])}")
+            by_id.update(zip(s["params"], g["params"]))
+        unknown = [k for k in state_dict["state"] if k not in by_id]
+        if unknown:
+            raise ValueError(f"state for parameters {unknown} that no param group lists")
+        for g, s in zip(self.param_groups, saved_groups):
+            for k, v in s.items():
+                if k not in ("params", "param_names") and k not in FO_KEYS:
+                    g[k] = v
+        self._sync(also={by_id[k] for k in state_dict["state"]})
+        for k, entries in state_dict["state"].items():
+            self._load_param(by_id[k], entries)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None):
+    if capturable or fused:
+        raise error(UNSUPPORTED, "capturable/fused are CUDA-graph and fused-kernel options of torch.optim; "
+                                 "fo steps host tensors with its own kernels")
+    return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                fused=fused)
+
+
+def _fo_args(state_format, master_weight_bits, arithmetic):
+    return dict(state_format=state_format, master_weight_bits=master_weight_bits, arithmetic=arithmetic)
+
+
+class AdamW(_FoOptimizer):
+    """torch.optim.AdamW's arguments, plus fo's `state_format` ("fp32": torch's arithmetic;
+    "quant8", "quant8_wide", "param_dtype"), `master_weight_bits` (0, or 24/32 for bf16/f16
+    params) and `arithmetic` ("exact", "fast")."""
+
+    algorithm = "adamw"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 state_format="quant8", master_weight_bits=0, arithmetic="exact", **flags):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                      **_torch_flags(**flags), decoupled_weight_decay=True,
+                                      **_fo_args(state_format, master_weight_bits, arithmetic)))
+
+    def _hp(self, g):
+        return dict(betas=tuple(float(b) for b in g["betas"]), eps=float(g["eps"]))
+
+
+class Adam(AdamW):
+    """torch.optim.Adam: L2 weight decay added to the gradient, or AdamW's decoupled decay
+    with `decoupled_weight_decay=True`; fo's arguments as AdamW's."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0, arithmetic="exact",
+                 **flags):
+        _FoOptimizer.__init__(self, params, dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **_torch_flags(**flags),
+            decoupled_weight_decay=decoupled_weight_decay, **_fo_args(state_format, master_weight_bits, arithmetic)))
+
+    @property
+    def algorithm(self):
+        return "adamw" if self.defaults["decoupled_weight_decay"] else "adam"
+
+
+class SGD(_FoOptimizer):
+    """torch.optim.SGD (L2 weight decay, torch's dampening and nesterov); fo's arguments as
+    AdamW's (state is the momentum buffer, absent without momentum)."""
+
+    algorithm = "sgd"
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 state_format="quant8", master_weight_bits=0, arithmetic="exact", **flags):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, **_torch_flags(**flags),
+                                      **_fo_args(state_format, master_weight_bits, arithmetic)))
+
+    def _hp(self, g):
+        return dict(momentum=float(g["momentum"]), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]))
+
+
+class Lion(_FoOptimizer):
+    """Lion (Chen et al. 2023): sign of the interpolated momentum, decoupled weight decay;
+    state `exp_avg`. fo's arguments as AdamW's."""
+
+    algorithm = "lion"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format="quant8",
+                 master_weight_bits=0, arithmetic="exact", **flags):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
+                                      **_torch_flags(**flags),
+                                      **_fo_args(state_format, master_weight_bits, arithmetic)))
+
+    def _hp(self, g):
+        return dict(betas=tuple(float(b) for b in g["betas"]))
