@@ -5,6 +5,7 @@ save, load with resharding, consolidate, verify. Torch's vocabulary: FQNs, `exp_
     fo.ckpt.save(opt, "ckpt/", rank=r, world_size=n, mode="compressed", save_id="step100")
     report = fo.ckpt.load(opt2, "ckpt/")            # any sharding of the same params
     fo.ckpt.consolidate("ckpt/", "full/")            # one safetensors file + index
+    sd = fo.ckpt.torch_state_dict("ckpt/")          # torch's nested layout: torch_opt.load_state_dict(sd)
 """
 import ctypes
 import json
@@ -12,6 +13,7 @@ import json
 import numpy as np
 
 from ._ffi import MAX_DIMS, check, declare
+from .layout import torch_param_group, torch_state_dict
 from .optim import numpy_dtype
 
 MODES = {"compressed": 0, "portable": 1}

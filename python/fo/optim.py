@@ -115,6 +115,7 @@ class Optimizer:
         check(_create(ctypes.byref(config(algorithm, **hp)), ctypes.byref(h)))
         self._handle = h
         self._params = []
+        self._fqns = []
 
     def close(self):
         if self._handle is not None:
@@ -137,7 +138,13 @@ class Optimizer:
         spec = ctypes.byref(shard.struct) if shard is not None else None
         check(_add_param(self._handle, fqn.encode(), ctypes.byref(arg.struct), spec, group, ctypes.byref(idx)))
         self._params.append((array, shard))
+        self._fqns.append(fqn)
         return idx.value
+
+    @property
+    def fqns(self):
+        """Parameter FQNs by index, in registration order."""
+        return list(self._fqns)
 
     @property
     def num_params(self):
