@@ -15,9 +15,13 @@ keyed by index (torch's `Optimizer.state_dict()`), by FQN (what
 Compressed state (quant8, bf16/fp16 `param_dtype`) is decoded to float32; fo's extra state
 (`error_bits`, `master`) has no torch counterpart and is left out.
 """
+from __future__ import annotations
+
 import json
+import os
 import struct
 from pathlib import Path
+from typing import Any, Union
 
 import numpy as np
 
@@ -33,7 +37,7 @@ _STATE_NAMES = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "Adam": ("step", "ex
                 "SGD": ("momentum_buffer",), "SGDW": ("momentum_buffer",), "Lion": ("exp_avg",)}
 
 
-def torch_param_group(group):
+def torch_param_group(group: dict[str, Any]) -> dict[str, Any]:
     """One fo param group (as `Optimizer.param_groups` / checkpoint metadata give it) with
     torch's keys and values; `params` is copied as given."""
     alg = group["algorithm"]
@@ -133,7 +137,8 @@ def _shape_keys(fqn, alg):
             yield f"state.{fqn}.{name}::quantized"
 
 
-def torch_state_dict(source, key_by="index", flatten=False, framework="pt"):
+def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "index", flatten: bool = False,
+                     framework: str = "pt") -> dict[Any, Any]:
     """The optimizer state of `source` (an `fo.Optimizer`, or an fo checkpoint directory
     written by `fo.ckpt.save` on any number of ranks) in torch's layout.
 
@@ -159,7 +164,7 @@ def torch_state_dict(source, key_by="index", flatten=False, framework="pt"):
         state = {f: {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in s.items()} for f, s in state.items()}
     torch_groups = [torch_param_group(g) for g in groups]
     if key_by == "index":
-        index = {}
+        index: dict[str, int] = {}
         for g in torch_groups:
             g["params"] = [index.setdefault(fqn, len(index)) for fqn in g["params"]]
         state = {index[f]: s for f, s in state.items()}
