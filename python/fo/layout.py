@@ -102,14 +102,14 @@ def _checkpoint_state(directory):
             shapes[t["key"]] = tuple(t["global_shape"])
     # A throwaway fp32 optimizer over zero params of the global shapes: loading into it runs
     # fo's resharding and dequantization, so the numbers are exactly what a load would give.
-    opt = Optimizer("adamw", state_format="fp32", master_weight_bits=0)
+    opt = None
     keep = []
     for gi, g in enumerate(groups):
         hp = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
                                 "decouple_lr", "initial_lr") if k in g}
         alg = g["algorithm"].lower()
-        if gi == 0:
-            opt.set_group_config(0, _config(alg, hp))
+        if opt is None:
+            opt = Optimizer(alg, state_format="fp32", master_weight_bits=0, **hp)
         else:
             opt.add_param_group(alg, state_format="fp32", master_weight_bits=0, **hp)
         for fqn in g["params"]:
@@ -119,15 +119,11 @@ def _checkpoint_state(directory):
             w = np.zeros(shape, np.float32)
             keep.append(w)
             opt.add_param(fqn, w, group=gi)
-    if keep:
-        ckpt.load(opt, directory, strict=False, params=False, param_groups=False)
+    if opt is None or not keep:
+        return groups, {}
+    ckpt.load(opt, directory, strict=False, params=False, param_groups=False)
     _, state = _optimizer_state(opt)
     return groups, state
-
-
-def _config(alg, hp):
-    from .optim import config
-    return config(alg, state_format="fp32", master_weight_bits=0, **hp)
 
 
 def _shape_keys(fqn, alg):

@@ -103,6 +103,30 @@ def test_checkpoint_saved_on_three_ranks_exports_full_tensors_decoded_with_their
     assert sd["state"][0]["step"] == 2.0
 
 
+def test_checkpoint_of_sgd_lion_adam_groups_in_any_state_format_exports_like_the_optimizer(tmp_path):
+    """A first group that is not AdamW (once refused: group 0's algorithm was changed after
+    creation), bf16 `param_dtype` state, and `quant8_wide` (saved dequantized)."""
+    import ml_dtypes
+    opt = fo.Optimizer("sgd", lr=0.1, momentum=0.9, state_format="param_dtype", master_weight_bits=0)
+    opt.add_param("a", np.linspace(-1, 1, 40).astype(ml_dtypes.bfloat16).reshape(5, 8))
+    g = opt.add_param_group("lion", lr=1e-3, state_format="quant8_wide", master_weight_bits=0)
+    opt.add_param("b", np.ones(33, np.float32), group=g)
+    g = opt.add_param_group("adam", lr=1e-3, state_format="quant8_wide", master_weight_bits=0)
+    opt.add_param("c", np.ones(7, np.float32), group=g)
+    for s in range(2):
+        opt.step([np.cos(np.arange(40) + s).astype(ml_dtypes.bfloat16).reshape(5, 8),
+                  np.sin(np.arange(33) + s).astype(np.float32), np.sin(np.arange(7) + s).astype(np.float32)])
+    fo.ckpt.save(opt, tmp_path)
+    want = fo.ckpt.torch_state_dict(opt, key_by="fqn", framework="numpy")
+    got = fo.ckpt.torch_state_dict(tmp_path, key_by="fqn", framework="numpy")
+    assert got["param_groups"] == want["param_groups"]
+    assert [list(s) for s in got["state"].values()] == [["momentum_buffer"], ["exp_avg"], ["step", "exp_avg", "exp_avg_sq"]]
+    for fqn, st in want["state"].items():
+        for k, v in st.items():
+            assert v.dtype == np.float32
+            np.testing.assert_array_equal(got["state"][fqn][k], v, err_msg=f"{fqn}.{k}")
+
+
 def test_flattened_form_has_torchs_flat_keys(tmp_path):
     opt, _ = two_group_adamw()
     flat = fo.ckpt.torch_state_dict(opt, flatten=True, framework="numpy")
