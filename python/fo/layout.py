@@ -151,7 +151,7 @@ def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "i
         raise ValueError(f"framework must be 'pt' or 'numpy', got {framework!r}")
     if flatten and key_by == "index":
         key_by = "fqn"
-    if isinstance(source, (str, Path)):
+    if isinstance(source, (str, os.PathLike)):
         groups, state = _checkpoint_state(source)
     else:
         groups, state = _optimizer_state(source)
