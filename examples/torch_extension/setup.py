@@ -26,6 +26,7 @@ setup(
         "fo_torch_ext",
         [os.path.relpath(HERE / "fo_torch_ext.cpp", os.getcwd())],
         include_dirs=[fo.get_include()],
+        depends=[os.path.join(fo.get_include(), "fo.h")],  # a new header (ABI) rebuilds the cached module
         library_dirs=[libdir],
         extra_link_args=link + [f"-Wl,-rpath,{libdir}"],
         extra_compile_args=["-O2"],
