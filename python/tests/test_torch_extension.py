@@ -161,3 +161,12 @@ def test_refuses_what_fo_cannot_take_naming_the_parameter(ext):
         opt.step([torch.ones(4)])
     with pytest.raises(RuntimeError, match="grad of w has dtype Double"):
         opt.step([torch.ones(3, dtype=torch.float64)])
+
+
+def test_train_example_loss_falls_and_torch_loads_its_checkpoint(ext, tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(ext.__file__), str(ROOT / "python")]))
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_extension" / "train.py"), str(tmp_path / "ck")],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "torch.optim.AdamW loaded it (step 60)" in r.stdout
+    fo.ckpt.verify(tmp_path / "ck")
