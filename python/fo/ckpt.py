@@ -5,14 +5,22 @@ save, load with resharding, consolidate, verify. Torch's vocabulary: FQNs, `exp_
     fo.ckpt.save(opt, "ckpt/", rank=r, world_size=n, mode="compressed", save_id="step100")
     report = fo.ckpt.load(opt2, "ckpt/")            # any sharding of the same params
     fo.ckpt.consolidate("ckpt/", "full/")            # one safetensors file + index
+    sd = fo.ckpt.torch_state_dict("ckpt/")          # torch's nested layout: torch_opt.load_state_dict(sd)
 """
+from __future__ import annotations
+
 import ctypes
 import json
+import os
+from typing import Any, Union
 
 import numpy as np
 
 from ._ffi import MAX_DIMS, check, declare
-from .optim import numpy_dtype
+from .layout import torch_param_group, torch_state_dict
+from .optim import Optimizer, numpy_dtype
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 MODES = {"compressed": 0, "portable": 1}
 PARAMS = {None: 0, "stored": 1, "master": 2}
@@ -71,7 +79,7 @@ class Packed:
     def __init__(self, handle):
         self._handle = handle
 
-    def close(self):
+    def close(self) -> None:
         if self._handle is not None:
             _pdestroy(self._handle)
             self._handle = None
@@ -85,7 +93,7 @@ class Packed:
     def __exit__(self, *exc):
         self.close()
 
-    def entries(self):
+    def entries(self) -> list[dict[str, Any]]:
         n = ctypes.c_size_t(0)
         check(_num(self._handle, ctypes.byref(n)))
         out = []
@@ -101,18 +109,19 @@ class Packed:
                         "data": data})
         return out
 
-    def metadata(self):
+    def metadata(self) -> dict[str, Any]:
         need = ctypes.c_size_t(0)
         _meta(self._handle, None, 0, ctypes.byref(need))
         buf = ctypes.create_string_buffer(need.value)
         check(_meta(self._handle, buf, need.value, ctypes.byref(need)))
         return json.loads(buf.value.decode())
 
-    def save(self, directory):
+    def save(self, directory: PathLike) -> None:
         check(_psave(self._handle, str(directory).encode()))
 
 
-def pack(opt, rank=0, world_size=1, mode="compressed", params=None, write_unsharded=None, save_id=None):
+def pack(opt: Optimizer, rank: int = 0, world_size: int = 1, mode: str = "compressed", params: str | None = None,
+         write_unsharded: bool | None = None, save_id: str | None = None) -> Packed:
     """`fo_state_pack`: the optimizer's local state as named chunks (no collectives)."""
     h = _P()
     o = _options(rank, world_size, mode, params, write_unsharded, save_id)
@@ -120,8 +129,9 @@ def pack(opt, rank=0, world_size=1, mode="compressed", params=None, write_unshar
     return Packed(h)
 
 
-def save(opt, directory, rank=0, world_size=1, mode="compressed", params=None, write_unsharded=None, save_id=None,
-         comm=None):
+def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1, mode: str = "compressed",
+         params: str | None = None, write_unsharded: bool | None = None, save_id: str | None = None,
+         comm=None) -> None:
     """Writes this rank's file `shard-{rank+1:05}-model-00001-of-00001.safetensors` of
     save `save_id` into `directory`'s staging area; the checkpoint becomes visible when
     the last rank finishes (commit record `fo-commit.json`). `save_id` is required when
@@ -134,7 +144,8 @@ def save(opt, directory, rank=0, world_size=1, mode="compressed", params=None, w
         check(_save_comm(opt._handle, str(directory).encode(), ctypes.byref(o), comm._h))
 
 
-def load(opt, directory, strict=True, params=False, param_groups=True):
+def load(opt: Optimizer, directory: PathLike, strict: bool = True, params: bool = False,
+         param_groups: bool = True) -> dict[str, list[str]]:
     """Loads any checkpoint (fo's, or torch DCP HuggingFace files) into `opt`, resharded.
     Returns {"loaded": [...], "missing": [...], "unexpected": [...], "requantized": [...]}.
     On error (FoError) the optimizer is unchanged."""
@@ -149,11 +160,11 @@ def load(opt, directory, strict=True, params=False, param_groups=True):
         cap = rep.json_len  # the key names did not fit: load again (same result) with room
 
 
-def consolidate(directory, out_dir):
+def consolidate(directory: PathLike, out_dir: PathLike) -> None:
     """One full safetensors file plus `model.safetensors.index.json` in `out_dir`."""
     check(_consolidate(str(directory).encode(), str(out_dir).encode()))
 
 
-def verify(directory):
+def verify(directory: PathLike) -> None:
     """Raises FoError unless every checksum matches and every element is saved once."""
     check(_verify(str(directory).encode()))

@@ -5,7 +5,10 @@ collectives as Python callables (torch.distributed, MPI, a test's pipes), or NCC
 Callables receive numpy views of fo's buffers and fill them in place; an exception in
 a callable becomes FO_ERR_COMM naming the operation.
 """
+from __future__ import annotations
+
 import ctypes
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -81,7 +84,7 @@ class Comm:
         self.rank, self.world_size = r.value, w.value
 
     @classmethod
-    def local_group(cls, world_size, timeout=600.0):
+    def local_group(cls, world_size: int, timeout: float = 600.0) -> list[Comm]:
         """`world_size` handles talking through shared memory; use each from its own thread."""
         # Room for the handles only within the library's bound: it refuses other sizes
         # before writing, so a huge world_size is an FoError, not a huge allocation here.
@@ -90,20 +93,22 @@ class Comm:
         return [cls(h) for h in out]
 
     @classmethod
-    def from_nccl(cls, nccl_comm, cuda_stream, rank, world_size):
+    def from_nccl(cls, nccl_comm: int, cuda_stream: int, rank: int, world_size: int) -> Comm:
         """Over an existing ncclComm_t and cudaStream_t (integers); needs libfo built with `cuda`."""
         out = ctypes.c_void_p()
         check(_create_nccl(nccl_comm, cuda_stream, rank, world_size, ctypes.byref(out)))
         return cls(out.value)
 
     @classmethod
-    def from_callbacks(cls, rank, world_size, broadcast, all_reduce_f64, barrier, scatter=None):
+    def from_callbacks(cls, rank: int, world_size: int, broadcast: Callable[..., None],
+                       all_reduce_f64: Callable[..., None], barrier: Callable[[], None],
+                       scatter: Callable[..., None] | None = None) -> Comm:
         """The host's collectives as Python callables, each filling numpy arrays in place:
         `broadcast(buf: uint8 array, root)`, `all_reduce_f64(vals: float64 array, op)` with
         op `"sum"` or `"max"` (max must propagate NaN), `barrier()`, and optionally
         `scatter(parts, recv, root)`: root gets `parts` (one uint8 array per rank, else
         None) and every rank fills `recv` with its part."""
-        holder = {}
+        holder: dict[str, Any] = {}
 
         def guarded(name, fn):
             def run(*args):
@@ -136,7 +141,7 @@ class Comm:
         holder["comm"] = comm
         return comm
 
-    def close(self):
+    def close(self) -> None:
         if self._h:
             _destroy(self._h)
             self._h = ctypes.c_void_p()
@@ -155,7 +160,8 @@ def _arg(a):
     return a if isinstance(a, TensorArg) else TensorArg(np.asarray(a))
 
 
-def broadcast_state_dict(comm, full, dests, allow_int_float_cast=False, strategy="scatter"):
+def broadcast_state_dict(comm: Comm, full: Mapping[str, Any] | None, dests: Mapping[str, Any],
+                         allow_int_float_cast: bool = False, strategy: str = "scatter") -> dict[str, int]:
     """Fill `dests` on every rank from rank 0's `full` ({key: array}; ignored elsewhere).
 
     `dests` maps key -> array (a whole tensor, e.g. a buffer) or (array, ShardSpec) for
@@ -186,10 +192,11 @@ def broadcast_state_dict(comm, full, dests, allow_int_float_cast=False, strategy
     opts = _Options(int(bool(allow_int_float_cast)), {"scatter": 0, "full_broadcast": 1}[strategy])
     stats = _Stats()
     check(_broadcast_sd(comm._h, src_arr, n_full, dst_arr, len(dst), ctypes.byref(opts), ctypes.byref(stats)))
-    return {name: getattr(stats, name) for name, _ in _Stats._fields_}
+    return {f[0]: getattr(stats, f[0]) for f in _Stats._fields_}
 
 
-def clip_grad_norm(comm, grads, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm(comm: Comm, grads: Sequence[tuple[np.ndarray, bool]], max_norm: float, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False) -> float:
     """The FSDP2-safe global norm: `grads` is a list of (array, is_shard). Shards' |g|^p
     sum across ranks, replicated ones count once; arrays are scaled in place when the
     total exceeds `max_norm`. Every rank must call it (with or without gradients)."""

@@ -6,12 +6,18 @@ updated in place. Vocabulary as in torch: param groups, `exp_avg`, `step`, FQNs.
     opt.step([g])                                # None for a parameter without grad
     opt.get_state(i, "exp_avg")                  # decoded float32
 """
+from __future__ import annotations
+
 import ctypes
 import json
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from ._ffi import ShardSpecStruct, Tensor, TensorArg, check, declare, lib, tensor_array
+
+if TYPE_CHECKING:
+    from .shard import ShardSpec
 
 ALGORITHMS = {"adamw": 0, "adam": 1, "sgd": 2, "sgdw": 3, "lion": 4}
 STATE_FORMATS = {"fp32": 0, "param_dtype": 1, "quant8": 2, "quant8_wide": 3}
@@ -19,7 +25,7 @@ _NUMPY_OF_CODE = {0: np.float32, 1: np.float16, 3: np.float64, 4: np.int8, 5: np
                   6: np.int16, 7: np.int32, 8: np.int64}
 
 
-def numpy_dtype(code):
+def numpy_dtype(code: int) -> Any:
     """The numpy dtype for an fo dtype code. bfloat16 needs the `ml_dtypes` package, imported
     only here, so `import fo` works without it (torch users, f32/f16-only users)."""
     if code == 2:
@@ -73,7 +79,7 @@ _set_threads = declare("fo_set_num_threads", [ctypes.c_int32])
 _get_threads = declare("fo_get_num_threads", [_i32p])
 
 
-def config(algorithm="adamw", **hp):
+def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
     """FlashOptim's defaults for `algorithm`, then `hp` (lr, betas=(b1, b2), eps,
     weight_decay, momentum, dampening, nesterov, decouple_lr, initial_lr,
     state_format ("fp32", "param_dtype", "quant8", "quant8_wide"), master_weight_bits,
@@ -89,7 +95,7 @@ def config(algorithm="adamw", **hp):
         c.state_format = STATE_FORMATS[fmt] if isinstance(fmt, str) else int(fmt)
     hp.setdefault("initial_lr", hp.get("lr", c.lr))
     for k, v in hp.items():
-        if k not in dict(OptimConfig._fields_):
+        if k not in {f[0] for f in OptimConfig._fields_}:
             raise TypeError(f"unknown hyper-parameter {k!r}")
         setattr(c, k, int(v) if isinstance(v, bool) else v)
     return c
@@ -109,14 +115,15 @@ def _string(fn, *args):
 class Optimizer:
     """An fo optimizer over numpy arrays (kept referenced: they are updated in place)."""
 
-    def __init__(self, algorithm="adamw", **hp):
+    def __init__(self, algorithm: str = "adamw", **hp: Any) -> None:
         self._handle = None
         h = _P()
         check(_create(ctypes.byref(config(algorithm, **hp)), ctypes.byref(h)))
         self._handle = h
-        self._params = []
+        self._params: list[tuple[np.ndarray, ShardSpec | None]] = []
+        self._fqns: list[str] = []
 
-    def close(self):
+    def close(self) -> None:
         if self._handle is not None:
             _destroy(self._handle)
             self._handle = None
@@ -124,12 +131,13 @@ class Optimizer:
     def __del__(self):
         self.close()
 
-    def add_param_group(self, algorithm="adamw", **hp):
+    def add_param_group(self, algorithm: str = "adamw", **hp: Any) -> int:
         g = ctypes.c_int32(-1)
         check(_add_group(self._handle, ctypes.byref(config(algorithm, **hp)), ctypes.byref(g)))
         return g.value
 
-    def add_param(self, fqn, array, group=0, shard=None, dtype=None):
+    def add_param(self, fqn: str, array: np.ndarray, group: int = 0, shard: ShardSpec | None = None,
+                  dtype: str | None = None) -> int:
         """Registers `array` (contiguous float32/float16/bfloat16) as parameter `fqn`;
         `shard` is a `fo.ShardSpec` or None. Returns its index."""
         arg = TensorArg(array, dtype)
@@ -137,27 +145,33 @@ class Optimizer:
         spec = ctypes.byref(shard.struct) if shard is not None else None
         check(_add_param(self._handle, fqn.encode(), ctypes.byref(arg.struct), spec, group, ctypes.byref(idx)))
         self._params.append((array, shard))
+        self._fqns.append(fqn)
         return idx.value
 
     @property
-    def num_params(self):
+    def fqns(self) -> list[str]:
+        """Parameter FQNs by index, in registration order."""
+        return list(self._fqns)
+
+    @property
+    def num_params(self) -> int:
         n = ctypes.c_int32(0)
         check(_num_params(self._handle, ctypes.byref(n)))
         return n.value
 
-    def step(self, grads):
+    def step(self, grads: Sequence[np.ndarray | None]) -> None:
         """One step: `grads[i]` is parameter i's gradient (any strides), or None."""
         args = [None if g is None else TensorArg(g) for g in grads]
         arr = tensor_array(args)
         check(_step(self._handle, arr, len(args)))
 
-    def state_info(self, index, key):
+    def state_info(self, index: int, key: str) -> tuple[int, tuple[int, ...]]:
         dt, nd = ctypes.c_int32(0), ctypes.c_int32(0)
         shape = (ctypes.c_int64 * 8)()
         check(_state_info(self._handle, index, key.encode(), ctypes.byref(dt), ctypes.byref(nd), shape))
         return dt.value, tuple(shape[:nd.value])
 
-    def get_state(self, index, key, dtype=None):
+    def get_state(self, index: int, key: str, dtype: Any = None) -> np.ndarray:
         """State `key` of parameter `index` as a new array: decoded float32 for `exp_avg`,
         `exp_avg_sq`, `momentum_buffer`, `step`, `master`; raw dtype for `::quantized`,
         `::scales` (float16) and `error_bits`. `dtype` converts float keys."""
@@ -167,39 +181,39 @@ class Optimizer:
         check(_get_state(self._handle, index, key.encode(), ctypes.byref(arg.struct)))
         return out
 
-    def set_state(self, index, entries):
+    def set_state(self, index: int, entries: Mapping[str, np.ndarray]) -> None:
         """Loads `{key: array}` into parameter `index`; all entries are checked first."""
         keys = list(entries)
         args = [TensorArg(np.ascontiguousarray(entries[k])) for k in keys]
         ckeys = (ctypes.c_char_p * max(len(keys), 1))(*[k.encode() for k in keys])
         check(_set_state(self._handle, index, ckeys, tensor_array(args), len(keys)))
 
-    def state_keys(self, index):
+    def state_keys(self, index: int) -> list[str]:
         s = _string(_state_keys, self._handle, index)
         return s.split("\n") if s else []
 
-    def state_bytes(self, index=None):
+    def state_bytes(self, index: int | None = None) -> int:
         out = ctypes.c_uint64(0)
         check(_state_bytes(self._handle, -1 if index is None else index, ctypes.byref(out)))
         return out.value
 
-    def set_lr(self, group, lr):
+    def set_lr(self, group: int, lr: float) -> None:
         check(_set_lr(self._handle, group, lr))
 
-    def group_config(self, group):
+    def group_config(self, group: int) -> OptimConfig:
         c = OptimConfig()
         check(_get_group(self._handle, group, ctypes.byref(c)))
         return c
 
-    def set_group_config(self, group, cfg):
+    def set_group_config(self, group: int, cfg: OptimConfig) -> None:
         check(_set_group(self._handle, group, ctypes.byref(cfg)))
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return json.loads(_string(_groups_json, self._handle))
 
 
-def offload_plan(numels, fraction):
+def offload_plan(numels: Sequence[int], fraction: float) -> list[bool]:
     """Megatron's rule: which parameters (in order) go to the host."""
     n = len(numels)
     sizes = (ctypes.c_int64 * max(n, 1))(*numels)
@@ -208,12 +222,12 @@ def offload_plan(numels, fraction):
     return [bool(x) for x in out[:n]]
 
 
-def set_num_threads(n):
+def set_num_threads(n: int) -> None:
     """Threads for optimizer steps; 0 = FO_NUM_THREADS or all cores."""
     check(_set_threads(n))
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     n = ctypes.c_int32(0)
     check(_get_threads(ctypes.byref(n)))
     return n.value

@@ -1,6 +1,9 @@
 """DTensor shard metadata: `wrap_uneven`, `shard_indices` and friends (torch's vocabulary)."""
+from __future__ import annotations
+
 import ctypes
 from dataclasses import dataclass
+from typing import Sequence
 
 from ._ffi import Placement as _Placement, ShardInfo as _ShardInfo, ShardSpecStruct, check, declare, i64p
 
@@ -16,24 +19,24 @@ _grouped = declare("fo_grouped_placements", [ctypes.c_int32, ctypes.POINTER(_Pla
                                              ctypes.POINTER(_Placement)])
 
 
-def Replicate():
+def Replicate() -> _Placement:
     return _Placement(REPLICATE, 0, 0)
 
 
-def Shard(dim):
+def Shard(dim: int) -> _Placement:
     return _Placement(SHARD, dim, 0)
 
 
-def StridedShard(dim, split_factor):
+def StridedShard(dim: int, split_factor: int) -> _Placement:
     """torch's `_StridedShard(dim, split_factor)`."""
     return _Placement(STRIDED_SHARD, dim, split_factor)
 
 
-def Partial():
+def Partial() -> _Placement:
     return _Placement(PARTIAL, 0, 0)
 
 
-def placement(p):
+def placement(p: _Placement | str) -> _Placement:
     """A placement from a struct, or from the CLI spelling: "R", "P", "S0", "SS0:3"."""
     if isinstance(p, _Placement):
         return p
@@ -52,10 +55,10 @@ def placement(p):
 
 @dataclass
 class ShardInfo:
-    local_shape: tuple
-    global_offset: tuple
-    global_shape: tuple
-    global_stride: tuple
+    local_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
     is_box: bool
 
 
@@ -63,7 +66,8 @@ class ShardSpec:
     """Global shape, mesh, coordinate and placements; `.struct` is the C fo_shard_spec
     (valid while this object lives)."""
 
-    def __init__(self, global_shape, mesh_shape, coord, placements):
+    def __init__(self, global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                 placements: Sequence[_Placement | str]) -> None:
         self.global_shape = tuple(int(x) for x in global_shape)
         self.mesh_shape = tuple(int(x) for x in mesh_shape)
         self.coord = tuple(int(x) for x in coord)
@@ -81,14 +85,14 @@ class ShardSpec:
         s = self.struct
         return (s.ndim, s.global_shape, s.mesh_ndim, s.mesh_shape, s.coord, s.placements)
 
-    def info(self):
+    def info(self) -> ShardInfo:
         out = _ShardInfo()
         check(_wrap_uneven(*self._args(), ctypes.byref(out)))
         n = out.ndim
         return ShardInfo(tuple(out.local_shape[:n]), tuple(out.global_offset[:n]),
                          tuple(out.global_shape[:n]), tuple(out.global_stride[:n]), bool(out.is_box))
 
-    def indices(self, dim):
+    def indices(self, dim: int) -> list[int]:
         # Ask for the count first (a too-small buffer still reports it; -1 stays when the
         # arguments themselves are bad), then allocate exactly that: a count no list can
         # hold raises the library's own FoError, not a MemoryError.
@@ -105,23 +109,25 @@ class ShardSpec:
         return list(buf[:n.value])
 
 
-def wrap_uneven(global_shape, mesh_shape, coord, placements):
+def wrap_uneven(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                placements: Sequence[_Placement | str]) -> ShardInfo:
     """`compute_local_shape_and_global_offset` with PyTorch 2.15's semantics."""
     return ShardSpec(global_shape, mesh_shape, coord, placements).info()
 
 
-def shard_indices(global_shape, mesh_shape, coord, placements, dim):
+def shard_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                  placements: Sequence[_Placement | str], dim: int) -> list[int]:
     """The sorted global indices `coord` holds along `dim`."""
     return ShardSpec(global_shape, mesh_shape, coord, placements).indices(dim)
 
 
-def padded_shard_size(length, world):
+def padded_shard_size(length: int, world: int) -> int:
     out = ctypes.c_int64(0)
     check(_padded(length, world, ctypes.byref(out)))
     return out.value
 
 
-def grouped_placements(placements):
+def grouped_placements(placements: Sequence[_Placement | str]) -> list[_Placement]:
     """Placements for a stacked (num_gemms, out, in) weight: Shard(d) -> Shard(d+1)."""
     pl = [placement(p) for p in placements]
     src = (_Placement * len(pl))(*pl)

@@ -1,5 +1,6 @@
 """The examples and README snippets run as a user runs them: as scripts, with the binding
 on PYTHONPATH and the library through FO_LIBRARY."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -42,6 +43,8 @@ def test_readme_python_snippets_run(tmp_path):
     blocks = readme_blocks("python")
     assert blocks
     for code in blocks:
+        if "import torch" in code and importlib.util.find_spec("torch") is None:
+            continue  # torch snippets run where torch is (the torch venv's pytest)
         r = run(["-c", code], tmp_path)
         assert r.returncode == 0, code + "\n" + r.stdout + r.stderr
 
