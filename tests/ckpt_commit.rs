@@ -55,3 +55,30 @@ fn ranks_agree_on_a_generated_save_id_and_commit_together() {
     assert_eq!(stages, 0, "staging directories left after the commit");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A save interrupted after rank 0 finished, then retried under the same id: while rank
+/// 0's retry is still writing, rank 1 finishing must not commit rank 0's first attempt.
+#[test]
+fn a_retried_save_does_not_commit_the_interrupted_attempts_rank() {
+    use fo::ckpt::writer::{finish, stage_rank_file};
+    use std::borrow::Cow;
+    let dir = tmp("commit-retry");
+    let cfg = config(StateFormat::Fp32, 0);
+    let old = ranks(2, &cfg, DType::F32, 1);
+    let new = ranks(2, &cfg, DType::F32, 3);
+    let opts = |r: usize| {
+        let mut o = SaveOptions::new(r, 2, Mode::Portable);
+        o.save_id = "step-3".into();
+        o
+    };
+    fo::ckpt::save_optimizer(&old[0].opt, &dir, &opts(0)).unwrap(); // attempt 1: rank 0 done, rank 1 killed
+    let p = fo::ckpt::pack(&new[0].opt, &opts(0)).unwrap(); // attempt 2: rank 0 writing ...
+    let staged = stage_rank_file(&dir, &p.plan, &p.opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e]))).unwrap();
+    fo::ckpt::save_optimizer(&new[1].opt, &dir, &opts(1)).unwrap(); // ... rank 1 done first
+    assert!(Checkpoint::open(&dir).is_err(), "committed before rank 0's retry finished");
+    finish(&dir, staged).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let want = new[0].opt.get_state(0, "exp_avg").unwrap();
+    assert!(ck.read("state.fc.weight.exp_avg", &spec(&[10, 7], "S0", 2, 0)).unwrap() == want);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

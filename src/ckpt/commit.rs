@@ -100,6 +100,13 @@ pub fn finish_rank(dir: &Path, save_id: &str, rank: usize, world_size: usize, di
     try_commit(dir, save_id, world_size)
 }
 
+/// Removes `rank`'s done marker of save `save_id` left by an interrupted earlier attempt
+/// of the same save, so that it cannot be committed with this attempt's files.
+pub fn clear_marker(dir: &Path, save_id: &str, rank: usize) -> Result<()> {
+    let p = stage_dir(dir, save_id).join(format!("done-{rank}.json"));
+    ignore_missing(std::fs::remove_file(&p), &p)
+}
+
 /// Writes `rank`'s done marker for save `save_id` (no commit attempt).
 pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<()> {
     let stage = stage_dir(dir, save_id);

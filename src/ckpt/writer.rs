@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
-use super::commit::{finish_rank, stage_dir, sync_dir};
+use super::commit::{clear_marker, finish_rank, stage_dir, sync_dir};
 use super::format::{
     encode_header, header_digest, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
     FORMAT_VERSION,
@@ -138,6 +138,7 @@ pub fn stage_rank_file<'t>(
     std::fs::create_dir_all(&stage).map_err(|e| Error::io(&stage, e))?;
     let name = shard_file_name(opts.rank);
     remove_stale_temps(&stage, &name)?;
+    clear_marker(dir, &opts.save_id, opts.rank)?;
     let mut staged = Staged {
         tmp: stage.join(format!(".{name}.tmp-{}", std::process::id())),
         dest: stage.join(&name),
