@@ -112,7 +112,8 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
             Packed::new(entries, o).unwrap()
         })
         .collect();
-    let fo_dir = dir.join("fo");
+    // The checkpoint goes straight into DIR (tests/ckpt_faults.rs kills a save there).
+    let fo_dir = dir.clone();
     let plain = dir.join("plain.bin");
     let to = world.max(2) - 1;
     let mut m = Measured::default();
