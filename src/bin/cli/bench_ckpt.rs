@@ -319,6 +319,7 @@ fn drop_cache(path: &Path) -> Result<(), String> {
         std::fs::read_dir(path)
             .map_err(|e| e.to_string())?
             .filter_map(|e| Some(e.ok()?.path()))
+            .filter(|p| p.is_file())
             .collect()
     } else {
         vec![path.to_path_buf()]
