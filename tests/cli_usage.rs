@@ -26,24 +26,15 @@ fn every_command_has_its_own_help_with_examples() {
         let out = fo(&[cmd, &["--help"]].concat());
         let help = text(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{cmd:?}: {}", text(&out.stderr));
-        assert!(
-            help.contains(&format!("Usage: fo {}", cmd.join(" "))),
-            "{cmd:?}: {help}"
-        );
+        assert!(help.contains(&format!("Usage: fo {}", cmd.join(" "))), "{cmd:?}: {help}");
         let example = format!("  fo {}", cmd.join(" "));
         assert!(help.contains("Examples:") && help.contains(&example), "{cmd:?}: {help}");
     }
     // `fo bench --help` is the bench's own help, not the whole usage.
     let help = text(&fo(&["bench", "--help"]).stdout);
-    assert!(
-        help.contains("Usage: fo bench") && help.contains("broadcast") && !help.contains("shard"),
-        "{help}"
-    );
+    assert!(help.contains("Usage: fo bench") && help.contains("broadcast") && !help.contains("shard"), "{help}");
     let help = text(&fo(&["bench", "step", "--help"]).stdout);
-    assert!(
-        help.contains("--sizes") && help.contains("--only") && !help.contains("--size-mib"),
-        "{help}"
-    );
+    assert!(help.contains("--sizes") && help.contains("--only") && !help.contains("--size-mib"), "{help}");
 }
 
 #[test]
@@ -56,15 +47,9 @@ fn version_is_the_crate_version() {
 #[test]
 fn usage_errors_exit_2_and_name_the_problem() {
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["shard", "--shape", "10", "--mesh", "2", "--placements", "S0", "--bogus"],
-            "--bogus",
-        ),
+        (&["shard", "--shape", "10", "--mesh", "2", "--placements", "S0", "--bogus"], "--bogus"),
         (&["shard", "--shape", "10", "--mesh", "2"], "--placements"),
-        (
-            &["shard", "--shape", "10,x", "--mesh", "2", "--placements", "S0"],
-            "\"x\"",
-        ),
+        (&["shard", "--shape", "10,x", "--mesh", "2", "--placements", "S0"], "\"x\""),
         (&["demo", "--steps", "x"], "--steps"),
         (&["demo", "--keep=yes"], "--keep"),
         (&["bench", "step", "--only", "fp64"], "fp64"),
@@ -93,20 +78,12 @@ fn failures_that_are_not_usage_errors_exit_1() {
     assert!(text(&out.stderr).starts_with("fo: "), "{}", text(&out.stderr));
     let out = fo(&["ckpt", "verify", "/nonexistent/fo-ckpt"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("/nonexistent/fo-ckpt"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert!(text(&out.stderr).contains("/nonexistent/fo-ckpt"), "{}", text(&out.stderr));
 }
 
 #[test]
 fn completions_cover_every_shell_and_every_command() {
-    for (shell, marker) in [
-        ("bash", "complete -F"),
-        ("zsh", "#compdef fo"),
-        ("fish", "complete -c fo"),
-    ] {
+    for (shell, marker) in [("bash", "complete -F"), ("zsh", "#compdef fo"), ("fish", "complete -c fo")] {
         let out = fo(&["completions", shell]);
         assert_eq!(out.status.code(), Some(0), "{shell}");
         let s = text(&out.stdout);
@@ -129,6 +106,17 @@ fn a_closed_pipe_is_not_a_crash() {
     drop(child.stdout.take());
     let out = child.wait_with_output().unwrap();
     assert!(!text(&out.stderr).contains("panicked"), "{}", text(&out.stderr));
+    // The same for any command's println!: `fo ckpt diff A B | head -1`.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/oracle/ckpt_fsdp_tp_2x2/sharded");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(["ckpt", "diff", dir, dir])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(!text(&out.stderr).contains("panicked"), "{}", text(&out.stderr));
 }
 
 #[test]
@@ -136,16 +124,7 @@ fn quiet_is_accepted_everywhere_and_flags_keep_their_spellings() {
     // --quiet is global: before or after the subcommand; `--flag=value` still works.
     for args in [
         &["-q", "shard", "--shape=10,7", "--mesh=2,3", "--placements=SS0:3,S0"][..],
-        &[
-            "shard",
-            "--shape",
-            "10,7",
-            "--mesh",
-            "2,3",
-            "--placements",
-            "SS0:3,S0",
-            "--quiet",
-        ],
+        &["shard", "--shape", "10,7", "--mesh", "2,3", "--placements", "SS0:3,S0", "--quiet"],
     ] {
         let out = fo(args);
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out.stderr));

@@ -6,6 +6,12 @@ use clap::Parser;
 mod cli;
 
 fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when the reader of stdout goes away
+    // (`fo ckpt diff A B | head`) instead of panicking in println!.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     // clap prints usage errors itself and exits 2 (help and --version exit 0).
     let args = cli::Cli::parse();
     match cli::run(args) {

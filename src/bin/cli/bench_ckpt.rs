@@ -112,7 +112,8 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
             Packed::new(entries, o).unwrap()
         })
         .collect();
-    let fo_dir = dir.join("fo");
+    // The checkpoint goes straight into DIR (tests/ckpt_faults.rs kills a save there).
+    let fo_dir = dir.clone();
     let plain = dir.join("plain.bin");
     let to = world.max(2) - 1;
     let mut m = Measured::default();
@@ -318,6 +319,7 @@ fn drop_cache(path: &Path) -> Result<(), String> {
         std::fs::read_dir(path)
             .map_err(|e| e.to_string())?
             .filter_map(|e| Some(e.ok()?.path()))
+            .filter(|p| p.is_file())
             .collect()
     } else {
         vec![path.to_path_buf()]
