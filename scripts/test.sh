@@ -43,8 +43,8 @@ export FO_LIBRARY="$ROOT/target/release/libfo.so"
 
 step "torch venv (torch==2.15.0 from PyPI, cached in \${FO_TORCH_VENV:-~/.cache/fo/torch-venv})"
 TORCH_VENV="${FO_TORCH_VENV:-$HOME/.cache/fo/torch-venv}"
-if [ -x "$TORCH_VENV/bin/python" ] && "$TORCH_VENV/bin/python" -c 'import torch' 2>/dev/null; then
-  echo "reusing $TORCH_VENV (torch $("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
+if [ -x "$TORCH_VENV/bin/python" ] && ver=$("$TORCH_VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
+  echo "reusing $TORCH_VENV (torch $ver)"
 else
   t0=$(date +%s)
   rm -rf "$TORCH_VENV"
