@@ -72,7 +72,7 @@ fn mag_bits(v: f32) -> u32 {
 /// the magnitudes. A full group reduces as a lane-wise tree of integer maxima, which
 /// compiles to a few vector instructions instead of a serial chain.
 #[inline(always)]
-fn absmax(x: &[f32]) -> f32 {
+pub(crate) fn absmax(x: &[f32]) -> f32 {
     let m = if let Ok(x) = <&[f32; GROUP]>::try_from(x) {
         let mut l = [0u32; 16];
         for i in 0..16 {
@@ -129,7 +129,7 @@ pub fn decode_signed_group(codes: &[i8], scale: f16, out: &mut [f32]) {
 /// max of non-negative `v` over a group as bits; NaN and negative values (whose square
 /// roots are NaN) never win; -0 counts as 0.
 #[inline(always)]
-fn max_nonneg(v: &[f32]) -> f32 {
+pub(crate) fn max_nonneg(v: &[f32]) -> f32 {
     let bits = |x: f32| {
         let b = x.to_bits();
         if b > 0x7f80_0000 {

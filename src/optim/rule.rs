@@ -13,7 +13,8 @@
 //!
 //! SGD dampening follows torch in both contracts: the first step sets the buffer to the
 //! gradient undampened (FlashOptim dampens it; identical when dampening = 0).
-use super::config::{Algorithm, OptimConfig, StateFormat};
+use super::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use super::fast::FastRule;
 
 #[derive(Debug, Clone, Copy)]
 pub enum Rule {
@@ -71,6 +72,8 @@ pub enum Rule {
         w2: f32,
         lr: f32,
     },
+    /// `Arithmetic::Fast` on non-fp32 state (see `fast`).
+    Fast(FastRule),
 }
 
 /// `(double)(float)beta` raised to `step` in double, rounded to f32 (FlashOptim's host).
@@ -82,6 +85,9 @@ impl Rule {
     /// The rule for one parameter of group `c` at step `step` (counting from 1).
     pub fn new(c: &OptimConfig, step: u64) -> Rule {
         let torch = c.state_format == StateFormat::Fp32;
+        if !torch && c.arithmetic == Arithmetic::Fast {
+            return Rule::Fast(FastRule::new(c, step));
+        }
         let coupled = !c.algorithm.decoupled_decay() && c.weight_decay != 0.0;
         let l2 = coupled.then_some(c.weight_decay as f32);
         let decay_amount = if c.algorithm.decoupled_decay() {
@@ -165,6 +171,7 @@ impl Rule {
         let n = p.len();
         let g = &g[..n];
         match *self {
+            Rule::Fast(r) => r.apply(p, g, m, v, first),
             Rule::TorchAdam {
                 l2,
                 decay,

@@ -28,7 +28,7 @@ fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 /// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
-fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+pub(super) fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
         .map(|_| {
@@ -42,7 +42,7 @@ fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// The fastest of the timed steps: on a shared machine interference only ever adds time,
 /// so the minimum is the most repeatable estimate of what the code itself costs.
-fn best(v: Vec<f64>) -> f64 {
+pub(super) fn best(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
@@ -153,8 +153,11 @@ pub fn run(f: &Flags) -> Result<(), String> {
     };
     let tensors: usize = f.parse_or("tensors", 200)?;
     let budget: f64 = f.parse_or("iters-params", 6.4e8)?;
-    // --only fp32|compressed: skip the other kind (profiling one kernel).
+    // --only fp32|compressed|arith: one table only (profiling one kernel).
     let only = f.get("only").unwrap_or("all");
+    if only == "arith" {
+        return super::bench_arith::run(&arith_opts(f, &sizes)?);
+    }
     let (fp32, comp) = (only != "compressed", only != "fp32");
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -199,5 +202,21 @@ pub fn run(f: &Flags) -> Result<(), String> {
             }
         }
     }
-    set_num_threads(0).map_err(|e| e.to_string())
+    set_num_threads(0).map_err(|e| e.to_string())?;
+    if only == "all" {
+        super::bench_arith::run(&arith_opts(f, &sizes)?)?;
+    }
+    Ok(())
+}
+
+/// The arithmetic table's flags: the largest `--sizes` (16M unless given), `--threads`
+/// (1 unless given), `--torch PY` (else `FO_TORCH_PYTHON`), `--iters N` (best of N, 10).
+fn arith_opts(f: &Flags, sizes: &[usize]) -> Result<super::bench_arith::Opts, String> {
+    Ok(super::bench_arith::Opts {
+        n: if f.get("sizes").is_some() { sizes.iter().copied().max().unwrap_or(1 << 24) } else { 1 << 24 },
+        threads: if f.get("threads").is_some() { f.list("threads")? } else { vec![1] },
+        iters: f.parse_or("iters", 10)?,
+        algs: f.get("algs").unwrap_or("adamw,adam,lion,sgd").split(',').map(str::to_string).collect(),
+        torch: f.get("torch").map(str::to_string).or_else(|| std::env::var("FO_TORCH_PYTHON").ok()),
+    })
 }

@@ -1,4 +1,5 @@
 //! Subcommand dispatch. Each subcommand lives in its own file.
+mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
 mod bench_step;
@@ -19,9 +20,12 @@ commands:
             fo ckpt verify DIR       checksums, and every global element saved exactly once
             fo ckpt consolidate DIR OUT   one full safetensors file + model.safetensors.index.json
   bench     benchmarks:
-            fo bench step [--sizes 1M,16M,64M] [--threads 1,2] [--tensors 200] [--only fp32|compressed]
+            fo bench step [--sizes 1M,16M,64M] [--threads 1,2] [--tensors 200] [--only fp32|compressed|arith]
+                          [--torch PYTHON] [--iters 10]
             optimizer-step params/s and GB/s (fp32 AdamW, bf16+quant8+24-bit AdamW) vs a
-            memory ceiling measured just before each case (best of the timed steps)
+            memory ceiling measured just before each case (best of the timed steps); then
+            exact vs fast arithmetic (AdamW, Adam, Lion, SGD momentum) vs the compressed
+            step's memory ceiling and torch's fused fp32 AdamW (--torch or FO_TORCH_PYTHON)
             fo bench broadcast [--ranks 4] [--size-mib 1024] [--tensors 16]
             rank 0's state dict to an in-process group: scatter vs full broadcast, bytes and time
             fo bench ckpt [--size-mib 2048] [--ranks 4] [--dir D] [--keep] [--save-only]
