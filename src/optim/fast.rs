@@ -19,9 +19,10 @@
 //! code, one bf16/f16 ulp), `ULP_BOUND_FINE` for 32-bit masters and f32 params (whose
 //! resolution is about one f32 ulp, where the f32 roundings fast saves or adds show),
 //! the unit taken at the larger of the old and new value (tests/optim_fast.rs).
-use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::config::{Algorithm, OptimConfig};
+use super::kernel::BLOCK;
 use super::master_split::{pow2, ErrorCode, Half};
 use super::quant8::{self, to_code, GROUP};
 use super::state::{ErrChunk, MomentChunk, ParamChunk, Root};
@@ -285,90 +286,97 @@ pub fn load_param(p: &ParamChunk<'_>, out: &mut [f32]) {
     }
 }
 
-/// Decodes a moment chunk for a fast rule: quant8 variance as its root `sqrt(v)`.
+/// Groups per block: the per-group work (scales, maxima, reciprocals) is done for all of a
+/// block's groups in one vectorizable pass, then spread to the elements, so the element
+/// loops run flat over the whole block instead of 32 at a time.
+const BG: usize = BLOCK / GROUP;
+
+/// `per_group[g]` for every element of group `g`.
+#[inline(always)]
+fn spread(per_group: &[f32], out: &mut [f32; BLOCK]) {
+    for (o, &v) in out.chunks_mut(GROUP).zip(per_group) {
+        o.fill(v);
+    }
+}
+
+/// Decodes a moment chunk (at most `BLOCK` elements) for a fast rule: quant8 variance
+/// as its root `sqrt(v)`.
 #[inline(always)]
 pub fn load_moment(c: &MomentChunk<'_>, out: &mut [f32]) {
+    let mut sf = [0f32; BG];
+    let mut e = [0f32; BLOCK];
     match c {
         MomentChunk::Signed(q, s) => {
-            for ((q, &s), o) in q.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
-                let s = s.to_f32();
-                for (o, &q) in o.iter_mut().zip(q) {
-                    let q = q as f32;
-                    *o = (q * s) / (254.0 - q.abs());
-                }
+            let n = q.len();
+            s.convert_to_f32_slice(&mut sf[..s.len()]);
+            spread(&sf[..s.len()], &mut e);
+            for ((o, &q), &e) in out[..n].iter_mut().zip(q.iter()).zip(&e[..n]) {
+                let q = q as f32;
+                *o = (q * e) / (254.0 - q.abs());
             }
         }
         MomentChunk::Unsigned(q, s, root) => {
-            for ((q, &s), o) in q.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
-                let k = s.to_f32() * (1.0 / 255.0);
-                match root {
-                    Root::Sqrt => {
-                        for (o, &q) in o.iter_mut().zip(q) {
-                            *o = q as f32 * k;
-                        }
-                    }
-                    Root::Fourth => {
-                        // Code 0 stands for half the smallest level (`StateFormat::Quant8Wide`).
-                        for (o, &q) in o.iter_mut().zip(q) {
-                            let u = if q == 0 { 0.5 * k } else { q as f32 * k };
-                            *o = u * u;
-                        }
-                    }
-                }
+            let n = q.len();
+            s.convert_to_f32_slice(&mut sf[..s.len()]);
+            for k in sf.iter_mut() {
+                *k *= 1.0 / 255.0;
+            }
+            spread(&sf[..s.len()], &mut e);
+            let it = out[..n].iter_mut().zip(q.iter()).zip(&e[..n]);
+            match root {
+                Root::Sqrt => it.for_each(|((o, &q), &k)| *o = q as f32 * k),
+                // Code 0 stands for half the smallest level (`StateFormat::Quant8Wide`).
+                Root::Fourth => it.for_each(|((o, &q), &k)| {
+                    let u = if q == 0 { 0.5 * k } else { q as f32 * k };
+                    *o = u * u;
+                }),
             }
         }
         other => other.load(out, true),
     }
 }
 
-#[inline(always)]
-fn encode_signed(x: &[f32], codes: &mut [i8]) -> f16 {
-    let a = quant8::absmax(x);
-    let inv = 1.0 / a;
-    for (c, &v) in codes.iter_mut().zip(x) {
-        let y = v * inv;
-        let z = (254.0 * y) / (1.0 + y.abs());
-        *c = to_code((z + 0.5).floor(), -127.0, 127.0) as i8;
-    }
-    f16::from_f32(a)
-}
-
-/// uint8 codes of roots `r` relative to their group maximum.
-#[inline(always)]
-fn encode_roots(r: &[f32], codes: &mut [u8]) -> f16 {
-    let a = quant8::max_nonneg(r).max(quant8::ABSMAX_FLOOR);
-    let k = 255.0 / a;
-    for (c, &r) in codes.iter_mut().zip(r) {
-        *c = to_code(r.mul_add(k, 0.5).floor(), 0.0, 255.0) as u8;
-    }
-    f16::from_f32(a)
-}
-
-/// Encodes a moment chunk from a fast rule's values (quant8 variance given as `sqrt(v)`).
+/// Encodes a moment chunk (at most `BLOCK` elements) from a fast rule's values (quant8
+/// variance given as `sqrt(v)`).
 #[inline(always)]
 pub fn store_moment(c: &mut MomentChunk<'_>, src: &mut [f32]) {
+    let mut a = [0f32; BG];
+    let mut e = [0f32; BLOCK];
     match c {
         MomentChunk::Signed(q, s) => {
-            for ((x, q), s) in src.chunks(GROUP).zip(q.chunks_mut(GROUP)).zip(s.iter_mut()) {
-                *s = if let (Ok(x), Ok(q)) = (<&[f32; GROUP]>::try_from(x), <&mut [i8; GROUP]>::try_from(&mut *q)) {
-                    encode_signed(x, q)
-                } else {
-                    encode_signed(x, q)
-                };
+            let (n, ng) = (q.len(), s.len());
+            for (a, x) in a.iter_mut().zip(src[..n].chunks(GROUP)) {
+                *a = quant8::absmax(x);
+            }
+            s.convert_from_f32_slice(&a[..ng]);
+            for a in a.iter_mut() {
+                *a = 1.0 / *a;
+            }
+            spread(&a[..ng], &mut e);
+            for ((c, &v), &inv) in q.iter_mut().zip(&src[..n]).zip(&e[..n]) {
+                let y = v * inv;
+                let z = (254.0 * y) / (1.0 + y.abs());
+                // |z| <= 127 up to rounding; NaN becomes 0.
+                *c = to_code((z + 0.5).floor(), -127.0, 127.0) as i8;
             }
         }
         MomentChunk::Unsigned(q, s, root) => {
+            let (n, ng) = (q.len(), s.len());
             if *root == Root::Fourth {
-                for r in src.iter_mut() {
+                for r in src[..n].iter_mut() {
                     *r = r.sqrt();
                 }
             }
-            for ((x, q), s) in src.chunks(GROUP).zip(q.chunks_mut(GROUP)).zip(s.iter_mut()) {
-                *s = if let (Ok(x), Ok(q)) = (<&[f32; GROUP]>::try_from(x), <&mut [u8; GROUP]>::try_from(&mut *q)) {
-                    encode_roots(x, q)
-                } else {
-                    encode_roots(x, q)
-                };
+            for (a, x) in a.iter_mut().zip(src[..n].chunks(GROUP)) {
+                *a = quant8::max_nonneg(x).max(quant8::ABSMAX_FLOOR);
+            }
+            s.convert_from_f32_slice(&a[..ng]);
+            for a in a.iter_mut() {
+                *a = 255.0 / *a;
+            }
+            spread(&a[..ng], &mut e);
+            for ((c, &r), &k) in q.iter_mut().zip(&src[..n]).zip(&e[..n]) {
+                *c = to_code(r.mul_add(k, 0.5).floor(), 0.0, 255.0) as u8;
             }
         }
         other => other.store(src),

@@ -38,7 +38,7 @@ pub struct Job<'a> {
 
 /// Elements decoded, updated and encoded at a time within a chunk: the four f32 buffers
 /// (4 KiB) and the stored bytes they come from stay in L1 together.
-const BLOCK: usize = 256;
+pub const BLOCK: usize = 256;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = RefCell::new(vec![0f32; 4 * BLOCK]);

@@ -25,6 +25,8 @@ pub struct Opts {
     pub torch: Option<String>,
     /// Algorithms to run (`--algs adamw,adam,lion,sgd`, all by default).
     pub algs: Vec<String>,
+    /// Arithmetic modes to run (`--arithmetic exact,fast`).
+    pub modes: Vec<Arithmetic>,
 }
 
 /// Seconds per pass of a no-math loop with the compressed step's memory pattern.
@@ -70,17 +72,6 @@ fn ceiling12(n: usize, iters: usize) -> Result<f64, String> {
 }
 
 /// Seconds per step of `alg` over n params (one tensor) in the given format.
-fn now() -> f64 {
-    if std::env::var_os("FO_BENCH_CPU").is_some() {
-        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
-        t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-    } else {
-        static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        T0.get_or_init(Instant::now).elapsed().as_secs_f64()
-    }
-}
-
 fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iters: usize) -> Result<f64, String> {
     let mut cfg = OptimConfig::default_for(alg);
     if alg == Algorithm::Sgd {
@@ -111,10 +102,10 @@ fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iter
     let gs = vec![Some(view(&mut g)?)];
     let mut times = Vec::new();
     for it in 0..=iters {
-        let t0 = now();
+        let t0 = Instant::now();
         unsafe { opt.step(&gs).map_err(|e| e.to_string())? };
         if it > 0 {
-            times.push(now() - t0);
+            times.push(t0.elapsed().as_secs_f64());
         }
     }
     Ok(best(times))
@@ -194,7 +185,7 @@ pub fn run(o: &Opts) -> Result<(), String> {
             if !o.algs.iter().any(|x| name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x)) {
                 continue;
             }
-            for arith in [Arithmetic::Exact, Arithmetic::Fast] {
+            for &arith in &o.modes {
                 let s = step_time(o.n, a, true, arith, o.iters)?;
                 row(&format!("{name} {}", arith.name()), o.n, s, c, torch);
             }

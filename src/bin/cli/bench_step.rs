@@ -216,6 +216,12 @@ fn arith_opts(f: &Flags, sizes: &[usize]) -> Result<super::bench_arith::Opts, St
         n: if f.get("sizes").is_some() { sizes.iter().copied().max().unwrap_or(1 << 24) } else { 1 << 24 },
         threads: if f.get("threads").is_some() { f.list("threads")? } else { vec![1] },
         iters: f.parse_or("iters", 10)?,
+        modes: f
+            .get("arithmetic")
+            .unwrap_or("exact,fast")
+            .split(',')
+            .map(|m| fo::optim::Arithmetic::from_name(m).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?,
         algs: f.get("algs").unwrap_or("adamw,adam,lion,sgd").split(',').map(str::to_string).collect(),
         torch: f.get("torch").map(str::to_string).or_else(|| std::env::var("FO_TORCH_PYTHON").ok()),
     })
