@@ -86,7 +86,13 @@ fn unit(dtype: DType, bits: u32, x: f32) -> f64 {
 
 /// Distance of two 16-bit floats in ulps (sign-magnitude ordered).
 fn ord16(a: u16, b: u16) -> i64 {
-    let o = |x: u16| if x & 0x8000 != 0 { -((x & 0x7fff) as i64) } else { x as i64 };
+    let o = |x: u16| {
+        if x & 0x8000 != 0 {
+            -((x & 0x7fff) as i64)
+        } else {
+            x as i64
+        }
+    };
     (o(a) - o(b)).abs()
 }
 
@@ -140,18 +146,29 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
                 continue;
             }
             let u = unit(p.dtype, p.bits, e.abs().max(b.abs()));
-            w.ulps = w.ulps.max(((e as f64 - f as f64).abs() / u).max(if e.is_nan() != f.is_nan() {
-                f64::INFINITY
-            } else {
-                0.0
-            }));
+            w.ulps = w
+                .ulps
+                .max(((e as f64 - f as f64).abs() / u).max(if e.is_nan() != f.is_nan() { f64::INFINITY } else { 0.0 }));
         }
         for k in p.exact.opt.state_keys(i) {
-            let (te, tf) = (p.exact.opt.get_state(i, &k).unwrap(), p.fast.opt.get_state(i, &k).unwrap());
+            let (te, tf) = (
+                p.exact.opt.get_state(i, &k).unwrap(),
+                p.fast.opt.get_state(i, &k).unwrap(),
+            );
             if k.ends_with("::quantized") {
                 let d = match te.dtype {
-                    DType::I8 => te.data.iter().zip(&tf.data).map(|(&a, &b)| (a as i8 as i64 - b as i8 as i64).abs()).max(),
-                    _ => te.data.iter().zip(&tf.data).map(|(&a, &b)| (a as i64 - b as i64).abs()).max(),
+                    DType::I8 => te
+                        .data
+                        .iter()
+                        .zip(&tf.data)
+                        .map(|(&a, &b)| (a as i8 as i64 - b as i8 as i64).abs())
+                        .max(),
+                    _ => te
+                        .data
+                        .iter()
+                        .zip(&tf.data)
+                        .map(|(&a, &b)| (a as i64 - b as i64).abs())
+                        .max(),
                 };
                 w.codes = w.codes.max(d.unwrap_or(0));
             } else if k.ends_with("::scales") || matches!(te.dtype, DType::BF16 | DType::F16) && k != "error_bits" {
@@ -178,8 +195,17 @@ fn assert_within(what: &str, w: Worst) {
     if std::env::var_os("FO_FAST_MEASURE").is_some() {
         return;
     }
-    assert!(w.ulps <= w.bound as f64, "{what}: {} master units > {}", w.ulps, w.bound);
-    assert!(w.states16 <= ULP_BOUND as i64, "{what}: 16-bit state {} ulps > {ULP_BOUND}", w.states16);
+    assert!(
+        w.ulps <= w.bound as f64,
+        "{what}: {} master units > {}",
+        w.ulps,
+        w.bound
+    );
+    assert!(
+        w.states16 <= ULP_BOUND as i64,
+        "{what}: 16-bit state {} ulps > {ULP_BOUND}",
+        w.states16
+    );
     assert!(w.codes <= 1, "{what}: quant8 codes differ by {}", w.codes);
     assert!(w.scales <= 1, "{what}: fp16 scales differ by {} ulps", w.scales);
 }
@@ -253,24 +279,36 @@ fn rules() -> Vec<(&'static str, OptimConfig)> {
     vec![
         ("adamw", mk(Algorithm::AdamW, &|c| c.weight_decay = 0.1)),
         ("adam_l2", mk(Algorithm::Adam, &|c| c.weight_decay = 0.01)),
-        ("sgd_momentum_dampening", mk(Algorithm::Sgd, &|c| {
-            c.momentum = 0.9;
-            c.dampening = 0.1
-        })),
-        ("sgd_nesterov_l2", mk(Algorithm::Sgd, &|c| {
-            c.momentum = 0.9;
-            c.nesterov = true;
-            c.weight_decay = 0.01
-        })),
+        (
+            "sgd_momentum_dampening",
+            mk(Algorithm::Sgd, &|c| {
+                c.momentum = 0.9;
+                c.dampening = 0.1
+            }),
+        ),
+        (
+            "sgd_nesterov_l2",
+            mk(Algorithm::Sgd, &|c| {
+                c.momentum = 0.9;
+                c.nesterov = true;
+                c.weight_decay = 0.01
+            }),
+        ),
         ("sgd_plain", mk(Algorithm::Sgd, &|_| {})),
-        ("sgdw", mk(Algorithm::SgdW, &|c| {
-            c.momentum = 0.8;
-            c.weight_decay = 0.05
-        })),
-        ("lion", mk(Algorithm::Lion, &|c| {
-            c.lr = 1e-3;
-            c.weight_decay = 0.1
-        })),
+        (
+            "sgdw",
+            mk(Algorithm::SgdW, &|c| {
+                c.momentum = 0.8;
+                c.weight_decay = 0.05
+            }),
+        ),
+        (
+            "lion",
+            mk(Algorithm::Lion, &|c| {
+                c.lr = 1e-3;
+                c.weight_decay = 0.1
+            }),
+        ),
     ]
 }
 
@@ -309,7 +347,13 @@ fn fast_is_within_the_bound_of_exact_on_random_cases_of_every_rule_and_format() 
                     .map(|s| {
                         let scale = 10f64.powf(rng.next() * 3.0 - 2.0);
                         let v: Vec<f32> = (0..s[0])
-                            .map(|_| if rng.next() < 0.03 { 0.0 } else { (rng.normal() * scale) as f32 })
+                            .map(|_| {
+                                if rng.next() < 0.03 {
+                                    0.0
+                                } else {
+                                    (rng.normal() * scale) as f32
+                                }
+                            })
                             .collect();
                         encode(dtype, &v)
                     })
@@ -354,7 +398,10 @@ fn fast_tracks_torch_fp32_on_every_oracle_trajectory() {
     for name in &FLASH_CASES[..6] {
         let (cos, nmse) = fast_accuracy(name, StateFormat::Quant8);
         eprintln!("{name}: fast worst cosine {cos}, nmse {nmse}");
-        assert!(cos > 0.99 && nmse < 0.01, "{name}: fast worst cosine {cos}, nmse {nmse}");
+        assert!(
+            cos > 0.99 && nmse < 0.01,
+            "{name}: fast worst cosine {cos}, nmse {nmse}"
+        );
     }
     // Exact quant8 diverges on the wide-gradient case (FlashOptim's format); quant8_wide
     // is the format that holds it, in fast arithmetic too.
@@ -411,19 +458,28 @@ fn every_kernel_path_gives_the_same_fast_bits() {
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "FO_KERNEL_ISA={isa}: {text}");
-        assert!(text.contains(&format!("fast-digest={d:016x}")), "FO_KERNEL_ISA={isa}: {text}");
+        assert!(
+            text.contains(&format!("fast-digest={d:016x}")),
+            "FO_KERNEL_ISA={isa}: {text}"
+        );
     }
 }
 
 #[test]
 fn fp32_state_steps_the_same_under_either_arithmetic() {
     let shapes = vec![vec![100]];
-    let init = vec![encode(DType::F32, &(0..100).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>())];
+    let init = vec![encode(
+        DType::F32,
+        &(0..100).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(),
+    )];
     for (name, mut cfg) in rules() {
         cfg.state_format = StateFormat::Fp32;
         cfg.master_weight_bits = 0;
         let mut p = Pair::new(&cfg, init.clone(), shapes.clone(), DType::F32);
-        let g = vec![encode(DType::F32, &(0..100).map(|i| (i as f32 * 0.11).cos()).collect::<Vec<_>>())];
+        let g = vec![encode(
+            DType::F32,
+            &(0..100).map(|i| (i as f32 * 0.11).cos()).collect::<Vec<_>>(),
+        )];
         for _ in 0..3 {
             step(&mut p.exact, &shapes, &mut g.clone(), DType::F32);
             step(&mut p.fast, &shapes, &mut g.clone(), DType::F32);

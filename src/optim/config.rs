@@ -355,7 +355,10 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("master_weight_bits"));
         assert!(Arithmetic::from_code(2).unwrap_err().to_string().contains("arithmetic"));
         assert_eq!(Arithmetic::from_name("fast").unwrap(), Arithmetic::Fast);
-        assert!(Arithmetic::from_name("quick").unwrap_err().to_string().contains("arithmetic"));
+        assert!(Arithmetic::from_name("quick")
+            .unwrap_err()
+            .to_string()
+            .contains("arithmetic"));
         let mut c = OptimConfig::default_for(Algorithm::Adam);
         c.decouple_lr = true;
         assert!(c.validate().unwrap_err().to_string().contains("decouple_lr"));

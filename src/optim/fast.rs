@@ -230,7 +230,11 @@ impl Sgd {
             let d = if K == 0 {
                 gi
             } else {
-                let b = if K >= 3 { gi } else { gi.mul_add(self.wdamp, m[i] * self.mom) };
+                let b = if K >= 3 {
+                    gi
+                } else {
+                    gi.mul_add(self.wdamp, m[i] * self.mom)
+                };
                 m[i] = b;
                 if K == 2 || K == 4 {
                     self.mom.mul_add(b, gi)

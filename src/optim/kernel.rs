@@ -49,8 +49,10 @@ thread_local! {
 #[inline(always)]
 fn run_blocks(mut job: Job<'_>, scratch: &mut [f32]) {
     let n = job.p.len();
-    if matches!(job.p, ParamChunk::F32(_)) && matches!(job.g, GradChunk::F32(_))
-        && matches!(job.m, None | Some(MomentChunk::F32(_))) && matches!(job.v, None | Some(MomentChunk::F32(_)))
+    if matches!(job.p, ParamChunk::F32(_))
+        && matches!(job.g, GradChunk::F32(_))
+        && matches!(job.m, None | Some(MomentChunk::F32(_)))
+        && matches!(job.v, None | Some(MomentChunk::F32(_)))
     {
         return run_generic(job, scratch);
     }

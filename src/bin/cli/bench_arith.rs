@@ -53,7 +53,7 @@ fn ceiling12(n: usize, iters: usize) -> Result<f64, String> {
                     // nothing can be elided.
                     for i in 0..p.len() {
                         let (mi, vi, ei) = (m[i], v[i], e[i]);
-                        p[i] = p[i] ^ g[i];
+                        p[i] ^= g[i];
                         m[i] = vi;
                         v[i] = ei;
                         e[i] = mi;
@@ -128,7 +128,13 @@ print(best)
 /// torch's fused fp32 AdamW step time (best of `iters`), or why not.
 fn torch_time(py: &str, n: usize, iters: usize, threads: usize) -> Result<f64, String> {
     let out = std::process::Command::new(py)
-        .args(["-c", TORCH_SCRIPT, &n.to_string(), &iters.to_string(), &threads.to_string()])
+        .args([
+            "-c",
+            TORCH_SCRIPT,
+            &n.to_string(),
+            &iters.to_string(),
+            &threads.to_string(),
+        ])
         .output()
         .map_err(|e| format!("cannot run {py}: {e}"))?;
     if !out.status.success() {
@@ -154,7 +160,9 @@ pub fn run(o: &Opts) -> Result<(), String> {
         "exact vs fast arithmetic, bf16 params/grads + quant8 + 24-bit masters, {} params, best of {} steps",
         o.n, o.iters
     );
-    println!("(ceiling12: same-run no-math loop over the compressed step's {BYTES12} B/param; torch: fused fp32 AdamW)");
+    println!(
+        "(ceiling12: same-run no-math loop over the compressed step's {BYTES12} B/param; torch: fused fp32 AdamW)"
+    );
     let algs = [
         ("AdamW", Algorithm::AdamW),
         ("Adam", Algorithm::Adam),
@@ -182,7 +190,11 @@ pub fn run(o: &Opts) -> Result<(), String> {
         let s = step_time(o.n, Algorithm::AdamW, false, Arithmetic::Exact, o.iters)?;
         row("fo fp32 AdamW", o.n, s, c, torch);
         for (name, a) in algs {
-            if !o.algs.iter().any(|x| name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x)) {
+            if !o
+                .algs
+                .iter()
+                .any(|x| name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x))
+            {
                 continue;
             }
             for &arith in &o.modes {
