@@ -21,7 +21,7 @@ commands:
             fo ckpt consolidate DIR OUT   one full safetensors file + model.safetensors.index.json
   bench     benchmarks:
             fo bench step [--sizes 1M,16M,64M] [--threads 1,2] [--tensors 200] [--only fp32|compressed|arith]
-                          [--torch PYTHON] [--iters 10]
+                          [--torch PYTHON] [--iters 10] [--algs adamw,adam,lion,sgd] [--arithmetic exact,fast]
             optimizer-step params/s and GB/s (fp32 AdamW, bf16+quant8+24-bit AdamW) vs a
             memory ceiling measured just before each case (best of the timed steps); then
             exact vs fast arithmetic (AdamW, Adam, Lion, SGD momentum) vs the compressed
