@@ -249,6 +249,92 @@ static void groups_offload_and_threads() {
   CHECK_OK(fo_set_num_threads(0));
 }
 
+// arithmetic = 1 (fast): same case, from exact's state every step; masters within two
+// 24-bit error-bits codes of exact's, quant8 codes within one; a bad code is refused by name.
+static void fast_arithmetic_stays_within_the_bound() {
+  Safetensors st(fo_test::oracle_path("optim/flash_traj_flash_adamw_mw24.safetensors"));
+  fo_optim_config cfg;
+  fo_optim_config_default(0, &cfg);
+  CHECK(cfg.arithmetic == 0);
+  cfg.lr = cfg.initial_lr = 1e-2;
+  size_t n = 3;
+  std::vector<std::string> be, bf;
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < n; ++i) {
+    be.push_back(st.raw("p" + std::to_string(i) + ".init"));
+    shapes.push_back(st.shape("p" + std::to_string(i) + ".init"));
+  }
+  bf = be;
+  fo_optimizer* exact = make(cfg, be, shapes, 2);
+  cfg.arithmetic = 1;
+  fo_optimizer* fast = make(cfg, bf, shapes, 2);
+  fo_optim_config got;
+  CHECK_OK(fo_optimizer_get_group_config(fast, 0, &got));
+  CHECK(got.arithmetic == 1);
+  const char* keys[] = {"step", "exp_avg::quantized", "exp_avg::scales", "exp_avg_sq::quantized",
+                        "exp_avg_sq::scales", "error_bits"};
+  int bad = 0, differ = 0;
+  for (size_t t = 0; t < 10; ++t) {
+    for (size_t i = 0; i < n; ++i) {
+      bf[i] = be[i];
+      if (t == 0) continue;
+      std::vector<std::vector<char>> bufs(6);
+      std::vector<std::vector<int64_t>> shp(6);
+      std::vector<fo_tensor> ts(6);
+      for (int k = 0; k < 6; ++k) {
+        int32_t dtype = 0, ndim = 0;
+        int64_t dims[8];
+        CHECK_OK(fo_optimizer_state_info(exact, (int32_t)i, keys[k], &dtype, &ndim, dims));
+        shp[k].assign(dims, dims + ndim);
+        size_t numel = 1;
+        for (auto d : shp[k]) numel *= (size_t)d;
+        bufs[k].resize(numel * 8 + 8);
+        ts[k] = view(bufs[k].data(), dtype, shp[k]);
+        CHECK_OK(fo_optimizer_get_state(exact, (int32_t)i, keys[k], &ts[k]));
+      }
+      CHECK_OK(fo_optimizer_set_state(fast, (int32_t)i, keys, ts.data(), 6));
+    }
+    step(exact, st, n, t, 2, shapes);
+    step(fast, st, n, t, 2, shapes);
+    for (size_t i = 0; i < n; ++i) {
+      size_t numel = be[i].size() / 2;
+      std::vector<float> me(numel), mf(numel);
+      std::vector<int64_t> s1 = {(int64_t)numel};
+      fo_tensor te = view(me.data(), 0, s1), tf = view(mf.data(), 0, s1);
+      CHECK_OK(fo_optimizer_get_state(exact, (int32_t)i, "master", &te));
+      CHECK_OK(fo_optimizer_get_state(fast, (int32_t)i, "master", &tf));
+      for (size_t j = 0; j < numel; ++j) {
+        int e2 = 0;
+        std::frexp(std::fabs(me[j]) > 1e-30f ? me[j] : 1e-30f, &e2);
+        double unit = std::ldexp(1.0, e2 - 1 - 8) / 127.0;
+        if (std::fabs((double)me[j] - (double)mf[j]) > 2 * unit) ++bad;
+        if (me[j] != mf[j]) ++differ;
+      }
+      for (const char* q : {"exp_avg::quantized", "exp_avg_sq::quantized"}) {
+        std::vector<uint8_t> qe(numel), qf(numel);
+        fo_tensor a = view(qe.data(), std::string(q).rfind("exp_avg_sq", 0) == 0 ? 5 : 4, s1);
+        fo_tensor b = a;
+        b.data = qf.data();
+        CHECK_OK(fo_optimizer_get_state(exact, (int32_t)i, q, &a));
+        CHECK_OK(fo_optimizer_get_state(fast, (int32_t)i, q, &b));
+        bool sgn = a.dtype == 4;
+        for (size_t j = 0; j < numel; ++j) {
+          int x = sgn ? (int)(int8_t)qe[j] : (int)qe[j], y = sgn ? (int)(int8_t)qf[j] : (int)qf[j];
+          if (std::abs(x - y) > 1) ++bad;
+        }
+      }
+    }
+  }
+  CHECK(bad == 0);
+  CHECK(differ > 0);
+  fo_optimizer_destroy(exact);
+  fo_optimizer_destroy(fast);
+  cfg.arithmetic = 2;
+  fo_optimizer* none = nullptr;
+  CHECK_ERR(fo_optimizer_create(&cfg, &none), FO_ERR_INVALID_ARGUMENT, "arithmetic");
+  CHECK(none == nullptr);
+}
+
 int main() {
   torch_case("adamw_defaults", 0, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0, 0, false);
   torch_case("adam_l2_wd1e-2", 1, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0, 0, false);
@@ -257,5 +343,6 @@ int main() {
   flash_adamw_mw24_is_bit_exact();
   errors_change_nothing_and_say_why();
   groups_offload_and_threads();
+  fast_arithmetic_stays_within_the_bound();
   return fo_test::summary("test_optim");
 }

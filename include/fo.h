@@ -261,6 +261,9 @@ typedef struct fo_clip_grad {
  torch: the first step copies the gradient undampened (FlashOptim dampens it).
  `check_numerics`: a non-finite gradient, or a learning rate too small to move the
  largest weight at its precision, fails the step with FO_ERR_NUMERICS, changing nothing.
+ `arithmetic`: 0 exact (FlashOptim's bits), 1 fast (reformulated, within a stated bound
+ of exact per step); only non-fp32 state formats differ. Last, so older layouts keep
+ their offsets.
  */
 typedef struct fo_optim_config {
   int32_t algorithm;
@@ -277,6 +280,7 @@ typedef struct fo_optim_config {
   int32_t state_format;
   int32_t master_weight_bits;
   int32_t check_numerics;
+  int32_t arithmetic;
 } fo_optim_config;
 
 /*

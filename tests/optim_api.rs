@@ -339,6 +339,11 @@ fn group_learning_rates_change_between_steps() {
     assert_eq!(j[1]["lr"], 0.0);
     assert_eq!(j[0]["params"], serde_json::json!(["a"]));
     assert_eq!(j[1]["params"], serde_json::json!(["b"]));
+    assert_eq!(j[0]["arithmetic"], "exact");
+    let mut fast = opt.group_config(1).clone();
+    fast.arithmetic = fo::optim::Arithmetic::Fast;
+    opt.set_group_config(1, fast).unwrap();
+    assert_eq!(opt.param_groups_json()[1]["arithmetic"], "fast");
     assert!(opt.set_group_lr(2, 0.1).is_err());
     let mut other = opt.group_config(0).clone();
     other.state_format = StateFormat::Quant8;

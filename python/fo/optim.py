@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 ALGORITHMS = {"adamw": 0, "adam": 1, "sgd": 2, "sgdw": 3, "lion": 4}
 STATE_FORMATS = {"fp32": 0, "param_dtype": 1, "quant8": 2, "quant8_wide": 3}
+ARITHMETIC = {"exact": 0, "fast": 1}
 _NUMPY_OF_CODE = {0: np.float32, 1: np.float16, 3: np.float64, 4: np.int8, 5: np.uint8,
                   6: np.int16, 7: np.int32, 8: np.int64}
 
@@ -46,7 +47,8 @@ class OptimConfig(ctypes.Structure):
                 ("beta2", ctypes.c_double), ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
                 ("momentum", ctypes.c_double), ("dampening", ctypes.c_double), ("nesterov", ctypes.c_int32),
                 ("decouple_lr", ctypes.c_int32), ("initial_lr", ctypes.c_double), ("state_format", ctypes.c_int32),
-                ("master_weight_bits", ctypes.c_int32), ("check_numerics", ctypes.c_int32)]
+                ("master_weight_bits", ctypes.c_int32), ("check_numerics", ctypes.c_int32),
+                ("arithmetic", ctypes.c_int32)]
 
 
 _P = ctypes.c_void_p
@@ -83,7 +85,8 @@ def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
     """FlashOptim's defaults for `algorithm`, then `hp` (lr, betas=(b1, b2), eps,
     weight_decay, momentum, dampening, nesterov, decouple_lr, initial_lr,
     state_format ("fp32", "param_dtype", "quant8", "quant8_wide"), master_weight_bits,
-    check_numerics). `initial_lr` defaults to `lr`."""
+    check_numerics, arithmetic ("exact": FlashOptim's bits, the default; "fast": within a
+    stated bound of exact per step, faster). `initial_lr` defaults to `lr`."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {sorted(ALGORITHMS)}")
     c = OptimConfig()
@@ -93,6 +96,13 @@ def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
     if "state_format" in hp:
         fmt = hp.pop("state_format")
         c.state_format = STATE_FORMATS[fmt] if isinstance(fmt, str) else int(fmt)
+    if "arithmetic" in hp:
+        a = hp.pop("arithmetic")
+        if isinstance(a, str):
+            if a not in ARITHMETIC:
+                raise ValueError(f"unknown arithmetic {a!r}; expected one of {sorted(ARITHMETIC)}")
+            a = ARITHMETIC[a]
+        c.arithmetic = int(a)
     hp.setdefault("initial_lr", hp.get("lr", c.lr))
     for k, v in hp.items():
         if k not in {f[0] for f in OptimConfig._fields_}:

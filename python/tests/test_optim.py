@@ -175,3 +175,49 @@ def test_offload_plan_and_threads():
     assert fo.get_num_threads() == 1
     fo.set_num_threads(0)
     assert fo.get_num_threads() >= 1
+
+
+def test_fast_arithmetic_differs_from_exact_within_the_bound():
+    """arithmetic="fast" on FlashOptim's AdamW case: from the same state every step, the
+    master differs from exact's by at most 2 error-bits codes (the bound for 24-bit
+    masters), the quant8 codes by at most 1; and somewhere the two differ at all."""
+    case = FLASH_CASES["flash_adamw_mw24"]
+    data = load_file(OPTIM / case["file"])
+    n = len(case["shapes"])
+    exact, pe = run(case, "quant8", data)
+    hp = hparams(case, "quant8")
+    fast = fo.Optimizer("adamw", arithmetic="fast", **hp)
+    pf = [p.copy() for p in pe]
+    for i, p in enumerate(pf):
+        fast.add_param(f"p{i}", p)
+    assert fast.param_groups[0]["arithmetic"] == "fast"
+    assert exact.param_groups[0]["arithmetic"] == "exact"
+    assert fast.group_config(0).arithmetic == 1
+    differs = False
+    for t in range(case["num_steps"]):
+        for i in range(n):
+            pf[i][...] = pe[i]
+            if t > 0:
+                keys = exact.state_keys(i)
+                fast.set_state(i, {k: exact.get_state(i, k) for k in keys})
+        grads = [data[f"p{i}.grads"][t] for i in range(n)]
+        exact.step(grads)
+        fast.step(grads)
+        for i in range(n):
+            me, mf = exact.get_state(i, "master"), fast.get_state(i, "master")
+            # One 24-bit code is 2^(exponent - 8) / 127 of the bf16 value.
+            unit = np.exp2(np.floor(np.log2(np.maximum(np.abs(me), 1e-30))) - 8) / 127
+            assert np.all(np.abs(me.astype(np.float64) - mf) <= 2 * unit + 1e-38), f"step {t} p{i}"
+            differs |= not np.array_equal(me, mf)
+            for s in ("exp_avg", "exp_avg_sq"):
+                qe = exact.get_state(i, f"{s}::quantized").astype(np.int32)
+                qf = fast.get_state(i, f"{s}::quantized").astype(np.int32)
+                assert np.abs(qe - qf).max() <= 1, f"step {t} p{i} {s}"
+    assert differs
+
+
+def test_arithmetic_is_validated_by_name_and_code():
+    with pytest.raises(ValueError, match="arithmetic"):
+        fo.Optimizer("adamw", arithmetic="quick")
+    with pytest.raises(fo.FoError, match="arithmetic"):
+        fo.Optimizer("adamw", arithmetic=7)

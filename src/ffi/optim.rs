@@ -6,7 +6,7 @@ use super::args::{arg_flag, arg_mut, arg_ref, arg_slice, arg_slice_mut, arg_str}
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::error::{Error, Result};
-use crate::optim::{plan_offload, Algorithm, OptimConfig, Optimizer, StateFormat};
+use crate::optim::{plan_offload, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
 use crate::tensor::{HostTensor, Tensor};
 
 /// An optimizer: param groups, registered parameters (borrowed, updated in place) and
@@ -27,6 +27,9 @@ pub struct fo_optimizer {
 /// torch: the first step copies the gradient undampened (FlashOptim dampens it).
 /// `check_numerics`: a non-finite gradient, or a learning rate too small to move the
 /// largest weight at its precision, fails the step with FO_ERR_NUMERICS, changing nothing.
+/// `arithmetic`: 0 exact (FlashOptim's bits), 1 fast (reformulated, within a stated bound
+/// of exact per step); only non-fp32 state formats differ. Last, so older layouts keep
+/// their offsets.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_optim_config {
@@ -44,6 +47,7 @@ pub struct fo_optim_config {
     pub state_format: i32,
     pub master_weight_bits: i32,
     pub check_numerics: i32,
+    pub arithmetic: i32,
 }
 
 impl fo_optim_config {
@@ -65,6 +69,7 @@ impl fo_optim_config {
             state_format: StateFormat::from_code(self.state_format)?,
             master_weight_bits: bits,
             check_numerics: arg_flag(self.check_numerics, "check_numerics")?,
+            arithmetic: Arithmetic::from_code(self.arithmetic)?,
         })
     }
 
@@ -84,6 +89,7 @@ impl fo_optim_config {
             state_format: c.state_format.code(),
             master_weight_bits: c.master_weight_bits as i32,
             check_numerics: c.check_numerics as i32,
+            arithmetic: c.arithmetic.code(),
         }
     }
 }

@@ -109,6 +109,52 @@ impl StateFormat {
     }
 }
 
+/// How the compressed formats' arithmetic is carried out. Codes are
+/// `fo_optim_config.arithmetic`. Groups with fp32 state (torch's arithmetic, already at
+/// memory speed) step the same way under either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// FlashOptim 0.1.4's operations in its order, each correctly rounded: bit-exact with
+    /// its kernels (the testing contract; the default).
+    Exact,
+    /// Reformulated for speed (reciprocal multiplies, fused multiply-adds, table-free
+    /// decode, one square root per element): within the bound `fast::ULP_BOUND` of
+    /// `Exact` per step, the same bits on every instruction set.
+    Fast,
+}
+
+impl Arithmetic {
+    pub fn from_code(c: i32) -> Result<Arithmetic> {
+        match c {
+            0 => Ok(Arithmetic::Exact),
+            1 => Ok(Arithmetic::Fast),
+            _ => Err(Error::invalid(
+                "arithmetic",
+                format!("unknown arithmetic {c} (valid: 0 = exact, 1 = fast)"),
+            )),
+        }
+    }
+    pub fn from_name(s: &str) -> Result<Arithmetic> {
+        match s {
+            "exact" => Ok(Arithmetic::Exact),
+            "fast" => Ok(Arithmetic::Fast),
+            _ => Err(Error::invalid(
+                "arithmetic",
+                format!("unknown arithmetic {s:?} (valid: exact, fast)"),
+            )),
+        }
+    }
+    pub fn code(self) -> i32 {
+        self as i32
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Arithmetic::Exact => "exact",
+            Arithmetic::Fast => "fast",
+        }
+    }
+}
+
 /// One param group's hyper-parameters. Doubles, as the host frameworks hold them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OptimConfig {
@@ -128,6 +174,8 @@ pub struct OptimConfig {
     /// 0 (none), 24 (int8 error bits) or 32 (int16) for bf16/f16 params.
     pub master_weight_bits: u32,
     pub check_numerics: bool,
+    /// Exact (FlashOptim's bits) or fast arithmetic for the compressed formats.
+    pub arithmetic: Arithmetic,
 }
 
 impl OptimConfig {
@@ -156,6 +204,7 @@ impl OptimConfig {
             state_format: StateFormat::Quant8,
             master_weight_bits: 24,
             check_numerics: false,
+            arithmetic: Arithmetic::Exact,
         }
     }
 
@@ -304,6 +353,12 @@ mod tests {
         c.lr = 1e-3;
         c.master_weight_bits = 16;
         assert!(c.validate().unwrap_err().to_string().contains("master_weight_bits"));
+        assert!(Arithmetic::from_code(2).unwrap_err().to_string().contains("arithmetic"));
+        assert_eq!(Arithmetic::from_name("fast").unwrap(), Arithmetic::Fast);
+        assert!(Arithmetic::from_name("quick")
+            .unwrap_err()
+            .to_string()
+            .contains("arithmetic"));
         let mut c = OptimConfig::default_for(Algorithm::Adam);
         c.decouple_lr = true;
         assert!(c.validate().unwrap_err().to_string().contains("decouple_lr"));

@@ -22,6 +22,7 @@ impl Optimizer {
                     "master_bytewidth": c.master_weight_bits / 8,
                     "quantize": c.state_format.is_quantized(),
                     "check_numerics": c.check_numerics,
+                    "arithmetic": c.arithmetic.name(),
                 });
                 let m = v.as_object_mut().unwrap();
                 match c.algorithm {

@@ -15,6 +15,7 @@
 //! `optim_stages` show where the remaining time goes.
 use std::cell::RefCell;
 
+use super::fast;
 use super::rule::Rule;
 use super::state::{GradChunk, MomentChunk, ParamChunk};
 
@@ -35,8 +36,38 @@ pub struct Job<'a> {
     pub first: bool,
 }
 
+/// Elements decoded, updated and encoded at a time within a chunk: the four f32 buffers
+/// (4 KiB) and the stored bytes they come from stay in L1 together.
+pub const BLOCK: usize = 256;
+
 thread_local! {
-    static SCRATCH: RefCell<Vec<f32>> = RefCell::new(vec![0f32; 4 * CHUNK]);
+    static SCRATCH: RefCell<Vec<f32>> = RefCell::new(vec![0f32; 4 * BLOCK]);
+}
+
+/// Runs a job block by block (element-wise rules and group-aligned blocks: the same
+/// values as one pass over the chunk).
+#[inline(always)]
+fn run_blocks(mut job: Job<'_>, scratch: &mut [f32]) {
+    let n = job.p.len();
+    if matches!(job.p, ParamChunk::F32(_))
+        && matches!(job.g, GradChunk::F32(_))
+        && matches!(job.m, None | Some(MomentChunk::F32(_)))
+        && matches!(job.v, None | Some(MomentChunk::F32(_)))
+    {
+        return run_generic(job, scratch);
+    }
+    for lo in (0..n).step_by(BLOCK) {
+        let hi = (lo + BLOCK).min(n);
+        let sub = Job {
+            p: job.p.sub(lo, hi),
+            g: job.g.sub(lo, hi),
+            m: job.m.as_mut().map(|m| m.sub(lo, hi)),
+            v: job.v.as_mut().map(|v| v.sub(lo, hi)),
+            rule: job.rule,
+            first: job.first,
+        };
+        run_generic(sub, scratch);
+    }
 }
 
 #[inline(always)]
@@ -50,9 +81,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
         first,
     } = job;
     let n = p.len();
-    let (pb, rest) = scratch.split_at_mut(CHUNK);
-    let (gb, rest) = rest.split_at_mut(CHUNK);
-    let (mb, vb) = rest.split_at_mut(CHUNK);
+    let fast = matches!(rule, Rule::Fast(_));
+    let (pb, rest) = scratch.split_at_mut(BLOCK);
+    let (gb, rest) = rest.split_at_mut(BLOCK);
+    let (mb, vb) = rest.split_at_mut(BLOCK);
     let gs: &[f32] = match &g {
         GradChunk::F32(s) => s,
         other => {
@@ -62,6 +94,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let ps: &mut [f32] = match &mut p {
         ParamChunk::F32(s) => s,
+        other if fast => {
+            fast::load_param(other, &mut pb[..n]);
+            &mut pb[..n]
+        }
         other => {
             other.load(&mut pb[..n]);
             &mut pb[..n]
@@ -69,6 +105,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let ms: &mut [f32] = match &mut m {
         Some(MomentChunk::F32(s)) => s,
+        Some(c) if fast => {
+            fast::load_moment(c, &mut mb[..n]);
+            &mut mb[..n]
+        }
         Some(c) => {
             c.load(&mut mb[..n], true);
             &mut mb[..n]
@@ -77,6 +117,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let vs: &mut [f32] = match &mut v {
         Some(MomentChunk::F32(s)) => s,
+        Some(c) if fast => {
+            fast::load_moment(c, &mut vb[..n]);
+            &mut vb[..n]
+        }
         Some(c) => {
             c.load(&mut vb[..n], true);
             &mut vb[..n]
@@ -88,23 +132,31 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
         p.store(&pb[..n]);
     }
     if let Some(c) = m.as_mut().filter(|c| !matches!(c, MomentChunk::F32(_))) {
-        c.store(&mb[..n]);
+        if fast {
+            fast::store_moment(c, &mut mb[..n]);
+        } else {
+            c.store(&mb[..n]);
+        }
     }
     if let Some(c) = v.as_mut().filter(|c| !matches!(c, MomentChunk::F32(_))) {
-        c.store(&vb[..n]);
+        if fast {
+            fast::store_moment(c, &mut vb[..n]);
+        } else {
+            c.store(&vb[..n]);
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn run_avx512(job: Job<'_>, scratch: &mut [f32]) {
-    run_generic(job, scratch)
+    run_blocks(job, scratch)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_avx2(job: Job<'_>, scratch: &mut [f32]) {
-    run_generic(job, scratch)
+    run_blocks(job, scratch)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -155,7 +207,7 @@ pub fn run(job: Job<'_>) {
             Isa::Avx512 => unsafe { run_avx512(job, s) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { run_avx2(job, s) },
-            _ => run_generic(job, s),
+            _ => run_blocks(job, s),
         }
     })
 }

@@ -112,7 +112,7 @@ pub fn bf16_bits_rne(x: f32) -> u16 {
 
 /// `2^k` for `k` in the normal range (callers keep |k| <= 67).
 #[inline(always)]
-fn pow2(k: i32) -> f32 {
+pub(crate) fn pow2(k: i32) -> f32 {
     f32::from_bits(((k + 127) as u32) << 23)
 }
 

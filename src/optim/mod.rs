@@ -6,11 +6,13 @@
 //! - `rule`: the element-wise updates (torch's arithmetic for fp32 state, FlashOptim's
 //!   for compressed state);
 //! - `state`: stored state and the chunk views kernels decode and encode;
+//! - `fast`: the `fast` arithmetic's rules and codecs (bounded distance from exact);
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
 //!   `threads`: fo's thread pool.
 pub mod config;
+pub mod fast;
 pub mod master_split;
 pub mod numerics;
 pub mod offload;
@@ -24,7 +26,7 @@ mod groups_json;
 mod kernel;
 mod state_io;
 
-pub use config::{Algorithm, OptimConfig, StateFormat};
+pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 pub use offload::plan_offload;
 pub use optimizer::Optimizer;
 pub use threads::{num_threads, set_num_threads};

@@ -68,22 +68,23 @@ fn mag_bits(v: f32) -> u32 {
     }
 }
 
+/// The maximum of 16 lanes as a halving tree with a fixed-size array per level, so it
+/// compiles to a few in-register shuffles and maxima (a loop over the widths does not).
+#[inline(always)]
+fn tree_max(l: [u32; 16]) -> u32 {
+    let l: [u32; 8] = std::array::from_fn(|i| l[i].max(l[i + 8]));
+    let l: [u32; 4] = std::array::from_fn(|i| l[i].max(l[i + 4]));
+    let l: [u32; 2] = std::array::from_fn(|i| l[i].max(l[i + 2]));
+    l[0].max(l[1])
+}
+
 /// max |x| over a group, NaN ignored, floored at 1e-12: exactly `fold(0, f32::max)` of
 /// the magnitudes. A full group reduces as a lane-wise tree of integer maxima, which
 /// compiles to a few vector instructions instead of a serial chain.
 #[inline(always)]
-fn absmax(x: &[f32]) -> f32 {
+pub(crate) fn absmax(x: &[f32]) -> f32 {
     let m = if let Ok(x) = <&[f32; GROUP]>::try_from(x) {
-        let mut l = [0u32; 16];
-        for i in 0..16 {
-            l[i] = mag_bits(x[i]).max(mag_bits(x[i + 16]));
-        }
-        for w in [8, 4, 2, 1] {
-            for i in 0..w {
-                l[i] = l[i].max(l[i + w]);
-            }
-        }
-        l[0]
+        tree_max(std::array::from_fn(|i| mag_bits(x[i]).max(mag_bits(x[i + 16]))))
     } else {
         x.iter().fold(0u32, |m, &v| m.max(mag_bits(v)))
     };
@@ -129,7 +130,7 @@ pub fn decode_signed_group(codes: &[i8], scale: f16, out: &mut [f32]) {
 /// max of non-negative `v` over a group as bits; NaN and negative values (whose square
 /// roots are NaN) never win; -0 counts as 0.
 #[inline(always)]
-fn max_nonneg(v: &[f32]) -> f32 {
+pub(crate) fn max_nonneg(v: &[f32]) -> f32 {
     let bits = |x: f32| {
         let b = x.to_bits();
         if b > 0x7f80_0000 {
@@ -139,16 +140,7 @@ fn max_nonneg(v: &[f32]) -> f32 {
         }
     };
     let m = if let Ok(v) = <&[f32; GROUP]>::try_from(v) {
-        let mut l = [0u32; 16];
-        for i in 0..16 {
-            l[i] = bits(v[i]).max(bits(v[i + 16]));
-        }
-        for w in [8, 4, 2, 1] {
-            for i in 0..w {
-                l[i] = l[i].max(l[i + w]);
-            }
-        }
-        l[0]
+        tree_max(std::array::from_fn(|i| bits(v[i]).max(bits(v[i + 16]))))
     } else {
         v.iter().fold(0u32, |m, &x| m.max(bits(x)))
     };

@@ -13,7 +13,8 @@
 //!
 //! SGD dampening follows torch in both contracts: the first step sets the buffer to the
 //! gradient undampened (FlashOptim dampens it; identical when dampening = 0).
-use super::config::{Algorithm, OptimConfig, StateFormat};
+use super::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use super::fast::FastRule;
 
 #[derive(Debug, Clone, Copy)]
 pub enum Rule {
@@ -71,6 +72,8 @@ pub enum Rule {
         w2: f32,
         lr: f32,
     },
+    /// `Arithmetic::Fast` on non-fp32 state (see `fast`).
+    Fast(FastRule),
 }
 
 /// `(double)(float)beta` raised to `step` in double, rounded to f32 (FlashOptim's host).
@@ -82,6 +85,9 @@ impl Rule {
     /// The rule for one parameter of group `c` at step `step` (counting from 1).
     pub fn new(c: &OptimConfig, step: u64) -> Rule {
         let torch = c.state_format == StateFormat::Fp32;
+        if !torch && c.arithmetic == Arithmetic::Fast {
+            return Rule::Fast(FastRule::new(c, step));
+        }
         let coupled = !c.algorithm.decoupled_decay() && c.weight_decay != 0.0;
         let l2 = coupled.then_some(c.weight_decay as f32);
         let decay_amount = if c.algorithm.decoupled_decay() {
@@ -165,6 +171,7 @@ impl Rule {
         let n = p.len();
         let g = &g[..n];
         match *self {
+            Rule::Fast(r) => r.apply(p, g, m, v, first),
             Rule::TorchAdam {
                 l2,
                 decay,
@@ -252,24 +259,26 @@ impl Rule {
                 nesterov,
                 lr,
             } => {
-                for i in 0..n {
-                    let gi = match l2 {
-                        Some(wd) => g[i] + p[i] * wd,
-                        None => g[i],
-                    };
-                    let pi = p[i] * decay;
-                    p[i] = match momentum {
-                        Some(mom) => {
-                            let b = if first { gi } else { m[i] * mom + gi * wdamp };
-                            m[i] = b;
-                            if nesterov {
-                                pi - (gi + mom * b) * lr
-                            } else {
-                                pi - b * lr
-                            }
-                        }
-                        None => pi - gi * lr,
-                    };
+                // The loop-invariant choices are made once, outside the loop, so each
+                // variant vectorizes (same operations, same bits).
+                let f = FlashSgdLoop {
+                    wd: l2.unwrap_or(0.0),
+                    decay,
+                    mom: momentum.unwrap_or(0.0),
+                    wdamp,
+                    lr,
+                };
+                match (l2.is_some(), momentum.is_some(), nesterov, first) {
+                    (false, false, _, _) => f.run::<false, 0>(p, g, m),
+                    (true, false, _, _) => f.run::<true, 0>(p, g, m),
+                    (false, true, false, false) => f.run::<false, 1>(p, g, m),
+                    (true, true, false, false) => f.run::<true, 1>(p, g, m),
+                    (false, true, true, false) => f.run::<false, 2>(p, g, m),
+                    (true, true, true, false) => f.run::<true, 2>(p, g, m),
+                    (false, true, false, true) => f.run::<false, 3>(p, g, m),
+                    (true, true, false, true) => f.run::<true, 3>(p, g, m),
+                    (false, true, true, true) => f.run::<false, 4>(p, g, m),
+                    (true, true, true, true) => f.run::<true, 4>(p, g, m),
                 }
             }
             Rule::TorchLion {
@@ -302,6 +311,39 @@ impl Rule {
                     p[i] = p[i] * decay - u * lr;
                 }
             }
+        }
+    }
+}
+
+/// FlashOptim's SGD loop, specialized. `K`: 0 no momentum, 1 momentum, 2 Nesterov, 3 and
+/// 4 the same on the buffer's first step (set to the gradient).
+struct FlashSgdLoop {
+    wd: f32,
+    decay: f32,
+    mom: f32,
+    wdamp: f32,
+    lr: f32,
+}
+
+impl FlashSgdLoop {
+    #[inline(always)]
+    fn run<const L2: bool, const K: u8>(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
+        let n = p.len();
+        let m = if K == 0 { &mut m[..0] } else { &mut m[..n] };
+        for i in 0..n {
+            let gi = if L2 { g[i] + p[i] * self.wd } else { g[i] };
+            let pi = p[i] * self.decay;
+            p[i] = if K == 0 {
+                pi - gi * self.lr
+            } else {
+                let b = if K >= 3 { gi } else { m[i] * self.mom + gi * self.wdamp };
+                m[i] = b;
+                if K == 2 || K == 4 {
+                    pi - (gi + self.mom * b) * self.lr
+                } else {
+                    pi - b * self.lr
+                }
+            };
         }
     }
 }

@@ -185,6 +185,18 @@ pub enum MomentChunk<'a> {
 }
 
 impl MomentChunk<'_> {
+    /// Elements `lo..hi` (group-aligned `lo`), reborrowed.
+    #[inline(always)]
+    pub fn sub(&mut self, lo: usize, hi: usize) -> MomentChunk<'_> {
+        let (gl, gh) = (lo / GROUP, hi.div_ceil(GROUP));
+        match self {
+            MomentChunk::F32(s) => MomentChunk::F32(&mut s[lo..hi]),
+            MomentChunk::Half(h, s) => MomentChunk::Half(*h, &mut s[lo..hi]),
+            MomentChunk::Signed(c, s) => MomentChunk::Signed(&mut c[lo..hi], &mut s[gl..gh]),
+            MomentChunk::Unsigned(c, s, r) => MomentChunk::Unsigned(&mut c[lo..hi], &mut s[gl..gh], *r),
+        }
+    }
+
     /// Decodes into `out` (same length). `kernel`: the values the update uses, where
     /// `Quant8Wide` floors a zero variance code (see `StateFormat::Quant8Wide`).
     #[inline(always)]
@@ -276,6 +288,22 @@ pub enum ErrChunk<'a> {
 }
 
 impl ParamChunk<'_> {
+    /// Elements `lo..hi`, reborrowed.
+    #[inline(always)]
+    pub fn sub(&mut self, lo: usize, hi: usize) -> ParamChunk<'_> {
+        match self {
+            ParamChunk::F32(s) => ParamChunk::F32(&mut s[lo..hi]),
+            ParamChunk::Half { h, bits, err } => ParamChunk::Half {
+                h: *h,
+                bits: &mut bits[lo..hi],
+                err: match err {
+                    ErrChunk::None => ErrChunk::None,
+                    ErrChunk::I8(e) => ErrChunk::I8(&mut e[lo..hi]),
+                    ErrChunk::I16(e) => ErrChunk::I16(&mut e[lo..hi]),
+                },
+            },
+        }
+    }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -343,6 +371,14 @@ pub enum GradChunk<'a> {
 }
 
 impl GradChunk<'_> {
+    /// Elements `lo..hi`.
+    #[inline(always)]
+    pub fn sub(&self, lo: usize, hi: usize) -> GradChunk<'_> {
+        match self {
+            GradChunk::F32(s) => GradChunk::F32(&s[lo..hi]),
+            GradChunk::Half(h, s) => GradChunk::Half(*h, &s[lo..hi]),
+        }
+    }
     #[inline(always)]
     pub fn load(&self, out: &mut [f32]) {
         match self {

@@ -16,7 +16,7 @@ const FP32_BYTES: f64 = 28.0;
 const COMPRESSED_BYTES: f64 = 2.0 + 2.0 + 3.0 + 2.0 + 3.0 + 2.0 * 4.0 / 32.0;
 
 /// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
-fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+pub(super) fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
         .map(|_| {
@@ -30,7 +30,7 @@ fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// The fastest of the timed steps: on a shared machine interference only ever adds time,
 /// so the minimum is the most repeatable estimate of what the code itself costs.
-fn best(v: Vec<f64>) -> f64 {
+pub(super) fn best(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
 }
 
@@ -129,34 +129,55 @@ fn row(label: &str, n: usize, secs: f64, bytes: f64, ceiling_rate: f64) {
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:
-  fo bench step                              1M, 16M, 64M params on 1 and 2 threads
-  fo bench step --sizes 16M --threads 2 --only compressed")]
+  fo bench step                              1M, 16M, 64M params on 1 and 2 threads, then exact vs fast
+  fo bench step --sizes 16M --threads 2 --only compressed
+  fo bench step --only arith --torch ~/.cache/fo/torch-venv/bin/python --threads 1,2")]
 pub struct StepArgs {
-    /// Parameter counts, comma-separated (K and M suffixes).
-    #[arg(long, default_value = "1M,16M,64M", value_name = "N,..")]
-    pub sizes: Csv<Count>,
-    /// Thread counts to run each size on, comma-separated.
-    #[arg(long, default_value = "1,2", value_name = "T,..")]
-    pub threads: Csv<usize>,
+    /// Parameter counts, comma-separated (K and M suffixes) [default: 1M,16M,64M; the
+    /// arithmetic table uses the largest, 16M unless given].
+    #[arg(long, value_name = "N,..")]
+    pub sizes: Option<Csv<Count>>,
+    /// Thread counts to run each size on, comma-separated [default: 1,2; the arithmetic
+    /// table: 1].
+    #[arg(long, value_name = "T,..")]
+    pub threads: Option<Csv<usize>>,
     /// The largest size is also run split into this many tensors.
     #[arg(long, default_value_t = 200)]
     pub tensors: usize,
     /// Parameters stepped per case in total (sets the number of timed steps, 3..=50).
     #[arg(long, default_value_t = 6.4e8)]
     pub iters_params: f64,
-    /// Run only one kind of step (profiling one kernel).
-    #[arg(long, default_value = "all", value_parser = ["all", "fp32", "compressed"])]
+    /// Run only one table (profiling one kernel): fp32, compressed, or arith (exact vs fast).
+    #[arg(long, default_value = "all", value_parser = ["all", "fp32", "compressed", "arith"])]
     pub only: String,
+    /// A python with torch for the fused fp32 AdamW baseline [default: $FO_TORCH_PYTHON].
+    #[arg(long, value_name = "PYTHON")]
+    pub torch: Option<String>,
+    /// Arithmetic table: best of this many timed steps.
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// Arithmetic table: algorithms, comma-separated.
+    #[arg(long, default_value = "adamw,adam,lion,sgd", value_name = "A,..")]
+    pub algs: Csv<String>,
+    /// Arithmetic table: modes, comma-separated.
+    #[arg(long, default_value = "exact,fast", value_name = "M,..")]
+    pub arithmetic: Csv<String>,
 }
 
 pub fn run(a: &StepArgs) -> Result<(), String> {
-    let sizes: Vec<usize> = a.sizes.0.iter().map(|c| c.0).collect();
-    let thread_counts: Vec<usize> = a.threads.0.clone();
+    let sizes: Vec<usize> = match &a.sizes {
+        Some(s) => s.0.iter().map(|c| c.0).collect(),
+        None => vec![1 << 20, 16 << 20, 64 << 20],
+    };
+    let thread_counts: Vec<usize> = a.threads.as_ref().map_or(vec![1, 2], |t| t.0.clone());
     let tensors = a.tensors;
     let budget = a.iters_params;
     let only = a.only.as_str();
     if sizes.is_empty() || thread_counts.is_empty() {
         return Err("--sizes and --threads need at least one value".into());
+    }
+    if only == "arith" {
+        return super::bench_arith::run(&arith_opts(a, &sizes)?);
     }
     let (fp32, comp) = (only != "compressed", only != "fp32");
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -202,5 +223,27 @@ pub fn run(a: &StepArgs) -> Result<(), String> {
             }
         }
     }
-    set_num_threads(0).map_err(|e| e.to_string())
+    set_num_threads(0).map_err(|e| e.to_string())?;
+    if only == "all" {
+        super::bench_arith::run(&arith_opts(a, &sizes)?)?;
+    }
+    Ok(())
+}
+
+/// The arithmetic table's options: the largest `--sizes` (16M unless given), `--threads`
+/// (1 unless given), `--torch PY` (else `FO_TORCH_PYTHON`), `--iters N` (best of N).
+fn arith_opts(a: &StepArgs, sizes: &[usize]) -> Result<super::bench_arith::Opts, String> {
+    Ok(super::bench_arith::Opts {
+        n: if a.sizes.is_some() { sizes.iter().copied().max().unwrap_or(1 << 24) } else { 1 << 24 },
+        threads: a.threads.as_ref().map_or(vec![1], |t| t.0.clone()),
+        iters: a.iters,
+        modes: a
+            .arithmetic
+            .0
+            .iter()
+            .map(|m| fo::optim::Arithmetic::from_name(m).map_err(|e| e.to_string()))
+            .collect::<Result<_, _>>()?,
+        algs: a.algs.0.clone(),
+        torch: a.torch.clone().or_else(|| std::env::var("FO_TORCH_PYTHON").ok()),
+    })
 }

@@ -1,6 +1,7 @@
 //! Subcommand dispatch (clap derive). Each subcommand lives in its own file, next to the
 //! clap `Args` struct its `run` takes.
 mod args;
+mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
 mod bench_step;
