@@ -311,9 +311,106 @@ void random_matrix() {
   CHECK(mismatches == 0);
 }
 
+
+// A safetensors file: 8-byte little-endian header length, JSON header, raw data.
+struct Safetensors {
+  std::string bytes;
+  nlohmann::json header;
+  size_t base = 0;
+  explicit Safetensors(const std::string& path) : bytes(fo_test::read_file(path)) {
+    uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    header = nlohmann::json::parse(bytes.substr(8, n));
+    base = 8 + n;
+  }
+  bool has(const std::string& k) const { return header.contains(k); }
+  std::vector<int64_t> shape(const std::string& k) const { return header.at(k).at("shape").get<std::vector<int64_t>>(); }
+  int32_t dtype(const std::string& k) const {
+    std::string d = header.at(k).at("dtype");
+    return d == "F32" ? F32 : d == "BF16" ? BF16 : F16;
+  }
+  // Row t (all rows: t < 0) of tensor k as f32 values.
+  std::vector<float> values(const std::string& k, int64_t t = -1) const {
+    auto off = header.at(k).at("data_offsets");
+    size_t lo = off[0].get<size_t>(), hi = off[1].get<size_t>();
+    size_t w = dsize(dtype(k)), n = (hi - lo) / w;
+    if (t >= 0) n /= (size_t)shape(k)[0], lo += (size_t)t * n * w;
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = fo_load_any(bytes.data() + base + lo, dtype(k), i);
+    return x;
+  }
+};
+
+// A number from the manifest's kwargs (absent or null: the default).
+double num(const nlohmann::json& k, const char* key, double def) {
+  return k.contains(key) && k[key].is_number() ? k[key].get<double>() : def;
+}
+
+int32_t dtype_named(const std::string& s) { return s == "float32" ? F32 : s == "bfloat16" ? BF16 : F16; }
+
+// The oracle trajectories' inits and gradients (zero-gradient steps included) under each
+// case's own hyper-parameters, in every state format and master width; for FlashOptim's
+// cases the kernel's parameters must also equal the oracle's, step by step.
+void oracle_cases() {
+  nlohmann::json man = nlohmann::json::parse(fo_test::read_file(fo_test::oracle_path("optim/manifest.json")));
+  std::vector<nlohmann::json> cases;
+  for (auto& c : man["torch_reference"]["cases"]) cases.push_back(c);
+  for (auto& c : man["flashoptim"]["trajectories"]) cases.push_back(c);
+  int runs = 0, mismatches = 0, oracle_bad = 0, oracle_checked = 0;
+  for (auto& c : cases) {
+    std::string opt = c["optimizer"];
+    int32_t algo = opt.find("AdamW") != std::string::npos ? 0 : opt.find("Adam") != std::string::npos ? 1
+                   : opt.find("SGD") != std::string::npos ? 2 : 4;
+    const nlohmann::json& k = c["constructor_kwargs"];
+    Hyper h{"", algo, num(k, "lr", 1e-3), 0.9, 0.999, num(k, "eps", 1e-8), num(k, "weight_decay", 0.0),
+            num(k, "momentum", 0.0), num(k, "dampening", 0.0), k.contains("nesterov") && k["nesterov"] == true, 0};
+    if (algo == 4) h.b2 = 0.99;
+    if (k.contains("betas")) h.b1 = k["betas"][0], h.b2 = k["betas"][1];
+    int32_t pd = dtype_named(c["param_dtype"]), gd = dtype_named(c.value("grad_dtype", c["param_dtype"].get<std::string>()));
+    bool flash = c["part"] == "flash_trajectory";
+    int32_t own_mw = flash ? (int32_t)num(k, "master_weight_bits", 24) : 0;
+    Safetensors st(fo_test::oracle_path("optim/" + c["file"].get<std::string>()));
+    size_t np = 0, steps = c["num_steps"];
+    while (st.has("p" + std::to_string(np) + ".init")) ++np;
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<std::vector<float>> init;
+    for (size_t i = 0; i < np; ++i) {
+      std::string key = "p" + std::to_string(i) + ".init";
+      shapes.push_back(st.shape(key));
+      init.push_back(st.values(key));
+    }
+    for (int32_t fmt = 0; fmt < 4; ++fmt)
+      for (int32_t mw : {0, 24, 32}) {
+        if (pd == F32 && mw != 0) continue;
+        Combo combo{config_of(h, fmt, mw), pd, gd, c["name"].get<std::string>() + "/fmt" + std::to_string(fmt) + "/mw" + std::to_string(mw)};
+        Runner r(combo, shapes, init);
+        bool own = flash && fmt == 2 && mw == own_mw;
+        for (size_t t = 0; t < steps; ++t) {
+          std::vector<std::vector<float>> g;
+          for (size_t i = 0; i < np; ++i) g.push_back(st.values("p" + std::to_string(i) + ".grads", (int64_t)t));
+          mismatches += r.step(g);
+          for (size_t i = 0; own && i < np; ++i) {
+            std::vector<float> want = st.values("p" + std::to_string(i) + ".param", (int64_t)t);
+            std::string w = encode(pd, want);
+            oracle_bad += w != r.ps[i].k_bytes;
+            ++oracle_checked;
+          }
+        }
+        ++runs;
+      }
+  }
+  std::printf("oracle cases: %zu cases, %d runs, %d mismatching elements vs libfo; %d/%d FlashOptim param rows differ\n",
+              cases.size(), runs, mismatches, oracle_bad, oracle_checked);
+  CHECK(cases.size() == 24);  // 17 torch + 7 FlashOptim trajectories
+  CHECK(mismatches == 0);
+  CHECK(oracle_checked > 0);
+  CHECK(oracle_bad == 0);
+}
+
 }  // namespace
 
 int main() {
   random_matrix();
+  oracle_cases();
   return fo_test::summary("test_gpu_kernels_host");
 }
