@@ -407,9 +407,34 @@ void oracle_cases() {
   CHECK(oracle_bad == 0);
 }
 
+// A device tensor is refused with FO_ERR_UNSUPPORTED naming what is missing, never an
+// abort, and nothing changes.
+void device_tensors_are_refused_clearly() {
+  fo_optim_config c = config_of(kHypers[0], 2, 24);
+  fo_optimizer* opt = nullptr;
+  CHECK_OK(fo_optimizer_create(&c, &opt));
+  std::vector<int64_t> shape = {4};
+  uint16_t p[4] = {0x3f80, 0x3f80, 0x3f80, 0x3f80}, g[4] = {0x3f80, 0, 0, 0};
+  fo_tensor dev{p, BF16, 1, shape.data(), nullptr, 0};
+  int32_t idx = -1;
+  CHECK(fo_optimizer_add_param(opt, "w", &dev, nullptr, &idx) == FO_ERR_UNSUPPORTED);
+  std::string m = fo_test::last_error();
+  CHECK(m.find("param.device = 0") != std::string::npos);
+  CHECK(m.find("--features cuda") != std::string::npos || m.find("libcuda") != std::string::npos ||
+        m.find("launch path") != std::string::npos);
+  fo_tensor host{p, BF16, 1, shape.data(), nullptr, -1};
+  CHECK_OK(fo_optimizer_add_param(opt, "w", &host, nullptr, &idx));
+  fo_tensor gdev{g, BF16, 1, shape.data(), nullptr, 1};
+  CHECK(fo_optimizer_step(opt, &gdev, 1) == FO_ERR_UNSUPPORTED);
+  CHECK(fo_test::last_error().find("device = 1") != std::string::npos);
+  CHECK(p[0] == 0x3f80);
+  fo_optimizer_destroy(opt);
+}
+
 }  // namespace
 
 int main() {
+  device_tensors_are_refused_clearly();
   random_matrix();
   oracle_cases();
   return fo_test::summary("test_gpu_kernels_host");
