@@ -37,6 +37,12 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)"
 ctest --test-dir build --output-on-failure
 
+step "NVRTC compiles the GPU kernels to PTX for sm_80 and sm_90 (--fmad=false, no warnings; no GPU needed)"
+NVRTC_SITE="${HOME}/.cache/fo/nvrtc-12.8.93"
+[ -f "$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ] ||
+  .venv/bin/python -m pip install -q --target "$NVRTC_SITE" nvidia-cuda-nvrtc-cu12==12.8.93
+.venv/bin/python scripts/nvrtc_check.py "$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+
 step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
 .venv/bin/python -m pytest -q python/tests

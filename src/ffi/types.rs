@@ -26,10 +26,8 @@ impl fo_tensor {
     /// A checked view of host memory; `what` names the argument in errors.
     pub(crate) unsafe fn to_host(self, what: &str) -> Result<HostTensor> {
         if self.device != -1 {
-            return Err(Error::Unsupported(format!(
-                "{what}.device = {}: only host tensors (device -1) are supported by this entry point",
-                self.device
-            )));
+            let why = crate::optim::gpu::device_refusal(self.device);
+            return Err(Error::Unsupported(format!("{what}.{why}")));
         }
         let dtype = DType::from_code(self.dtype, &format!("{what}.dtype"))?;
         let ndim = arg_ndim(self.ndim, &format!("{what}.ndim"), false)?;

@@ -10,9 +10,11 @@
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
-//!   `threads`: fo's thread pool.
+//!   `threads`: fo's thread pool;
+//! - `gpu`: the GPU kernels' source (proven on the host) and why device tensors are refused.
 pub mod config;
 pub mod fast;
+pub mod gpu;
 pub mod master_split;
 pub mod numerics;
 pub mod offload;

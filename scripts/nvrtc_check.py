@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Compiles fo's GPU kernels (src/optim/gpu/kernels) with NVRTC to PTX for sm_80 and sm_90,
+with --fmad=false as fo's launch code will, and fails on any error or warning (NVRTC's log
+must be empty). Runs without a GPU: NVRTC is a compiler library, loaded here through ctypes.
+
+usage: nvrtc_check.py LIBNVRTC_SO [OUT_DIR]
+"""
+import ctypes
+import pathlib
+import sys
+import time
+
+KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "optim" / "gpu" / "kernels"
+ARCHS = ["compute_80", "compute_90"]
+ENTRY = "fo_step_kernel"
+WRITTEN_FMAS = (KERNELS / "fo_rules.cuh").read_text().count("fo_fma(")
+
+
+def compile_ptx(nvrtc, arch):
+    headers = sorted(KERNELS.glob("*.cuh"))
+    # The program includes every header, so each one is compiled (and warned about) alone too.
+    src = "".join(f'#include "{h.name}"\n' for h in headers).encode()
+    prog = ctypes.c_void_p()
+    check(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"fo_kernels.cu", 0, None, None), "create")
+    opts = [f"--gpu-architecture={arch}", "--fmad=false", "-std=c++17", f"--include-path={KERNELS}",
+            "--restrict"]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode(errors="replace").strip()
+    if rc != 0 or text:
+        sys.exit(f"NVRTC {arch} (rc {rc}) {' '.join(opts)}:\n{text}")
+    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "get PTX")
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return ptx.value.decode()
+
+
+def check(nvrtc, rc, what):
+    if rc != 0:
+        nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+        sys.exit(f"NVRTC {what} failed: {nvrtc.nvrtcGetErrorString(rc).decode()}")
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    nvrtc = ctypes.CDLL(sys.argv[1])
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    out = pathlib.Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    for arch in ARCHS:
+        t = time.perf_counter()
+        ptx = compile_ptx(nvrtc, arch)
+        dt = time.perf_counter() - t
+        if f".entry {ENTRY}" not in ptx:
+            sys.exit(f"NVRTC {arch}: the PTX has no entry {ENTRY}")
+        # --fmad=false: the only fused multiply-adds are the ones written as fo_fma (the
+        # torch contract's add(alpha=) and lerp), each inlined once into the one kernel.
+        if ptx.count("fma.rn.f32") != WRITTEN_FMAS:
+            sys.exit(f"NVRTC {arch}: {ptx.count('fma.rn.f32')} fma.rn.f32 in the PTX, {WRITTEN_FMAS} written")
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"fo_kernels_{arch}.ptx").write_text(ptx)
+        print(f"NVRTC {major.value}.{minor.value} {arch}: {len(ptx)} bytes of PTX, entry {ENTRY}, "
+              f"no warnings, {WRITTEN_FMAS} fma (all written), {dt:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+// One source, two compilers: this header lets the host C++ compiler build the kernel
+// text that NVRTC builds for the GPU, with the same IEEE f32 operations on both.
+// GPU: NVRTC with --fmad=false, so only the fused multiply-adds written as fo_fma fuse.
+// Host: any C++17 compiler with -ffp-contract=off (the host-shim test builds it so).
+#pragma once
+
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+#define FO_GPU 1
+#define FO_HD __host__ __device__ __forceinline__
+#define FO_GLOBAL extern "C" __global__
+#if defined(__CUDACC_RTC__)
+// NVRTC ships no C library headers: the fixed-width types the kernels use.
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#else
+#include <stdint.h>
+#endif
+// Correctly rounded division and square root whatever -prec-div/-prec-sqrt say.
+FO_HD float fo_div(float a, float b) { return __fdiv_rn(a, b); }
+FO_HD float fo_sqrt(float a) { return __fsqrt_rn(a); }
+FO_HD float fo_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+FO_HD float fo_floor(float a) { return floorf(a); }
+FO_HD float fo_abs(float a) { return fabsf(a); }
+FO_HD float fo_copysign(float a, float s) { return copysignf(a, s); }
+FO_HD float fo_maxnum(float a, float b) { return fmaxf(a, b); }
+FO_HD uint32_t fo_bits(float x) { return __float_as_uint(x); }
+FO_HD float fo_from_bits(uint32_t b) { return __uint_as_float(b); }
+#else
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define FO_HOST_SHIM 1
+#define FO_HD inline
+#define FO_GLOBAL inline
+#define __device__
+#define __restrict__
+FO_HD float fo_div(float a, float b) { return a / b; }
+FO_HD float fo_sqrt(float a) { return std::sqrt(a); }
+FO_HD float fo_fma(float a, float b, float c) { return std::fma(a, b, c); }
+FO_HD float fo_floor(float a) { return std::floor(a); }
+FO_HD float fo_abs(float a) { return std::fabs(a); }
+FO_HD float fo_copysign(float a, float s) { return std::copysign(a, s); }
+FO_HD float fo_maxnum(float a, float b) { return std::fmax(a, b); }
+FO_HD uint32_t fo_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+FO_HD float fo_from_bits(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+// Thread indices of the launch being emulated: fo_host_launch runs every (block, thread)
+// in turn. The kernels use no shared memory and no barriers, so the order is free.
+struct fo_dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+inline thread_local fo_dim3 threadIdx, blockIdx, blockDim, gridDim;
+template <class F>
+inline void fo_host_launch(unsigned grid, unsigned block, F&& kernel) {
+  gridDim.x = grid;
+  blockDim.x = block;
+  for (unsigned b = 0; b < grid; ++b)
+    for (unsigned t = 0; t < block; ++t) {
+      blockIdx.x = b;
+      threadIdx.x = t;
+      kernel();
+    }
+}
+#endif
+
+FO_HD bool fo_isnan(float x) { return (fo_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+// floor(a / 2) for any sign (Rust's div_euclid by 2).
+FO_HD int32_t fo_floor_half(int32_t a) { return a >= 0 ? a / 2 : -((1 - a) / 2); }
