@@ -58,7 +58,7 @@ class BinaryDistribution(Distribution):
 
 setup(
     name="fo",
-    version="0.1.0",
+    version="0.2.0",
     description="Memory-efficient optimizer steps and distributed checkpoint state (ctypes binding of libfo)",
     license="Apache-2.0",
     python_requires=">=3.9",

@@ -29,7 +29,7 @@
 /*
  The ABI version this header describes; compare with `fo_abi_version()` at load time.
  */
-#define FO_ABI_VERSION 1
+#define FO_ABI_VERSION 2
 
 #define FO_PLACEMENT_REPLICATE 0
 

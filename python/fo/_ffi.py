@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_DIMS = 8
 
 

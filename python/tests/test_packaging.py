@@ -55,4 +55,4 @@ def test_pip_install_builds_libfo_into_the_package_and_imports_without_fo_librar
     assert os.path.isfile(os.path.join(pkg, "libfo.so")) and os.path.isfile(os.path.join(pkg, "py.typed"))
     assert os.path.isfile(os.path.join(pkg, "include", "fo.h"))
     run = subprocess.run([str(py), "-c", SMOKE, site], env=env, cwd=tmp_path, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.startswith("ok 0.1.0"), run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.startswith("ok 0.2.0"), run.stdout + run.stderr

@@ -39,7 +39,7 @@ pub const FO_MAX_THREADS: i32 = 1024;
 pub const FO_MAX_LOCAL_WORLD: i32 = 1024;
 
 /// The ABI version this header describes; compare with `fo_abi_version()` at load time.
-pub const FO_ABI_VERSION: u32 = 1;
+pub const FO_ABI_VERSION: u32 = 2;
 
 /// The status code for a core error: one code per variant, fixed forever.
 pub(crate) fn status_of(e: &Error) -> fo_status {
