@@ -22,6 +22,7 @@
 use half::slice::HalfFloatSliceExt;
 
 use super::config::{Algorithm, OptimConfig};
+use super::rule::{run_sgd_variant, SgdVariant};
 use super::kernel::BLOCK;
 use super::master_split::{pow2, ErrorCode, Half};
 use super::quant8::{self, to_code, GROUP};
@@ -170,18 +171,7 @@ impl FastRule {
                     wdamp,
                     neg_lr,
                 };
-                match (l2.is_some(), momentum.is_some(), nesterov, first) {
-                    (false, false, _, _) => s.run::<false, 0>(p, g, m),
-                    (true, false, _, _) => s.run::<true, 0>(p, g, m),
-                    (false, true, false, false) => s.run::<false, 1>(p, g, m),
-                    (true, true, false, false) => s.run::<true, 1>(p, g, m),
-                    (false, true, true, false) => s.run::<false, 2>(p, g, m),
-                    (true, true, true, false) => s.run::<true, 2>(p, g, m),
-                    (false, true, false, true) => s.run::<false, 3>(p, g, m),
-                    (true, true, false, true) => s.run::<true, 3>(p, g, m),
-                    (false, true, true, true) => s.run::<false, 4>(p, g, m),
-                    (true, true, true, true) => s.run::<true, 4>(p, g, m),
-                }
+                run_sgd_variant(&s, l2.is_some(), momentum.is_some(), nesterov, first, p, g, m)
             }
             FastRule::Lion {
                 decay,
@@ -217,9 +207,7 @@ struct Sgd {
     neg_lr: f32,
 }
 
-impl Sgd {
-    /// `K`: 0 no momentum, 1 momentum, 2 Nesterov, 3 and 4 the same on the buffer's
-    /// first step (set to the gradient).
+impl SgdVariant for Sgd {
     #[inline(always)]
     fn run<const L2: bool, const K: u8>(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
         let n = p.len();

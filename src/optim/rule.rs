@@ -268,18 +268,7 @@ impl Rule {
                     wdamp,
                     lr,
                 };
-                match (l2.is_some(), momentum.is_some(), nesterov, first) {
-                    (false, false, _, _) => f.run::<false, 0>(p, g, m),
-                    (true, false, _, _) => f.run::<true, 0>(p, g, m),
-                    (false, true, false, false) => f.run::<false, 1>(p, g, m),
-                    (true, true, false, false) => f.run::<true, 1>(p, g, m),
-                    (false, true, true, false) => f.run::<false, 2>(p, g, m),
-                    (true, true, true, false) => f.run::<true, 2>(p, g, m),
-                    (false, true, false, true) => f.run::<false, 3>(p, g, m),
-                    (true, true, false, true) => f.run::<true, 3>(p, g, m),
-                    (false, true, true, true) => f.run::<false, 4>(p, g, m),
-                    (true, true, true, true) => f.run::<true, 4>(p, g, m),
-                }
+                run_sgd_variant(&f, l2.is_some(), momentum.is_some(), nesterov, first, p, g, m)
             }
             Rule::TorchLion {
                 decay,
@@ -325,7 +314,7 @@ struct FlashSgdLoop {
     lr: f32,
 }
 
-impl FlashSgdLoop {
+impl SgdVariant for FlashSgdLoop {
     #[inline(always)]
     fn run<const L2: bool, const K: u8>(&self, p: &mut [f32], g: &[f32], m: &mut [f32]) {
         let n = p.len();
@@ -345,6 +334,40 @@ impl FlashSgdLoop {
                 }
             };
         }
+    }
+}
+
+/// One SGD loop specialized on its loop-invariant choices (`L2`: L2 weight decay; `K`: 0 no
+/// momentum, 1 momentum, 2 Nesterov, 3 and 4 the same on the buffer's first step), so each
+/// variant vectorizes. Exact and fast arithmetic each implement it.
+pub(super) trait SgdVariant {
+    fn run<const L2: bool, const K: u8>(&self, p: &mut [f32], g: &[f32], m: &mut [f32]);
+}
+
+/// Picks the specialized loop for these choices, once per chunk.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_sgd_variant<S: SgdVariant>(
+    s: &S,
+    l2: bool,
+    momentum: bool,
+    nesterov: bool,
+    first: bool,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+) {
+    match (l2, momentum, nesterov, first) {
+        (false, false, _, _) => s.run::<false, 0>(p, g, m),
+        (true, false, _, _) => s.run::<true, 0>(p, g, m),
+        (false, true, false, false) => s.run::<false, 1>(p, g, m),
+        (true, true, false, false) => s.run::<true, 1>(p, g, m),
+        (false, true, true, false) => s.run::<false, 2>(p, g, m),
+        (true, true, true, false) => s.run::<true, 2>(p, g, m),
+        (false, true, false, true) => s.run::<false, 3>(p, g, m),
+        (true, true, false, true) => s.run::<true, 3>(p, g, m),
+        (false, true, true, true) => s.run::<false, 4>(p, g, m),
+        (true, true, true, true) => s.run::<true, 4>(p, g, m),
     }
 }
 
