@@ -9,7 +9,7 @@ use fo::optim::{set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Op
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
-use super::bench_step::{best, fill};
+use super::bench_step::{best, fill, param_bytes};
 
 /// Bytes per parameter of the compressed step: bf16 p (read + write), bf16 g (read),
 /// int8 m, uint8 v, int8 error bits (read + write each), and fp16 scales of m and v
@@ -83,15 +83,7 @@ fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iter
         cfg.master_weight_bits = 0;
     }
     let (dtype, elem) = if compressed { (DType::BF16, 2) } else { (DType::F32, 4) };
-    let to_bytes = |v: Vec<f32>| -> Vec<u8> {
-        if compressed {
-            v.iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect()
-        } else {
-            v.iter().flat_map(|x| x.to_le_bytes()).collect()
-        }
-    };
+    let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
     let mut p = to_bytes(fill(n, 10, 1.0));
     let mut g = to_bytes(fill(n, 1000, 0.02));
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;

@@ -64,6 +64,15 @@ fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
     Ok(best(times))
 }
 
+/// The bytes of a benchmark's params or grads: bf16 for the compressed step, else f32.
+pub(super) fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
+    if compressed {
+        v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
 /// Seconds per optimizer step over `n` parameters split into `tensors` tensors.
 fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result<f64, String> {
     let mut cfg = OptimConfig::default_for(Algorithm::AdamW);
@@ -73,15 +82,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         cfg.master_weight_bits = 0;
     }
     let (dtype, elem) = if compressed { (DType::BF16, 2) } else { (DType::F32, 4) };
-    let to_bytes = |v: Vec<f32>| -> Vec<u8> {
-        if compressed {
-            v.iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-                .collect()
-        } else {
-            v.iter().flat_map(|x| x.to_le_bytes()).collect()
-        }
-    };
+    let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
     let sizes: Vec<usize> = (0..tensors)
         .map(|i| n / tensors + usize::from(i < n % tensors))
         .collect();
