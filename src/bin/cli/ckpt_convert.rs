@@ -182,6 +182,15 @@ fn write(
     let total: u64 = items.iter().map(|i| (i.shape.iter().product::<usize>() * i.dtype.size()) as u64).sum();
     let pb = progress::bytes("convert", total);
     let meta = ck.meta.as_ref();
+    // Every rank of the converted checkpoint belongs to one save: the source's id plus
+    // "+convert", or (torch's files carry none) one made from the clock, once.
+    let save_id = match meta {
+        Some(m) => format!("{}+convert", m.save_id),
+        None => {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            format!("convert-{}", t.as_nanos())
+        }
+    };
     let quant = items.iter().any(|i| i.quant.is_some());
     let mode = match (to, meta) {
         (None, Some(m)) if m.mode == "raw" => "raw".to_string(),
@@ -229,8 +238,8 @@ fn write(
         if let Some(m) = meta {
             opts.param_groups = m.param_groups.clone();
             opts.extra = m.extra.clone();
-            opts.save_id = format!("{}+convert", m.save_id);
         }
+        opts.save_id = save_id.clone();
         // Codes and scales of one key come from one requantization: keep the last.
         let mut cache: Option<(usize, fo::ckpt::Quant8)> = None;
         let mut fetch = |e: usize| -> fo::Result<Tensor> {
