@@ -232,6 +232,14 @@ std::vector<Case> cases() {
   E("fo_state_save", "write_unsharded 5", [](Fx& f) { PO o = f.pack; o.write_unsharded = 5; return fo_state_save(f.opt, f.empty.c_str(), &o); });
   E("fo_state_save", "rank 3 of 2", [](Fx& f) { PO o = f.pack; o.rank = 3; o.world_size = 2; return fo_state_save(f.opt, f.empty.c_str(), &o); });
   E("fo_state_save", "dir under /proc", [](Fx& f) { return fo_state_save(f.opt, "/proc/fo-no/such", &f.pack); });
+  E("fo_state_save_comm", "opt NULL", [](Fx& f) { return fo_state_save_comm(nullptr, f.empty.c_str(), &f.pack, f.comm); });
+  E("fo_state_save_comm", "dir NULL", [](Fx& f) { return fo_state_save_comm(f.opt, nullptr, &f.pack, f.comm); });
+  E("fo_state_save_comm", "options NULL", [](Fx& f) { return fo_state_save_comm(f.opt, f.empty.c_str(), nullptr, f.comm); });
+  E("fo_state_save_comm", "comm NULL", [](Fx& f) { return fo_state_save_comm(f.opt, f.empty.c_str(), &f.pack, nullptr); });
+  E("fo_state_save_comm", "mode 3", [](Fx& f) { PO o = f.pack; o.mode = 3; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
+  E("fo_state_save_comm", "write_unsharded 5", [](Fx& f) { PO o = f.pack; o.write_unsharded = 5; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
+  E("fo_state_save_comm", "world_size 2 on a 1-rank comm", [](Fx& f) { PO o = f.pack; o.world_size = 2; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
+  E("fo_state_save_comm", "dir under /proc", [](Fx& f) { return fo_state_save_comm(f.opt, "/proc/fo-no/such", &f.pack, f.comm); });
 
   using LO = fo_load_options;
   auto load_with = [](LO o) { return [o](Fx& f) { return fo_state_load(f.opt, f.dir.c_str(), &o, nullptr); }; };
