@@ -1,28 +1,16 @@
 """examples/python/fsdp2_offload.py as the README runs it: train on 4 ranks and dcp.save,
 resume on 2 ranks with dcp.load; the loss keeps falling across the resume."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, torchrun  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
 EXAMPLE = ROOT / "examples" / "python" / "fsdp2_offload.py"
-
-
-def torchrun(nproc, *args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(EXAMPLE), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
-    return r.stdout
 
 
 def losses(out):
@@ -31,9 +19,9 @@ def losses(out):
 
 def test_fsdp2_offload_trains_on_4_ranks_and_resumes_on_2(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = torchrun(4, "--ckpt", ckpt, "--steps", "40")
+    first = torchrun(4, EXAMPLE, "--ckpt", ckpt, "--steps", "40")
     assert "4 ranks" in first and f"saved to {ckpt}" in first
-    second = torchrun(2, "--ckpt", ckpt, "--steps", "40", "--resume")
+    second = torchrun(2, EXAMPLE, "--ckpt", ckpt, "--steps", "40", "--resume")
     assert f"resumed at step 40 on 2 ranks from {ckpt}" in second
     a, b = losses(first), losses(second)
     assert sorted(a) == [10, 20, 30, 40] and sorted(b) == [50, 60, 70, 80]
@@ -43,10 +31,5 @@ def test_fsdp2_offload_trains_on_4_ranks_and_resumes_on_2(tmp_path):
 
 
 def test_torch_distributed_example_matches_distribute_tensor_on_4_ranks():
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "examples" / "python" / "torch_distributed.py")],
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python")),
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    assert sorted(re.findall(r"rank (\d): OK", out.stdout)) == ["0", "1", "2", "3"], out.stdout
+    out = torchrun(4, ROOT / "examples" / "python" / "torch_distributed.py")
+    assert sorted(re.findall(r"rank (\d): OK", out)) == ["0", "1", "2", "3"], out

@@ -2,14 +2,11 @@
 of torch_fsdp2_worker.py, each checking parity with torch.optim.AdamW and quant8's loss;
 the 4-rank launch dcp.saves, the 2-rank launch dcp.loads (resharding) and continues."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, torchrun  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
@@ -20,19 +17,11 @@ WORKER = ROOT / "python" / "tests" / "torch_fsdp2_worker.py"
 QUANT8_LOSS_RTOL = 0.01
 
 
-def torchrun(nproc, *args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--standalone", str(WORKER), *map(str, args)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp2")
-    torchrun(4, "save", d / "ckpt", d / "r4.json")
-    torchrun(2, "load", d / "ckpt", d / "r2.json")
+    torchrun(4, WORKER, "save", d / "ckpt", d / "r4.json")
+    torchrun(2, WORKER, "load", d / "ckpt", d / "r2.json")
     return {w: json.loads((d / f"r{w}.json").read_text()) for w in (4, 2)}
 
 
