@@ -309,3 +309,108 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     assert!(e.contains("checksum mismatch in block 1") && e.contains("big"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// fo's layout before part files: a rank's boxes of a strided key in its one file, named
+/// `<key>#<j>`. A part-file checkpoint rewritten that way (digests and commit record
+/// recomputed) still opens, verifies and loads into any sharding.
+#[test]
+fn old_single_file_strided_layout_still_loads() {
+    use fo::ckpt::format::{
+        encode_header, header_digest, read_header, shard_file_name, sharding_info, FoMeta, TensorEntry, DIGEST_KEY,
+    };
+    use std::collections::BTreeMap;
+    let dir = std::env::temp_dir().join(format!("fo-old-strided-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = Layout {
+        mesh: vec![2],
+        placements: vec!["SS0:3"],
+    };
+    save_layout(&dir, &src);
+    let commit_path = dir.join("fo-commit.json");
+    let mut commit: serde_json::Value = serde_json::from_slice(&std::fs::read(&commit_path).unwrap()).unwrap();
+    for r in 0..2 {
+        let main = dir.join(shard_file_name(r));
+        let read = |p: &std::path::Path| {
+            let h = read_header(p, &std::fs::File::open(p).unwrap()).unwrap();
+            let m: FoMeta = serde_json::from_str(&h.metadata["fo"]).unwrap();
+            (std::fs::read(p).unwrap(), h, m)
+        };
+        let first = read(&main);
+        let n = first.2.parts.len() + 1;
+        assert!(n > 1, "rank {r} holds several boxes");
+        let parts: Vec<_> = (1..n)
+            .map(|j| dir.join(format!("shard-{:05}-model-{:05}-of-{n:05}.safetensors", r + 1, j + 1)))
+            .collect();
+        let mut by_key: BTreeMap<String, Vec<_>> = BTreeMap::new();
+        for (bytes, h, m) in std::iter::once(first.clone()).chain(parts.iter().map(|p| read(p))) {
+            for t in &h.tensors {
+                let data = bytes[(h.data_start + t.start) as usize..(h.data_start + t.end) as usize].to_vec();
+                let ft = m.tensors[&t.name].clone();
+                by_key.entry(ft.key.clone()).or_default().push((t.clone(), ft, data));
+            }
+        }
+        let (mut entries, mut data, mut tensors, mut offsets) = (vec![], vec![], BTreeMap::new(), vec![]);
+        for (key, chunks) in by_key {
+            let k = chunks.len();
+            for (j, (t, ft, d)) in chunks.into_iter().enumerate() {
+                let name = if k == 1 { key.clone() } else { format!("{key}#{j}") };
+                offsets.push((name.clone(), ft.global_offset.clone()));
+                entries.push(TensorEntry {
+                    name: name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    start: data.len() as u64,
+                    end: (data.len() + d.len()) as u64,
+                });
+                data.extend(d);
+                tensors.insert(name, ft);
+            }
+        }
+        let mut fo = first.2.clone();
+        fo.tensors = tensors;
+        fo.parts = vec![];
+        let mut md = first.1.metadata.clone();
+        md.remove(DIGEST_KEY);
+        md.insert("fo".into(), serde_json::to_string(&fo).unwrap());
+        md.insert("DCP_SHARDING_INFO".into(), sharding_info(&offsets));
+        let digest = header_digest(&md, &entries);
+        md.insert(DIGEST_KEY.into(), digest.clone());
+        let mut out = encode_header(&md, &entries);
+        out.extend(data);
+        std::fs::write(&main, out).unwrap();
+        for p in parts {
+            std::fs::remove_file(p).unwrap();
+        }
+        commit["digests"][r] = serde_json::json!(digest);
+    }
+    commit.as_object_mut().unwrap().remove("parts");
+    std::fs::write(&commit_path, serde_json::to_vec(&commit).unwrap()).unwrap();
+
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.files.len(), 2);
+    let w = &ck.keys["state.fc.weight.exp_avg"];
+    assert!(
+        w.chunks.iter().any(|c| c.name == "state.fc.weight.exp_avg#2"),
+        "{:?}",
+        w.chunks
+    );
+    fo::ckpt::verify(&dir, &mut |_, _| {}).unwrap();
+    for dst in layouts() {
+        for coord in mesh_coords(&dst.mesh) {
+            for (key, g, sharded) in globals().into_iter().filter(|(_, g, _)| g.numel() > 0) {
+                let s = if sharded {
+                    spec(&g.shape, &dst, coord.clone())
+                } else {
+                    ShardSpec::unsharded(g.shape.clone()).unwrap()
+                };
+                assert_eq!(
+                    ck.read(key, &s).unwrap(),
+                    local_shard(&g, &s),
+                    "{key} -> {:?}",
+                    dst.placements
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
