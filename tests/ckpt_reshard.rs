@@ -23,6 +23,7 @@ fn layouts() -> Vec<Layout> {
         l(&[5], &["S0"]),
         l(&[3], &["S1"]),
         l(&[2], &["SS0:2"]),
+        l(&[2], &["SS0:3"]),
         l(&[3], &["SS0:2"]),
         l(&[2, 2], &["SS0:2", "S0"]),
         l(&[2, 2], &["S0", "S1"]),
@@ -101,7 +102,26 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
         let dir = root.join(format!("src{i}"));
         save_layout(&dir, src);
         let ck = Checkpoint::open(&dir).unwrap();
-        assert_eq!(ck.files.len(), mesh_coords(&src.mesh).len());
+        let ranks = mesh_coords(&src.mesh).len();
+        assert!(
+            ck.files.len() >= ranks,
+            "a rank file per rank, plus strided shards' parts"
+        );
+        let dest = root.join(format!("whole{i}"));
+        let file = fo::ckpt::consolidate(&dir, &dest, &mut |_, _| {}).unwrap().file;
+        let bytes = std::fs::read(file).unwrap();
+        let whole = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (key, g, _) in globals().into_iter().filter(|(_, g, _)| g.numel() > 0) {
+            let got = whole.tensor(key).unwrap();
+            assert_eq!(got.shape(), g.shape.as_slice(), "{key}");
+            assert_eq!(
+                got.data(),
+                g.data.as_slice(),
+                "{key}: consolidated from {:?} {:?}",
+                src.mesh,
+                src.placements
+            );
+        }
         for dst in layouts() {
             for coord in mesh_coords(&dst.mesh) {
                 for (key, g, sharded) in globals() {
@@ -157,33 +177,89 @@ fn replicated_and_unsharded_entries_are_written_once() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A rank holding a strided shard as several boxes writes box j into its part file j, under
+/// the key itself with DCP's offsets, so torch's HF reader sees chunks of one key; the
+/// commit record counts the parts and a later save with fewer parts removes the stale ones.
 #[test]
-fn strided_shards_are_named_chunks_with_valid_dcp_offsets() {
+fn strided_shards_are_chunks_of_one_key_in_part_files() {
     let dir = std::env::temp_dir().join(format!("fo-strided-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     save_layout(
         &dir,
         &Layout {
             mesh: vec![2],
-            placements: vec!["SS0:2"],
+            placements: vec!["SS0:3"],
         },
     );
-    let path = dir.join("shard-00002-model-00001-of-00001.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-    let md = meta.metadata().as_ref().unwrap();
-    let info: serde_json::Value = serde_json::from_str(&md["DCP_SHARDING_INFO"]).unwrap();
-    // (10, 7) rows split 5+5, each piece over 2 ranks: rank 1 holds rows 3..5 and 8..10.
+    let dcp_info = |name: &str| {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let md = meta.metadata().as_ref().unwrap().clone();
+        assert_eq!(md["format"], "pt");
+        assert_eq!(md["DCP_VERSION"], "1.0");
+        let info: serde_json::Value = serde_json::from_str(&md["DCP_SHARDING_INFO"]).unwrap();
+        info["state.fc.weight.exp_avg"]["saved_offsets"].clone()
+    };
+    // (10, 7) rows split 4+4+2 into 3 pieces, each over 2 ranks: rank 1 holds rows 2..4,
+    // 6..8 and 9..10.
     assert_eq!(
-        info["state.fc.weight.exp_avg#0"]["saved_offsets"],
-        serde_json::json!([3, 0])
+        dcp_info("shard-00002-model-00001-of-00001.safetensors"),
+        serde_json::json!([2, 0])
     );
     assert_eq!(
-        info["state.fc.weight.exp_avg#1"]["saved_offsets"],
-        serde_json::json!([8, 0])
+        dcp_info("shard-00002-model-00002-of-00003.safetensors"),
+        serde_json::json!([6, 0])
     );
-    assert_eq!(md["format"], "pt");
-    assert_eq!(md["DCP_VERSION"], "1.0");
+    assert_eq!(
+        dcp_info("shard-00002-model-00003-of-00003.safetensors"),
+        serde_json::json!([9, 0])
+    );
+    let commit: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("fo-commit.json")).unwrap()).unwrap();
+    assert_eq!(commit["parts"], serde_json::json!([3, 3]));
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.files.len(), 6);
+    assert!(ck.keys.keys().all(|k| !k.contains('#')));
+    drop(ck);
+    // A box save over it: the 3-part files go, and the checkpoint is the new one.
+    save_layout(
+        &dir,
+        &Layout {
+            mesh: vec![2],
+            placements: vec!["S0"],
+        },
+    );
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.files.len(), 2);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A rank file naming a part whose file is gone, or a part from another save, is refused.
+#[test]
+fn missing_or_foreign_part_files_are_refused() {
+    let root = std::env::temp_dir().join(format!("fo-parts-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let l = Layout {
+        mesh: vec![2],
+        placements: vec!["SS0:3"],
+    };
+    let a = root.join("a");
+    save_layout(&a, &l);
+    let part = "shard-00001-model-00002-of-00003.safetensors";
+    // Rank 1's part 2 (same save) in place of rank 0's.
+    std::fs::copy(a.join("shard-00002-model-00002-of-00003.safetensors"), a.join(part)).unwrap();
+    let e = Checkpoint::open(&a).unwrap_err().to_string();
+    assert!(e.contains(part), "{e}");
+    std::fs::remove_file(a.join(part)).unwrap();
+    let e = Checkpoint::open(&a).unwrap_err().to_string();
+    assert!(e.contains(part) && e.contains("missing"), "{e}");
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// Tensors larger than one 4 MiB checksum block: partial reads gather runs across blocks,
@@ -231,5 +307,110 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     let last = ShardSpec::new(vec![1100, 1024], vec![3], vec![2], vec![Placement::Shard(0)]).unwrap();
     let e = ck.read("big", &last).unwrap_err().to_string();
     assert!(e.contains("checksum mismatch in block 1") && e.contains("big"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// fo's layout before part files: a rank's boxes of a strided key in its one file, named
+/// `<key>#<j>`. A part-file checkpoint rewritten that way (digests and commit record
+/// recomputed) still opens, verifies and loads into any sharding.
+#[test]
+fn old_single_file_strided_layout_still_loads() {
+    use fo::ckpt::format::{
+        encode_header, header_digest, read_header, shard_file_name, sharding_info, FoMeta, TensorEntry, DIGEST_KEY,
+    };
+    use std::collections::BTreeMap;
+    let dir = std::env::temp_dir().join(format!("fo-old-strided-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = Layout {
+        mesh: vec![2],
+        placements: vec!["SS0:3"],
+    };
+    save_layout(&dir, &src);
+    let commit_path = dir.join("fo-commit.json");
+    let mut commit: serde_json::Value = serde_json::from_slice(&std::fs::read(&commit_path).unwrap()).unwrap();
+    for r in 0..2 {
+        let main = dir.join(shard_file_name(r));
+        let read = |p: &std::path::Path| {
+            let h = read_header(p, &std::fs::File::open(p).unwrap()).unwrap();
+            let m: FoMeta = serde_json::from_str(&h.metadata["fo"]).unwrap();
+            (std::fs::read(p).unwrap(), h, m)
+        };
+        let first = read(&main);
+        let n = first.2.parts.len() + 1;
+        assert!(n > 1, "rank {r} holds several boxes");
+        let parts: Vec<_> = (1..n)
+            .map(|j| dir.join(format!("shard-{:05}-model-{:05}-of-{n:05}.safetensors", r + 1, j + 1)))
+            .collect();
+        let mut by_key: BTreeMap<String, Vec<_>> = BTreeMap::new();
+        for (bytes, h, m) in std::iter::once(first.clone()).chain(parts.iter().map(|p| read(p))) {
+            for t in &h.tensors {
+                let data = bytes[(h.data_start + t.start) as usize..(h.data_start + t.end) as usize].to_vec();
+                let ft = m.tensors[&t.name].clone();
+                by_key.entry(ft.key.clone()).or_default().push((t.clone(), ft, data));
+            }
+        }
+        let (mut entries, mut data, mut tensors, mut offsets) = (vec![], vec![], BTreeMap::new(), vec![]);
+        for (key, chunks) in by_key {
+            let k = chunks.len();
+            for (j, (t, ft, d)) in chunks.into_iter().enumerate() {
+                let name = if k == 1 { key.clone() } else { format!("{key}#{j}") };
+                offsets.push((name.clone(), ft.global_offset.clone()));
+                entries.push(TensorEntry {
+                    name: name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    start: data.len() as u64,
+                    end: (data.len() + d.len()) as u64,
+                });
+                data.extend(d);
+                tensors.insert(name, ft);
+            }
+        }
+        let mut fo = first.2.clone();
+        fo.tensors = tensors;
+        fo.parts = vec![];
+        let mut md = first.1.metadata.clone();
+        md.remove(DIGEST_KEY);
+        md.insert("fo".into(), serde_json::to_string(&fo).unwrap());
+        md.insert("DCP_SHARDING_INFO".into(), sharding_info(&offsets));
+        let digest = header_digest(&md, &entries);
+        md.insert(DIGEST_KEY.into(), digest.clone());
+        let mut out = encode_header(&md, &entries);
+        out.extend(data);
+        std::fs::write(&main, out).unwrap();
+        for p in parts {
+            std::fs::remove_file(p).unwrap();
+        }
+        commit["digests"][r] = serde_json::json!(digest);
+    }
+    commit.as_object_mut().unwrap().remove("parts");
+    std::fs::write(&commit_path, serde_json::to_vec(&commit).unwrap()).unwrap();
+
+    let ck = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ck.files.len(), 2);
+    let w = &ck.keys["state.fc.weight.exp_avg"];
+    assert!(
+        w.chunks.iter().any(|c| c.name == "state.fc.weight.exp_avg#2"),
+        "{:?}",
+        w.chunks
+    );
+    fo::ckpt::verify(&dir, &mut |_, _| {}).unwrap();
+    for dst in layouts() {
+        for coord in mesh_coords(&dst.mesh) {
+            for (key, g, sharded) in globals().into_iter().filter(|(_, g, _)| g.numel() > 0) {
+                let s = if sharded {
+                    spec(&g.shape, &dst, coord.clone())
+                } else {
+                    ShardSpec::unsharded(g.shape.clone()).unwrap()
+                };
+                assert_eq!(
+                    ck.read(key, &s).unwrap(),
+                    local_shard(&g, &s),
+                    "{key} -> {:?}",
+                    dst.placements
+                );
+            }
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -19,9 +19,16 @@ const MAX_ID: usize = 1024;
 /// Rank 0's save id (its `save_id`, or a generated one when empty), on every rank. A rank
 /// that names a different id fails every rank.
 pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
-    let mine = if save_id.is_empty() && comm.rank() == 0 { generated_save_id() } else { save_id.to_string() };
+    let mine = if save_id.is_empty() && comm.rank() == 0 {
+        generated_save_id()
+    } else {
+        save_id.to_string()
+    };
     let local = if mine.len() > MAX_ID {
-        Err(Error::invalid("save_id", format!("is {} bytes, at most {MAX_ID}", mine.len())))
+        Err(Error::invalid(
+            "save_id",
+            format!("is {} bytes, at most {MAX_ID}", mine.len()),
+        ))
     } else {
         Ok(())
     };
@@ -71,8 +78,9 @@ pub fn save_optimizer_comm(opt: &Optimizer, dir: &Path, o: &SaveOptions, comm: &
         popts.save_id = save_id.clone();
         let plan = super::pack::plan(&metas, &popts)?;
         let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetch(opt, &srcs[e]).map(Cow::Owned))?;
+        let parts = staged.num_parts();
         let digest = publish(dir, staged)?;
-        mark_done(dir, &save_id, o.rank, o.world_size, &digest)
+        mark_done(dir, &save_id, o.rank, o.world_size, &digest, parts)
     })();
     agree(comm, staged)?;
     let committed = if comm.rank() == 0 {

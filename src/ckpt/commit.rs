@@ -19,7 +19,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::checksum::xxh64;
-use super::format::{parse_shard_file_name, read_header, shard_file_name, DIGEST_KEY};
+use super::format::{
+    parse_part_file_name, parse_shard_file_name, part_file_name, read_header, shard_file_name, DIGEST_KEY,
+};
 use crate::error::{Error, Result};
 
 /// The commit record's file name.
@@ -31,6 +33,16 @@ pub struct Commit {
     pub save_id: String,
     pub world_size: usize,
     pub digests: Vec<String>,
+    /// How many files each rank wrote (its rank file and extra parts); empty: one each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<usize>,
+}
+
+impl Commit {
+    /// How many files rank `r` wrote.
+    pub fn parts_of(&self, r: usize) -> usize {
+        self.parts.get(r).copied().unwrap_or(1)
+    }
 }
 
 /// `done-<rank>.json` in a staging directory.
@@ -40,6 +52,12 @@ struct Done {
     rank: usize,
     world_size: usize,
     digest: String,
+    #[serde(default = "one")]
+    parts: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 const STAGE_PREFIX: &str = ".fo-stage-";
@@ -60,7 +78,11 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{name}.tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let tmp = dir.join(format!(
+        ".{name}.tmp-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     let res = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -82,12 +104,25 @@ pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(&path, e)),
     };
-    let c: Commit =
-        serde_json::from_slice(&bytes).map_err(|e| Error::corrupt(&path, format!("commit record is not valid: {e}")))?;
+    let c: Commit = serde_json::from_slice(&bytes)
+        .map_err(|e| Error::corrupt(&path, format!("commit record is not valid: {e}")))?;
     if c.world_size == 0 || c.digests.len() != c.world_size {
         return Err(Error::corrupt(
             &path,
-            format!("commit record names {} digests for a world of {}", c.digests.len(), c.world_size),
+            format!(
+                "commit record names {} digests for a world of {}",
+                c.digests.len(),
+                c.world_size
+            ),
+        ));
+    }
+    if !(c.parts.is_empty() || c.parts.len() == c.world_size && c.parts.iter().all(|&n| n >= 1)) {
+        return Err(Error::corrupt(
+            &path,
+            format!(
+                "commit record names files per rank {:?} for a world of {}",
+                c.parts, c.world_size
+            ),
         ));
     }
     Ok(Some(c))
@@ -95,8 +130,15 @@ pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
 
 /// Records that `rank` of save `save_id` has its file staged, and commits the save if
 /// every rank has. Returns whether this call committed.
-pub fn finish_rank(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<bool> {
-    mark_done(dir, save_id, rank, world_size, digest)?;
+pub fn finish_rank(
+    dir: &Path,
+    save_id: &str,
+    rank: usize,
+    world_size: usize,
+    digest: &str,
+    parts: usize,
+) -> Result<bool> {
+    mark_done(dir, save_id, rank, world_size, digest, parts)?;
     try_commit(dir, save_id, world_size)
 }
 
@@ -107,14 +149,16 @@ pub fn clear_marker(dir: &Path, save_id: &str, rank: usize) -> Result<()> {
     ignore_missing(std::fs::remove_file(&p), &p)
 }
 
-/// Writes `rank`'s done marker for save `save_id` (no commit attempt).
-pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str) -> Result<()> {
+/// Writes `rank`'s done marker for save `save_id` (no commit attempt): the header digest
+/// of its rank file and how many files (parts) it staged.
+pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str, parts: usize) -> Result<()> {
     let stage = stage_dir(dir, save_id);
     let done = Done {
         save_id: save_id.to_string(),
         rank,
         world_size,
         digest: digest.to_string(),
+        parts,
     };
     write_file_atomic(
         &stage.join(format!("done-{rank}.json")),
@@ -126,12 +170,16 @@ pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, dige
 pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
     let stage = stage_dir(dir, save_id);
     let mut digests = Vec::with_capacity(world_size);
+    let mut parts = Vec::with_capacity(world_size);
     for r in 0..world_size {
         let Ok(bytes) = std::fs::read(stage.join(format!("done-{r}.json"))) else {
             return Ok(false);
         };
         match serde_json::from_slice::<Done>(&bytes) {
-            Ok(d) if d.save_id == save_id && d.world_size == world_size && d.rank == r => digests.push(d.digest),
+            Ok(d) if d.save_id == save_id && d.world_size == world_size && d.rank == r && d.parts >= 1 => {
+                digests.push(d.digest);
+                parts.push(d.parts);
+            }
             Ok(d) => {
                 return Err(Error::invalid(
                     "save_id",
@@ -145,10 +193,14 @@ pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> 
             Err(_) => return Ok(false),
         }
     }
+    if parts.iter().all(|&n| n == 1) {
+        parts.clear();
+    }
     let commit = Commit {
         save_id: save_id.to_string(),
         world_size,
         digests,
+        parts,
     };
     write_file_atomic(
         &dir.join(COMMIT_FILE),
@@ -171,19 +223,43 @@ fn ignore_missing(r: std::io::Result<()>, path: &Path) -> Result<()> {
 fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
     let stage = stage_dir(dir, &commit.save_id);
     for r in 0..commit.world_size {
-        let from = stage.join(shard_file_name(r));
-        ignore_missing(std::fs::rename(&from, dir.join(shard_file_name(r))), &from)?;
+        let n = commit.parts_of(r);
+        for j in (0..n).rev() {
+            let from = stage.join(part_file_name(r, j, n));
+            ignore_missing(std::fs::rename(&from, dir.join(part_file_name(r, j, n))), &from)?;
+        }
     }
     for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let p = e.map_err(|e| Error::io(dir, e))?.path();
-        let Some(name) = p.file_name().and_then(|n| n.to_str()) else { continue };
-        if parse_shard_file_name(name).is_some_and(|r| r >= commit.world_size) {
+        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        // Parts of ranks beyond the world or of a rank that now writes another number of
+        // parts are an older save's: torch's reader would read every one.
+        let stale_part =
+            parse_part_file_name(name).is_some_and(|(r, _, n)| r >= commit.world_size || n != commit.parts_of(r));
+        if stale_part || parse_shard_file_name(name).is_some_and(|r| r >= commit.world_size) {
             ignore_missing(std::fs::remove_file(&p), &p)?;
         } else if name.starts_with(STAGE_PREFIX) {
             ignore_missing(std::fs::remove_dir_all(&p), &p)?;
         }
     }
     sync_dir(dir)
+}
+
+/// The file named `name` of committed save `save_id` whose header digest is `want`: the
+/// visible one, else the staged one, else the visible one if it exists (so that opening
+/// it reports what is wrong with it); None when neither exists.
+pub fn committed_file(dir: &Path, save_id: &str, name: &str, want: &str) -> Option<PathBuf> {
+    let visible = dir.join(name);
+    let staged = stage_dir(dir, save_id).join(name);
+    if stated_digest(&visible).as_deref() == Some(want) {
+        return Some(visible);
+    }
+    if stated_digest(&staged).as_deref() == Some(want) {
+        return Some(staged);
+    }
+    visible.exists().then_some(visible)
 }
 
 /// The header digest a rank file states (None: none, or not readable).
@@ -197,20 +273,10 @@ fn stated_digest(path: &Path) -> Option<String> {
 /// When neither states the committed digest, the visible file is returned if it exists,
 /// so that opening it reports what is wrong with it (truncated, edited, another save).
 pub fn committed_files(dir: &Path, commit: &Commit) -> Result<Vec<PathBuf>> {
-    let stage = stage_dir(dir, &commit.save_id);
     (0..commit.world_size)
         .map(|r| {
-            let want = Some(commit.digests[r].as_str());
-            let visible = dir.join(shard_file_name(r));
-            let staged = stage.join(shard_file_name(r));
-            if stated_digest(&visible).as_deref() == want {
-                return Ok(visible);
-            }
-            if stated_digest(&staged).as_deref() == want {
-                return Ok(staged);
-            }
-            if visible.exists() {
-                return Ok(visible);
+            if let Some(p) = committed_file(dir, &commit.save_id, &shard_file_name(r), &commit.digests[r]) {
+                return Ok(p);
             }
             Err(Error::NotFound(format!(
                 "checkpoint {}: shard file {} is missing (committed save {:?} of {} ranks)",

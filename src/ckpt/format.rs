@@ -43,15 +43,35 @@ pub fn parse_shard_file_name(name: &str) -> Option<usize> {
     n.parse::<usize>().ok()?.checked_sub(1)
 }
 
-/// The name under which chunk `j` of a key is stored when one rank holds several chunks
-/// of it (a strided shard): `<key>#<j>`. A shard that is one box is stored under the key
-/// itself, so files of box-sharded state are exactly what torch's DCP reader expects.
-pub fn chunk_tensor_name(key: &str, j: usize, num_chunks: usize) -> String {
-    if num_chunks == 1 {
-        key.to_string()
+/// The file holding part `j` (of `num_parts`) of rank `rank`'s state. Part 0 is the rank
+/// file ([`shard_file_name`]); a rank whose strided shard of some key is several boxes
+/// stores box `j` in part `j`, named like a file of torch's HuggingFace writer, so every
+/// file holds a key at most once and torch's reader sees the boxes as chunks of one key.
+pub fn part_file_name(rank: usize, j: usize, num_parts: usize) -> String {
+    if j == 0 {
+        shard_file_name(rank)
     } else {
-        format!("{key}#{j}")
+        format!(
+            "shard-{:05}-model-{:05}-of-{:05}.safetensors",
+            rank + 1,
+            j + 1,
+            num_parts
+        )
     }
+}
+
+/// `(rank, j, num_parts)` of an extra part file name (`j >= 1`), or None for any other name.
+pub fn parse_part_file_name(name: &str) -> Option<(usize, usize, usize)> {
+    let rest = name.strip_prefix("shard-")?.strip_suffix(".safetensors")?;
+    let num = |s: &str| {
+        (s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| s.parse::<usize>().ok())
+            .flatten()
+    };
+    let (r, rest) = rest.split_once("-model-")?;
+    let (j, n) = rest.split_once("-of-")?;
+    let (r, j, n) = (num(r)?.checked_sub(1)?, num(j)?.checked_sub(1)?, num(n)?);
+    (j >= 1 && j < n).then_some((r, j, n))
 }
 
 /// fo's per-file metadata, stored as a JSON string under `__metadata__["fo"]`.
@@ -76,6 +96,16 @@ pub struct FoMeta {
     pub tensors: BTreeMap<String, FoTensor>,
     /// How each key saved in this file was sharded when saved.
     pub keys: BTreeMap<String, FoKey>,
+    /// Which part of its rank's state this file is (0: the rank file).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub part: usize,
+    /// In the rank file: the header digests of parts 1.. (what commits them with it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<String>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -248,12 +278,23 @@ fn parse_entry(path: &Path, name: &str, v: &Value, data_len: u64) -> Result<Tens
 pub fn header_digest(metadata: &BTreeMap<String, String>, tensors: &[TensorEntry]) -> String {
     let mut ts: Vec<(&str, &str, &[usize], u64, u64)> = tensors
         .iter()
-        .map(|t| (t.name.as_str(), t.dtype.safetensors_name(), t.shape.as_slice(), t.start, t.end))
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dtype.safetensors_name(),
+                t.shape.as_slice(),
+                t.start,
+                t.end,
+            )
+        })
         .collect();
     ts.sort_unstable();
     let meta: Vec<(&String, &String)> = metadata.iter().filter(|(k, _)| *k != DIGEST_KEY).collect();
     let s = serde_json::to_string(&(ts, meta)).unwrap();
-    format!("{:016x}", super::checksum::xxh64_seeded(s.as_bytes(), 0x666f_6864_6967_6573))
+    format!(
+        "{:016x}",
+        super::checksum::xxh64_seeded(s.as_bytes(), 0x666f_6864_6967_6573)
+    )
 }
 
 /// `DCP_SHARDING_INFO`: `{name: {"saved_offsets": [...]}}` as torch's HF writer stores it.
@@ -287,6 +328,11 @@ mod tests {
     #[test]
     fn shard_file_names_round_trip() {
         assert_eq!(shard_file_name(0), "shard-00001-model-00001-of-00001.safetensors");
+        assert_eq!(part_file_name(0, 0, 3), shard_file_name(0));
+        assert_eq!(part_file_name(1, 2, 3), "shard-00002-model-00003-of-00003.safetensors");
+        assert_eq!(parse_part_file_name(&part_file_name(1, 2, 3)), Some((1, 2, 3)));
+        assert_eq!(parse_part_file_name(&shard_file_name(1)), None);
+        assert_eq!(parse_shard_file_name(&part_file_name(1, 2, 3)), None);
         assert_eq!(parse_shard_file_name(&shard_file_name(41)), Some(41));
         assert_eq!(parse_shard_file_name("model.safetensors"), None);
         assert_eq!(

@@ -2,14 +2,15 @@
 //! one safetensors file per rank (atomic, streaming), load into any sharding, consolidate.
 //!
 //! On-disk format (`format.rs`): `shard-{rank+1:05}-model-00001-of-00001.safetensors`,
-//! one per rank, each a plain safetensors file. `__metadata__` holds `format = "pt"`,
+//! one per rank (plus part files for strided shards), each a plain safetensors file. `__metadata__` holds `format = "pt"`,
 //! `DCP_VERSION = "1.0"`, `DCP_SHARDING_INFO` (torch's HuggingFace DCP sharding info:
 //! every tensor's `saved_offsets`) and `fo` (a JSON string: fo version, save id, rank,
 //! world size, mode, `param_groups`, per-tensor key / global shape / offset / block
 //! checksums, per-key mesh and placements). Decisions:
 //! - A rank's shard that is one box is stored under its key, exactly like torch. A
-//!   strided shard (not a box) is stored as its boxes, named `<key>#<j>`; each is a valid
-//!   box for DCP_SHARDING_INFO, and fo's table maps the names back to the key.
+//!   strided shard (not a box) is stored as its boxes, box j in the rank's part file j,
+//!   each under the key, so torch's reader sees chunks of one key (`format::part_file_name`).
+//!   fo before this layout named them `<key>#<j>` in one file; those are still read.
 //! - A shard held identically by several coordinates (Replicate/Partial mesh dims) is
 //!   written by the coordinate at 0 on those dims; unsharded entries by rank 0.
 //! - quant8 scales belong to a rank's local groups of 32, so they are not a slice of any

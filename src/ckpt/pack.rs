@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde_json::Value;
 
-use super::format::{chunk_tensor_name, FoKey};
+use super::format::FoKey;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{mesh_coords, Placement, ShardSpec};
@@ -109,8 +109,11 @@ impl PackOptions {
 /// One chunk to write: a box of an entry's local tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChunkMeta {
-    /// Tensor name in the file (`key`, or `key#j` for chunk j of a strided shard).
+    /// Tensor name in the file: always the key (torch's DCP reader knows no other name).
     pub name: String,
+    /// Which of the rank's files holds it: box `j` of a strided shard goes to part `j`
+    /// (`format::part_file_name`), so no file holds a key twice.
+    pub part: usize,
     pub key: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
@@ -236,10 +239,10 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
                 if !owner {
                     continue;
                 }
-                let n = boxes.len();
                 for (j, b) in boxes.into_iter().enumerate() {
                     chunks.push(ChunkMeta {
-                        name: chunk_tensor_name(&e.key, j, n),
+                        name: e.key.clone(),
+                        part: j,
                         key: e.key.clone(),
                         dtype: e.dtype,
                         shape: b.shape,
@@ -279,6 +282,7 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
                 if owner && g > 0 {
                     chunks.push(ChunkMeta {
                         name: e.key.clone(),
+                        part: 0,
                         key: e.key.clone(),
                         dtype: e.dtype,
                         shape: vec![g],
@@ -397,7 +401,7 @@ mod tests {
     }
 
     #[test]
-    fn strided_shard_packs_one_named_chunk_per_box() {
+    fn strided_shard_packs_one_chunk_per_box_each_in_its_own_part() {
         let s = spec(
             &[10, 2],
             &[2],
@@ -409,8 +413,8 @@ mod tests {
         );
         let t = Tensor::from_f32(vec![4, 2], &[3., 3., 4., 4., 8., 8., 9., 9.]).unwrap();
         let p = Packed::new(vec![StateEntry::new("w", t, Some(s))], PackOptions::new(1, 2)).unwrap();
-        let names: Vec<&str> = p.plan.chunks.iter().map(|c| c.name.as_str()).collect();
-        assert_eq!(names, vec!["w#0", "w#1"]);
+        let names: Vec<(&str, usize)> = p.plan.chunks.iter().map(|c| (c.name.as_str(), c.part)).collect();
+        assert_eq!(names, vec![("w", 0), ("w", 1)]);
         assert_eq!(p.plan.chunks[1].global_offset, vec![8, 0]);
         let second: Vec<f32> = p
             .chunk_data(1)

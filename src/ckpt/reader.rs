@@ -6,9 +6,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_sum, chunk_binding};
-use super::commit::{committed_files, read_commit, COMMIT_FILE};
+use super::commit::{committed_file, committed_files, read_commit, Commit, COMMIT_FILE};
 use super::format::{
-    parse_shard_file_name, parse_sharding_info, read_header, shard_file_name, FoKey, FoMeta,
+    parse_shard_file_name, parse_sharding_info, part_file_name, read_header, shard_file_name, FoKey, FoMeta,
 };
 use super::reshard::{overlap_runs, BoxIn, Run};
 use super::validate;
@@ -81,16 +81,33 @@ impl Checkpoint {
             meta: None,
         };
         let mut world = paths.len();
+        let num_ranks = paths.len();
         for (i, path) in paths.into_iter().enumerate() {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-            let (fo, digest) = ck.add_file(&path, &file, i)?;
+            let (fo, digest) = ck.add_file(&path, &file, ck.files.len())?;
+            ck.files.push(path.clone());
+            ck.handles.push(file);
+            let parts = fo.clone();
             if let Some(fo) = fo {
-                validate::same_save(
-                    &path,
-                    &fo,
-                    i,
-                    ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())),
-                )?;
+                if fo.part != 0 {
+                    return Err(Error::corrupt(
+                        &path,
+                        format!("a rank file says it is part {} of its rank", fo.part),
+                    ));
+                }
+                if let Some(c) = &commit {
+                    if fo.parts.len() + 1 != c.parts_of(i) {
+                        return Err(Error::corrupt(
+                            &path,
+                            format!(
+                                "names {} files of its rank where the commit record names {}",
+                                fo.parts.len() + 1,
+                                c.parts_of(i)
+                            ),
+                        ));
+                    }
+                }
+                validate::same_save(&path, &fo, i, ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())))?;
                 if let Some(c) = &commit {
                     if fo.save_id != c.save_id || fo.world_size != c.world_size {
                         return Err(Error::corrupt(
@@ -106,6 +123,7 @@ impl Checkpoint {
                     world = fo.world_size;
                     ck.meta = Some(FoMeta {
                         tensors: BTreeMap::new(),
+                        parts: vec![],
                         ..fo
                     });
                 }
@@ -126,13 +144,12 @@ impl Checkpoint {
                     ));
                 }
             }
-            ck.files.push(path);
-            ck.handles.push(file);
+            ck.add_parts(&path, parts.as_ref(), i, commit.as_ref())?;
         }
-        if world > ck.files.len() {
+        if world > num_ranks {
             return Err(missing(
                 dir,
-                ck.files.len(),
+                num_ranks,
                 format!("the checkpoint was saved by {world} ranks"),
             ));
         }
@@ -140,6 +157,47 @@ impl Checkpoint {
             validate::coverage(info, &ck.files)?;
         }
         Ok(ck)
+    }
+
+    /// Adds the extra part files rank `rank`'s file `path` names (boxes 1.. of strided
+    /// shards): each the same save and rank, and stating the digest the rank file names.
+    fn add_parts(&mut self, path: &Path, fo: Option<&FoMeta>, rank: usize, commit: Option<&Commit>) -> Result<()> {
+        let Some(fo) = fo else { return Ok(()) };
+        let n = fo.parts.len() + 1;
+        for (j, want) in (1..n).zip(&fo.parts) {
+            let name = part_file_name(rank, j, n);
+            let part = match commit {
+                Some(c) => committed_file(&self.dir, &c.save_id, &name, want),
+                None => Some(self.dir.join(&name)),
+            }
+            .filter(|p| p.exists())
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "checkpoint {}: part file {name} of rank {rank} is missing ({} names it)",
+                    self.dir.display(),
+                    path.display()
+                ))
+            })?;
+            let file = File::open(&part).map_err(|e| Error::io(&part, e))?;
+            let (m, digest) = self.add_file(&part, &file, self.files.len())?;
+            let m = m.ok_or_else(|| Error::corrupt(&part, "part file has no fo metadata"))?;
+            validate::same_save(&part, &m, rank, Some((fo, path)))?;
+            if m.part != j || !m.parts.is_empty() {
+                return Err(Error::corrupt(
+                    &part,
+                    format!("says it is part {} of its rank, its name says {j}", m.part),
+                ));
+            }
+            if digest.as_deref() != Some(want.as_str()) {
+                return Err(Error::corrupt(
+                    &part,
+                    format!("its header digest {digest:?} is not the one its rank file names ({want}): not this save's part"),
+                ));
+            }
+            self.files.push(part);
+            self.handles.push(file);
+        }
+        Ok(())
     }
 
     /// Adds a rank file's chunks; returns its fo metadata and stated digest.
@@ -170,10 +228,7 @@ impl Checkpoint {
                     let off = dcp.get(&t.name).cloned().ok_or_else(|| {
                         Error::corrupt(
                             path,
-                            format!(
-                                "tensor {:?} has no saved_offsets in DCP_SHARDING_INFO",
-                                t.name
-                            ),
+                            format!("tensor {:?} has no saved_offsets in DCP_SHARDING_INFO", t.name),
                         )
                     })?;
                     (t.name.clone(), off, None, None)
@@ -241,12 +296,9 @@ impl Checkpoint {
     }
 
     pub fn key(&self, key: &str) -> Result<&KeyInfo> {
-        self.keys.get(key).ok_or_else(|| {
-            Error::NotFound(format!(
-                "key {key} is not in checkpoint {}",
-                self.dir.display()
-            ))
-        })
+        self.keys
+            .get(key)
+            .ok_or_else(|| Error::NotFound(format!("key {key} is not in checkpoint {}", self.dir.display())))
     }
 
     /// The local shard `dest` describes of `key`, in the saved dtype.
@@ -271,12 +323,7 @@ impl Checkpoint {
 
     /// Fills a local tensor of `local_shape` whose boxes are `dest` (local and global
     /// offsets) from every saved chunk they overlap; errors if any element is in no chunk.
-    pub fn read_chunks(
-        &self,
-        info: &KeyInfo,
-        local_shape: &[usize],
-        dest: &[Chunk],
-    ) -> Result<Tensor> {
+    pub fn read_chunks(&self, info: &KeyInfo, local_shape: &[usize], dest: &[Chunk]) -> Result<Tensor> {
         let mut out = Tensor::zeros(info.dtype, local_shape.to_vec());
         let es = info.dtype.size();
         let mut covered = 0usize;
@@ -309,14 +356,7 @@ impl Checkpoint {
 
     /// Copies `runs` (elements) of saved chunk `c` into `out`, reading only the checksum
     /// blocks they touch and verifying each one.
-    fn read_runs(
-        &self,
-        info: &KeyInfo,
-        c: &SavedChunk,
-        runs: &[Run],
-        es: usize,
-        out: &mut [u8],
-    ) -> Result<()> {
+    fn read_runs(&self, info: &KeyInfo, c: &SavedChunk, runs: &[Run], es: usize, out: &mut [u8]) -> Result<()> {
         let path = &self.files[c.file];
         let file = &self.handles[c.file];
         let io = |e| Error::io(path, e);
@@ -354,10 +394,7 @@ impl Checkpoint {
             while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
                 j += 1;
             }
-            let (a, b) = (
-                blocks[i] * block,
-                ((blocks[j - 1] + 1) * block).min(c.nbytes),
-            );
+            let (a, b) = (blocks[i] * block, ((blocks[j - 1] + 1) * block).min(c.nbytes));
             let at = buf.len();
             buf.resize(at + (b - a), 0);
             file.read_exact_at(&mut buf[at..], c.data_start + a as u64)
@@ -423,10 +460,9 @@ fn missing(dir: &Path, rank: usize, why: String) -> Error {
 /// `shard-*` file, ranks 0..n with none missing.
 fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::NotFound(format!(
-            "checkpoint directory {} does not exist",
-            dir.display()
-        )),
+        std::io::ErrorKind::NotFound => {
+            Error::NotFound(format!("checkpoint directory {} does not exist", dir.display()))
+        }
         _ => Error::io(dir, e),
     })?;
     let mut ranks = Vec::new();
@@ -452,8 +488,5 @@ fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
             ));
         }
     }
-    Ok(ranks
-        .iter()
-        .map(|&r| dir.join(shard_file_name(r)))
-        .collect())
+    Ok(ranks.iter().map(|&r| dir.join(shard_file_name(r))).collect())
 }

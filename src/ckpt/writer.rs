@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
 use super::commit::{clear_marker, finish_rank, stage_dir, sync_dir};
 use super::format::{
-    encode_header, header_digest, shard_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
+    encode_header, header_digest, part_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
     FORMAT_VERSION,
 };
-use super::pack::{chunk_bytes, EntryMeta, PackOptions, Packed, Plan};
+use super::pack::{chunk_bytes, ChunkMeta, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -34,6 +34,15 @@ pub struct Staged {
     rank: usize,
     world_size: usize,
     save_id: String,
+    /// The rank's extra part files (boxes 1.. of strided shards), committed with it.
+    extra: Vec<Staged>,
+}
+
+impl Staged {
+    /// How many files the rank writes: its rank file and its extra parts.
+    pub fn num_parts(&self) -> usize {
+        self.extra.len() + 1
+    }
 }
 
 impl Drop for Staged {
@@ -69,13 +78,28 @@ pub fn generated_save_id() -> String {
     format!("auto-{}-{}-{}", t.as_secs(), t.subsec_nanos(), std::process::id())
 }
 
-fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String], entries: &[TensorEntry], placeholder: bool) -> BTreeMap<String, String> {
-    let offsets: Vec<(String, Vec<usize>)> = plan
+/// What one file of a rank holds: part `part` of its plan, and (rank file only) the
+/// digests of its other parts.
+struct PartMeta<'p> {
+    part: usize,
+    chunks: Vec<&'p ChunkMeta>,
+    parts: Vec<String>,
+}
+
+fn metadata(
+    plan: &Plan,
+    pm: &PartMeta,
+    opts: &PackOptions,
+    sums: &[String],
+    entries: &[TensorEntry],
+    placeholder: bool,
+) -> BTreeMap<String, String> {
+    let offsets: Vec<(String, Vec<usize>)> = pm
         .chunks
         .iter()
         .map(|c| (c.name.clone(), c.global_offset.clone()))
         .collect();
-    let tensors = plan
+    let tensors = pm
         .chunks
         .iter()
         .zip(sums)
@@ -104,6 +128,8 @@ fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String], entries: &[TensorE
         checksum_block_bytes: BLOCK_BYTES,
         tensors,
         keys: plan.keys.clone(),
+        part: pm.part,
+        parts: pm.parts.clone(),
     };
     let mut m = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
@@ -111,7 +137,11 @@ fn metadata(plan: &Plan, opts: &PackOptions, sums: &[String], entries: &[TensorE
         ("DCP_SHARDING_INFO".to_string(), sharding_info(&offsets)),
         ("fo".to_string(), serde_json::to_string(&fo).unwrap()),
     ]);
-    let digest = if placeholder { "0".repeat(16) } else { header_digest(&m, entries) };
+    let digest = if placeholder {
+        "0".repeat(16)
+    } else {
+        header_digest(&m, entries)
+    };
     m.insert(DIGEST_KEY.to_string(), digest);
     m
 }
@@ -136,39 +166,41 @@ pub fn stage_rank_file<'t>(
     }
     let stage = stage_dir(dir, &opts.save_id);
     std::fs::create_dir_all(&stage).map_err(|e| Error::io(&stage, e))?;
-    let name = shard_file_name(opts.rank);
-    remove_stale_temps(&stage, &name)?;
     clear_marker(dir, &opts.save_id, opts.rank)?;
-    let mut staged = Staged {
-        tmp: stage.join(format!(".{name}.tmp-{}", std::process::id())),
-        dest: stage.join(&name),
-        digest: String::new(),
-        rank: opts.rank,
-        world_size: opts.world_size,
-        save_id: opts.save_id.clone(),
-    };
-    let mut entries = Vec::with_capacity(plan.chunks.len());
-    let mut at = 0u64;
-    for c in &plan.chunks {
-        let n = (c.shape.iter().product::<usize>() * c.dtype.size()) as u64;
-        entries.push(TensorEntry {
-            name: c.name.clone(),
-            dtype: c.dtype,
-            shape: c.shape.clone(),
-            start: at,
-            end: at + n,
-        });
-        at += n;
+    let num_parts = plan.chunks.iter().map(|c| c.part + 1).max().unwrap_or(1);
+    // Parts 1.. first: the rank file (part 0) states their digests.
+    let mut files = Vec::with_capacity(num_parts);
+    for j in 0..num_parts {
+        let pm = PartMeta {
+            part: j,
+            chunks: plan.chunks.iter().filter(|c| c.part == j).collect(),
+            parts: if j == 0 {
+                vec!["0".repeat(16); num_parts - 1]
+            } else {
+                vec![]
+            },
+        };
+        let name = part_file_name(opts.rank, j, num_parts);
+        remove_stale_temps(&stage, &name)?;
+        let staged = Staged {
+            tmp: stage.join(format!(".{name}.tmp-{}", std::process::id())),
+            dest: stage.join(&name),
+            digest: String::new(),
+            rank: opts.rank,
+            world_size: opts.world_size,
+            save_id: opts.save_id.clone(),
+            extra: vec![],
+        };
+        let entries = layout(&pm.chunks);
+        let placeholder: Vec<String> = entries
+            .iter()
+            .map(|t| "0".repeat(16 * num_blocks((t.end - t.start) as usize)))
+            .collect();
+        let head = encode_header(&metadata(plan, &pm, opts, &placeholder, &entries, true), &entries);
+        let mut f = create_truncated(&staged.tmp)?;
+        f.write_all(&head).map_err(|e| Error::io(&staged.tmp, e))?;
+        files.push((staged, pm, entries, head, f, Vec::new()));
     }
-    let placeholder: Vec<String> = entries
-        .iter()
-        .map(|t| "0".repeat(16 * num_blocks((t.end - t.start) as usize)))
-        .collect();
-    let head = encode_header(&metadata(plan, opts, &placeholder, &entries, true), &entries);
-    let io = |e| Error::io(&staged.tmp, e);
-    let mut f = create_truncated(&staged.tmp)?;
-    f.write_all(&head).map_err(io)?;
-    let mut sums = Vec::with_capacity(entries.len());
     let mut i = 0;
     while i < plan.chunks.len() {
         let entry = plan.chunks[i].entry;
@@ -186,25 +218,59 @@ pub fn stage_rank_file<'t>(
                 )));
             }
             let bytes = chunk_bytes(c, &local);
+            let (staged, _, _, _, f, sums) = &mut files[c.part];
             sums.push(block_hex(
                 &bytes,
                 chunk_binding(&c.key, c.dtype.safetensors_name(), &c.shape, &c.global_offset),
             ));
-            f.write_all(&bytes).map_err(io)?;
+            f.write_all(&bytes).map_err(|e| Error::io(&staged.tmp, e))?;
             i += 1;
         }
     }
-    let meta = metadata(plan, opts, &sums, &entries, false);
-    staged.digest = meta[DIGEST_KEY].clone();
-    let head2 = encode_header(&meta, &entries);
-    if head2.len() != head.len() {
-        return Err(Error::Internal(
-            "checkpoint header changed length between placeholder and final write".into(),
-        ));
+    let mut extra = Vec::with_capacity(num_parts - 1);
+    for (mut staged, mut pm, entries, head, f, sums) in files.into_iter().rev() {
+        if pm.part == 0 {
+            pm.parts = extra.iter().rev().map(|s: &Staged| s.digest.clone()).collect();
+        }
+        let meta = metadata(plan, &pm, opts, &sums, &entries, false);
+        staged.digest = meta[DIGEST_KEY].clone();
+        let head2 = encode_header(&meta, &entries);
+        if head2.len() != head.len() {
+            return Err(Error::Internal(
+                "checkpoint header changed length between placeholder and final write".into(),
+            ));
+        }
+        let io = |e| Error::io(&staged.tmp, e);
+        f.write_all_at(&head2, 0).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        if pm.part == 0 {
+            extra.reverse();
+            staged.extra = extra;
+            return Ok(staged);
+        }
+        extra.push(staged);
     }
-    f.write_all_at(&head2, 0).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    Ok(staged)
+    Err(Error::Internal("a rank's plan produced no rank file".into()))
+}
+
+/// The header entries of chunks laid out back to back in the given order.
+fn layout(chunks: &[&ChunkMeta]) -> Vec<TensorEntry> {
+    let mut at = 0u64;
+    chunks
+        .iter()
+        .map(|c| {
+            let n = (c.shape.iter().product::<usize>() * c.dtype.size()) as u64;
+            let t = TensorEntry {
+                name: c.name.clone(),
+                dtype: c.dtype,
+                shape: c.shape.clone(),
+                start: at,
+                end: at + n,
+            };
+            at += n;
+            t
+        })
+        .collect()
 }
 
 /// Removes temporary files a killed writer of the same file left behind (one writer per
@@ -226,15 +292,23 @@ fn remove_stale_temps(dir: &Path, name: &str) -> Result<()> {
 /// Renames a rank's staged file to its staged name and drops its done marker; the last
 /// rank of the save to get here commits it.
 pub fn finish(dir: &Path, staged: Staged) -> Result<()> {
-    let (save_id, rank, world, digest) = (staged.save_id.clone(), staged.rank, staged.world_size, staged.digest.clone());
-    publish(dir, staged)?;
-    finish_rank(dir, &save_id, rank, world, &digest)?;
+    let (save_id, rank, world, parts) = (
+        staged.save_id.clone(),
+        staged.rank,
+        staged.world_size,
+        staged.num_parts(),
+    );
+    let digest = publish(dir, staged)?;
+    finish_rank(dir, &save_id, rank, world, &digest, parts)?;
     Ok(())
 }
 
-/// Renames a rank's staged file to its staged name (still invisible to readers) and
-/// returns its header digest.
-pub fn publish(dir: &Path, staged: Staged) -> Result<String> {
+/// Renames a rank's staged files (its extra parts, then the rank file) to their staged
+/// names (still invisible to readers) and returns the rank file's header digest.
+pub fn publish(dir: &Path, mut staged: Staged) -> Result<String> {
+    for part in std::mem::take(&mut staged.extra) {
+        std::fs::rename(&part.tmp, &part.dest).map_err(|e| Error::io(&part.dest, e))?;
+    }
     std::fs::rename(&staged.tmp, &staged.dest).map_err(|e| Error::io(&staged.dest, e))?;
     sync_dir(staged.dest.parent().unwrap_or(dir))?;
     Ok(staged.digest.clone())
@@ -245,7 +319,10 @@ pub fn publish(dir: &Path, staged: Staged) -> Result<String> {
 pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
     let given = packs.first().map_or(String::new(), |p| p.opts.save_id.clone());
     if packs.iter().any(|p| p.opts.save_id != given) {
-        return Err(Error::invalid("save_id", "the packs of one save carry different save ids"));
+        return Err(Error::invalid(
+            "save_id",
+            "the packs of one save carry different save ids",
+        ));
     }
     let save_id = if given.is_empty() { generated_save_id() } else { given };
     let staged: Vec<Result<Staged>> = std::thread::scope(|s| {
@@ -317,6 +394,7 @@ pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) ->
         rank: 0,
         world_size: 1,
         save_id: String::new(),
+        extra: vec![],
     };
     let io = |e| Error::io(&staged.tmp, e);
     let mut f = create_truncated(&staged.tmp)?;
@@ -329,5 +407,10 @@ pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) ->
 
 /// A fresh (truncated) temporary file, the first step of every atomic write.
 fn create_truncated(path: &Path) -> Result<File> {
-    OpenOptions::new().write(true).create(true).truncate(true).open(path).map_err(|e| Error::io(path, e))
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))
 }
