@@ -9,7 +9,7 @@ use fo::optim::{set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Op
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
-use super::bench_step::{best, fill, param_bytes};
+use super::bench_step::{best, best_step, fill, param_bytes};
 
 /// Bytes per parameter of the compressed step: bf16 p (read + write), bf16 g (read),
 /// int8 m, uint8 v, int8 error bits (read + write each), and fp16 scales of m and v
@@ -92,15 +92,7 @@ fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iter
     };
     unsafe { opt.add_param("w", view(&mut p)?, None, 0).map_err(|e| e.to_string())? };
     let gs = vec![Some(view(&mut g)?)];
-    let mut times = Vec::new();
-    for it in 0..=iters {
-        let t0 = Instant::now();
-        unsafe { opt.step(&gs).map_err(|e| e.to_string())? };
-        if it > 0 {
-            times.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    Ok(best(times))
+    best_step(&mut opt, &gs, iters)
 }
 
 const TORCH_SCRIPT: &str = "

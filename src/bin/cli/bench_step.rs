@@ -107,10 +107,15 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         };
     }
     let gs: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| view(g).map(Some)).collect::<Result<_, _>>()?;
+    best_step(&mut opt, &gs, iters)
+}
+
+/// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
+pub(super) fn best_step(opt: &mut Optimizer, gs: &[Option<HostTensor>], iters: usize) -> Result<f64, String> {
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();
-        unsafe { opt.step(&gs).map_err(|e| e.to_string())? };
+        unsafe { opt.step(gs).map_err(|e| e.to_string())? };
         if it > 0 {
             times.push(t0.elapsed().as_secs_f64());
         }
