@@ -11,6 +11,8 @@ next-token rule; widths do not divide by the world size, so FSDP2's shards are u
 """
 import argparse
 import math
+import os
+import sys
 import time
 
 import torch
@@ -126,5 +128,18 @@ def main():
     dist.destroy_process_group()
 
 
+def exit_skipping_finalization(code):
+    """Exits without Python's interpreter finalization. torch 2.15's gloo worker thread can
+    free the last collective's work (tensors with Python objects) after
+    destroy_process_group returns; if the interpreter is finalizing by then, its GIL
+    acquire aborts the process ("terminate called without an active exception"; core
+    dumps show ~AsyncWork in ProcessGroupGloo::runLoop, cf. pytorch/pytorch#179291).
+    Everything this script writes is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main()
+    exit_skipping_finalization(0)

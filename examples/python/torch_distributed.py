@@ -10,6 +10,7 @@ fo talks to the other ranks only through the callbacks below, which call
 torch.distributed. Every rank then compares its result with torch's own
 `distribute_tensor(full, mesh, placements).to_local()` and exits non-zero on a mismatch.
 """
+import os
 import sys
 
 import numpy as np
@@ -134,5 +135,17 @@ def main():
     return 1 if bad else 0
 
 
+def exit_skipping_finalization(code):
+    """Exits without Python's interpreter finalization. torch 2.15's gloo worker thread can
+    free the last collective's work (tensors with Python objects) after
+    destroy_process_group returns; if the interpreter is finalizing by then, its GIL
+    acquire aborts the process ("terminate called without an active exception"; core
+    dumps show ~AsyncWork in ProcessGroupGloo::runLoop, cf. pytorch/pytorch#179291).
+    Everything this script writes is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_finalization(main())
