@@ -10,8 +10,13 @@ fn main() {
     println!("cargo:rerun-if-changed=cbindgen.toml");
     // A SONAME lets consumers record `libfo.so` (not a build path) as their dependency.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libfo.so");
-    let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml");
-    match cbindgen::Builder::new().with_crate(&crate_dir).with_config(config).generate() {
+    let config =
+        cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml");
+    match cbindgen::Builder::new()
+        .with_crate(&crate_dir)
+        .with_config(config)
+        .generate()
+    {
         Ok(bindings) => {
             bindings.write_to_file(&out);
         }

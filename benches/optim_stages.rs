@@ -44,7 +44,9 @@ fn main() {
     cfg.state_format = StateFormat::Quant8;
     let rule = Rule::new(&cfg, 5);
     t("grad bf16 -> f32", &mut || {
-        out.iter_mut().zip(&bits).for_each(|(o, &b)| *o = Half::BF16.to_f32(b));
+        out.iter_mut()
+            .zip(&bits)
+            .for_each(|(o, &b)| *o = Half::BF16.to_f32(b));
         std::hint::black_box(&out);
     });
     t("param: reconstruct master (24-bit)", &mut || {
@@ -87,7 +89,9 @@ fn main() {
         std::hint::black_box(&qu);
     });
     t("param: round to bf16 + error bits", &mut || {
-        bits.iter_mut().zip(&p).for_each(|(b, &x)| *b = Half::BF16.from_f32(x));
+        bits.iter_mut()
+            .zip(&p)
+            .for_each(|(b, &x)| *b = Half::BF16.from_f32(x));
         err.iter_mut()
             .zip(&p)
             .zip(&bits)
@@ -111,7 +115,10 @@ fn main() {
         println!("{name:<40} {ns:6.3} ns/element");
     };
     t2("calibration: one division", &mut || {
-        out.iter_mut().zip(&x).zip(&y).for_each(|((o, &a), &b)| *o = a / b);
+        out.iter_mut()
+            .zip(&x)
+            .zip(&y)
+            .for_each(|((o, &a), &b)| *o = a / b);
         std::hint::black_box(&out);
     });
     t2("calibration: one square root", &mut || {

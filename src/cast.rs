@@ -19,7 +19,9 @@ pub fn check(src: DType, dst: DType, allow_int_float_cast: bool) -> Result<()> {
         return Ok(());
     }
     if src.is_float8() || dst.is_float8() {
-        return Err(Error::Dtype(format!("{src} -> {dst}: float8 values are never converted implicitly")));
+        return Err(Error::Dtype(format!(
+            "{src} -> {dst}: float8 values are never converted implicitly"
+        )));
     }
     if !allow_int_float_cast {
         return Err(Error::Dtype(format!(
@@ -54,7 +56,9 @@ fn write(d: DType, v: Value, out: &mut Vec<u8>) -> std::result::Result<(), Strin
     let int = |v: Value, lo: i128, hi: i128| -> std::result::Result<i128, String> {
         let i = match v {
             Value::I(i) => i,
-            Value::F(f) if f.is_finite() && f.trunc() >= lo as f64 && f.trunc() <= hi as f64 => f.trunc() as i128,
+            Value::F(f) if f.is_finite() && f.trunc() >= lo as f64 && f.trunc() <= hi as f64 => {
+                f.trunc() as i128
+            }
             Value::F(f) => return Err(format!("{f} does not fit {d}")),
         };
         if i < lo || i > hi {
@@ -77,9 +81,15 @@ fn write(d: DType, v: Value, out: &mut Vec<u8>) -> std::result::Result<(), Strin
         }),
         DType::I8 => out.push(int(v, i8::MIN as i128, i8::MAX as i128)? as i8 as u8),
         DType::U8 => out.push(int(v, 0, u8::MAX as i128)? as u8),
-        DType::I16 => out.extend((int(v, i16::MIN as i128, i16::MAX as i128)? as i16).to_le_bytes()),
-        DType::I32 => out.extend((int(v, i32::MIN as i128, i32::MAX as i128)? as i32).to_le_bytes()),
-        DType::I64 => out.extend((int(v, i64::MIN as i128, i64::MAX as i128)? as i64).to_le_bytes()),
+        DType::I16 => {
+            out.extend((int(v, i16::MIN as i128, i16::MAX as i128)? as i16).to_le_bytes())
+        }
+        DType::I32 => {
+            out.extend((int(v, i32::MIN as i128, i32::MAX as i128)? as i32).to_le_bytes())
+        }
+        DType::I64 => {
+            out.extend((int(v, i64::MIN as i128, i64::MAX as i128)? as i64).to_le_bytes())
+        }
         DType::F8E4M3 | DType::F8E5M2 => unreachable!("float8 is only ever copied"),
     }
     Ok(())
@@ -111,16 +121,34 @@ mod tests {
     #[test]
     fn f32_to_bf16_and_f16_round_to_nearest_even() {
         // 1 + 2^-8 is halfway between two bf16 values: ties go to the even mantissa (1.0).
-        let vals = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -3.3e-5, 65504.0, 1e30];
+        let vals = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -3.3e-5,
+            65504.0,
+            1e30,
+        ];
         let b = cast(f32s(&vals), DType::F32, DType::BF16, "t").unwrap();
-        let want: Vec<u8> = vals.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect();
+        let want: Vec<u8> = vals
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect();
         assert_eq!(b, want);
         assert_eq!(bf16::from_le_bytes([b[0], b[1]]).to_f32(), 1.0);
         let h = cast(f32s(&vals), DType::F32, DType::F16, "t").unwrap();
-        let want: Vec<u8> = vals.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect();
+        let want: Vec<u8> = vals
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect();
         assert_eq!(h, want);
         // bf16 -> f16 -> f32 of a small value goes through the exact f32 path.
-        let back = cast(cast(b, DType::BF16, DType::F16, "t").unwrap(), DType::F16, DType::F32, "t").unwrap();
+        let back = cast(
+            cast(b, DType::BF16, DType::F16, "t").unwrap(),
+            DType::F16,
+            DType::F32,
+            "t",
+        )
+        .unwrap();
         assert_eq!(back.len(), 20);
     }
 
@@ -138,11 +166,23 @@ mod tests {
     #[test]
     fn opted_in_integer_casts_truncate_and_refuse_what_does_not_fit() {
         let out = cast(f32s(&[2.9, -2.9]), DType::F32, DType::I32, "step").unwrap();
-        assert_eq!(out, [2i32, -2].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+        assert_eq!(
+            out,
+            [2i32, -2]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<u8>>()
+        );
         let e = cast(f32s(&[300.0]), DType::F32, DType::U8, "step").unwrap_err();
-        assert!(e.to_string().contains("step") && e.to_string().contains("U8"), "{e}");
+        assert!(
+            e.to_string().contains("step") && e.to_string().contains("U8"),
+            "{e}"
+        );
         assert!(cast(f32s(&[f32::NAN]), DType::F32, DType::I64, "s").is_err());
         let i: Vec<u8> = 7i64.to_le_bytes().to_vec();
-        assert_eq!(cast(i, DType::I64, DType::F32, "s").unwrap(), 7f32.to_le_bytes().to_vec());
+        assert_eq!(
+            cast(i, DType::I64, DType::F32, "s").unwrap(),
+            7f32.to_le_bytes().to_vec()
+        );
     }
 }

@@ -18,10 +18,22 @@ fn values(t: &HostTensor) -> Vec<f64> {
     // SAFETY: the caller of clip_grad_norm promised the memory is valid.
     let b = unsafe { t.to_tensor() }.data;
     match t.dtype() {
-        DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
-        DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
-        DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64()).collect(),
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DType::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
         _ => unreachable!("dtype checked"),
     }
 }
@@ -37,17 +49,34 @@ struct Partial {
 
 fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<Partial> {
     if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(Error::invalid("max_norm", format!("must be >= 0, got {max_norm}")));
+        return Err(Error::invalid(
+            "max_norm",
+            format!("must be >= 0, got {max_norm}"),
+        ));
     }
     if p.is_nan() || p <= 0.0 {
-        return Err(Error::invalid("norm_type", format!("must be > 0 or infinity, got {p}")));
+        return Err(Error::invalid(
+            "norm_type",
+            format!("must be > 0 or infinity, got {p}"),
+        ));
     }
     for (i, (g, _)) in grads.iter().enumerate() {
-        if !matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
-            return Err(Error::Dtype(format!("grads[{i}] is {}: gradients must be F32, BF16, F16 or F64", g.dtype())));
+        if !matches!(
+            g.dtype(),
+            DType::F32 | DType::BF16 | DType::F16 | DType::F64
+        ) {
+            return Err(Error::Dtype(format!(
+                "grads[{i}] is {}: gradients must be F32, BF16, F16 or F64",
+                g.dtype()
+            )));
         }
     }
-    let mut part = Partial { shard_max: 0.0, shard_sum: 0.0, replicated: 0.0, nonfinite: 0.0 };
+    let mut part = Partial {
+        shard_max: 0.0,
+        shard_sum: 0.0,
+        replicated: 0.0,
+        nonfinite: 0.0,
+    };
     for (g, is_shard) in grads {
         let (mut mx, mut sum) = (0f64, 0f64);
         for v in values(g) {
@@ -93,7 +122,13 @@ pub unsafe fn clip_grad_norm(
     norm_type: f64,
     error_if_nonfinite: bool,
 ) -> Result<f64> {
-    clip_grad_norm_checked(comm, Ok(grads.to_vec()), max_norm, norm_type, error_if_nonfinite)
+    clip_grad_norm_checked(
+        comm,
+        Ok(grads.to_vec()),
+        max_norm,
+        norm_type,
+        error_if_nonfinite,
+    )
 }
 
 /// `clip_grad_norm` for callers whose arguments may have failed to convert on this rank
@@ -110,8 +145,20 @@ pub unsafe fn clip_grad_norm_checked(
 ) -> Result<f64> {
     let local = grads.and_then(|g| local_partial(&g, max_norm, norm_type).map(|p| (g, p)));
     let (grads, part) = agree(comm, local)?;
-    let mut mx = [part.shard_max, if norm_type.is_infinite() { part.replicated } else { 0.0 }, part.nonfinite];
-    let mut rep = [if norm_type.is_infinite() { 0.0 } else { part.replicated }];
+    let mut mx = [
+        part.shard_max,
+        if norm_type.is_infinite() {
+            part.replicated
+        } else {
+            0.0
+        },
+        part.nonfinite,
+    ];
+    let mut rep = [if norm_type.is_infinite() {
+        0.0
+    } else {
+        part.replicated
+    }];
     comm.all_reduce_f64(&mut mx, ReduceOp::Max)?;
     let mut sum = [part.shard_sum];
     comm.all_reduce_f64(&mut sum, ReduceOp::Sum)?;

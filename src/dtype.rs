@@ -39,7 +39,9 @@ impl DType {
             .iter()
             .copied()
             .find(|d| d.code() == code)
-            .ok_or_else(|| Error::invalid(what, format!("unknown dtype code {code} (valid: 0..=11)")))
+            .ok_or_else(|| {
+                Error::invalid(what, format!("unknown dtype code {code} (valid: 0..=11)"))
+            })
     }
 
     /// The C code (`fo_tensor.dtype`); the order of `ALL` is the ABI.
@@ -84,7 +86,10 @@ impl DType {
     }
 
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 | DType::F8E5M2)
+        matches!(
+            self,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::F8E4M3 | DType::F8E5M2
+        )
     }
 
     pub fn is_float8(self) -> bool {
@@ -106,7 +111,10 @@ mod tests {
     fn codes_round_trip_and_match_the_abi() {
         for d in DType::ALL {
             assert_eq!(DType::from_code(d.code(), "dtype").unwrap(), d);
-            assert_eq!(DType::from_safetensors_name(d.safetensors_name()).unwrap(), d);
+            assert_eq!(
+                DType::from_safetensors_name(d.safetensors_name()).unwrap(),
+                d
+            );
         }
         assert_eq!(DType::BF16.code(), 2);
         assert_eq!(DType::F8E5M2.code(), 11);

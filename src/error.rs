@@ -19,7 +19,10 @@ pub enum Error {
     NotFound(String),
     /// The operating system refused a file operation.
     #[error("I/O error on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A file exists but its contents are wrong: truncated, bad header, bad checksum.
     #[error("corrupt data in {path}: {detail}")]
     Corrupt { path: PathBuf, detail: String },
@@ -42,15 +45,24 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// Shorthand for the most common error: a named argument with the reason it is bad.
     pub fn invalid(name: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidArgument { name: name.into(), reason: reason.into() }
+        Error::InvalidArgument {
+            name: name.into(),
+            reason: reason.into(),
+        }
     }
 
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 
     pub fn corrupt(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
-        Error::Corrupt { path: path.into(), detail: detail.into() }
+        Error::Corrupt {
+            path: path.into(),
+            detail: detail.into(),
+        }
     }
 }
 
@@ -61,6 +73,9 @@ mod tests {
     #[test]
     fn invalid_argument_message_names_the_argument() {
         let e = Error::invalid("mesh_shape[1]", "must be >= 1, got 0");
-        assert_eq!(e.to_string(), "invalid argument `mesh_shape[1]`: must be >= 1, got 0");
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `mesh_shape[1]`: must be >= 1, got 0"
+        );
     }
 }

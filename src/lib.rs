@@ -5,38 +5,38 @@
 //! concept; read them in this order. (`cbindgen:ignore` keeps the core out of the
 //! generated header: only `ffi` is the ABI.)
 
-/// The crate's one error type and its mapping to C status codes.
-/// cbindgen:ignore
-pub mod error;
-/// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
-/// cbindgen:ignore
-pub mod dtype;
-/// Owned tensors and borrowed views over host memory, with strides.
-/// cbindgen:ignore
-pub mod tensor;
-/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
-/// cbindgen:ignore
-pub mod shard;
-/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state.
-/// cbindgen:ignore
-pub mod optim;
-/// Communicators: in-process groups, host callbacks, NCCL (feature `cuda`).
-/// cbindgen:ignore
-pub mod comm;
-/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
-/// cbindgen:ignore
-pub mod cast;
 /// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
 /// cbindgen:ignore
 pub mod broadcast;
-/// The FSDP2-safe global gradient norm and clip.
+/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
 /// cbindgen:ignore
-pub mod clip;
+pub mod cast;
 /// Distributed checkpoints: pack, save, load with resharding, consolidate, verify.
 /// cbindgen:ignore
 pub mod ckpt;
+/// The FSDP2-safe global gradient norm and clip.
+/// cbindgen:ignore
+pub mod clip;
+/// Communicators: in-process groups, host callbacks, NCCL (feature `cuda`).
+/// cbindgen:ignore
+pub mod comm;
+/// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
+/// cbindgen:ignore
+pub mod dtype;
+/// The crate's one error type and its mapping to C status codes.
+/// cbindgen:ignore
+pub mod error;
 /// The C ABI: validation, panic catching, status codes. No logic lives here.
 pub mod ffi;
+/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state.
+/// cbindgen:ignore
+pub mod optim;
+/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
+/// cbindgen:ignore
+pub mod shard;
+/// Owned tensors and borrowed views over host memory, with strides.
+/// cbindgen:ignore
+pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

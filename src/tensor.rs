@@ -6,9 +6,15 @@ pub const MAX_DIMS: usize = 8;
 
 /// Number of elements of a shape, or an error naming `what` on overflow.
 pub fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
-    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
-        Error::invalid(what, format!("shape {shape:?} has more elements than fit in memory"))
-    })
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| {
+            Error::invalid(
+                what,
+                format!("shape {shape:?} has more elements than fit in memory"),
+            )
+        })
 }
 
 /// An empty vector with room for `n` elements, where `n` comes from a caller or a file:
@@ -17,7 +23,13 @@ pub fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
 pub fn try_with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| {
-        Error::invalid(what, format!("cannot allocate {n} elements of {} bytes", std::mem::size_of::<T>()))
+        Error::invalid(
+            what,
+            format!(
+                "cannot allocate {n} elements of {} bytes",
+                std::mem::size_of::<T>()
+            ),
+        )
     })?;
     Ok(v)
 }
@@ -65,7 +77,11 @@ impl Tensor {
 
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Tensor {
         let n: usize = shape.iter().product();
-        Tensor { dtype, data: vec![0u8; n * dtype.size()], shape }
+        Tensor {
+            dtype,
+            data: vec![0u8; n * dtype.size()],
+            shape,
+        }
     }
 
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Tensor> {
@@ -85,10 +101,14 @@ impl Tensor {
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         let b = &self.data;
         Ok(match self.dtype {
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            DType::F64 => {
-                b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32).collect()
-            }
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            DType::F64 => b
+                .chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
+                .collect(),
             DType::BF16 => b
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
@@ -139,14 +159,20 @@ impl HostTensor {
         let mut ushape = Vec::with_capacity(shape.len());
         for (d, &s) in shape.iter().enumerate() {
             if s < 0 {
-                return Err(Error::invalid(format!("{what}.shape[{d}]"), format!("negative size {s}")));
+                return Err(Error::invalid(
+                    format!("{what}.shape[{d}]"),
+                    format!("negative size {s}"),
+                ));
             }
             ushape.push(s as usize);
         }
         let numel = checked_numel(&ushape, &format!("{what}.shape"))?;
         // Bytes as listed (not as stored: a stride-0 view lists more than it stores) must
         // be addressable, so `nbytes()` and every copy of the view are well defined.
-        if numel.checked_mul(dtype.size()).is_none_or(|b| b > isize::MAX as usize) {
+        if numel
+            .checked_mul(dtype.size())
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
             return Err(Error::invalid(
                 format!("{what}.shape"),
                 format!("{ushape:?} of {dtype} is more than 2^63-1 bytes"),
@@ -175,27 +201,37 @@ impl HostTensor {
                     format!("NULL for a tensor of shape {ushape:?}"),
                 ));
             }
-            if (ptr as usize) % dtype.size() != 0 {
+            if !(ptr as usize).is_multiple_of(dtype.size()) {
                 return Err(Error::invalid(
                     format!("{what}.data"),
-                    format!("address {ptr:p} is not aligned to {} bytes for {dtype}", dtype.size()),
+                    format!(
+                        "address {ptr:p} is not aligned to {} bytes for {dtype}",
+                        dtype.size()
+                    ),
                 ));
             }
             let extent = ushape
                 .iter()
                 .zip(&ustrides)
-                .try_fold(1usize, |acc, (&n, &s)| (n - 1).checked_mul(s).and_then(|x| acc.checked_add(x)));
+                .try_fold(1usize, |acc, (&n, &s)| {
+                    (n - 1).checked_mul(s).and_then(|x| acc.checked_add(x))
+                });
             match extent.and_then(|e| e.checked_mul(dtype.size())) {
                 Some(bytes) if bytes <= isize::MAX as usize => {}
-                _ => {
-                    return Err(Error::invalid(
-                        format!("{what}.strides"),
-                        format!("shape {ushape:?} with strides {ustrides:?} overflows the address space"),
-                    ))
-                }
+                _ => return Err(Error::invalid(
+                    format!("{what}.strides"),
+                    format!(
+                        "shape {ushape:?} with strides {ustrides:?} overflows the address space"
+                    ),
+                )),
             }
         }
-        Ok(HostTensor { ptr, dtype, shape: ushape, strides: ustrides })
+        Ok(HostTensor {
+            ptr,
+            dtype,
+            shape: ushape,
+            strides: ustrides,
+        })
     }
 
     pub fn dtype(&self) -> DType {
@@ -229,7 +265,10 @@ impl HostTensor {
             return true;
         }
         let expected = contiguous_strides(&self.shape);
-        self.shape.iter().zip(self.strides.iter().zip(&expected)).all(|(&n, (&s, &e))| n == 1 || s == e)
+        self.shape
+            .iter()
+            .zip(self.strides.iter().zip(&expected))
+            .all(|(&n, (&s, &e))| n == 1 || s == e)
     }
 
     /// The bytes of a contiguous view.
@@ -272,7 +311,14 @@ impl HostTensor {
         let nd = self.shape.len();
         let mut idx = vec![0usize; nd];
         for i in 0..n {
-            f(i, idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>() * self.dtype.size());
+            f(
+                i,
+                idx.iter()
+                    .zip(&self.strides)
+                    .map(|(i, s)| i * s)
+                    .sum::<usize>()
+                    * self.dtype.size(),
+            );
             for d in (0..nd).rev() {
                 idx[d] += 1;
                 if idx[d] < self.shape[d] {
@@ -293,11 +339,17 @@ impl HostTensor {
             None => {
                 let es = self.dtype.size();
                 let mut v = Vec::with_capacity(self.nbytes());
-                self.for_each_offset(|_, off| v.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es)));
+                self.for_each_offset(|_, off| {
+                    v.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es))
+                });
                 v
             }
         };
-        Tensor { dtype: self.dtype, shape: self.shape.clone(), data }
+        Tensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data,
+        }
     }
 
     /// `to_tensor` for views whose size is the caller's word (any strides, so a stride-0
@@ -317,7 +369,11 @@ impl HostTensor {
                 });
             }
         }
-        Ok(Tensor { dtype: self.dtype, shape: self.shape.clone(), data })
+        Ok(Tensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data,
+        })
     }
 
     /// Writes row-major `bytes` (exactly `nbytes()` of them) into the viewed memory.
@@ -363,12 +419,22 @@ mod tests {
         // A transposed 2x3 view of a row-major 3x2 buffer.
         let mut buf: Vec<f32> = vec![0., 1., 2., 3., 4., 5.];
         let v = unsafe {
-            HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, &[2, 3], Some(&[1, 2]), "t").unwrap()
+            HostTensor::new(
+                buf.as_mut_ptr() as *mut u8,
+                DType::F32,
+                &[2, 3],
+                Some(&[1, 2]),
+                "t",
+            )
+            .unwrap()
         };
         assert!(!v.is_contiguous());
         let t = unsafe { v.to_tensor() };
         assert_eq!(t.to_f32().unwrap(), vec![0., 2., 4., 1., 3., 5.]);
-        let src: Vec<u8> = [10f32, 12., 14., 11., 13., 15.].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let src: Vec<u8> = [10f32, 12., 14., 11., 13., 15.]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         unsafe { v.write_bytes(&src).unwrap() };
         assert_eq!(buf, vec![10., 11., 12., 13., 14., 15.]);
     }
@@ -378,9 +444,13 @@ mod tests {
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
         // A stride-0 view listing 2^59 f32 (2^61 bytes): valid to describe, impossible to copy.
-        let v = unsafe { HostTensor::new(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }.unwrap();
+        let v =
+            unsafe { HostTensor::new(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }.unwrap();
         let e = unsafe { v.try_to_tensor("values[0]") }.unwrap_err();
-        assert!(e.to_string().contains("values[0]") && e.to_string().contains("cannot allocate"), "{e}");
+        assert!(
+            e.to_string().contains("values[0]") && e.to_string().contains("cannot allocate"),
+            "{e}"
+        );
         let e = unsafe { HostTensor::new(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
         assert!(e.to_string().contains("2^63-1 bytes"), "{e}");
         assert!(try_zeroed(usize::MAX / 2, "n").is_err());
@@ -389,7 +459,8 @@ mod tests {
 
     #[test]
     fn rejects_null_negative_and_too_many_dims() {
-        let e = unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[2], None, "param") }.unwrap_err();
+        let e = unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[2], None, "param") }
+            .unwrap_err();
         assert!(e.to_string().contains("param.data"), "{e}");
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
@@ -398,6 +469,9 @@ mod tests {
         let e = unsafe { HostTensor::new(p, DType::F32, &[1; 9], None, "g") }.unwrap_err();
         assert!(e.to_string().contains("at most 8"), "{e}");
         // An empty tensor may have a NULL pointer.
-        assert!(unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }.is_ok());
+        assert!(
+            unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }
+                .is_ok()
+        );
     }
 }

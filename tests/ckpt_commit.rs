@@ -50,7 +50,13 @@ fn ranks_agree_on_a_generated_save_id_and_commit_together() {
     assert_eq!(Checkpoint::open(&dir).unwrap().meta.unwrap().save_id, "s3");
     let stages = std::fs::read_dir(&dir)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".fo-stage-"))
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".fo-stage-")
+        })
         .count();
     assert_eq!(stages, 0, "staging directories left after the commit");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -73,12 +79,22 @@ fn a_retried_save_does_not_commit_the_interrupted_attempts_rank() {
     };
     fo::ckpt::save_optimizer(&old[0].opt, &dir, &opts(0)).unwrap(); // attempt 1: rank 0 done, rank 1 killed
     let p = fo::ckpt::pack(&new[0].opt, &opts(0)).unwrap(); // attempt 2: rank 0 writing ...
-    let staged = stage_rank_file(&dir, &p.plan, &p.opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e]))).unwrap();
+    let staged = stage_rank_file(&dir, &p.plan, &p.opts, &mut |e| {
+        Ok(Cow::Borrowed(&p.entries[e]))
+    })
+    .unwrap();
     fo::ckpt::save_optimizer(&new[1].opt, &dir, &opts(1)).unwrap(); // ... rank 1 done first
-    assert!(Checkpoint::open(&dir).is_err(), "committed before rank 0's retry finished");
+    assert!(
+        Checkpoint::open(&dir).is_err(),
+        "committed before rank 0's retry finished"
+    );
     finish(&dir, staged).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     let want = new[0].opt.get_state(0, "exp_avg").unwrap();
-    assert!(ck.read("state.fc.weight.exp_avg", &spec(&[10, 7], "S0", 2, 0)).unwrap() == want);
+    assert!(
+        ck.read("state.fc.weight.exp_avg", &spec(&[10, 7], "S0", 2, 0))
+            .unwrap()
+            == want
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -48,7 +48,10 @@ fn assert_load_fails(dir: &Path, needles: &[&str]) {
     for n in needles {
         assert!(e.contains(n), "error {e:?} should mention {n:?}");
     }
-    assert!(snapshot(&rank) == before, "a failed load changed the optimizer");
+    assert!(
+        snapshot(&rank) == before,
+        "a failed load changed the optimizer"
+    );
 }
 
 fn chunk_of(dir: &Path, key: &str) -> (PathBuf, u64) {
@@ -65,7 +68,10 @@ fn flipped_byte_is_a_checksum_error_naming_file_and_key() {
     b[at as usize + 5] ^= 0x40;
     std::fs::write(&file, b).unwrap();
     let name = file.file_name().unwrap().to_str().unwrap();
-    assert_load_fails(&dir, &["checksum mismatch", "state.fc.weight.exp_avg_sq", name]);
+    assert_load_fails(
+        &dir,
+        &["checksum mismatch", "state.fc.weight.exp_avg_sq", name],
+    );
     let e = verify(&dir, &mut |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("checksum mismatch") && e.contains(name), "{e}");
 }
@@ -76,7 +82,10 @@ fn truncated_file_and_broken_header_are_named() {
     let f = shard(&dir, 1);
     let b = std::fs::read(&f).unwrap();
     std::fs::write(&f, &b[..b.len() - 3]).unwrap();
-    assert_load_fails(&dir, &["truncated", "shard-00002-model-00001-of-00001.safetensors"]);
+    assert_load_fails(
+        &dir,
+        &["truncated", "shard-00002-model-00001-of-00001.safetensors"],
+    );
     let mut h = b.clone();
     h[8] = b'#';
     std::fs::write(&f, h).unwrap();
@@ -88,7 +97,10 @@ fn missing_shard_missing_key_shape_and_dtype_errors() {
     let (dir, _) = fixture("missing");
     let ck = Checkpoint::open(&dir).unwrap();
     let e = ck
-        .read("state.nope.exp_avg", &ShardSpec::unsharded(vec![3]).unwrap())
+        .read(
+            "state.nope.exp_avg",
+            &ShardSpec::unsharded(vec![3]).unwrap(),
+        )
         .unwrap_err()
         .to_string();
     assert!(
@@ -96,7 +108,10 @@ fn missing_shard_missing_key_shape_and_dtype_errors() {
         "{e}"
     );
     let e = ck
-        .read("state.fc.weight.exp_avg", &ShardSpec::unsharded(vec![10, 6]).unwrap())
+        .read(
+            "state.fc.weight.exp_avg",
+            &ShardSpec::unsharded(vec![10, 6]).unwrap(),
+        )
         .unwrap_err()
         .to_string();
     assert!(
@@ -117,7 +132,11 @@ fn missing_shard_missing_key_shape_and_dtype_errors() {
     std::fs::remove_file(shard(&dir, 1)).unwrap();
     assert_load_fails(
         &dir,
-        &["shard-00002-model-00001-of-00001.safetensors", "missing", "2 ranks"],
+        &[
+            "shard-00002-model-00001-of-00001.safetensors",
+            "missing",
+            "2 ranks",
+        ],
     );
 }
 
@@ -130,7 +149,8 @@ fn directory_mixing_two_saves_is_refused() {
     save_optimizer(&rs[1].opt, &other, &o).unwrap();
     // One rank of two saved: nothing is committed, the file waits in the staging directory.
     assert!(!shard(&other, 1).exists() && Checkpoint::open(&other).is_err());
-    let staged = fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::format::shard_file_name(1));
+    let staged =
+        fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::format::shard_file_name(1));
     std::fs::copy(staged, shard(&dir, 1)).unwrap();
     assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
     // Without the record (fo 0.1.0's directories), the save ids still tell.
@@ -173,7 +193,9 @@ fn kill_mid_save(dir: &Path, mib: usize) -> bool {
         .unwrap();
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(60) {
-        let writing = temporaries(dir).iter().any(|p| p.metadata().is_ok_and(|m| m.len() > 1 << 20));
+        let writing = temporaries(dir)
+            .iter()
+            .any(|p| p.metadata().is_ok_and(|m| m.len() > 1 << 20));
         if writing {
             child.kill().unwrap(); // SIGKILL
             child.wait().unwrap();
@@ -206,11 +228,17 @@ fn writer_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
         ])
         .output()
         .unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
     let before = Checkpoint::open(&dir).unwrap();
     let want = before.read_full("state.layer3.exp_avg").unwrap();
     drop(before);
-    let killed = [96, 256, 768].into_iter().any(|mib| kill_mid_save(&dir, mib));
+    let killed = [96, 256, 768]
+        .into_iter()
+        .any(|mib| kill_mid_save(&dir, mib));
     assert!(killed, "could not catch the writer mid-save");
     let after = Checkpoint::open(&dir).unwrap();
     assert_eq!(
@@ -241,6 +269,9 @@ fn writer_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with(".fo-stage-"))
         .collect();
-    assert!(stages.is_empty(), "staging directories left after a commit: {stages:?}");
+    assert!(
+        stages.is_empty(),
+        "staging directories left after a commit: {stages:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

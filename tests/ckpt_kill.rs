@@ -16,19 +16,35 @@ const ROWS: usize = 2048;
 const COLS: usize = 128;
 
 fn global(generation: u64) -> Tensor {
-    let v: Vec<f32> = (0..ROWS * COLS).map(|i| (i as u64 * 31 + generation * 1_000_003) as f32).collect();
+    let v: Vec<f32> = (0..ROWS * COLS)
+        .map(|i| (i as u64 * 31 + generation * 1_000_003) as f32)
+        .collect();
     Tensor::from_f32(vec![ROWS, COLS], &v).unwrap()
 }
 
 fn spec(rank: usize) -> ShardSpec {
-    ShardSpec::new(vec![ROWS, COLS], vec![2], vec![rank], vec![Placement::Shard(0)]).unwrap()
+    ShardSpec::new(
+        vec![ROWS, COLS],
+        vec![2],
+        vec![rank],
+        vec![Placement::Shard(0)],
+    )
+    .unwrap()
 }
 
 /// One rank's save of generation `g` (what each child process runs).
 fn save_generation(dir: &Path, rank: usize, g: u64) {
     let g_t = global(g);
-    let mut entries = vec![StateEntry::new("state.w.exp_avg", local_shard(&g_t, &spec(rank)), Some(spec(rank)))];
-    entries.push(StateEntry::new("state.w.step", Tensor::from_f32(vec![], &[g as f32]).unwrap(), None));
+    let mut entries = vec![StateEntry::new(
+        "state.w.exp_avg",
+        local_shard(&g_t, &spec(rank)),
+        Some(spec(rank)),
+    )];
+    entries.push(StateEntry::new(
+        "state.w.step",
+        Tensor::from_f32(vec![], &[g as f32]).unwrap(),
+        None,
+    ));
     let mut o = PackOptions::new(rank, 2);
     o.save_id = format!("gen-{g}");
     save_rank(dir, &Packed::new(entries, o).unwrap()).unwrap();
@@ -37,9 +53,15 @@ fn save_generation(dir: &Path, rank: usize, g: u64) {
 /// The child side: runs only when re-executed by the loop below with FO_KILL_SAVER set.
 #[test]
 fn saver_child() {
-    let Ok(v) = std::env::var("FO_KILL_SAVER") else { return };
+    let Ok(v) = std::env::var("FO_KILL_SAVER") else {
+        return;
+    };
     let p: Vec<&str> = v.split(':').collect();
-    save_generation(Path::new(p[0]), p[1].parse().unwrap(), p[2].parse().unwrap());
+    save_generation(
+        Path::new(p[0]),
+        p[1].parse().unwrap(),
+        p[2].parse().unwrap(),
+    );
 }
 
 fn spawn(dir: &Path, rank: usize, g: u64) -> Child {
@@ -57,7 +79,10 @@ fn check(dir: &Path) -> u64 {
     verify(dir, &mut |_, _| {}).unwrap();
     let ck = Checkpoint::open(dir).unwrap();
     let g = ck.read_full("state.w.step").unwrap().to_f32().unwrap()[0] as u64;
-    assert!(ck.read_full("state.w.exp_avg").unwrap() == global(g), "generation {g} is not whole");
+    assert!(
+        ck.read_full("state.w.exp_avg").unwrap() == global(g),
+        "generation {g} is not whole"
+    );
     assert_eq!(ck.meta.as_ref().unwrap().save_id, format!("gen-{g}"));
     g
 }
@@ -91,7 +116,10 @@ fn saves_killed_at_random_points_leave_the_previous_or_the_new_checkpoint() {
         assert!(g < 400, "only {killed} kills landed in {g} saves");
         let mut kids = [spawn(&dir, 0, g), spawn(&dir, 1, g)];
         let t0 = Instant::now();
-        let at = [Duration::from_micros(next(span)), Duration::from_micros(next(span))];
+        let at = [
+            Duration::from_micros(next(span)),
+            Duration::from_micros(next(span)),
+        ];
         let mut was_killed = false;
         for (c, t) in kids.iter_mut().zip(at) {
             while t0.elapsed() < t && c.try_wait().unwrap().is_none() {
@@ -105,7 +133,10 @@ fn saves_killed_at_random_points_leave_the_previous_or_the_new_checkpoint() {
         }
         killed += was_killed as usize;
         let now = check(&dir);
-        assert!(now == last || now == g, "after killing save {g}: generation {now}, previous {last}");
+        assert!(
+            now == last || now == g,
+            "after killing save {g}: generation {now}, previous {last}"
+        );
         committed += (now == g) as usize;
         last = now;
     }

@@ -42,9 +42,17 @@ fn contents(dir: &Path) -> fo::Result<Contents> {
     let mut keys = BTreeMap::new();
     for (k, info) in &ck.keys {
         let t = ck.read_full(k)?;
-        keys.insert(k.clone(), (info.dtype, info.global_shape.clone(), t.data.clone()));
+        keys.insert(
+            k.clone(),
+            (info.dtype, info.global_shape.clone(), t.data.clone()),
+        );
     }
-    Ok((keys, ck.meta.as_ref().map_or(Value::Null, |m| m.param_groups.clone())))
+    Ok((
+        keys,
+        ck.meta
+            .as_ref()
+            .map_or(Value::Null, |m| m.param_groups.clone()),
+    ))
 }
 
 fn save(name: &str, format: StateFormat, mode: Mode) -> PathBuf {
@@ -97,7 +105,9 @@ fn write(path: &Path, mut p: Parsed, redigest: bool) {
         p.meta.insert(DIGEST_KEY.into(), d.clone());
         let rec = path.parent().unwrap().join(COMMIT_FILE);
         let mut c: Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
-        let rank = fo::ckpt::format::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap()).unwrap();
+        let rank =
+            fo::ckpt::format::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap())
+                .unwrap();
         c["digests"][rank] = Value::String(d);
         std::fs::write(&rec, c.to_string()).unwrap();
     }
@@ -146,9 +156,15 @@ fn mutate(dir: &Path, kind: usize, rng: &mut Rng) -> &'static str {
         3 => {
             // One chunk's offset moved by +-1 on one dim, in fo's table and DCP's info.
             let mut p = parse(f);
-            let names: Vec<String> = p.tensors.iter().filter(|t| !t.shape.is_empty()).map(|t| t.name.clone()).collect();
+            let names: Vec<String> = p
+                .tensors
+                .iter()
+                .filter(|t| !t.shape.is_empty())
+                .map(|t| t.name.clone())
+                .collect();
             let name = &names[rng.below(names.len())];
-            let mut off: Vec<i64> = serde_json::from_value(p.fo["tensors"][name]["global_offset"].clone()).unwrap();
+            let mut off: Vec<i64> =
+                serde_json::from_value(p.fo["tensors"][name]["global_offset"].clone()).unwrap();
             let d = rng.below(off.len());
             off[d] = (off[d] + if rng.below(2) == 0 { 1 } else { -1 }).max(0);
             let v = serde_json::json!(off);
@@ -194,7 +210,8 @@ fn mutate(dir: &Path, kind: usize, rng: &mut Rng) -> &'static str {
                     p.fo["tensors"].as_object_mut().unwrap().remove(&name);
                 }
                 _ => {
-                    let mut dcp: Value = serde_json::from_str(&p.meta["DCP_SHARDING_INFO"]).unwrap();
+                    let mut dcp: Value =
+                        serde_json::from_str(&p.meta["DCP_SHARDING_INFO"]).unwrap();
                     dcp.as_object_mut().unwrap().remove(&name);
                     p.meta.insert("DCP_SHARDING_INFO".into(), dcp.to_string());
                 }
@@ -248,13 +265,19 @@ fn mutate(dir: &Path, kind: usize, rng: &mut Rng) -> &'static str {
 
 #[test]
 fn mutated_checkpoints_fail_cleanly_or_read_back_the_original() {
-    let n: usize = std::env::var("FO_MUTATIONS").ok().and_then(|s| s.parse().ok()).unwrap_or(1200);
+    let n: usize = std::env::var("FO_MUTATIONS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1200);
     let originals = [
         save("mut-q8", StateFormat::Quant8, Mode::Compressed),
         save("mut-portable", StateFormat::Quant8, Mode::Portable),
     ];
     let want: Vec<Contents> = originals.iter().map(|d| contents(d).unwrap()).collect();
-    assert!(want[0].0.keys().any(|k| k.ends_with("::scales")), "the quant8 checkpoint holds compressed state");
+    assert!(
+        want[0].0.keys().any(|k| k.ends_with("::scales")),
+        "the quant8 checkpoint holds compressed state"
+    );
     let work = tmp("mut-work");
     let mut rng = Rng(0x5EED_0011);
     let (mut refused, mut identical) = (0, 0);

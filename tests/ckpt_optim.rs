@@ -3,7 +3,9 @@
 mod ckpt_util;
 use ckpt_util::*;
 
-use fo::ckpt::{consolidate, load, pack, save_optimizer, Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions};
+use fo::ckpt::{
+    consolidate, load, pack, save_optimizer, Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions,
+};
 use fo::optim::StateFormat;
 use fo::DType;
 
@@ -23,18 +25,30 @@ fn fp32_state_saved_on_n_ranks_loads_on_m_and_continues_like_unsharded() {
     save_all(&ranks(1, &cfg, DType::F32, 3), &ref_dir, Mode::Portable);
     // What an unsharded run holds after one more step.
     let mut after = ranks(1, &cfg, DType::F32, 4);
-    let ref_full = std::fs::read(consolidate(&ref_dir, &ref_dir.join("c"), &mut |_, _| {}).unwrap().file).unwrap();
+    let ref_full = std::fs::read(
+        consolidate(&ref_dir, &ref_dir.join("c"), &mut |_, _| {})
+            .unwrap()
+            .file,
+    )
+    .unwrap();
     for n in 1..=5 {
         let dir = tmp(&format!("optim-n{n}"));
         save_all(&ranks(n, &cfg, DType::F32, 3), &dir, Mode::Portable);
         // Elementwise state does not depend on sharding: consolidated files are identical.
-        let full = std::fs::read(consolidate(&dir, &dir.join("c"), &mut |_, _| {}).unwrap().file).unwrap();
+        let full = std::fs::read(
+            consolidate(&dir, &dir.join("c"), &mut |_, _| {})
+                .unwrap()
+                .file,
+        )
+        .unwrap();
         assert!(
             full == ref_full,
             "consolidated {n}-rank checkpoint equals the unsharded one"
         );
         for m in [1, 2, 3, 5] {
-            let mut loaded: Vec<Rank> = (0..m).map(|r| Rank::new(m, r, cfg.clone(), DType::F32)).collect();
+            let mut loaded: Vec<Rank> = (0..m)
+                .map(|r| Rank::new(m, r, cfg.clone(), DType::F32))
+                .collect();
             for rank in &mut loaded {
                 let rep = load(
                     &mut rank.opt,
@@ -50,7 +64,8 @@ fn fp32_state_saved_on_n_ranks_loads_on_m_and_continues_like_unsharded() {
             }
             for rank in &loaded {
                 for (k, (fqn, ..)) in MODEL.iter().enumerate() {
-                    let want = fo::ckpt::local_shard(&after[0].params[k].view_tensor(), &rank.specs[k]);
+                    let want =
+                        fo::ckpt::local_shard(&after[0].params[k].view_tensor(), &rank.specs[k]);
                     assert_eq!(
                         rank.params[k].bytes(),
                         &want.data[..],
@@ -108,7 +123,8 @@ fn compressed_state_is_bit_exact_on_the_same_sharding_and_requantized_otherwise(
     let mut d = Rank::new(2, 1, cfg.clone(), DType::BF16);
     let rep = load(&mut d.opt, &dir, &LoadOptions::default()).unwrap();
     assert!(
-        rep.requantized.contains(&"state.fc.weight.exp_avg".to_string()),
+        rep.requantized
+            .contains(&"state.fc.weight.exp_avg".to_string()),
         "{rep:?}"
     );
     // Portable view of the loaded state vs the saved dequantized state: within the bound.
@@ -123,7 +139,10 @@ fn compressed_state_is_bit_exact_on_the_same_sharding_and_requantized_otherwise(
         let amax = want[g * 32..(g * 32 + 32).min(want.len())]
             .iter()
             .fold(0f32, |m, x| m.max(x.abs()));
-        assert!((a - b).abs() <= amax * (1.0 / 127.0 + 1.0 / 1024.0), "{a} vs {b}");
+        assert!(
+            (a - b).abs() <= amax * (1.0 / 127.0 + 1.0 / 1024.0),
+            "{a} vs {b}"
+        );
     }
 }
 
@@ -191,7 +210,11 @@ fn failed_loads_name_the_key_and_leave_the_optimizer_unchanged() {
             continue;
         }
         let spec = fo::ShardSpec::unsharded(info.global_shape.clone()).unwrap();
-        entries.push(fo::ckpt::StateEntry::new(k.clone(), ck.read(k, &spec).unwrap(), None));
+        entries.push(fo::ckpt::StateEntry::new(
+            k.clone(),
+            ck.read(k, &spec).unwrap(),
+            None,
+        ));
     }
     fo::ckpt::save_rank(
         &dir.join("partial"),
@@ -201,7 +224,10 @@ fn failed_loads_name_the_key_and_leave_the_optimizer_unchanged() {
     let e = load(&mut d.opt, &dir.join("partial"), &LoadOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("state.fc.bias.exp_avg") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("state.fc.bias.exp_avg") && e.contains("missing"),
+        "{e}"
+    );
     let after: Vec<_> = (0..MODEL.len())
         .flat_map(|i| d.opt.state_keys(i).into_iter().map(move |k| (i, k)))
         .map(|(i, k)| d.opt.get_state(i, &k).unwrap())
@@ -217,7 +243,10 @@ fn failed_loads_name_the_key_and_leave_the_optimizer_unchanged() {
         },
     )
     .unwrap();
-    assert!(rep.missing.contains(&"state.fc.bias.exp_avg".to_string()), "{rep:?}");
+    assert!(
+        rep.missing.contains(&"state.fc.bias.exp_avg".to_string()),
+        "{rep:?}"
+    );
     // A shape that does not match: the error names key and shapes.
     let mut other = fo::optim::Optimizer::new(cfg.clone()).unwrap();
     let mut b = Buf::new(fo::Tensor::zeros(DType::F32, vec![10, 6]));
@@ -256,9 +285,16 @@ fn sgd_momentum_and_quant8_wide_states_reshard() {
             assert!(ck.is_compressed("state.fc.weight.momentum_buffer"));
         } else {
             // quant8_wide variance (4th-root codes) is saved dequantized; momentum compressed.
-            assert!(ck.keys.contains_key("state.fc.weight.exp_avg_sq") && ck.is_compressed("state.fc.weight.exp_avg"));
+            assert!(
+                ck.keys.contains_key("state.fc.weight.exp_avg_sq")
+                    && ck.is_compressed("state.fc.weight.exp_avg")
+            );
         }
-        let key = if name == "sgd" { "momentum_buffer" } else { "exp_avg_sq" };
+        let key = if name == "sgd" {
+            "momentum_buffer"
+        } else {
+            "exp_avg_sq"
+        };
         let want = ck
             .read_f32(
                 &format!("state.fc.weight.{key}"),
@@ -331,8 +367,13 @@ fn error_bits_without_a_master_split_are_unexpected() {
     let dir = tmp("optim-bits");
     save_all(&src, &dir, Mode::Portable);
     let mut d = Rank::new(1, 0, config(StateFormat::Fp32, 0), DType::BF16);
-    let e = load(&mut d.opt, &dir, &LoadOptions::default()).unwrap_err().to_string();
-    assert!(e.contains("unexpected keys [state.fc.bias.error_bits"), "{e}");
+    let e = load(&mut d.opt, &dir, &LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unexpected keys [state.fc.bias.error_bits"),
+        "{e}"
+    );
     assert!(!d.opt.has_state(0), "strict failure changed nothing");
     let rep = load(
         &mut d.opt,

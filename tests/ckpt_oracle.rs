@@ -12,7 +12,9 @@ use fo::{DType, Tensor};
 const DIRS: [&str; 2] = ["ckpt_fsdp2_4ranks", "ckpt_fsdp_tp_2x2"];
 
 fn oracle(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/oracle")
+        .join(name)
 }
 
 fn load_full(path: &Path) -> Vec<(String, Tensor)> {
@@ -23,7 +25,10 @@ fn load_full(path: &Path) -> Vec<(String, Tensor)> {
         .into_iter()
         .map(|(k, v)| {
             let dtype = DType::from_safetensors_name(&format!("{:?}", v.dtype())).unwrap();
-            (k, Tensor::new(dtype, v.shape().to_vec(), v.data().to_vec()).unwrap())
+            (
+                k,
+                Tensor::new(dtype, v.shape().to_vec(), v.data().to_vec()).unwrap(),
+            )
         })
         .collect();
     out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -80,13 +85,18 @@ fn loads_torch_checkpoints_into_one_to_five_ranks_bit_for_bit() {
         assert_eq!(ck.keys.len(), 48, "{name}: every torch key is found");
         for (key, g) in &full {
             let info = ck.key(key).unwrap();
-            assert_eq!((info.dtype, &info.global_shape), (g.dtype, &g.shape), "{name} {key}");
+            assert_eq!(
+                (info.dtype, &info.global_shape),
+                (g.dtype, &g.shape),
+                "{name} {key}"
+            );
             for m in 1..=5 {
                 for (mesh, pl) in targets(g.shape.len(), m) {
                     let shards: Vec<(ShardSpec, Tensor)> = mesh_coords(&mesh)
                         .into_iter()
                         .map(|c| {
-                            let s = ShardSpec::new(g.shape.clone(), mesh.clone(), c, pl.clone()).unwrap();
+                            let s = ShardSpec::new(g.shape.clone(), mesh.clone(), c, pl.clone())
+                                .unwrap();
                             let t = ck
                                 .read(key, &s)
                                 .unwrap_or_else(|e| panic!("{name} {key} on {m} ranks: {e}"));
@@ -107,22 +117,30 @@ fn loads_torch_checkpoints_into_one_to_five_ranks_bit_for_bit() {
 #[test]
 fn consolidates_torch_checkpoints_to_full_for_every_key() {
     for name in DIRS {
-        let out = std::env::temp_dir().join(format!("fo-consolidate-{name}-{}", std::process::id()));
+        let out =
+            std::env::temp_dir().join(format!("fo-consolidate-{name}-{}", std::process::id()));
         let done = consolidate(&oracle(name).join("sharded"), &out, &mut |_, _| {}).unwrap();
         let got = load_full(&done.file);
         let want = load_full(&oracle(name).join("full.safetensors"));
         assert_eq!(got.len(), want.len());
         for ((k1, a), (k2, b)) in got.iter().zip(&want) {
             assert_eq!(k1, k2);
-            assert!(a == b, "{name}: consolidated {k1} differs from full.safetensors");
+            assert!(
+                a == b,
+                "{name}: consolidated {k1} differs from full.safetensors"
+            );
         }
-        let step = got.iter().find(|(k, _)| k == "state.fc1.weight.step").unwrap();
+        let step = got
+            .iter()
+            .find(|(k, _)| k == "state.fc1.weight.step")
+            .unwrap();
         assert_eq!(
             step.1.to_f32().unwrap(),
             vec![3.0],
             "0-dim step keeps its value (torch writes 0.0)"
         );
-        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&done.index).unwrap()).unwrap();
+        let index: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&done.index).unwrap()).unwrap();
         assert_eq!(
             index["weight_map"]["bn.num_batches_tracked"],
             "model-00001-of-00001.safetensors"
@@ -149,7 +167,12 @@ fn loads_torch_checkpoint_into_fo_optimizers_on_three_ranks() {
     use fo::ckpt::{load, LoadOptions};
     use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
     let full = load_full(&oracle("ckpt_fsdp2_4ranks").join("full.safetensors"));
-    let get = |k: &str| full.iter().find(|(n, _)| n == k).map(|(_, t)| t.clone()).unwrap();
+    let get = |k: &str| {
+        full.iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, t)| t.clone())
+            .unwrap()
+    };
     let params: Vec<&str> = full
         .iter()
         .map(|(k, _)| k.as_str())
@@ -165,11 +188,14 @@ fn loads_torch_checkpoint_into_fo_optimizers_on_three_ranks() {
         let mut specs = vec![];
         for k in &params {
             let g = get(k);
-            let s = ShardSpec::new(g.shape.clone(), vec![3], vec![r], vec![Placement::Shard(0)]).unwrap();
+            let s = ShardSpec::new(g.shape.clone(), vec![3], vec![r], vec![Placement::Shard(0)])
+                .unwrap();
             let mut b = vec![0u64; (s.local_numel() * g.dtype.size()).div_ceil(8).max(1)];
             let shape: Vec<i64> = s.local_shape().iter().map(|&d| d as i64).collect();
-            let t =
-                unsafe { fo::tensor::HostTensor::new(b.as_mut_ptr() as *mut u8, g.dtype, &shape, None, k).unwrap() };
+            let t = unsafe {
+                fo::tensor::HostTensor::new(b.as_mut_ptr() as *mut u8, g.dtype, &shape, None, k)
+                    .unwrap()
+            };
             unsafe { opt.add_param(k, t, Some(s.clone()), 0).unwrap() };
             bufs.push(b);
             specs.push(s);
@@ -183,7 +209,10 @@ fn loads_torch_checkpoint_into_fo_optimizers_on_three_ranks() {
             },
         )
         .unwrap();
-        assert!(rep.unexpected.is_empty() && rep.missing.is_empty(), "{rep:?}");
+        assert!(
+            rep.unexpected.is_empty() && rep.missing.is_empty(),
+            "{rep:?}"
+        );
         for (i, k) in params.iter().enumerate() {
             if specs[i].local_numel() == 0 {
                 continue;
@@ -196,7 +225,10 @@ fn loads_torch_checkpoint_into_fo_optimizers_on_three_ranks() {
                 want,
                 "rank {r} {k}"
             );
-            assert_eq!(opt.get_state(i, "step").unwrap().to_f32().unwrap(), vec![3.0]);
+            assert_eq!(
+                opt.get_state(i, "step").unwrap().to_f32().unwrap(),
+                vec![3.0]
+            );
             let p = local_shard(&get(k), &specs[i]);
             assert_eq!(unsafe { opt.param(i).to_tensor() }, p, "rank {r} param {k}");
         }

@@ -71,7 +71,13 @@ fn values(n: usize, seed: f32) -> Vec<f32> {
 
 /// Each rank quantizes its own local momentum and variance (as the optimizer does) and
 /// saves codes and scales; returns every rank's (spec, m codes, m scales, v codes, v scales).
-fn save_compressed(dir: &Path, mesh: &[usize], pl: &[Placement], m: &Tensor, v: &Tensor) -> Vec<SavedRank> {
+fn save_compressed(
+    dir: &Path,
+    mesh: &[usize],
+    pl: &[Placement],
+    m: &Tensor,
+    v: &Tensor,
+) -> Vec<SavedRank> {
     let coords = mesh_coords(mesh);
     let mut ranks = vec![];
     let packs: Vec<Packed> = coords
@@ -151,7 +157,10 @@ fn compressed_state_reshards_exactly_or_within_the_requantization_bound() {
     let m = Tensor::from_f32(shape.clone(), &values(11 * 37, 0.3)).unwrap();
     let v = Tensor::from_f32(
         shape.clone(),
-        &values(11 * 37, 1.1).iter().map(|x| x * x).collect::<Vec<_>>(),
+        &values(11 * 37, 1.1)
+            .iter()
+            .map(|x| x * x)
+            .collect::<Vec<_>>(),
     )
     .unwrap();
     let root = std::env::temp_dir().join(format!("fo-quant-{}", std::process::id()));
@@ -169,12 +178,20 @@ fn compressed_state_reshards_exactly_or_within_the_requantization_bound() {
                 let d = ShardSpec::new(shape.clone(), dmesh.clone(), c, dpl.clone()).unwrap();
                 // Portable view: exactly what the saving ranks decoded.
                 let mf = ck.read_f32("state.w.exp_avg", &d).unwrap();
-                assert_eq!(Tensor::from_f32(d.local_shape(), &mf).unwrap(), local_shard(&md, &d));
+                assert_eq!(
+                    Tensor::from_f32(d.local_shape(), &mf).unwrap(),
+                    local_shard(&md, &d)
+                );
                 let vf = ck.read_f32("state.w.exp_avg_sq", &d).unwrap();
-                assert_eq!(Tensor::from_f32(d.local_shape(), &vf).unwrap(), local_shard(&vd, &d));
+                assert_eq!(
+                    Tensor::from_f32(d.local_shape(), &vf).unwrap(),
+                    local_shard(&vd, &d)
+                );
                 let qm = ck.read_quant8("state.w.exp_avg", &d, true).unwrap();
                 let qv = ck.read_quant8("state.w.exp_avg_sq", &d, false).unwrap();
-                let same = ranks.iter().find(|r| (0..2).all(|k| r.0.runs(k) == d.runs(k)));
+                let same = ranks
+                    .iter()
+                    .find(|r| (0..2).all(|k| r.0.runs(k) == d.runs(k)));
                 if let Some((_, mq, ms, vq, vs)) = same {
                     assert!(qm.exact && qv.exact);
                     assert_eq!((&qm.codes.data, &qm.scales.data), (mq, &f16_bytes(ms)));
@@ -186,7 +203,11 @@ fn compressed_state_reshards_exactly_or_within_the_requantization_bound() {
                 requant += 1;
                 let ms: Vec<f32> = qm.scales.to_f32().unwrap();
                 let vs: Vec<f32> = qv.scales.to_f32().unwrap();
-                for (j, (&x, (&q, &qv_))) in mf.iter().zip(qm.codes.data.iter().zip(&qv.codes.data)).enumerate() {
+                for (j, (&x, (&q, &qv_))) in mf
+                    .iter()
+                    .zip(qm.codes.data.iter().zip(&qv.codes.data))
+                    .enumerate()
+                {
                     let g = j / 32;
                     let am = mf[g * 32..(g * 32 + 32).min(mf.len())]
                         .iter()
@@ -223,7 +244,11 @@ fn portable_state_quantizes_on_load_like_a_fresh_quantization() {
         .map(|r| {
             let s = ShardSpec::new(vec![70], vec![3], vec![r], vec![Placement::Shard(0)]).unwrap();
             Packed::new(
-                vec![StateEntry::new("state.w.exp_avg", local_shard(&m, &s), Some(s))],
+                vec![StateEntry::new(
+                    "state.w.exp_avg",
+                    local_shard(&m, &s),
+                    Some(s),
+                )],
                 PackOptions::new(r, 3),
             )
             .unwrap()
@@ -247,7 +272,10 @@ fn consolidation_writes_flashoptim_unsharded_layout() {
     let m = Tensor::from_f32(shape.clone(), &values(11 * 37, 0.3)).unwrap();
     let v = Tensor::from_f32(
         shape.clone(),
-        &values(11 * 37, 1.1).iter().map(|x| x * x).collect::<Vec<_>>(),
+        &values(11 * 37, 1.1)
+            .iter()
+            .map(|x| x * x)
+            .collect::<Vec<_>>(),
     )
     .unwrap();
     let root = std::env::temp_dir().join(format!("fo-quant-cons-{}", std::process::id()));
@@ -266,7 +294,11 @@ fn consolidation_writes_flashoptim_unsharded_layout() {
         let codes = st.tensor("state.w.exp_avg::quantized").unwrap();
         let scales = st.tensor("state.w.exp_avg::scales").unwrap();
         assert_eq!(codes.shape(), &[11, 37]);
-        assert_eq!(scales.shape(), &[13], "one scale per 32 elements of the full tensor");
+        assert_eq!(
+            scales.shape(),
+            &[13],
+            "one scale per 32 elements of the full tensor"
+        );
         if i == 0 {
             // Saved unsharded: copied bit for bit.
             assert_eq!(

@@ -59,12 +59,32 @@ fn tensor(dtype: DType, shape: &[usize], seed: u32) -> Tensor {
 
 fn globals() -> Vec<(&'static str, Tensor, bool)> {
     vec![
-        ("state.fc.weight.exp_avg", tensor(DType::F32, &[10, 7], 1), true),
-        ("state.fc.weight.exp_avg_sq", tensor(DType::BF16, &[11, 9], 2), true),
-        ("state.fc.bias.momentum_buffer", tensor(DType::F64, &[13], 3), true),
-        ("state.fc.weight.error_bits", tensor(DType::I16, &[10, 7], 4), true),
+        (
+            "state.fc.weight.exp_avg",
+            tensor(DType::F32, &[10, 7], 1),
+            true,
+        ),
+        (
+            "state.fc.weight.exp_avg_sq",
+            tensor(DType::BF16, &[11, 9], 2),
+            true,
+        ),
+        (
+            "state.fc.bias.momentum_buffer",
+            tensor(DType::F64, &[13], 3),
+            true,
+        ),
+        (
+            "state.fc.weight.error_bits",
+            tensor(DType::I16, &[10, 7], 4),
+            true,
+        ),
         ("state.tiny.exp_avg", tensor(DType::F32, &[2, 3], 5), true),
-        ("state.fc.weight.step", Tensor::from_f32(vec![], &[3.0]).unwrap(), false),
+        (
+            "state.fc.weight.step",
+            Tensor::from_f32(vec![], &[3.0]).unwrap(),
+            false,
+        ),
         ("bn.num_batches_tracked", tensor(DType::I64, &[], 6), false),
         ("empty", Tensor::zeros(DType::F32, vec![0, 4]), true),
     ]
@@ -108,7 +128,9 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
             "a rank file per rank, plus strided shards' parts"
         );
         let dest = root.join(format!("whole{i}"));
-        let file = fo::ckpt::consolidate(&dir, &dest, &mut |_, _| {}).unwrap().file;
+        let file = fo::ckpt::consolidate(&dir, &dest, &mut |_, _| {})
+            .unwrap()
+            .file;
         let bytes = std::fs::read(file).unwrap();
         let whole = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (key, g, _) in globals().into_iter().filter(|(_, g, _)| g.numel() > 0) {
@@ -126,7 +148,10 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
             for coord in mesh_coords(&dst.mesh) {
                 for (key, g, sharded) in globals() {
                     if g.numel() == 0 {
-                        assert!(!ck.keys.contains_key(key), "0-element entries produce no chunk");
+                        assert!(
+                            !ck.keys.contains_key(key),
+                            "0-element entries produce no chunk"
+                        );
                         continue;
                     }
                     let s = if sharded {
@@ -134,9 +159,9 @@ fn save_on_any_layout_loads_on_any_other_bit_for_bit() {
                     } else {
                         ShardSpec::unsharded(g.shape.clone()).unwrap()
                     };
-                    let got = ck
-                        .read(key, &s)
-                        .unwrap_or_else(|e| panic!("{key} {:?}->{:?}: {e}", src.placements, dst.placements));
+                    let got = ck.read(key, &s).unwrap_or_else(|e| {
+                        panic!("{key} {:?}->{:?}: {e}", src.placements, dst.placements)
+                    });
                     assert_eq!(
                         got,
                         local_shard(&g, &s),
@@ -166,7 +191,10 @@ fn replicated_and_unsharded_entries_are_written_once() {
     let ck = Checkpoint::open(&dir).unwrap();
     let w = &ck.keys["state.fc.weight.exp_avg"];
     assert_eq!(w.chunks.len(), 2, "two distinct shards, each written once");
-    assert!(w.chunks.iter().all(|c| c.file < 2), "written by coordinates (0, *)");
+    assert!(
+        w.chunks.iter().all(|c| c.file < 2),
+        "written by coordinates (0, *)"
+    );
     assert_eq!(ck.keys["state.fc.weight.step"].chunks.len(), 1);
     assert_eq!(ck.keys["state.fc.weight.step"].chunks[0].file, 0);
     assert!(!ck.keys.contains_key("empty"));
@@ -253,7 +281,11 @@ fn missing_or_foreign_part_files_are_refused() {
     save_layout(&a, &l);
     let part = "shard-00001-model-00002-of-00003.safetensors";
     // Rank 1's part 2 (same save) in place of rank 0's.
-    std::fs::copy(a.join("shard-00002-model-00002-of-00003.safetensors"), a.join(part)).unwrap();
+    std::fs::copy(
+        a.join("shard-00002-model-00002-of-00003.safetensors"),
+        a.join(part),
+    )
+    .unwrap();
     let e = Checkpoint::open(&a).unwrap_err().to_string();
     assert!(e.contains(part), "{e}");
     std::fs::remove_file(a.join(part)).unwrap();
@@ -270,7 +302,11 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     let g = tensor(DType::F32, &[1100, 1024], 9); // 4.3 MiB on one rank: two blocks
     save(
         &dir,
-        &[Packed::new(vec![StateEntry::new("big", g.clone(), None)], PackOptions::new(0, 1)).unwrap()],
+        &[Packed::new(
+            vec![StateEntry::new("big", g.clone(), None)],
+            PackOptions::new(0, 1),
+        )
+        .unwrap()],
     )
     .unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
@@ -290,7 +326,12 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     ] {
         for c in mesh_coords(&l.mesh) {
             let s = spec(&g.shape, &l, c);
-            assert_eq!(ck.read("big", &s).unwrap(), local_shard(&g, &s), "{:?}", l.placements);
+            assert_eq!(
+                ck.read("big", &s).unwrap(),
+                local_shard(&g, &s),
+                "{:?}",
+                l.placements
+            );
         }
     }
     // Corrupt the second block: rows in the first block still read, rows in the second fail.
@@ -302,11 +343,26 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
     b[at] ^= 1;
     std::fs::write(&path, b).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
-    let first = ShardSpec::new(vec![1100, 1024], vec![3], vec![0], vec![Placement::Shard(0)]).unwrap(); // rows 0..367: bytes < 1.5 MiB
+    let first = ShardSpec::new(
+        vec![1100, 1024],
+        vec![3],
+        vec![0],
+        vec![Placement::Shard(0)],
+    )
+    .unwrap(); // rows 0..367: bytes < 1.5 MiB
     assert!(ck.read("big", &first).is_ok());
-    let last = ShardSpec::new(vec![1100, 1024], vec![3], vec![2], vec![Placement::Shard(0)]).unwrap();
+    let last = ShardSpec::new(
+        vec![1100, 1024],
+        vec![3],
+        vec![2],
+        vec![Placement::Shard(0)],
+    )
+    .unwrap();
     let e = ck.read("big", &last).unwrap_err().to_string();
-    assert!(e.contains("checksum mismatch in block 1") && e.contains("big"), "{e}");
+    assert!(
+        e.contains("checksum mismatch in block 1") && e.contains("big"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -316,7 +372,8 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
 #[test]
 fn old_single_file_strided_layout_still_loads() {
     use fo::ckpt::format::{
-        encode_header, header_digest, read_header, shard_file_name, sharding_info, FoMeta, TensorEntry, DIGEST_KEY,
+        encode_header, header_digest, read_header, shard_file_name, sharding_info, FoMeta,
+        TensorEntry, DIGEST_KEY,
     };
     use std::collections::BTreeMap;
     let dir = std::env::temp_dir().join(format!("fo-old-strided-{}", std::process::id()));
@@ -327,7 +384,8 @@ fn old_single_file_strided_layout_still_loads() {
     };
     save_layout(&dir, &src);
     let commit_path = dir.join("fo-commit.json");
-    let mut commit: serde_json::Value = serde_json::from_slice(&std::fs::read(&commit_path).unwrap()).unwrap();
+    let mut commit: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&commit_path).unwrap()).unwrap();
     for r in 0..2 {
         let main = dir.join(shard_file_name(r));
         let read = |p: &std::path::Path| {
@@ -339,21 +397,37 @@ fn old_single_file_strided_layout_still_loads() {
         let n = first.2.parts.len() + 1;
         assert!(n > 1, "rank {r} holds several boxes");
         let parts: Vec<_> = (1..n)
-            .map(|j| dir.join(format!("shard-{:05}-model-{:05}-of-{n:05}.safetensors", r + 1, j + 1)))
+            .map(|j| {
+                dir.join(format!(
+                    "shard-{:05}-model-{:05}-of-{n:05}.safetensors",
+                    r + 1,
+                    j + 1
+                ))
+            })
             .collect();
         let mut by_key: BTreeMap<String, Vec<_>> = BTreeMap::new();
         for (bytes, h, m) in std::iter::once(first.clone()).chain(parts.iter().map(|p| read(p))) {
             for t in &h.tensors {
-                let data = bytes[(h.data_start + t.start) as usize..(h.data_start + t.end) as usize].to_vec();
+                let data = bytes
+                    [(h.data_start + t.start) as usize..(h.data_start + t.end) as usize]
+                    .to_vec();
                 let ft = m.tensors[&t.name].clone();
-                by_key.entry(ft.key.clone()).or_default().push((t.clone(), ft, data));
+                by_key
+                    .entry(ft.key.clone())
+                    .or_default()
+                    .push((t.clone(), ft, data));
             }
         }
-        let (mut entries, mut data, mut tensors, mut offsets) = (vec![], vec![], BTreeMap::new(), vec![]);
+        let (mut entries, mut data, mut tensors, mut offsets) =
+            (vec![], vec![], BTreeMap::new(), vec![]);
         for (key, chunks) in by_key {
             let k = chunks.len();
             for (j, (t, ft, d)) in chunks.into_iter().enumerate() {
-                let name = if k == 1 { key.clone() } else { format!("{key}#{j}") };
+                let name = if k == 1 {
+                    key.clone()
+                } else {
+                    format!("{key}#{j}")
+                };
                 offsets.push((name.clone(), ft.global_offset.clone()));
                 entries.push(TensorEntry {
                     name: name.clone(),
@@ -390,7 +464,9 @@ fn old_single_file_strided_layout_still_loads() {
     assert_eq!(ck.files.len(), 2);
     let w = &ck.keys["state.fc.weight.exp_avg"];
     assert!(
-        w.chunks.iter().any(|c| c.name == "state.fc.weight.exp_avg#2"),
+        w.chunks
+            .iter()
+            .any(|c| c.name == "state.fc.weight.exp_avg#2"),
         "{:?}",
         w.chunks
     );

@@ -58,7 +58,10 @@ fn rewrite(
         let rec = path.parent().unwrap().join(fo::ckpt::commit::COMMIT_FILE);
         if let Ok(b) = std::fs::read(&rec) {
             let mut c: Value = serde_json::from_slice(&b).unwrap();
-            let rank = fo::ckpt::format::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap()).unwrap();
+            let rank = fo::ckpt::format::parse_shard_file_name(
+                path.file_name().unwrap().to_str().unwrap(),
+            )
+            .unwrap();
             c["digests"][rank] = Value::String(d);
             std::fs::write(&rec, c.to_string()).unwrap();
         }

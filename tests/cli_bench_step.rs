@@ -4,7 +4,10 @@
 use std::process::Command;
 
 fn fo(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fo")).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(args)
+        .output()
+        .unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -41,7 +44,10 @@ fn arith_table_reports_exact_and_fast_for_every_algorithm() {
     ] {
         assert!(text.contains(row), "missing {row:?} in\n{text}");
     }
-    assert!(text.contains("torch: cannot run /nonexistent/python"), "{text}");
+    assert!(
+        text.contains("torch: cannot run /nonexistent/python"),
+        "{text}"
+    );
     assert!(text.contains("threads 1"), "{text}");
 }
 

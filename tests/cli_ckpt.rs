@@ -3,7 +3,10 @@ use std::path::Path;
 use std::process::Command;
 
 fn fo(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fo")).args(args).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(args)
+        .output()
+        .unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -23,7 +26,10 @@ fn inspect_lists_keys_with_dtype_shape_and_chunks() {
     let (ok, out, err) = fo(&["ckpt", "inspect", &oracle()]);
     assert!(ok, "{err}");
     assert!(out.contains("PyTorch DCP HuggingFace files"), "{out}");
-    let line = out.lines().find(|l| l.starts_with("mixer.weight ")).unwrap();
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("mixer.weight "))
+        .unwrap();
     assert!(line.contains("BF16") && line.contains("[4, 4]"), "{line}");
     assert!(out.contains("48 keys") && out.contains("portable"), "{out}");
 }
@@ -31,9 +37,17 @@ fn inspect_lists_keys_with_dtype_shape_and_chunks() {
 #[test]
 fn verify_and_consolidate_succeed_and_fail_clearly() {
     let (ok, out, err) = fo(&["ckpt", "verify", &oracle()]);
-    assert!(ok && out.contains("every element saved exactly once"), "{out}{err}");
+    assert!(
+        ok && out.contains("every element saved exactly once"),
+        "{out}{err}"
+    );
     let tmp = std::env::temp_dir().join(format!("fo-cli-ckpt-{}", std::process::id()));
-    let (ok, out, err) = fo(&["ckpt", "consolidate", &oracle(), tmp.join("full").to_str().unwrap()]);
+    let (ok, out, err) = fo(&[
+        "ckpt",
+        "consolidate",
+        &oracle(),
+        tmp.join("full").to_str().unwrap(),
+    ]);
     assert!(ok && out.contains("48 keys"), "{out}{err}");
     // A checkpoint with a shard file missing: coverage fails, naming the file.
     std::fs::create_dir_all(tmp.join("broken")).unwrap();

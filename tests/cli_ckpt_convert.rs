@@ -10,18 +10,30 @@ use fo::ckpt::Checkpoint;
 use fo::ShardSpec;
 
 fn fo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fo")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn ok(args: &[&str]) -> String {
     let out = fo(args);
     let s = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert_eq!(out.status.code(), Some(0), "{args:?}: {s}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{args:?}: {s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     s
 }
 
 fn oracle(rel: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle").join(rel).display().to_string()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/oracle")
+        .join(rel)
+        .display()
+        .to_string()
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -37,7 +49,17 @@ fn s(p: &Path) -> &str {
 
 /// A small fo checkpoint pair (compressed and portable, 3 ranks) written by `fo demo`.
 fn demo_checkpoints(root: &Path) -> (PathBuf, PathBuf) {
-    ok(&["demo", "--steps", "12", "--ranks", "3", "--seed", "7", "--out", s(root)]);
+    ok(&[
+        "demo",
+        "--steps",
+        "12",
+        "--ranks",
+        "3",
+        "--seed",
+        "7",
+        "--out",
+        s(root),
+    ]);
     (root.join("compressed"), root.join("portable"))
 }
 
@@ -48,19 +70,46 @@ fn torch_checkpoint_resharded_4_to_3_to_4_ranks_and_onto_a_2x2_mesh_is_unchanged
     let out = fo(&["ckpt", "convert", &src, s(&t.join("r3")), "--ranks", "3"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("3 ranks"));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("1 key(s) with no elements are not stored: empty"), "{err}");
+    assert!(
+        err.contains("1 key(s) with no elements are not stored: empty"),
+        "{err}"
+    );
     ok(&["ckpt", "verify", s(&t.join("r3"))]);
     let inspect = ok(&["ckpt", "inspect", s(&t.join("r3"))]);
-    assert!(inspect.contains("fo checkpoint: 3 files") && inspect.contains("mesh [3] [S0]"), "{inspect}");
-    ok(&["ckpt", "convert", s(&t.join("r3")), s(&t.join("r4")), "--ranks", "4"]);
-    ok(&["ckpt", "convert", &src, s(&t.join("tp")), "--mesh", "2,2", "--placements", "S0,S1"]);
+    assert!(
+        inspect.contains("fo checkpoint: 3 files") && inspect.contains("mesh [3] [S0]"),
+        "{inspect}"
+    );
+    ok(&[
+        "ckpt",
+        "convert",
+        s(&t.join("r3")),
+        s(&t.join("r4")),
+        "--ranks",
+        "4",
+    ]);
+    ok(&[
+        "ckpt",
+        "convert",
+        &src,
+        s(&t.join("tp")),
+        "--mesh",
+        "2,2",
+        "--placements",
+        "S0,S1",
+    ]);
     for dst in ["r3", "r4", "tp"] {
         let out = fo(&["ckpt", "diff", "--json", &src, s(&t.join(dst))]);
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         // The only difference: torch's [0, 4] key `empty` holds no element, and fo's
         // format stores no chunk for an empty shard, so the key is not carried over.
-        let not_equal: Vec<_> =
-            j["keys"].as_array().unwrap().iter().filter(|k| k["status"] != "equal").map(|k| k["key"].clone()).collect();
+        let not_equal: Vec<_> = j["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|k| k["status"] != "equal")
+            .map(|k| k["key"].clone())
+            .collect();
         assert_eq!(not_equal, vec![serde_json::json!("empty")], "{dst}");
     }
     std::fs::remove_dir_all(&t).unwrap();
@@ -70,9 +119,25 @@ fn torch_checkpoint_resharded_4_to_3_to_4_ranks_and_onto_a_2x2_mesh_is_unchanged
 /// destination group's absmax a'.
 fn absmax(ck: &Path, key: &str, sqrt: bool) -> f64 {
     let ck = Checkpoint::open(ck).unwrap();
-    let shape = ck.keys.get(key).or_else(|| ck.keys.get(&format!("{key}::quantized"))).unwrap().global_shape.clone();
-    let v = ck.read_f32(key, &ShardSpec::unsharded(shape).unwrap()).unwrap();
-    v.iter().map(|&x| if sqrt { (x as f64).sqrt() } else { (x as f64).abs() }).fold(0.0, f64::max)
+    let shape = ck
+        .keys
+        .get(key)
+        .or_else(|| ck.keys.get(&format!("{key}::quantized")))
+        .unwrap()
+        .global_shape
+        .clone();
+    let v = ck
+        .read_f32(key, &ShardSpec::unsharded(shape).unwrap())
+        .unwrap();
+    v.iter()
+        .map(|&x| {
+            if sqrt {
+                (x as f64).sqrt()
+            } else {
+                (x as f64).abs()
+            }
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Every moment of `b` lies within docs/checkpoints.md's requantization bound of `a`'s.
@@ -90,7 +155,11 @@ fn assert_within_requant_bound(a: &Path, b: &Path) -> usize {
             // |sqrt v' - sqrt v| <= e = a'(1/510 + 2^-10), so |v' - v| <= e (2 a' + e).
             let am = absmax(a, key, true);
             let e = am * (1.0 / 510.0 + 2f64.powi(-10));
-            assert!(max_abs <= e * (2.0 * am + e), "{key}: {max_abs} > {}", e * (2.0 * am + e));
+            assert!(
+                max_abs <= e * (2.0 * am + e),
+                "{key}: {max_abs} > {}",
+                e * (2.0 * am + e)
+            );
         } else {
             assert_eq!(k["status"], "equal", "{key}");
             continue;
@@ -105,21 +174,51 @@ fn fo_compressed_state_converts_to_portable_exactly_and_reshards_within_the_boun
     let t = tmp("fo");
     let (compressed, portable) = demo_checkpoints(&t.join("demo"));
     // compressed -> portable, same ranks: the dequantized values, bit for bit.
-    let out = ok(&["ckpt", "convert", s(&compressed), s(&t.join("p")), "--to", "portable"]);
+    let out = ok(&[
+        "ckpt",
+        "convert",
+        s(&compressed),
+        s(&t.join("p")),
+        "--to",
+        "portable",
+    ]);
     assert!(out.contains("portable"), "{out}");
     assert!(ok(&["ckpt", "inspect", s(&t.join("p"))]).contains("state is portable"));
     ok(&["ckpt", "diff", s(&compressed), s(&t.join("p"))]);
     ok(&["ckpt", "diff", s(&portable), s(&t.join("p"))]);
     // compressed 3 -> 2 ranks stays compressed, requantized in the new groups.
-    ok(&["ckpt", "convert", s(&compressed), s(&t.join("c2")), "--ranks", "2"]);
+    ok(&[
+        "ckpt",
+        "convert",
+        s(&compressed),
+        s(&t.join("c2")),
+        "--ranks",
+        "2",
+    ]);
     assert!(ok(&["ckpt", "inspect", s(&t.join("c2"))]).contains("state is compressed"));
     ok(&["ckpt", "verify", s(&t.join("c2"))]);
     assert!(assert_within_requant_bound(&compressed, &t.join("c2")) > 0);
     // Same ranks and layout: codes and scales are copied, so nothing changes at all.
-    ok(&["ckpt", "convert", s(&compressed), s(&t.join("c3")), "--ranks", "3"]);
+    ok(&[
+        "ckpt",
+        "convert",
+        s(&compressed),
+        s(&t.join("c3")),
+        "--ranks",
+        "3",
+    ]);
     ok(&["ckpt", "diff", s(&compressed), s(&t.join("c3"))]);
     // portable -> compressed: quantized afresh, within the same bound.
-    ok(&["ckpt", "convert", s(&portable), s(&t.join("q")), "--to", "compressed", "--ranks", "2"]);
+    ok(&[
+        "ckpt",
+        "convert",
+        s(&portable),
+        s(&t.join("q")),
+        "--to",
+        "compressed",
+        "--ranks",
+        "2",
+    ]);
     assert!(ok(&["ckpt", "inspect", s(&t.join("q"))]).contains("state is compressed"));
     assert!(assert_within_requant_bound(&portable, &t.join("q")) > 0);
     // A converted checkpoint consolidates into FlashOptim's unsharded layout (requantized
@@ -147,17 +246,41 @@ fn dst_is_never_left_half_written() {
     let mut b = [0u8];
     f.read_exact_at(&mut b, len - 1).unwrap();
     f.write_all_at(&[b[0] ^ 0xff], len - 1).unwrap();
-    let out = fo(&["ckpt", "convert", s(&bad), s(&dst), "--ranks", "3", "--force"]);
+    let out = fo(&[
+        "ckpt",
+        "convert",
+        s(&bad),
+        s(&dst),
+        "--ranks",
+        "3",
+        "--force",
+    ]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("checksum"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("checksum"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(ok(&["ckpt", "inspect", s(&dst)]).contains("2 files"));
-    let left: Vec<_> = std::fs::read_dir(&t).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let left: Vec<_> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(left.len(), 2, "{left:?}");
     // --force replaces a good DST.
     ok(&["ckpt", "convert", &src, s(&dst), "--ranks", "3", "--force"]);
     assert!(ok(&["ckpt", "inspect", s(&dst)]).contains("3 files"));
     // Usage errors.
-    let out = fo(&["ckpt", "convert", &src, s(&t.join("x")), "--ranks", "3", "--mesh", "2,2"]);
+    let out = fo(&[
+        "ckpt",
+        "convert",
+        &src,
+        s(&t.join("x")),
+        "--ranks",
+        "3",
+        "--mesh",
+        "2,2",
+    ]);
     assert_eq!(out.status.code(), Some(1));
     let out = fo(&["ckpt", "convert", &src, s(&t.join("x")), "--to", "fp8"]);
     assert_eq!(out.status.code(), Some(2));

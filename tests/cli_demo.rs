@@ -6,14 +6,23 @@ use std::process::Command;
 fn short_demo_passes_its_own_checks() {
     let dir = std::env::temp_dir().join(format!("fo-demo-test-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_fo"))
-        .args(["demo", "--steps", "12", "--ranks", "3", "--seed", "7", "--out"])
+        .args([
+            "demo", "--steps", "12", "--ranks", "3", "--seed", "7", "--out",
+        ])
         .arg(&dir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("all 7 checks passed"), "{stdout}");
-    assert!(stdout.contains("restart on 3 ranks (same sharding) is identical"), "{stdout}");
+    assert!(
+        stdout.contains("restart on 3 ranks (same sharding) is identical"),
+        "{stdout}"
+    );
     // --out keeps the checkpoints: a compressed and a portable one, and the consolidation.
     for sub in ["compressed", "portable", "consolidated"] {
         assert!(dir.join(sub).is_dir(), "{sub} missing");
@@ -23,10 +32,16 @@ fn short_demo_passes_its_own_checks() {
 
 #[test]
 fn rejects_flags_it_cannot_honour() {
-    let out = Command::new(env!("CARGO_BIN_EXE_fo")).args(["demo", "--ranks", "1"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(["demo", "--ranks", "1"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--ranks 1"));
-    let out = Command::new(env!("CARGO_BIN_EXE_fo")).args(["demo", "--steps", "x"]).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(["demo", "--steps", "x"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--steps"));
 }

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{group, run_ranks, Buf, Rng};
-use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy, Table};
+use fo::broadcast::{
+    broadcast_state_dict, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy, Table,
+};
 use fo::shard::{rank_to_coord, Placement, ShardSpec};
 use fo::tensor::contiguous_strides;
 use fo::DType;
@@ -40,7 +42,7 @@ fn random_mesh(world: usize, rng: &mut Rng) -> Vec<usize> {
     let mut mesh = vec![];
     let mut left = world;
     while left > 1 && mesh.len() < 2 {
-        let divs: Vec<usize> = (2..=left).filter(|d| left % d == 0).collect();
+        let divs: Vec<usize> = (2..=left).filter(|d| left.is_multiple_of(*d)).collect();
         let d = divs[rng.below(divs.len())];
         mesh.push(d);
         left /= d;
@@ -61,10 +63,22 @@ fn random_case(world: usize, seed: u64) -> Case {
     let keys = (0..nkeys)
         .map(|i| {
             let ndim = rng.below(4);
-            let shape: Vec<usize> = (0..ndim).map(|_| if rng.chance(1, 8) { 0 } else { 1 + rng.below(9) }).collect();
+            let shape: Vec<usize> = (0..ndim)
+                .map(|_| {
+                    if rng.chance(1, 8) {
+                        0
+                    } else {
+                        1 + rng.below(9)
+                    }
+                })
+                .collect();
             let src = DType::ALL[rng.below(DType::ALL.len())];
             let halfish = [DType::F32, DType::BF16, DType::F16];
-            let dst = if halfish.contains(&src) && rng.chance(1, 3) { halfish[rng.below(3)] } else { src };
+            let dst = if halfish.contains(&src) && rng.chance(1, 3) {
+                halfish[rng.below(3)]
+            } else {
+                src
+            };
             let numel: usize = shape.iter().product();
             let placements = (!rng.chance(1, 4)).then(|| {
                 mesh.iter()
@@ -72,7 +86,10 @@ fn random_case(world: usize, seed: u64) -> Case {
                         (0, 0 | 1) | (_, 0) => Placement::Replicate,
                         (0, _) | (_, 1) => Placement::Partial,
                         (_, 2) => Placement::Shard(rng.below(ndim)),
-                        _ => Placement::StridedShard { dim: rng.below(ndim), split_factor: 1 + rng.below(3) },
+                        _ => Placement::StridedShard {
+                            dim: rng.below(ndim),
+                            split_factor: 1 + rng.below(3),
+                        },
                     })
                     .collect()
             });
@@ -88,19 +105,36 @@ fn random_case(world: usize, seed: u64) -> Case {
             }
         })
         .collect();
-    let strategy = if rng.chance(1, 5) { Strategy::FullBroadcast } else { Strategy::Scatter };
-    Case { mesh, keys, strategy, seed }
+    let strategy = if rng.chance(1, 5) {
+        Strategy::FullBroadcast
+    } else {
+        Strategy::Scatter
+    };
+    Case {
+        mesh,
+        keys,
+        strategy,
+        seed,
+    }
 }
 
 fn spec_at(k: &Key, mesh: &[usize], rank: usize) -> Option<ShardSpec> {
-    k.placements
-        .as_ref()
-        .map(|pl| ShardSpec::new(k.shape.clone(), mesh.to_vec(), rank_to_coord(rank, mesh), pl.clone()).unwrap())
+    k.placements.as_ref().map(|pl| {
+        ShardSpec::new(
+            k.shape.clone(),
+            mesh.to_vec(),
+            rank_to_coord(rank, mesh),
+            pl.clone(),
+        )
+        .unwrap()
+    })
 }
 
 /// The reference slice: every local element looked up through the per-dim indices.
 fn reference_slice(k: &Key, spec: Option<&ShardSpec>) -> Vec<u8> {
-    let Some(spec) = spec else { return k.full.clone() };
+    let Some(spec) = spec else {
+        return k.full.clone();
+    };
     let es = k.src.size();
     let idx: Vec<Vec<usize>> = (0..k.shape.len()).map(|d| spec.indices(d)).collect();
     let local: Vec<usize> = idx.iter().map(Vec::len).collect();
@@ -123,15 +157,30 @@ fn cast_ref(b: &[u8], src: DType, dst: DType) -> Vec<u8> {
         return b.to_vec();
     }
     let vals: Vec<f32> = match src {
-        DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-        DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         _ => unreachable!(),
     };
     match dst {
         DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::BF16 => vals.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect(),
-        DType::F16 => vals.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
         _ => unreachable!(),
     }
 }
@@ -165,8 +214,11 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
         .iter()
         .zip(full_bufs.iter_mut())
         .map(|(k, b)| {
-            let t =
-                if k.full_transposed { b.strided(k.src, &k.shape, &[1, k.shape[0]]) } else { b.view(k.src, &k.shape) };
+            let t = if k.full_transposed {
+                b.strided(k.src, &k.shape, &[1, k.shape[0]])
+            } else {
+                b.view(k.src, &k.shape)
+            };
             (k.key.clone(), t)
         })
         .collect();
@@ -174,7 +226,10 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
     let mut dest_bufs: Vec<(usize, Buf, Vec<usize>)> = vec![];
     for (i, k) in case.keys.iter().enumerate() {
         let spec = spec_at(k, &case.mesh, rank);
-        let shape = spec.as_ref().map(|s| s.local_shape()).unwrap_or(k.shape.clone());
+        let shape = spec
+            .as_ref()
+            .map(|s| s.local_shape())
+            .unwrap_or(k.shape.clone());
         let n: usize = shape.iter().product();
         dest_bufs.push((i, Buf::filled(n * k.dst.size(), 0xAB), shape));
     }
@@ -182,29 +237,49 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
         .iter_mut()
         .map(|(i, b, shape)| {
             let k = &case.keys[*i];
-            let tensor =
-                if k.dest_transposed { b.strided(k.dst, shape, &[1, shape[0].max(1)]) } else { b.view(k.dst, shape) };
-            BroadcastDest { key: k.key.clone(), tensor, spec: spec_at(k, &case.mesh, rank) }
+            let tensor = if k.dest_transposed {
+                b.strided(k.dst, shape, &[1, shape[0].max(1)])
+            } else {
+                b.view(k.dst, shape)
+            };
+            BroadcastDest {
+                key: k.key.clone(),
+                tensor,
+                spec: spec_at(k, &case.mesh, rank),
+            }
         })
         .collect();
     for i in (1..dests.len()).rev() {
         dests.swap(i, rng.below(i + 1));
     }
-    let opts = BroadcastOptions { strategy: case.strategy, ..Default::default() };
-    let stats = unsafe { broadcast_state_dict(&comm, (rank == 0).then_some(&full[..]), &dests, &opts) }
-        .unwrap_or_else(|e| panic!("seed {}: rank {rank}: {e}", case.seed));
-    let out = dests.iter().map(|d| (d.key.clone(), unsafe { d.tensor.to_tensor() }.data)).collect();
+    let opts = BroadcastOptions {
+        strategy: case.strategy,
+        ..Default::default()
+    };
+    let stats =
+        unsafe { broadcast_state_dict(&comm, (rank == 0).then_some(&full[..]), &dests, &opts) }
+            .unwrap_or_else(|e| panic!("seed {}: rank {rank}: {e}", case.seed));
+    let out = dests
+        .iter()
+        .map(|d| (d.key.clone(), unsafe { d.tensor.to_tensor() }.data))
+        .collect();
     (stats, out)
 }
 
 fn check_case(world: usize, seed: u64) {
     let case = Arc::new(random_case(world, seed));
     let c2 = case.clone();
-    let results = run_ranks(group(world, 10.0), Duration::from_secs(20), move |comm| run_rank(&c2, comm));
+    let results = run_ranks(group(world, 10.0), Duration::from_secs(20), move |comm| {
+        run_rank(&c2, comm)
+    });
     let table_len = 8 + {
         let mut bufs: Vec<Buf> = case.keys.iter().map(|k| Buf::from_bytes(&k.full)).collect();
-        let full: Vec<(String, fo::HostTensor)> =
-            case.keys.iter().zip(bufs.iter_mut()).map(|(k, b)| (k.key.clone(), b.view(k.src, &k.shape))).collect();
+        let full: Vec<(String, fo::HostTensor)> = case
+            .keys
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(k, b)| (k.key.clone(), b.view(k.src, &k.shape)))
+            .collect();
         Table::from_full(&full).unwrap().encode().len() as u64
     };
     let mut sent_expected = 0u64;
@@ -231,11 +306,20 @@ fn check_case(world: usize, seed: u64) {
                 k
             );
         }
-        assert_eq!(stats.bytes_received, expect_bytes, "seed {seed} rank {rank}: received bytes");
-        assert_eq!(stats.table_bytes, table_len, "seed {seed} rank {rank}: table bytes");
+        assert_eq!(
+            stats.bytes_received, expect_bytes,
+            "seed {seed} rank {rank}: received bytes"
+        );
+        assert_eq!(
+            stats.table_bytes, table_len,
+            "seed {seed} rank {rank}: table bytes"
+        );
         assert_eq!(stats.tensors, case.keys.len() as u64);
     }
-    assert_eq!(results[0].0.bytes_sent, sent_expected, "seed {seed}: bytes sent by rank 0");
+    assert_eq!(
+        results[0].0.bytes_sent, sent_expected,
+        "seed {seed}: bytes sent by rank 0"
+    );
 }
 
 #[test]
@@ -271,7 +355,10 @@ fn a_rank_with_an_empty_shard_receives_only_the_table() {
                 shape: vec![3, 5],
                 full: (0..15).collect(),
                 full_transposed: false,
-                placements: Some(vec![Placement::StridedShard { dim: 0, split_factor: 2 }]),
+                placements: Some(vec![Placement::StridedShard {
+                    dim: 0,
+                    split_factor: 2,
+                }]),
                 dest_transposed: false,
             },
         ],
@@ -279,7 +366,9 @@ fn a_rank_with_an_empty_shard_receives_only_the_table() {
         seed: 7,
     });
     let c2 = case.clone();
-    let results = run_ranks(group(4, 10.0), Duration::from_secs(20), move |comm| run_rank(&c2, comm));
+    let results = run_ranks(group(4, 10.0), Duration::from_secs(20), move |comm| {
+        run_rank(&c2, comm)
+    });
     assert_eq!(results[3].0.bytes_received, 0);
     // rank 0: rows {0, 1} of a (8 bytes), rows {0, 2} of b (10 bytes).
     assert_eq!(results[0].0.bytes_received, 8 + 10);
@@ -307,8 +396,12 @@ fn scatter_moves_a_shard_where_full_broadcast_moves_everything() {
         })
     };
     let (s, f) = (mk(Strategy::Scatter), mk(Strategy::FullBroadcast));
-    let rs = run_ranks(group(4, 10.0), Duration::from_secs(20), move |c| run_rank(&s, c).0);
-    let rf = run_ranks(group(4, 10.0), Duration::from_secs(20), move |c| run_rank(&f, c).0);
+    let rs = run_ranks(group(4, 10.0), Duration::from_secs(20), move |c| {
+        run_rank(&s, c).0
+    });
+    let rf = run_ranks(group(4, 10.0), Duration::from_secs(20), move |c| {
+        run_rank(&f, c).0
+    });
     for r in 0..4 {
         assert_eq!(rs[r].bytes_received, 256, "rank {r}: a quarter of 1 KiB");
         assert_eq!(rf[r].bytes_received, 1024, "rank {r}: the full tensor");
@@ -323,12 +416,25 @@ fn keys_no_rank_asks_for_are_listed_but_never_sent() {
         let rank = comm.rank();
         let mut a = Buf::from_bytes(&[1u8; 16]);
         let mut opt = Buf::from_bytes(&[2u8; 4096]);
-        let full =
-            [("a".to_string(), a.view(DType::F32, &[4])), ("optim.exp_avg".to_string(), opt.view(DType::F32, &[1024]))];
+        let full = [
+            ("a".to_string(), a.view(DType::F32, &[4])),
+            ("optim.exp_avg".to_string(), opt.view(DType::F32, &[1024])),
+        ];
         let mut d = Buf::filled(16, 0);
-        let dests = [BroadcastDest { key: "a".into(), tensor: d.view(DType::F32, &[4]), spec: None }];
-        let st = unsafe { broadcast_state_dict(&comm, (rank == 0).then_some(&full[..]), &dests, &Default::default()) }
-            .unwrap();
+        let dests = [BroadcastDest {
+            key: "a".into(),
+            tensor: d.view(DType::F32, &[4]),
+            spec: None,
+        }];
+        let st = unsafe {
+            broadcast_state_dict(
+                &comm,
+                (rank == 0).then_some(&full[..]),
+                &dests,
+                &Default::default(),
+            )
+        }
+        .unwrap();
         (st, d.bytes().to_vec())
     });
     for (st, d) in out {

@@ -14,17 +14,32 @@ use half::{bf16, f16};
 fn encode(d: DType, v: &[f32]) -> Vec<u8> {
     match d {
         DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-        DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect(),
         _ => unreachable!(),
     }
 }
 
 fn decode(d: DType, b: &[u8]) -> Vec<f32> {
     match d {
-        DType::F32 => b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-        DType::BF16 => b.chunks(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::F16 => b.chunks(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F32 => b
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        DType::BF16 => b
+            .chunks(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::F16 => b
+            .chunks(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         _ => unreachable!(),
     }
 }
@@ -60,7 +75,11 @@ fn random_grads(world: usize, seed: u64) -> Vec<Grads> {
 }
 
 fn expected_total(all: &[Grads], p: f64) -> f64 {
-    let shard = all.iter().flatten().filter(|g| g.2).flat_map(|g| g.1.iter());
+    let shard = all
+        .iter()
+        .flatten()
+        .filter(|g| g.2)
+        .flat_map(|g| g.1.iter());
     let rep = all[0].iter().filter(|g| !g.2).flat_map(|g| g.1.iter());
     let vals: Vec<f64> = shard.chain(rep).map(|&x| (x as f64).abs()).collect();
     if p.is_infinite() {
@@ -77,10 +96,17 @@ fn run(all: Arc<Vec<Grads>>, max_norm: f64, p: f64, err_nonfinite: bool) -> Outc
     let world = all.len();
     run_ranks(group(world, 5.0), Duration::from_secs(15), move |comm| {
         let mine = &all[comm.rank()];
-        let mut bufs: Vec<Buf> = mine.iter().map(|(d, v, _)| Buf::from_bytes(&encode(*d, v))).collect();
-        let grads: Vec<(fo::HostTensor, bool)> =
-            mine.iter().zip(bufs.iter_mut()).map(|((d, v, s), b)| (b.view(*d, &[v.len()]), *s)).collect();
-        let r = unsafe { clip_grad_norm(&comm, &grads, max_norm, p, err_nonfinite) }.map_err(|e| e.to_string());
+        let mut bufs: Vec<Buf> = mine
+            .iter()
+            .map(|(d, v, _)| Buf::from_bytes(&encode(*d, v)))
+            .collect();
+        let grads: Vec<(fo::HostTensor, bool)> = mine
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|((d, v, s), b)| (b.view(*d, &[v.len()]), *s))
+            .collect();
+        let r = unsafe { clip_grad_norm(&comm, &grads, max_norm, p, err_nonfinite) }
+            .map_err(|e| e.to_string());
         (r, bufs.iter().map(|b| b.bytes().to_vec()).collect())
     })
 }
@@ -95,7 +121,10 @@ fn total_norm_counts_shards_and_replicated_grads_once_for_every_p() {
             let max_norm = want * 0.5 + 0.01;
             let out = run(all.clone(), max_norm, p, false);
             let total = *out[0].0.as_ref().unwrap();
-            assert!((total - want).abs() <= 1e-9 * want.max(1.0), "world {world} p {p}: {total} vs {want}");
+            assert!(
+                (total - want).abs() <= 1e-9 * want.max(1.0),
+                "world {world} p {p}: {total} vs {want}"
+            );
             for (rank, (r, bytes)) in out.iter().enumerate() {
                 assert_eq!(
                     r.as_ref().unwrap().to_bits(),
@@ -104,9 +133,16 @@ fn total_norm_counts_shards_and_replicated_grads_once_for_every_p() {
                 );
                 let coef = max_norm / (total + 1e-6);
                 for ((d, v, _), b) in all[rank].iter().zip(bytes) {
-                    let scaled: Vec<f32> =
-                        if coef < 1.0 { v.iter().map(|&x| x * coef as f32).collect() } else { v.clone() };
-                    assert_eq!(b, &encode(*d, &scaled), "world {world} p {p} rank {rank} {d}");
+                    let scaled: Vec<f32> = if coef < 1.0 {
+                        v.iter().map(|&x| x * coef as f32).collect()
+                    } else {
+                        v.clone()
+                    };
+                    assert_eq!(
+                        b,
+                        &encode(*d, &scaled),
+                        "world {world} p {p} rank {rank} {d}"
+                    );
                 }
             }
         }
@@ -121,7 +157,10 @@ fn no_gradients_anywhere_is_a_zero_norm_and_no_hang() {
 
 #[test]
 fn a_norm_under_max_norm_leaves_gradients_bit_identical() {
-    let all = Arc::new(vec![vec![(DType::BF16, vec![0.1, -0.2], true)], vec![(DType::F16, vec![0.3], true)]]);
+    let all = Arc::new(vec![
+        vec![(DType::BF16, vec![0.1, -0.2], true)],
+        vec![(DType::F16, vec![0.3], true)],
+    ]);
     let out = run(all.clone(), 10.0, 2.0, false);
     assert_eq!(out[0].1[0], encode(DType::BF16, &all[0][0].1));
     assert_eq!(out[1].1[0], encode(DType::F16, &all[1][0].1));
@@ -134,8 +173,15 @@ fn a_nan_on_one_rank_is_every_ranks_error_and_nothing_is_scaled() {
     let out = run(all.clone(), 1.0, 2.0, true);
     for (rank, (r, bytes)) in out.iter().enumerate() {
         let e = r.as_ref().unwrap_err();
-        assert!(e.contains("numerics error") && e.contains("NaN"), "rank {rank}: {e}");
-        assert_eq!(bytes[0], encode(DType::F32, &all[rank][0].1), "rank {rank}: grads must be untouched");
+        assert!(
+            e.contains("numerics error") && e.contains("NaN"),
+            "rank {rank}: {e}"
+        );
+        assert_eq!(
+            bytes[0],
+            encode(DType::F32, &all[rank][0].1),
+            "rank {rank}: grads must be untouched"
+        );
     }
     // Without the check the total is NaN on every rank (torch then scales by NaN too).
     let out = run(all, 1.0, f64::INFINITY, false);
@@ -146,7 +192,9 @@ fn a_nan_on_one_rank_is_every_ranks_error_and_nothing_is_scaled() {
 fn an_inf_gradient_gives_an_infinite_total() {
     let all = Arc::new(vec![vec![(DType::F16, vec![f32::INFINITY], true)], vec![]]);
     let out = run(all, 1.0, 2.0, false);
-    assert!(out.iter().all(|(r, _)| *r.as_ref().unwrap() == f64::INFINITY));
+    assert!(out
+        .iter()
+        .all(|(r, _)| *r.as_ref().unwrap() == f64::INFINITY));
 }
 
 #[test]
@@ -158,9 +206,15 @@ fn a_bad_argument_on_one_rank_fails_every_rank_without_a_hang() {
         let g = vec![(b.view(DType::I32, &[1]), true)];
         let none: Vec<(fo::HostTensor, bool)> = vec![];
         let grads = if comm.rank() == 1 { &g } else { &none };
-        unsafe { clip_grad_norm(&comm, grads, 1.0, p, false) }.unwrap_err().to_string()
+        unsafe { clip_grad_norm(&comm, grads, 1.0, p, false) }
+            .unwrap_err()
+            .to_string()
     });
     // Rank 1's I32 gradient is the lowest failing rank's error, reported everywhere.
     assert!(out.iter().all(|e| e == &out[0]), "{out:?}");
-    assert!(out[0].contains("grads[0] is I32") && out[0].contains("(on rank 1)"), "{}", out[0]);
+    assert!(
+        out[0].contains("grads[0] is I32") && out[0].contains("(on rank 1)"),
+        "{}",
+        out[0]
+    );
 }

@@ -10,7 +10,9 @@ fn nccl_comm_is_a_clear_error_where_it_cannot_work() {
         #[cfg(not(feature = "cuda"))]
         Err(Error::Unsupported(m)) => assert!(m.contains("--features cuda"), "{m}"),
         #[cfg(feature = "cuda")]
-        Err(Error::Unsupported(m)) => assert!(m.contains("libcuda") || m.contains("libnccl"), "{m}"),
+        Err(Error::Unsupported(m)) => {
+            assert!(m.contains("libcuda") || m.contains("libnccl"), "{m}")
+        }
         // With both libraries present, the NULL communicator itself is refused.
         #[cfg(feature = "cuda")]
         Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, "nccl_comm"),

@@ -16,7 +16,9 @@ fn view<T>(v: &mut [T], dtype: DType, shape: &[i64]) -> HostTensor {
 }
 
 fn bf16(v: &[f32]) -> Vec<u16> {
-    v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()
+    v.iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect()
 }
 
 fn wave(n: usize, k: f32) -> Vec<f32> {
@@ -32,9 +34,12 @@ fn a_param_without_grad_gets_no_state() {
     let mut g = wave(40, 2.0);
     let mut opt = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Fp32, 0)).unwrap();
     unsafe {
-        opt.add_param("a", view(&mut p0, DType::F32, &[40]), None, 0).unwrap();
-        opt.add_param("b", view(&mut p1, DType::F32, &[40]), None, 0).unwrap();
-        opt.step(&[Some(view(&mut g, DType::F32, &[40])), None]).unwrap();
+        opt.add_param("a", view(&mut p0, DType::F32, &[40]), None, 0)
+            .unwrap();
+        opt.add_param("b", view(&mut p1, DType::F32, &[40]), None, 0)
+            .unwrap();
+        opt.step(&[Some(view(&mut g, DType::F32, &[40])), None])
+            .unwrap();
     }
     assert!(opt.has_state(0) && !opt.has_state(1));
     assert_eq!(opt.state_keys(1), Vec::<String>::new());
@@ -49,7 +54,10 @@ fn a_param_without_grad_gets_no_state() {
 }
 
 fn snapshot(opt: &Optimizer, i: usize) -> Vec<Tensor> {
-    opt.state_keys(i).iter().map(|k| opt.get_state(i, k).unwrap()).collect()
+    opt.state_keys(i)
+        .iter()
+        .map(|k| opt.get_state(i, k).unwrap())
+        .collect()
 }
 
 #[test]
@@ -69,7 +77,8 @@ fn a_failed_step_changes_no_param_and_no_state() {
         unsafe {
             opt.add_param("w0", view(&mut p0, DType::BF16, &[100]), None, 0)
                 .unwrap();
-            opt.add_param("w1", view(&mut p1, DType::BF16, &[70]), None, 0).unwrap();
+            opt.add_param("w1", view(&mut p1, DType::BF16, &[70]), None, 0)
+                .unwrap();
             opt.step(&[
                 Some(view(&mut g0, DType::BF16, &[100])),
                 Some(view(&mut g1, DType::BF16, &[70])),
@@ -92,7 +101,10 @@ fn a_failed_step_changes_no_param_and_no_state() {
             ])
         }
         .unwrap_err();
-        assert!(matches!(e, Error::Shape(_)) && e.to_string().contains("w1"), "{e}");
+        assert!(
+            matches!(e, Error::Shape(_)) && e.to_string().contains("w1"),
+            "{e}"
+        );
         // A non-finite grad (numerics checks on), or a wrong count of grads.
         g1[33] = half::bf16::NAN.to_bits();
         let r = unsafe {
@@ -104,7 +116,9 @@ fn a_failed_step_changes_no_param_and_no_state() {
         if check {
             let e = r.unwrap_err();
             assert!(
-                matches!(e, Error::Numerics(_)) && e.to_string().contains("w1") && e.to_string().contains("33"),
+                matches!(e, Error::Numerics(_))
+                    && e.to_string().contains("w1")
+                    && e.to_string().contains("33"),
                 "{e}"
             );
         } else {
@@ -112,8 +126,14 @@ fn a_failed_step_changes_no_param_and_no_state() {
             continue;
         }
         let e = unsafe { opt.step(&[None]) }.unwrap_err();
-        assert!(e.to_string().contains("1 gradients given for 2 parameters"), "{e}");
-        assert_eq!(before, (p0, p1, snapshot(&opt, 0), snapshot(&opt, 1), opt.master(0)));
+        assert!(
+            e.to_string().contains("1 gradients given for 2 parameters"),
+            "{e}"
+        );
+        assert_eq!(
+            before,
+            (p0, p1, snapshot(&opt, 0), snapshot(&opt, 1), opt.master(0))
+        );
     }
 }
 
@@ -126,9 +146,15 @@ fn a_learning_rate_too_small_for_the_weights_is_a_numerics_error() {
     // bf16 without error bits resolves ~2^-8 relative: a 1e-4 step cannot move 64.0.
     let mut p = bf16(&[64.0, 1.0]);
     let mut g = bf16(&[1.0, 1.0]);
-    unsafe { opt.add_param("big", view(&mut p, DType::BF16, &[2]), None, 0).unwrap() };
+    unsafe {
+        opt.add_param("big", view(&mut p, DType::BF16, &[2]), None, 0)
+            .unwrap()
+    };
     let e = unsafe { opt.step(&[Some(view(&mut g, DType::BF16, &[2]))]) }.unwrap_err();
-    assert!(matches!(e, Error::Numerics(_)) && e.to_string().contains("big"), "{e}");
+    assert!(
+        matches!(e, Error::Numerics(_)) && e.to_string().contains("big"),
+        "{e}"
+    );
     assert!(!opt.has_state(0));
     assert_eq!(p, bf16(&[64.0, 1.0]));
     // With 32-bit masters the same step is representable.
@@ -137,7 +163,8 @@ fn a_learning_rate_too_small_for_the_weights_is_a_numerics_error() {
     c.lr = 1e-4;
     let mut opt = Optimizer::new(c).unwrap();
     unsafe {
-        opt.add_param("big", view(&mut p, DType::BF16, &[2]), None, 0).unwrap();
+        opt.add_param("big", view(&mut p, DType::BF16, &[2]), None, 0)
+            .unwrap();
         opt.step(&[Some(view(&mut g, DType::BF16, &[2]))]).unwrap();
     }
     assert!(opt.master(0)[0] < 64.0);
@@ -153,7 +180,16 @@ fn f32_params_refuse_error_bits_and_strided_params_are_refused() {
         "{e}"
     );
     let mut opt = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Fp32, 0)).unwrap();
-    let t = unsafe { HostTensor::new(p.as_mut_ptr() as *mut u8, DType::F32, &[2, 4], Some(&[1, 2]), "p").unwrap() };
+    let t = unsafe {
+        HostTensor::new(
+            p.as_mut_ptr() as *mut u8,
+            DType::F32,
+            &[2, 4],
+            Some(&[1, 2]),
+            "p",
+        )
+        .unwrap()
+    };
     let e = unsafe { opt.add_param("wt", t, None, 0) }.unwrap_err();
     assert!(e.to_string().contains("not contiguous"), "{e}");
     let mut i = [0i32; 4];
@@ -170,12 +206,16 @@ fn strided_and_half_precision_grads_equal_their_contiguous_f32_copies() {
             .flat_map(|r| (0..6).map(move |c| (r, c)))
             .map(|(r, c)| g_rows[c * 5 + r])
             .collect();
-        gt.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+        gt.iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
         let mut runs = Vec::new();
         for mode in 0..3 {
             let mut p = wave(30, 0.0);
             let mut opt = Optimizer::new(cfg(Algorithm::AdamW, format, 0)).unwrap();
-            unsafe { opt.add_param("w", view(&mut p, DType::F32, &[5, 6]), None, 0).unwrap() };
+            unsafe {
+                opt.add_param("w", view(&mut p, DType::F32, &[5, 6]), None, 0)
+                    .unwrap()
+            };
             let mut gs = gt.clone();
             let mut gb = bf16(&gt);
             let mut gcol = bf16(&g_rows); // (6, 5) storage, viewed transposed as (5, 6)
@@ -184,7 +224,14 @@ fn strided_and_half_precision_grads_equal_their_contiguous_f32_copies() {
                     0 => view(&mut gs, DType::F32, &[5, 6]),
                     1 => view(&mut gb, DType::BF16, &[5, 6]),
                     _ => unsafe {
-                        HostTensor::new(gcol.as_mut_ptr() as *mut u8, DType::BF16, &[5, 6], Some(&[1, 5]), "g").unwrap()
+                        HostTensor::new(
+                            gcol.as_mut_ptr() as *mut u8,
+                            DType::BF16,
+                            &[5, 6],
+                            Some(&[1, 5]),
+                            "g",
+                        )
+                        .unwrap()
                     },
                 };
                 unsafe { opt.step(&[Some(g)]).unwrap() };
@@ -199,8 +246,14 @@ fn strided_and_half_precision_grads_equal_their_contiguous_f32_copies() {
 #[test]
 fn f16_params_with_quant8_and_24_bit_masters_track_fp32_adamw() {
     let n = 300;
-    let mut p16: Vec<u16> = wave(n, 0.0).iter().map(|&x| half::f16::from_f32(x).to_bits()).collect();
-    let mut p32: Vec<f32> = p16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+    let mut p16: Vec<u16> = wave(n, 0.0)
+        .iter()
+        .map(|&x| half::f16::from_f32(x).to_bits())
+        .collect();
+    let mut p32: Vec<f32> = p16
+        .iter()
+        .map(|&b| half::f16::from_bits(b).to_f32())
+        .collect();
     let mut a = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Quant8, 24)).unwrap();
     let mut b = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Fp32, 0)).unwrap();
     unsafe {
@@ -213,8 +266,10 @@ fn f16_params_with_quant8_and_24_bit_masters_track_fp32_adamw() {
     for t in 0..10 {
         let mut g = wave(n, t as f32);
         unsafe {
-            a.step(&[Some(view(&mut g, DType::F32, &[n as i64]))]).unwrap();
-            b.step(&[Some(view(&mut g, DType::F32, &[n as i64]))]).unwrap();
+            a.step(&[Some(view(&mut g, DType::F32, &[n as i64]))])
+                .unwrap();
+            b.step(&[Some(view(&mut g, DType::F32, &[n as i64]))])
+                .unwrap();
         }
         let (ua, ub): (Vec<f64>, Vec<f64>) = a
             .master(0)
@@ -224,7 +279,9 @@ fn f16_params_with_quant8_and_24_bit_masters_track_fp32_adamw() {
             .map(|((x, y), z)| ((x - z) as f64, (y - z) as f64))
             .unzip();
         let dot: f64 = ua.iter().zip(&ub).map(|(x, y)| x * y).sum();
-        let cos = dot / (ua.iter().map(|x| x * x).sum::<f64>().sqrt() * ub.iter().map(|x| x * x).sum::<f64>().sqrt());
+        let cos = dot
+            / (ua.iter().map(|x| x * x).sum::<f64>().sqrt()
+                * ub.iter().map(|x| x * x).sum::<f64>().sqrt());
         assert!(cos > 0.99, "step {t}: update cosine {cos}");
     }
     assert_eq!(
@@ -249,7 +306,8 @@ fn bf16_quant8_24bit_state_is_3_125_bytes_per_param() {
     unsafe {
         opt.add_param("w", view(&mut p, DType::BF16, &[n as i64]), None, 0)
             .unwrap();
-        opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))]).unwrap();
+        opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))])
+            .unwrap();
     }
     // 1 (exp_avg) + 1 (exp_avg_sq) + 1 (error bits) + 2·2/32 (fp16 scales); with the bf16
     // param and grad that is 7.125 bytes per parameter.
@@ -260,7 +318,8 @@ fn bf16_quant8_24bit_state_is_3_125_bytes_per_param() {
     unsafe {
         opt.add_param("w", view(&mut p, DType::F32, &[n as i64]), None, 0)
             .unwrap();
-        opt.step(&[Some(view(&mut g, DType::F32, &[n as i64]))]).unwrap();
+        opt.step(&[Some(view(&mut g, DType::F32, &[n as i64]))])
+            .unwrap();
     }
     assert_eq!(opt.total_state_bytes(), 8 * n);
 }
@@ -277,7 +336,10 @@ fn set_states_checks_every_entry_before_changing_anything() {
     let m = Tensor::from_f32(vec![n], &wave(n, 5.0)).unwrap();
     let bad_v = Tensor::from_f32(vec![n - 1], &vec![1.0; n - 1]).unwrap();
     let e = opt
-        .set_states(0, &[("exp_avg".into(), m.clone()), ("exp_avg_sq".into(), bad_v)])
+        .set_states(
+            0,
+            &[("exp_avg".into(), m.clone()), ("exp_avg_sq".into(), bad_v)],
+        )
         .unwrap_err();
     assert!(
         matches!(e, Error::Shape(_)) && e.to_string().contains("exp_avg_sq"),
@@ -285,10 +347,18 @@ fn set_states_checks_every_entry_before_changing_anything() {
     );
     assert!(!opt.has_state(0), "a failed load created state");
     let e = opt
-        .set_states(0, &[("exp_avg::quantized".into(), Tensor::zeros(DType::I8, vec![n]))])
+        .set_states(
+            0,
+            &[(
+                "exp_avg::quantized".into(),
+                Tensor::zeros(DType::I8, vec![n]),
+            )],
+        )
         .unwrap_err();
     assert!(e.to_string().contains("must be given together"), "{e}");
-    let e = opt.set_states(0, &[("momentum_buffer".into(), m.clone())]).unwrap_err();
+    let e = opt
+        .set_states(0, &[("momentum_buffer".into(), m.clone())])
+        .unwrap_err();
     assert!(matches!(e, Error::NotFound(_)), "{e}");
     // A portable f32 entry is quantized on load: it reads back as FlashOptim's round trip.
     opt.set_states(
@@ -306,11 +376,17 @@ fn set_states_checks_every_entry_before_changing_anything() {
     let mut want = vec![0f32; n];
     fo::optim::quant8::dequantize_signed(&q, &s, &mut want);
     assert_eq!(opt.get_state(0, "exp_avg").unwrap().to_f32().unwrap(), want);
-    assert_eq!(opt.get_state(0, "step").unwrap().to_f32().unwrap(), vec![7.0]);
+    assert_eq!(
+        opt.get_state(0, "step").unwrap().to_f32().unwrap(),
+        vec![7.0]
+    );
     // `master` rounds into the param and splits the error bits.
     let master: Vec<f32> = wave(n, 9.0).iter().map(|x| x * 1.001).collect();
-    opt.set_states(0, &[("master".into(), Tensor::from_f32(vec![n], &master).unwrap())])
-        .unwrap();
+    opt.set_states(
+        0,
+        &[("master".into(), Tensor::from_f32(vec![n], &master).unwrap())],
+    )
+    .unwrap();
     assert_eq!(p, bf16(&master));
     for (a, b) in opt.master(0).iter().zip(&master) {
         assert!((a - b).abs() <= b.abs() * 2f32.powi(-14), "{a} vs {b}");
@@ -327,11 +403,14 @@ fn group_learning_rates_change_between_steps() {
     let mut b = vec![1.0f32; 4];
     let g = [1.0f32; 4];
     unsafe {
-        opt.add_param("a", view(&mut a, DType::F32, &[4]), None, 0).unwrap();
-        opt.add_param("b", view(&mut b, DType::F32, &[4]), None, g1).unwrap();
+        opt.add_param("a", view(&mut a, DType::F32, &[4]), None, 0)
+            .unwrap();
+        opt.add_param("b", view(&mut b, DType::F32, &[4]), None, g1)
+            .unwrap();
     }
     opt.set_group_lr(g1, 0.0).unwrap();
-    let gv = || unsafe { HostTensor::new(g.as_ptr() as *mut u8, DType::F32, &[4], None, "g").unwrap() };
+    let gv =
+        || unsafe { HostTensor::new(g.as_ptr() as *mut u8, DType::F32, &[4], None, "g").unwrap() };
     unsafe { opt.step(&[Some(gv()), Some(gv())]).unwrap() };
     assert_eq!(a, vec![0.5; 4]);
     assert_eq!(b, vec![1.0; 4]);
@@ -368,7 +447,10 @@ fn results_do_not_depend_on_the_thread_count() {
         };
         for t in 0..3 {
             let mut g = bf16(&wave(n, t as f32));
-            unsafe { opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))]).unwrap() };
+            unsafe {
+                opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))])
+                    .unwrap()
+            };
         }
         outs.push((p, snapshot(&opt, 0)));
     }
@@ -418,7 +500,10 @@ fn quant8_wide_tracks_fp32_closer_than_quant8_with_one_outlier_per_group() {
         unsafe { opt.add_param("w", pv, None, 0).unwrap() };
         for t in 0..15 {
             let mut gb = bf16(&grad(t));
-            unsafe { opt.step(&[Some(view(&mut gb, DType::BF16, &[n as i64]))]).unwrap() };
+            unsafe {
+                opt.step(&[Some(view(&mut gb, DType::BF16, &[n as i64]))])
+                    .unwrap()
+            };
         }
         masters.push(opt.master(0));
     }
@@ -449,7 +534,10 @@ fn sgd_dampens_a_loaded_momentum_buffer_but_not_a_fresh_one() {
         let mut opt = Optimizer::new(c.clone()).unwrap();
         let mut p = vec![0f32; 2];
         let mut g = vec![1f32; 2];
-        unsafe { opt.add_param("w", view(&mut p, DType::F32, &[2]), None, 0).unwrap() };
+        unsafe {
+            opt.add_param("w", view(&mut p, DType::F32, &[2]), None, 0)
+                .unwrap()
+        };
         if loaded {
             opt.set_states(
                 0,
@@ -480,7 +568,14 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
         let e = opt
             .add_param(
                 "b",
-                HostTensor::new(buf.as_mut_ptr().add(4) as *mut u8, DType::F32, &[8], None, "b").unwrap(),
+                HostTensor::new(
+                    buf.as_mut_ptr().add(4) as *mut u8,
+                    DType::F32,
+                    &[8],
+                    None,
+                    "b",
+                )
+                .unwrap(),
                 None,
                 0,
             )
@@ -488,14 +583,31 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
         assert!(e.to_string().contains("overlaps parameter a"), "{e}");
         opt.add_param(
             "c",
-            HostTensor::new(buf.as_mut_ptr().add(8) as *mut u8, DType::F32, &[8], None, "c").unwrap(),
+            HostTensor::new(
+                buf.as_mut_ptr().add(8) as *mut u8,
+                DType::F32,
+                &[8],
+                None,
+                "c",
+            )
+            .unwrap(),
             None,
             0,
         )
         .unwrap();
-        let g = HostTensor::new(buf.as_mut_ptr().add(8) as *mut u8, DType::F32, &[8], None, "g").unwrap();
+        let g = HostTensor::new(
+            buf.as_mut_ptr().add(8) as *mut u8,
+            DType::F32,
+            &[8],
+            None,
+            "g",
+        )
+        .unwrap();
         let e = opt.step(&[Some(g), None]).unwrap_err();
-        assert!(e.to_string().contains("overlaps the memory of parameter c"), "{e}");
+        assert!(
+            e.to_string().contains("overlaps the memory of parameter c"),
+            "{e}"
+        );
     }
     assert!(!opt.has_state(0));
 }
@@ -511,11 +623,21 @@ fn a_saved_bf16_param_and_its_error_bits_restore_the_exact_master() {
     };
     for t in 0..3 {
         let mut g = bf16(&wave(n, t as f32));
-        unsafe { opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))]).unwrap() };
+        unsafe {
+            opt.step(&[Some(view(&mut g, DType::BF16, &[n as i64]))])
+                .unwrap()
+        };
     }
     let master = opt.master(0);
-    let saved_param = Tensor::from_f32(vec![n], &opt.get_state(0, "master").unwrap().to_f32().unwrap()).unwrap();
-    let param_as_stored: Vec<f32> = p.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+    let saved_param = Tensor::from_f32(
+        vec![n],
+        &opt.get_state(0, "master").unwrap().to_f32().unwrap(),
+    )
+    .unwrap();
+    let param_as_stored: Vec<f32> = p
+        .iter()
+        .map(|&b| f32::from_bits((b as u32) << 16))
+        .collect();
     let bits = opt.get_state(0, "error_bits").unwrap();
     assert!(bits.data.iter().any(|&b| b != 0));
     let mut q = bf16(&vec![0.0; n]);
@@ -530,7 +652,10 @@ fn a_saved_bf16_param_and_its_error_bits_restore_the_exact_master() {
     fresh
         .set_states(
             0,
-            &[("error_bits".into(), bits.clone()), ("master".into(), stored.clone())],
+            &[
+                ("error_bits".into(), bits.clone()),
+                ("master".into(), stored.clone()),
+            ],
         )
         .unwrap();
     assert_eq!((fresh.master(0), &q), (master.clone(), &p));
@@ -539,6 +664,8 @@ fn a_saved_bf16_param_and_its_error_bits_restore_the_exact_master() {
         .unwrap();
     assert_eq!(fresh.master(0), master);
     // A full f32 master alone sets both.
-    fresh.set_states(0, &[("master".into(), saved_param)]).unwrap();
+    fresh
+        .set_states(0, &[("master".into(), saved_param)])
+        .unwrap();
     assert_eq!(fresh.master(0), master);
 }

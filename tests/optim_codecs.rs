@@ -33,7 +33,11 @@ fn quant8_codes_scales_and_decoded_values_equal_flashoptim_on_all_22_inputs() {
         quantize_signed(&x, &mut q, &mut s);
         assert_eq!(q, o.i8(&k("momentum.quantized")), "{name}: momentum codes");
         let s_bits: Vec<u16> = s.iter().map(|v| v.to_bits()).collect();
-        assert_eq!(s_bits, o.u16(&k("momentum.scales")), "{name}: momentum scales");
+        assert_eq!(
+            s_bits,
+            o.u16(&k("momentum.scales")),
+            "{name}: momentum scales"
+        );
         let mut d = vec![0f32; x.len()];
         dequantize_signed(&o.i8(&k("momentum.quantized")), &s, &mut d);
         let want = o.f32(&k("momentum.decoded"));
@@ -46,7 +50,11 @@ fn quant8_codes_scales_and_decoded_values_equal_flashoptim_on_all_22_inputs() {
         quantize_unsigned_sqrt(&v, &mut q, &mut s);
         assert_eq!(q, o.u8(&k("variance.quantized")), "{name}: variance codes");
         let s_bits: Vec<u16> = s.iter().map(|v| v.to_bits()).collect();
-        assert_eq!(s_bits, o.u16(&k("variance.scales")), "{name}: variance scales");
+        assert_eq!(
+            s_bits,
+            o.u16(&k("variance.scales")),
+            "{name}: variance scales"
+        );
         dequantize_unsigned_sqrt(&q, &s, &mut d);
         let want = o.f32(&k("variance.decoded"));
         for (i, (a, b)) in d.iter().zip(&want).enumerate() {
@@ -64,7 +72,11 @@ fn check_recon<C: fo::optim::master_split::ErrorCode + PartialEq + std::fmt::Deb
     let mut r = vec![0f32; bf16.len()];
     reconstruct(DType::BF16, bf16, codes, &mut r).unwrap();
     for (i, (a, b)) in r.iter().zip(want).enumerate() {
-        assert!(same_f32(*a, *b), "{what}: recon[{i}] {a} vs {b} (code {:?})", codes[i]);
+        assert!(
+            same_f32(*a, *b),
+            "{what}: recon[{i}] {a} vs {b} (code {:?})",
+            codes[i]
+        );
     }
 }
 
@@ -79,7 +91,10 @@ fn error_bits_and_reconstruction_equal_flashoptim_on_all_11_inputs() {
         let x = o.f32(&k("fp32"));
         let b = o.u16(&k("bf16"));
         // torch's f32 -> bf16 cast is ours too.
-        let ours_b: Vec<u16> = x.iter().map(|&v| fo::optim::master_split::bf16_bits_rne(v)).collect();
+        let ours_b: Vec<u16> = x
+            .iter()
+            .map(|&v| fo::optim::master_split::bf16_bits_rne(v))
+            .collect();
         assert_eq!(ours_b, b, "{name}: bf16 rounding");
         let mut e8 = vec![0i8; x.len()];
         encode_error_bits(DType::BF16, &x, &b, &mut e8).unwrap();

@@ -146,9 +146,13 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
                 continue;
             }
             let u = unit(p.dtype, p.bits, e.abs().max(b.abs()));
-            w.ulps = w
-                .ulps
-                .max(((e as f64 - f as f64).abs() / u).max(if e.is_nan() != f.is_nan() { f64::INFINITY } else { 0.0 }));
+            w.ulps = w.ulps.max(((e as f64 - f as f64).abs() / u).max(
+                if e.is_nan() != f.is_nan() {
+                    f64::INFINITY
+                } else {
+                    0.0
+                },
+            ));
         }
         for k in p.exact.opt.state_keys(i) {
             let (te, tf) = (
@@ -171,12 +175,19 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
                         .max(),
                 };
                 w.codes = w.codes.max(d.unwrap_or(0));
-            } else if k.ends_with("::scales") || matches!(te.dtype, DType::BF16 | DType::F16) && k != "error_bits" {
+            } else if k.ends_with("::scales")
+                || matches!(te.dtype, DType::BF16 | DType::F16) && k != "error_bits"
+            {
                 let d = te
                     .data
                     .chunks_exact(2)
                     .zip(tf.data.chunks_exact(2))
-                    .map(|(a, b)| ord16(u16::from_le_bytes([a[0], a[1]]), u16::from_le_bytes([b[0], b[1]])))
+                    .map(|(a, b)| {
+                        ord16(
+                            u16::from_le_bytes([a[0], a[1]]),
+                            u16::from_le_bytes([b[0], b[1]]),
+                        )
+                    })
                     .max()
                     .unwrap_or(0);
                 if k.ends_with("::scales") {
@@ -207,7 +218,11 @@ fn assert_within(what: &str, w: Worst) {
         w.states16
     );
     assert!(w.codes <= 1, "{what}: quant8 codes differ by {}", w.codes);
-    assert!(w.scales <= 1, "{what}: fp16 scales differ by {} ulps", w.scales);
+    assert!(
+        w.scales <= 1,
+        "{what}: fp16 scales differ by {} ulps",
+        w.scales
+    );
 }
 
 fn oracle_grads(o: &Oracle, n: usize, t: usize) -> Vec<Vec<u8>> {
@@ -235,7 +250,12 @@ fn fast_is_within_the_bound_of_exact_on_every_oracle_step() {
             let steps = c["num_steps"].as_u64().unwrap() as usize;
             let init: Vec<Vec<u8>> = (0..n).map(|i| o.bytes(&format!("p{i}.init"))).collect();
             let shapes: Vec<Vec<usize>> = (0..n).map(|i| o.shape(&format!("p{i}.init"))).collect();
-            let mut p = Pair::new(&config_for(&c, format), init, shapes, dtype_of(o.dtype("p0.init")));
+            let mut p = Pair::new(
+                &config_for(&c, format),
+                init,
+                shapes,
+                dtype_of(o.dtype("p0.init")),
+            );
             let gdt = dtype_of(o.dtype("p0.grads"));
             let mut w = Worst::default();
             for t in 0..steps {
@@ -263,7 +283,10 @@ impl Rng {
 
 fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
     match Half::from_dtype(dtype) {
-        Ok(h) => v.iter().flat_map(|&x| h.from_f32(x).to_le_bytes()).collect(),
+        Ok(h) => v
+            .iter()
+            .flat_map(|&x| h.from_f32(x).to_le_bytes())
+            .collect(),
         Err(_) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
@@ -406,7 +429,10 @@ fn fast_tracks_torch_fp32_on_every_oracle_trajectory() {
     // Exact quant8 diverges on the wide-gradient case (FlashOptim's format); quant8_wide
     // is the format that holds it, in fast arithmetic too.
     let (cos, nmse) = fast_accuracy("flash_adamw_mw24_wide_grads", StateFormat::Quant8Wide);
-    assert!(cos > 0.99 && nmse < 0.01, "wide grads quant8_wide fast: {cos} {nmse}");
+    assert!(
+        cos > 0.99 && nmse < 0.01,
+        "wide grads quant8_wide fast: {cos} {nmse}"
+    );
 }
 
 /// A digest of every oracle case's fast trajectory (params and raw state, every step).
@@ -418,7 +444,11 @@ fn fast_digest() -> u64 {
         }
     };
     for name in FLASH_CASES {
-        for format in [StateFormat::Quant8, StateFormat::Quant8Wide, StateFormat::ParamDtype] {
+        for format in [
+            StateFormat::Quant8,
+            StateFormat::Quant8Wide,
+            StateFormat::ParamDtype,
+        ] {
             let c = case("flash", name);
             let bytes = read(c["file"].as_str().unwrap());
             let o = Oracle::new(&bytes);
@@ -453,7 +483,11 @@ fn every_kernel_path_gives_the_same_fast_bits() {
     for isa in ["generic", "avx2"] {
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .env("FO_KERNEL_ISA", isa)
-            .args(["--exact", "every_kernel_path_gives_the_same_fast_bits", "--nocapture"])
+            .args([
+                "--exact",
+                "every_kernel_path_gives_the_same_fast_bits",
+                "--nocapture",
+            ])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -470,7 +504,9 @@ fn fp32_state_steps_the_same_under_either_arithmetic() {
     let shapes = vec![vec![100]];
     let init = vec![encode(
         DType::F32,
-        &(0..100).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(),
+        &(0..100)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect::<Vec<_>>(),
     )];
     for (name, mut cfg) in rules() {
         cfg.state_format = StateFormat::Fp32;
@@ -478,7 +514,9 @@ fn fp32_state_steps_the_same_under_either_arithmetic() {
         let mut p = Pair::new(&cfg, init.clone(), shapes.clone(), DType::F32);
         let g = vec![encode(
             DType::F32,
-            &(0..100).map(|i| (i as f32 * 0.11).cos()).collect::<Vec<_>>(),
+            &(0..100)
+                .map(|i| (i as f32 * 0.11).cos())
+                .collect::<Vec<_>>(),
         )];
         for _ in 0..3 {
             step(&mut p.exact, &shapes, &mut g.clone(), DType::F32);

@@ -93,7 +93,11 @@ fn state_dict_loads(name: &str) {
     }
     let keys: Vec<String> = o.0.names().into_iter().map(|s| s.to_string()).collect();
     for portable in [false, true] {
-        let prefix = if portable { "state_dict_portable" } else { "state_dict" };
+        let prefix = if portable {
+            "state_dict_portable"
+        } else {
+            "state_dict"
+        };
         let mut fresh = Run::new(&o, n, cfg.clone());
         for i in 0..n {
             fresh.bufs[i].copy_from_slice(&run.bufs[i]);
@@ -101,7 +105,12 @@ fn state_dict_loads(name: &str) {
             let entries: Vec<(String, Tensor)> = keys
                 .iter()
                 .filter_map(|k| k.strip_prefix(&pre).map(|s| (s.to_string(), k)))
-                .map(|(s, k)| (s, Tensor::new(dtype_of(o.dtype(k)), o.shape(k), o.bytes(k)).unwrap()))
+                .map(|(s, k)| {
+                    (
+                        s,
+                        Tensor::new(dtype_of(o.dtype(k)), o.shape(k), o.bytes(k)).unwrap(),
+                    )
+                })
                 .collect();
             assert!(!entries.is_empty());
             fresh.opt.set_states(i, &entries).unwrap();

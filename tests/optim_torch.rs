@@ -129,7 +129,10 @@ fn bf16_case(name: &str) {
             })
             .collect();
         let (cos, nmse) = cosine_nmse(&got, &want);
-        assert!(cos > 0.99 && nmse < 0.01, "{name} step {t}: cosine {cos}, nmse {nmse}");
+        assert!(
+            cos > 0.99 && nmse < 0.01,
+            "{name} step {t}: cosine {cos}, nmse {nmse}"
+        );
     }
     // State is held in bf16: 2 + 2 bytes per element, read back exactly as bf16.
     let numel: usize = run.shapes.iter().map(|s| s.iter().product::<usize>()).sum();

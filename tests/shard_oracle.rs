@@ -8,19 +8,30 @@ fn placement(v: &Value) -> Placement {
     match v["kind"].as_str().unwrap() {
         "replicate" => Placement::Replicate,
         "shard" => Placement::Shard(dim()),
-        "strided_shard" => Placement::StridedShard { dim: dim(), split_factor: v["split_factor"].as_u64().unwrap() as usize },
+        "strided_shard" => Placement::StridedShard {
+            dim: dim(),
+            split_factor: v["split_factor"].as_u64().unwrap() as usize,
+        },
         "partial" => Placement::Partial,
         k => panic!("unknown placement kind {k}"),
     }
 }
 
 fn usizes(v: &Value) -> Vec<usize> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as usize)
+        .collect()
 }
 
 #[test]
 fn matches_every_torch_shard_case() {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/oracle/shard_cases.json")).unwrap();
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/oracle/shard_cases.json"
+    ))
+    .unwrap();
     let doc: Value = serde_json::from_str(&text).unwrap();
     let cases = doc["cases"].as_array().unwrap();
     assert_eq!(cases.len() as u64, doc["num_cases"].as_u64().unwrap());
@@ -30,12 +41,23 @@ fn matches_every_torch_shard_case() {
         let id = case["id"].as_str().unwrap();
         let shape = usizes(&case["global_shape"]);
         let mesh = usizes(&case["mesh_shape"]);
-        let pl: Vec<Placement> = case["placements"].as_array().unwrap().iter().map(placement).collect();
+        let pl: Vec<Placement> = case["placements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(placement)
+            .collect();
         for r in case["ranks"].as_array().unwrap() {
             let coord = usizes(&r["coord"]);
-            let spec = ShardSpec::new(shape.clone(), mesh.clone(), coord.clone(), pl.clone()).unwrap();
+            let spec =
+                ShardSpec::new(shape.clone(), mesh.clone(), coord.clone(), pl.clone()).unwrap();
             let info = spec.info();
-            let want_idx: Vec<Vec<usize>> = r["indices"].as_array().unwrap().iter().map(usizes).collect();
+            let want_idx: Vec<Vec<usize>> = r["indices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(usizes)
+                .collect();
             let got_idx: Vec<Vec<usize>> = (0..shape.len()).map(|d| spec.indices(d)).collect();
             let ok = info.local_shape == usizes(&r["local_shape"])
                 && info.global_offset == usizes(&r["global_offset"])
@@ -48,13 +70,23 @@ fn matches_every_torch_shard_case() {
                 ));
             }
             // is_box must agree with the index lists themselves.
-            let contiguous = want_idx.iter().all(|v| v.windows(2).all(|w| w[1] == w[0] + 1));
+            let contiguous = want_idx
+                .iter()
+                .all(|v| v.windows(2).all(|w| w[1] == w[0] + 1));
             assert_eq!(info.is_box, contiguous, "{id} coord {coord:?}: is_box");
             coords_checked += 1;
         }
     }
-    assert!(failures.is_empty(), "{} of {coords_checked} coordinates differ from torch:\n{}", failures.len(), failures.join("\n"));
-    assert!(coords_checked > 1000, "only {coords_checked} coordinates checked");
+    assert!(
+        failures.is_empty(),
+        "{} of {coords_checked} coordinates differ from torch:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert!(
+        coords_checked > 1000,
+        "only {coords_checked} coordinates checked"
+    );
 }
 
 #[test]
@@ -64,11 +96,20 @@ fn chunks_cover_the_shard_exactly() {
         vec![10, 7],
         vec![2, 3],
         vec![1, 2],
-        vec![Placement::StridedShard { dim: 1, split_factor: 3 }, Placement::Shard(0)],
+        vec![
+            Placement::StridedShard {
+                dim: 1,
+                split_factor: 3,
+            },
+            Placement::Shard(0),
+        ],
     )
     .unwrap();
     let chunks = spec.chunks();
-    let n: usize = chunks.iter().map(|c| c.shape.iter().product::<usize>()).sum();
+    let n: usize = chunks
+        .iter()
+        .map(|c| c.shape.iter().product::<usize>())
+        .sum();
     assert_eq!(n, spec.local_numel());
     for c in &chunks {
         for d in 0..2 {

@@ -108,7 +108,10 @@ pub unsafe fn broadcast_state_dict_checked(
     let root_table = if is_root {
         match (&full, full_err) {
             (_, Some(e)) => Err(e),
-            (None, None) => Err(Error::invalid("full", "rank 0 must pass the full state dict")),
+            (None, None) => Err(Error::invalid(
+                "full",
+                "rank 0 must pass the full state dict",
+            )),
             (Some(f), None) => Table::from_full(f).map(Some),
         }
     } else {
@@ -128,7 +131,8 @@ pub unsafe fn broadcast_state_dict_checked(
         None => Table::decode(&bytes),
     };
     // 3. this rank's destinations against the table.
-    let checked = table.and_then(|t| dests.and_then(|d| plan::plan(rank, world, &t, &d, opts).map(|p| (t, d, p))));
+    let checked = table
+        .and_then(|t| dests.and_then(|d| plan::plan(rank, world, &t, &d, opts).map(|p| (t, d, p))));
     stats.control_bytes += 8;
     let (table, dests, plans) = agree(comm, checked)?;
     // 4. agreement on which keys move, and how.
@@ -145,8 +149,11 @@ pub unsafe fn broadcast_state_dict_checked(
         )));
     }
     // 5. the data, in table (sorted) order.
-    let by_key: std::collections::HashMap<&str, &HostTensor> =
-        full.iter().flatten().map(|(key, t)| (key.as_str(), t)).collect();
+    let by_key: std::collections::HashMap<&str, &HostTensor> = full
+        .iter()
+        .flatten()
+        .map(|(key, t)| (key.as_str(), t))
+        .collect();
     let mut received: Vec<(usize, Vec<u8>)> = Vec::new();
     let mut cast_err: Option<Error> = None;
     for (i, p) in plans.iter().enumerate() {
@@ -162,7 +169,12 @@ pub unsafe fn broadcast_state_dict_checked(
         let buf = move_one(comm, e, p, src.as_deref(), opts, &mut stats)?;
         stats.tensors += 1;
         if cast_err.is_none() {
-            match cast::cast(buf, e.dtype, dests[p.dest].tensor.dtype(), &format!("key {:?}", e.key)) {
+            match cast::cast(
+                buf,
+                e.dtype,
+                dests[p.dest].tensor.dtype(),
+                &format!("key {:?}", e.key),
+            ) {
                 Ok(b) => received.push((p.dest, b)),
                 Err(err) => cast_err = Some(err),
             }
@@ -189,7 +201,12 @@ fn move_one(
     let es = e.dtype.size();
     let full_bytes = checked_numel(&e.shape, &format!("key {:?}", e.key))?
         .checked_mul(es)
-        .ok_or_else(|| Error::invalid(format!("key {:?}", e.key), format!("shape {:?} overflows", e.shape)))?;
+        .ok_or_else(|| {
+            Error::invalid(
+                format!("key {:?}", e.key),
+                format!("shape {:?} overflows", e.shape),
+            )
+        })?;
     let others = comm.world_size() as u64 - 1;
     let broadcast_full = |stats: &mut BroadcastStats| -> Result<Vec<u8>> {
         let mut buf = match src {
@@ -203,7 +220,9 @@ fn move_one(
         }
         Ok(buf)
     };
-    let Some(spec) = &p.spec else { return broadcast_full(stats) };
+    let Some(spec) = &p.spec else {
+        return broadcast_full(stats);
+    };
     if opts.strategy == Strategy::FullBroadcast || !comm.supports_scatter() {
         let full = broadcast_full(stats)?;
         return Ok(gather_shard(&full, es, spec));
@@ -211,14 +230,24 @@ fn move_one(
     let parts: Option<Vec<Vec<u8>>> = match src {
         Some(src) => Some(
             (0..comm.world_size())
-                .map(|r| Ok(gather_shard(src, es, &spec.at_coord(rank_to_coord(r, spec.mesh_shape()))?)))
+                .map(|r| {
+                    Ok(gather_shard(
+                        src,
+                        es,
+                        &spec.at_coord(rank_to_coord(r, spec.mesh_shape()))?,
+                    ))
+                })
                 .collect::<Result<_>>()?,
         ),
         None => None,
     };
     if let Some(parts) = &parts {
-        stats.bytes_sent +=
-            parts.iter().enumerate().filter(|(r, _)| *r != comm.rank()).map(|(_, x)| x.len() as u64).sum::<u64>();
+        stats.bytes_sent += parts
+            .iter()
+            .enumerate()
+            .filter(|(r, _)| *r != comm.rank())
+            .map(|(_, x)| x.len() as u64)
+            .sum::<u64>();
     }
     let mut recv = try_zeroed(spec.local_numel() * es, &format!("key {:?}", e.key))?;
     comm.scatter(parts, &mut recv, 0)?;

@@ -35,7 +35,10 @@ pub(super) fn plan(
             )));
         };
         if plans[t].is_some() {
-            return Err(Error::invalid(format!("dests[{i}].key"), format!("key {k:?} has two destinations")));
+            return Err(Error::invalid(
+                format!("dests[{i}].key"),
+                format!("key {k:?} has two destinations"),
+            ));
         }
         let e = &table.0[t];
         let local_shape = match &d.spec {
@@ -72,15 +75,24 @@ pub(super) fn plan(
             return Err(Error::Shape(format!(
                 "key {k:?}: destination has shape {:?} but {} {:?}",
                 d.tensor.shape(),
-                if d.spec.is_some() { "this rank's shard of rank 0's tensor is" } else { "rank 0's tensor is" },
+                if d.spec.is_some() {
+                    "this rank's shard of rank 0's tensor is"
+                } else {
+                    "rank 0's tensor is"
+                },
                 local_shape
             )));
         }
-        cast::check(e.dtype, d.tensor.dtype(), opts.allow_int_float_cast).map_err(|err| match err {
-            Error::Dtype(m) => Error::Dtype(format!("key {k:?}: {m}")),
-            other => other,
-        })?;
-        plans[t] = Some(Plan { dest: i, spec: d.spec.clone() });
+        cast::check(e.dtype, d.tensor.dtype(), opts.allow_int_float_cast).map_err(
+            |err| match err {
+                Error::Dtype(m) => Error::Dtype(format!("key {k:?}: {m}")),
+                other => other,
+            },
+        )?;
+        plans[t] = Some(Plan {
+            dest: i,
+            spec: d.spec.clone(),
+        });
     }
     Ok(plans)
 }

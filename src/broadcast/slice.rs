@@ -23,7 +23,10 @@ pub fn gather_shard(full: &[u8], esize: usize, spec: &ShardSpec) -> Vec<u8> {
     let outer: Vec<Vec<usize>> = (0..j).map(|d| runs[d].to_vec()).collect();
     let mut pick = vec![0usize; j];
     loop {
-        let base: usize = (0..j).map(|d| outer[d][pick[d]] * strides[d]).sum::<usize>() * esize;
+        let base: usize = (0..j)
+            .map(|d| outer[d][pick[d]] * strides[d])
+            .sum::<usize>()
+            * esize;
         for run in &runs[j].0 {
             let start = base + run.start * block;
             out.extend_from_slice(&full[start..start + run.len() * block]);
@@ -53,7 +56,13 @@ mod tests {
     fn strided_rows_and_sharded_columns_come_out_in_local_order() {
         // 4x3 tensor of bytes 0..12; rank (1, 1) of a 2x2 mesh, rows _StridedShard(0, 2), cols Shard(1).
         let full: Vec<u8> = (0..12).collect();
-        let pl = vec![StridedShard { dim: 0, split_factor: 2 }, Shard(1)];
+        let pl = vec![
+            StridedShard {
+                dim: 0,
+                split_factor: 2,
+            },
+            Shard(1),
+        ];
         let spec = ShardSpec::new(vec![4, 3], vec![2, 2], vec![1, 1], pl).unwrap();
         // rows {1, 3}, cols {2}
         assert_eq!(gather_shard(&full, 1, &spec), vec![5, 11]);

@@ -23,7 +23,11 @@ impl Table {
     pub fn from_full(full: &[(String, HostTensor)]) -> Result<Table> {
         let mut m = BTreeMap::new();
         for (i, (k, t)) in full.iter().enumerate() {
-            let e = Entry { key: k.clone(), dtype: t.dtype(), shape: t.shape().to_vec() };
+            let e = Entry {
+                key: k.clone(),
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+            };
             if m.insert(k.clone(), (i, e)).is_some() {
                 return Err(Error::invalid(
                     format!("full[{i}].key"),
@@ -58,7 +62,9 @@ impl Table {
         let bad = || Error::Comm("the table received from rank 0 is malformed".into());
         let mut at = 0usize;
         let mut take = |n: usize| -> Result<&[u8]> {
-            let s = b.get(at..at.checked_add(n).ok_or_else(bad)?).ok_or_else(bad)?;
+            let s = b
+                .get(at..at.checked_add(n).ok_or_else(bad)?)
+                .ok_or_else(bad)?;
             at += n;
             Ok(s)
         };
@@ -68,8 +74,11 @@ impl Table {
         for _ in 0..count {
             let klen = u32_(take(4)?) as usize;
             let key = String::from_utf8(take(klen)?.to_vec()).map_err(|_| bad())?;
-            let dtype =
-                DType::from_code(i32::from_le_bytes(take(4)?.try_into().unwrap()), "table dtype").map_err(|_| bad())?;
+            let dtype = DType::from_code(
+                i32::from_le_bytes(take(4)?.try_into().unwrap()),
+                "table dtype",
+            )
+            .map_err(|_| bad())?;
             let ndim = u32_(take(4)?) as usize;
             let shape = (0..ndim)
                 .map(|_| take(8).map(|s| u64::from_le_bytes(s.try_into().unwrap()) as usize))
@@ -93,7 +102,10 @@ mod tests {
         let mut b = [0u8; 1];
         let t = |p: *mut u8, d, s: &[i64]| unsafe { HostTensor::new(p, d, s, None, "t").unwrap() };
         let full = vec![
-            ("z.weight".to_string(), t(a.as_mut_ptr() as *mut u8, DType::F32, &[2, 3])),
+            (
+                "z.weight".to_string(),
+                t(a.as_mut_ptr() as *mut u8, DType::F32, &[2, 3]),
+            ),
             ("a.flag".to_string(), t(b.as_mut_ptr(), DType::Bool, &[])),
         ];
         let table = Table::from_full(&full).unwrap();

@@ -70,7 +70,9 @@ pub fn xxh64_seeded(data: &[u8], seed: u64) -> u64 {
         i += 4;
     }
     for &b in &data[i..] {
-        h = (h ^ (b as u64).wrapping_mul(P5)).rotate_left(11).wrapping_mul(P1);
+        h = (h ^ (b as u64).wrapping_mul(P5))
+            .rotate_left(11)
+            .wrapping_mul(P1);
     }
     h ^= h >> 33;
     h = h.wrapping_mul(P2);
@@ -99,7 +101,11 @@ pub fn block_hex(data: &[u8], bind: u64) -> String {
 
 /// The checksum of block `k` of a chunk, as stored: 16 lowercase hex digits.
 pub fn block_sum(bytes: &[u8], bind: u64, k: usize) -> String {
-    let seed = if bind == 0 { 0 } else { xxh64_seeded(&(k as u64).to_le_bytes(), bind) };
+    let seed = if bind == 0 {
+        0
+    } else {
+        xxh64_seeded(&(k as u64).to_le_bytes(), bind)
+    };
     format!("{:016x}", xxh64_seeded(bytes, seed))
 }
 
@@ -120,7 +126,10 @@ mod tests {
         assert_eq!(xxh64(b""), 0xEF46DB3751D8E999);
         assert_eq!(xxh64(b"a"), 0xD24EC4F1A98C6E5B);
         assert_eq!(xxh64(b"abc"), 0x44BC2CF5AD770999);
-        assert_eq!(xxh64(b"Nobody inspects the spammish repetition"), 0xFBCEA83C8A378BF1);
+        assert_eq!(
+            xxh64(b"Nobody inspects the spammish repetition"),
+            0xFBCEA83C8A378BF1
+        );
         // Seeded vectors, from the Python `xxhash` package (the reference C library).
         assert_eq!(xxh64_seeded(b"", 1), 0xD5AFBA1336A3BE4B);
         assert_eq!(xxh64_seeded(b"abc", 1), 0xBEA9CA8199328908);
@@ -132,9 +141,18 @@ mod tests {
     fn bound_checksums_depend_on_placement() {
         let d = [1u8, 2, 3, 4];
         let a = chunk_binding("k", "F32", &[1], &[0]);
-        assert_ne!(block_hex(&d, a), block_hex(&d, chunk_binding("k", "F32", &[1], &[1])));
-        assert_ne!(block_hex(&d, a), block_hex(&d, chunk_binding("k", "I32", &[1], &[0])));
-        assert_ne!(block_hex(&d, a), block_hex(&d, chunk_binding("j", "F32", &[1], &[0])));
+        assert_ne!(
+            block_hex(&d, a),
+            block_hex(&d, chunk_binding("k", "F32", &[1], &[1]))
+        );
+        assert_ne!(
+            block_hex(&d, a),
+            block_hex(&d, chunk_binding("k", "I32", &[1], &[0]))
+        );
+        assert_ne!(
+            block_hex(&d, a),
+            block_hex(&d, chunk_binding("j", "F32", &[1], &[0]))
+        );
         assert_eq!(block_hex(&d, 0), format!("{:016x}", xxh64(&d)));
     }
 

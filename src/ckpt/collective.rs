@@ -44,7 +44,10 @@ pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
     let local = if !save_id.is_empty() && save_id != id {
         Err(Error::invalid(
             "save_id",
-            format!("rank {} saves {save_id:?} while rank 0 saves {id:?}", comm.rank()),
+            format!(
+                "rank {} saves {save_id:?} while rank 0 saves {id:?}",
+                comm.rank()
+            ),
         ))
     } else {
         Ok(())
@@ -55,7 +58,12 @@ pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
 
 /// Saves `opt`'s state of this rank (`o.rank`/`o.world_size` must be the communicator's)
 /// and commits the save collectively. Returns the save id.
-pub fn save_optimizer_comm(opt: &Optimizer, dir: &Path, o: &SaveOptions, comm: &Comm) -> Result<String> {
+pub fn save_optimizer_comm(
+    opt: &Optimizer,
+    dir: &Path,
+    o: &SaveOptions,
+    comm: &Comm,
+) -> Result<String> {
     let local = if o.rank != comm.rank() || o.world_size != comm.world_size() {
         Err(Error::invalid(
             "options.rank",
@@ -77,7 +85,9 @@ pub fn save_optimizer_comm(opt: &Optimizer, dir: &Path, o: &SaveOptions, comm: &
         let mut popts = pack_options(opt, o);
         popts.save_id = save_id.clone();
         let plan = super::pack::plan(&metas, &popts)?;
-        let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetch(opt, &srcs[e]).map(Cow::Owned))?;
+        let staged = stage_rank_file(dir, &plan, &popts, &mut |e| {
+            fetch(opt, &srcs[e]).map(Cow::Owned)
+        })?;
         let parts = staged.num_parts();
         let digest = publish(dir, staged)?;
         mark_done(dir, &save_id, o.rank, o.world_size, &digest, parts)

@@ -20,7 +20,8 @@ use serde::{Deserialize, Serialize};
 
 use super::checksum::xxh64;
 use super::format::{
-    parse_part_file_name, parse_shard_file_name, part_file_name, read_header, shard_file_name, DIGEST_KEY,
+    parse_part_file_name, parse_shard_file_name, part_file_name, read_header, shard_file_name,
+    DIGEST_KEY,
 };
 use crate::error::{Error, Result};
 
@@ -151,7 +152,14 @@ pub fn clear_marker(dir: &Path, save_id: &str, rank: usize) -> Result<()> {
 
 /// Writes `rank`'s done marker for save `save_id` (no commit attempt): the header digest
 /// of its rank file and how many files (parts) it staged.
-pub fn mark_done(dir: &Path, save_id: &str, rank: usize, world_size: usize, digest: &str, parts: usize) -> Result<()> {
+pub fn mark_done(
+    dir: &Path,
+    save_id: &str,
+    rank: usize,
+    world_size: usize,
+    digest: &str,
+    parts: usize,
+) -> Result<()> {
     let stage = stage_dir(dir, save_id);
     let done = Done {
         save_id: save_id.to_string(),
@@ -226,7 +234,10 @@ fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
         let n = commit.parts_of(r);
         for j in (0..n).rev() {
             let from = stage.join(part_file_name(r, j, n));
-            ignore_missing(std::fs::rename(&from, dir.join(part_file_name(r, j, n))), &from)?;
+            ignore_missing(
+                std::fs::rename(&from, dir.join(part_file_name(r, j, n))),
+                &from,
+            )?;
         }
     }
     for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
@@ -236,8 +247,8 @@ fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
         };
         // Parts of ranks beyond the world or of a rank that now writes another number of
         // parts are an older save's: torch's reader would read every one.
-        let stale_part =
-            parse_part_file_name(name).is_some_and(|(r, _, n)| r >= commit.world_size || n != commit.parts_of(r));
+        let stale_part = parse_part_file_name(name)
+            .is_some_and(|(r, _, n)| r >= commit.world_size || n != commit.parts_of(r));
         if stale_part || parse_shard_file_name(name).is_some_and(|r| r >= commit.world_size) {
             ignore_missing(std::fs::remove_file(&p), &p)?;
         } else if name.starts_with(STAGE_PREFIX) {
@@ -275,7 +286,12 @@ fn stated_digest(path: &Path) -> Option<String> {
 pub fn committed_files(dir: &Path, commit: &Commit) -> Result<Vec<PathBuf>> {
     (0..commit.world_size)
         .map(|r| {
-            if let Some(p) = committed_file(dir, &commit.save_id, &shard_file_name(r), &commit.digests[r]) {
+            if let Some(p) = committed_file(
+                dir,
+                &commit.save_id,
+                &shard_file_name(r),
+                &commit.digests[r],
+            ) {
                 return Ok(p);
             }
             Err(Error::NotFound(format!(

@@ -30,12 +30,17 @@ pub struct Consolidated {
 
 /// The base of a compressed pair key (`state.w.exp_avg::quantized` -> `state.w.exp_avg`).
 fn pair_base(key: &str) -> Option<&str> {
-    key.strip_suffix("::quantized").or_else(|| key.strip_suffix("::scales"))
+    key.strip_suffix("::quantized")
+        .or_else(|| key.strip_suffix("::scales"))
 }
 
 /// Consolidates checkpoint `dir` into `out`. `progress(done_bytes, total_bytes)` is
 /// called after each key (the CLI draws its progress bar from it).
-pub fn consolidate(dir: &Path, out: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Consolidated> {
+pub fn consolidate(
+    dir: &Path,
+    out: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Consolidated> {
     let ck = Checkpoint::open(dir)?;
     let mut entries = Vec::new();
     let mut at = 0u64;
@@ -43,16 +48,20 @@ pub fn consolidate(dir: &Path, out: &Path, progress: &mut dyn FnMut(u64, u64)) -
         let shape = match pair_base(key) {
             Some(base) if ck.is_compressed(base) && key.ends_with("::scales") => {
                 vec![num_groups(
-                    ck.key(&format!("{base}::quantized"))?.global_shape.iter().product(),
+                    ck.key(&format!("{base}::quantized"))?
+                        .global_shape
+                        .iter()
+                        .product(),
                 )]
             }
             _ => info.global_shape.clone(),
         };
-        let dtype = if key.ends_with("::scales") && pair_base(key).is_some_and(|b| ck.is_compressed(b)) {
-            DType::F16
-        } else {
-            info.dtype
-        };
+        let dtype =
+            if key.ends_with("::scales") && pair_base(key).is_some_and(|b| ck.is_compressed(b)) {
+                DType::F16
+            } else {
+                info.dtype
+            };
         let n = (shape.iter().product::<usize>() * dtype.size()) as u64;
         entries.push(TensorEntry {
             name: key.clone(),
@@ -79,7 +88,10 @@ pub fn consolidate(dir: &Path, out: &Path, progress: &mut dyn FnMut(u64, u64)) -
                     if pair_cache.as_ref().map(|(b, _)| b.as_str()) != Some(base) {
                         let codes = ck.key(&format!("{base}::quantized"))?;
                         let spec = ShardSpec::unsharded(codes.global_shape.clone())?;
-                        pair_cache = Some((base.to_string(), ck.read_quant8(base, &spec, codes.dtype == DType::I8)?));
+                        pair_cache = Some((
+                            base.to_string(),
+                            ck.read_quant8(base, &spec, codes.dtype == DType::I8)?,
+                        ));
                     }
                     let q = &pair_cache.as_ref().unwrap().1;
                     if e.name.ends_with("::quantized") {
@@ -97,7 +109,10 @@ pub fn consolidate(dir: &Path, out: &Path, progress: &mut dyn FnMut(u64, u64)) -
         }
         Ok(())
     })?;
-    let weight_map: BTreeMap<&str, &str> = entries.iter().map(|e| (e.name.as_str(), CONSOLIDATED_FILE)).collect();
+    let weight_map: BTreeMap<&str, &str> = entries
+        .iter()
+        .map(|e| (e.name.as_str(), CONSOLIDATED_FILE))
+        .collect();
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     let index_path = out.join(INDEX_FILE);
     write_atomic(

@@ -155,7 +155,10 @@ pub struct Header {
 /// the given order.
 pub fn encode_header(metadata: &BTreeMap<String, String>, tensors: &[TensorEntry]) -> Vec<u8> {
     let mut obj = serde_json::Map::new();
-    obj.insert("__metadata__".into(), serde_json::to_value(metadata).unwrap());
+    obj.insert(
+        "__metadata__".into(),
+        serde_json::to_value(metadata).unwrap(),
+    );
     for t in tensors {
         obj.insert(
             t.name.clone(),
@@ -163,7 +166,7 @@ pub fn encode_header(metadata: &BTreeMap<String, String>, tensors: &[TensorEntry
         );
     }
     let mut json = serde_json::to_vec(&Value::Object(obj)).unwrap();
-    while (json.len() + 8) % 8 != 0 {
+    while !(json.len() + 8).is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
@@ -187,7 +190,8 @@ pub fn read_header(path: &Path, file: &File) -> Result<Header> {
         ));
     }
     let mut len8 = [0u8; 8];
-    file.read_exact_at(&mut len8, 0).map_err(|e| Error::io(path, e))?;
+    file.read_exact_at(&mut len8, 0)
+        .map_err(|e| Error::io(path, e))?;
     let n = u64::from_le_bytes(len8);
     if n > MAX_HEADER || 8 + n > file_len {
         return Err(corrupt(
@@ -196,9 +200,10 @@ pub fn read_header(path: &Path, file: &File) -> Result<Header> {
         ));
     }
     let mut buf = vec![0u8; n as usize];
-    file.read_exact_at(&mut buf, 8).map_err(|e| Error::io(path, e))?;
-    let json: Value =
-        serde_json::from_slice(&buf).map_err(|e| corrupt(path, format!("header is not valid JSON: {e}")))?;
+    file.read_exact_at(&mut buf, 8)
+        .map_err(|e| Error::io(path, e))?;
+    let json: Value = serde_json::from_slice(&buf)
+        .map_err(|e| corrupt(path, format!("header is not valid JSON: {e}")))?;
     let Value::Object(obj) = json else {
         return Err(corrupt(path, "header is not a JSON object"));
     };
@@ -213,7 +218,10 @@ pub fn read_header(path: &Path, file: &File) -> Result<Header> {
             };
             for (k, v) in m {
                 let Value::String(s) = v else {
-                    return Err(corrupt(path, format!("__metadata__[{k:?}] is not a string")));
+                    return Err(corrupt(
+                        path,
+                        format!("__metadata__[{k:?}] is not a string"),
+                    ));
                 };
                 metadata.insert(k, s);
             }
@@ -308,14 +316,19 @@ pub fn sharding_info(entries: &[(String, Vec<usize>)]) -> String {
 
 /// Parses `DCP_SHARDING_INFO` into `{name: saved_offsets}`.
 pub fn parse_sharding_info(path: &Path, s: &str) -> Result<BTreeMap<String, Vec<usize>>> {
-    let v: BTreeMap<String, Value> =
-        serde_json::from_str(s).map_err(|e| corrupt(path, format!("DCP_SHARDING_INFO is not valid JSON: {e}")))?;
+    let v: BTreeMap<String, Value> = serde_json::from_str(s)
+        .map_err(|e| corrupt(path, format!("DCP_SHARDING_INFO is not valid JSON: {e}")))?;
     v.into_iter()
         .map(|(k, e)| {
             let offs = e
                 .get("saved_offsets")
                 .and_then(|o| serde_json::from_value(o.clone()).ok())
-                .ok_or_else(|| corrupt(path, format!("DCP_SHARDING_INFO[{k:?}] has no valid saved_offsets")))?;
+                .ok_or_else(|| {
+                    corrupt(
+                        path,
+                        format!("DCP_SHARDING_INFO[{k:?}] has no valid saved_offsets"),
+                    )
+                })?;
             Ok((k, offs))
         })
         .collect()
@@ -327,10 +340,19 @@ mod tests {
 
     #[test]
     fn shard_file_names_round_trip() {
-        assert_eq!(shard_file_name(0), "shard-00001-model-00001-of-00001.safetensors");
+        assert_eq!(
+            shard_file_name(0),
+            "shard-00001-model-00001-of-00001.safetensors"
+        );
         assert_eq!(part_file_name(0, 0, 3), shard_file_name(0));
-        assert_eq!(part_file_name(1, 2, 3), "shard-00002-model-00003-of-00003.safetensors");
-        assert_eq!(parse_part_file_name(&part_file_name(1, 2, 3)), Some((1, 2, 3)));
+        assert_eq!(
+            part_file_name(1, 2, 3),
+            "shard-00002-model-00003-of-00003.safetensors"
+        );
+        assert_eq!(
+            parse_part_file_name(&part_file_name(1, 2, 3)),
+            Some((1, 2, 3))
+        );
         assert_eq!(parse_part_file_name(&shard_file_name(1)), None);
         assert_eq!(parse_shard_file_name(&part_file_name(1, 2, 3)), None);
         assert_eq!(parse_shard_file_name(&shard_file_name(41)), Some(41));
@@ -366,7 +388,9 @@ mod tests {
         assert_eq!(parsed.data_start, h.len() as u64);
         // Truncated data: named as such.
         std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
-        let e = read_header(&p, &File::open(&p).unwrap()).unwrap_err().to_string();
+        let e = read_header(&p, &File::open(&p).unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("truncated") && e.contains("\"a\""), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -43,7 +43,9 @@ pub mod writer;
 
 pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
-pub use optim::{load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions};
+pub use optim::{
+    load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions,
+};
 pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};
 pub use quant::Quant8;
 pub use reader::{Checkpoint, KeyInfo, SavedChunk};

@@ -68,7 +68,9 @@ pub(super) enum Source {
 /// registered twice: the optimizer refuses overlapping params, so no state is doubled;
 /// `pack::plan` also packs a repeated key once.)
 fn packed_params(opt: &Optimizer) -> Vec<usize> {
-    (0..opt.num_params()).filter(|&i| opt.param(i).numel() > 0).collect()
+    (0..opt.num_params())
+        .filter(|&i| opt.param(i).numel() > 0)
+        .collect()
 }
 
 pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>, Vec<Source>) {
@@ -116,7 +118,9 @@ pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>,
         let keys = opt.state_keys(i);
         let mut done = BTreeSet::new();
         for k in &keys {
-            let (name, raw) = k.split_once("::").map_or((k.as_str(), None), |(n, r)| (n, Some(r)));
+            let (name, raw) = k
+                .split_once("::")
+                .map_or((k.as_str(), None), |(n, r)| (n, Some(r)));
             let full = |n: &str| format!("state.{fqn}.{n}");
             let st = |key: &str, dtype| Source::State {
                 i,
@@ -161,8 +165,19 @@ pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>,
                     }
                 }
                 (_, Some("quantized")) => {
-                    let d = if name == "exp_avg_sq" { DType::U8 } else { DType::I8 };
-                    push(full(k), d, shape.clone(), spec.clone(), Layout::Elementwise, st(k, d))
+                    let d = if name == "exp_avg_sq" {
+                        DType::U8
+                    } else {
+                        DType::I8
+                    };
+                    push(
+                        full(k),
+                        d,
+                        shape.clone(),
+                        spec.clone(),
+                        Layout::Elementwise,
+                        st(k, d),
+                    )
                 }
                 (_, Some(_)) => {
                     let g = crate::optim::quant8::num_groups(p.numel());
@@ -178,7 +193,9 @@ pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>,
                 }
                 (_, None) => {
                     // param-dtype state stays in its dtype when compressed (exact), f32 when portable.
-                    let d = if o.mode == Mode::Compressed && cfg.state_format == StateFormat::ParamDtype {
+                    let d = if o.mode == Mode::Compressed
+                        && cfg.state_format == StateFormat::ParamDtype
+                    {
                         p.dtype()
                     } else {
                         DType::F32
@@ -246,7 +263,9 @@ pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
     let mut popts = pack_options(opt, o);
     popts.save_id = resolve_save_id(&o.save_id, o.world_size)?;
     let plan = super::pack::plan(&metas, &popts)?;
-    let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetch(opt, &srcs[e]).map(Cow::Owned))?;
+    let staged = stage_rank_file(dir, &plan, &popts, &mut |e| {
+        fetch(opt, &srcs[e]).map(Cow::Owned)
+    })?;
     finish(dir, staged)
 }
 
@@ -326,14 +345,19 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
             .filter_map(|k| k.strip_prefix(&prefix))
             .map(|n| base(n).to_string())
             .collect();
-        let expected: BTreeSet<String> = opt.state_keys(i).iter().map(|k| base(k).to_string()).collect();
+        let expected: BTreeSet<String> = opt
+            .state_keys(i)
+            .iter()
+            .map(|k| base(k).to_string())
+            .collect();
         for m in expected.difference(&saved) {
             report.missing.push(format!("{prefix}{m}"));
         }
         let mut entries = Vec::new();
         for name in &saved {
             let key = format!("{prefix}{name}");
-            let has_bits = cfg.master_weight_bits != 0 && matches!(p.dtype(), DType::BF16 | DType::F16);
+            let has_bits =
+                cfg.master_weight_bits != 0 && matches!(p.dtype(), DType::BF16 | DType::F16);
             if name == "error_bits" && !has_bits {
                 continue; // no master split here: reported as unexpected below
             }
@@ -368,7 +392,9 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
                 // stay (a "master" entry would recompute them from the rounded value).
                 entries.push((RAW_PARAM.into(), t));
             } else {
-                let v = t.to_f32().map_err(|e| Error::Dtype(format!("key {fqn}: {e}")))?;
+                let v = t
+                    .to_f32()
+                    .map_err(|e| Error::Dtype(format!("key {fqn}: {e}")))?;
                 entries.push(("master".into(), Tensor::from_f32(dest.local_shape(), &v)?));
             }
             report.loaded.push(fqn.clone());
@@ -401,7 +427,10 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
 }
 
 /// The saved hyper-parameters for each group of `opt` (same algorithm and format only).
-fn saved_groups(ck: &Checkpoint, opt: &Optimizer) -> Result<Vec<(usize, crate::optim::OptimConfig)>> {
+fn saved_groups(
+    ck: &Checkpoint,
+    opt: &Optimizer,
+) -> Result<Vec<(usize, crate::optim::OptimConfig)>> {
     let Some(Value::Array(groups)) = ck.meta.as_ref().map(|m| &m.param_groups) else {
         return Ok(vec![]);
     };
@@ -442,16 +471,23 @@ fn apply(
     staged: Vec<(usize, Vec<(String, Tensor)>)>,
     groups: Vec<(usize, crate::optim::OptimConfig)>,
 ) -> Result<()> {
-    let before: BTreeMap<usize, _> = staged.iter().map(|(i, _)| (*i, opt.params[*i].state.clone())).collect();
+    let before: BTreeMap<usize, _> = staged
+        .iter()
+        .map(|(i, _)| (*i, opt.params[*i].state.clone()))
+        .collect();
     // SAFETY: registered params stay valid for the optimizer's lifetime.
     let memory: BTreeMap<usize, Tensor> = staged
         .iter()
         .map(|(i, _)| (*i, unsafe { opt.param(*i).to_tensor() }))
         .collect();
-    let old_groups: Vec<_> = groups.iter().map(|(g, _)| (*g, opt.group_config(*g).clone())).collect();
+    let old_groups: Vec<_> = groups
+        .iter()
+        .map(|(g, _)| (*g, opt.group_config(*g).clone()))
+        .collect();
     let result = (|| {
         for (i, entries) in &staged {
-            let (raw, states): (Vec<_>, Vec<_>) = entries.iter().cloned().partition(|(k, _)| k == RAW_PARAM);
+            let (raw, states): (Vec<_>, Vec<_>) =
+                entries.iter().cloned().partition(|(k, _)| k == RAW_PARAM);
             for (_, t) in raw {
                 // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
                 unsafe { opt.param(*i).write_bytes(&t.data)? };

@@ -59,7 +59,11 @@ impl StateEntry {
     }
 
     /// quant8 scales (fp16, `[ceil(numel/32)]`) of the codes entry `of`.
-    pub fn group_scales(key: impl Into<String>, tensor: Tensor, of: impl Into<String>) -> StateEntry {
+    pub fn group_scales(
+        key: impl Into<String>,
+        tensor: Tensor,
+        of: impl Into<String>,
+    ) -> StateEntry {
         let meta = EntryMeta {
             key: key.into(),
             dtype: tensor.dtype,
@@ -195,7 +199,8 @@ fn placement_names(spec: &Option<ShardSpec>) -> (Vec<usize>, Vec<String>) {
 /// entries with no elements, and shards another coordinate writes, produce no chunk.
 pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
     let write_unsharded = opts.write_unsharded.unwrap_or(opts.rank == 0);
-    let by_key: BTreeMap<&str, &EntryMeta> = entries.iter().rev().map(|e| (e.key.as_str(), e)).collect();
+    let by_key: BTreeMap<&str, &EntryMeta> =
+        entries.iter().rev().map(|e| (e.key.as_str(), e)).collect();
     let mut seen = HashSet::new();
     let mut chunks = Vec::new();
     let mut keys = BTreeMap::new();
@@ -257,7 +262,10 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
                 let codes = by_key.get(of.as_str()).ok_or_else(|| {
                     Error::invalid(
                         "entries",
-                        format!("scales {} refer to codes key {of} which is not packed", e.key),
+                        format!(
+                            "scales {} refer to codes key {of} which is not packed",
+                            e.key
+                        ),
                     )
                 })?;
                 let spec = match &codes.spec {
@@ -412,8 +420,17 @@ mod tests {
             }],
         );
         let t = Tensor::from_f32(vec![4, 2], &[3., 3., 4., 4., 8., 8., 9., 9.]).unwrap();
-        let p = Packed::new(vec![StateEntry::new("w", t, Some(s))], PackOptions::new(1, 2)).unwrap();
-        let names: Vec<(&str, usize)> = p.plan.chunks.iter().map(|c| (c.name.as_str(), c.part)).collect();
+        let p = Packed::new(
+            vec![StateEntry::new("w", t, Some(s))],
+            PackOptions::new(1, 2),
+        )
+        .unwrap();
+        let names: Vec<(&str, usize)> = p
+            .plan
+            .chunks
+            .iter()
+            .map(|c| (c.name.as_str(), c.part))
+            .collect();
         assert_eq!(names, vec![("w", 0), ("w", 1)]);
         assert_eq!(p.plan.chunks[1].global_offset, vec![8, 0]);
         let second: Vec<f32> = p

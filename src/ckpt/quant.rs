@@ -198,7 +198,10 @@ impl Checkpoint {
             scales: Tensor::new(
                 DType::F16,
                 vec![g],
-                scales.iter().flat_map(|s| s.to_bits().to_le_bytes()).collect(),
+                scales
+                    .iter()
+                    .flat_map(|s| s.to_bits().to_le_bytes())
+                    .collect(),
             )?,
             exact: false,
         })

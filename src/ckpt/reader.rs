@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use super::checksum::{block_sum, chunk_binding};
 use super::commit::{committed_file, committed_files, read_commit, Commit, COMMIT_FILE};
 use super::format::{
-    parse_shard_file_name, parse_sharding_info, part_file_name, read_header, shard_file_name, FoKey, FoMeta,
+    parse_shard_file_name, parse_sharding_info, part_file_name, read_header, shard_file_name,
+    FoKey, FoMeta,
 };
 use super::reshard::{overlap_runs, BoxIn, Run};
 use super::validate;
@@ -107,7 +108,12 @@ impl Checkpoint {
                         ));
                     }
                 }
-                validate::same_save(&path, &fo, i, ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())))?;
+                validate::same_save(
+                    &path,
+                    &fo,
+                    i,
+                    ck.meta.as_ref().map(|m| (m, ck.files[0].as_path())),
+                )?;
                 if let Some(c) = &commit {
                     if fo.save_id != c.save_id || fo.world_size != c.world_size {
                         return Err(Error::corrupt(
@@ -161,7 +167,13 @@ impl Checkpoint {
 
     /// Adds the extra part files rank `rank`'s file `path` names (boxes 1.. of strided
     /// shards): each the same save and rank, and stating the digest the rank file names.
-    fn add_parts(&mut self, path: &Path, fo: Option<&FoMeta>, rank: usize, commit: Option<&Commit>) -> Result<()> {
+    fn add_parts(
+        &mut self,
+        path: &Path,
+        fo: Option<&FoMeta>,
+        rank: usize,
+        commit: Option<&Commit>,
+    ) -> Result<()> {
         let Some(fo) = fo else { return Ok(()) };
         let n = fo.parts.len() + 1;
         for (j, want) in (1..n).zip(&fo.parts) {
@@ -201,7 +213,12 @@ impl Checkpoint {
     }
 
     /// Adds a rank file's chunks; returns its fo metadata and stated digest.
-    fn add_file(&mut self, path: &Path, file: &File, idx: usize) -> Result<(Option<FoMeta>, Option<String>)> {
+    fn add_file(
+        &mut self,
+        path: &Path,
+        file: &File,
+        idx: usize,
+    ) -> Result<(Option<FoMeta>, Option<String>)> {
         let h = read_header(path, file)?;
         let digest = h.metadata.get(super::format::DIGEST_KEY).cloned();
         let fo = validate::fo_meta(path, &h)?;
@@ -228,7 +245,10 @@ impl Checkpoint {
                     let off = dcp.get(&t.name).cloned().ok_or_else(|| {
                         Error::corrupt(
                             path,
-                            format!("tensor {:?} has no saved_offsets in DCP_SHARDING_INFO", t.name),
+                            format!(
+                                "tensor {:?} has no saved_offsets in DCP_SHARDING_INFO",
+                                t.name
+                            ),
                         )
                     })?;
                     (t.name.clone(), off, None, None)
@@ -296,9 +316,12 @@ impl Checkpoint {
     }
 
     pub fn key(&self, key: &str) -> Result<&KeyInfo> {
-        self.keys
-            .get(key)
-            .ok_or_else(|| Error::NotFound(format!("key {key} is not in checkpoint {}", self.dir.display())))
+        self.keys.get(key).ok_or_else(|| {
+            Error::NotFound(format!(
+                "key {key} is not in checkpoint {}",
+                self.dir.display()
+            ))
+        })
     }
 
     /// The local shard `dest` describes of `key`, in the saved dtype.
@@ -323,7 +346,12 @@ impl Checkpoint {
 
     /// Fills a local tensor of `local_shape` whose boxes are `dest` (local and global
     /// offsets) from every saved chunk they overlap; errors if any element is in no chunk.
-    pub fn read_chunks(&self, info: &KeyInfo, local_shape: &[usize], dest: &[Chunk]) -> Result<Tensor> {
+    pub fn read_chunks(
+        &self,
+        info: &KeyInfo,
+        local_shape: &[usize],
+        dest: &[Chunk],
+    ) -> Result<Tensor> {
         let mut out = Tensor::zeros(info.dtype, local_shape.to_vec());
         let es = info.dtype.size();
         let mut covered = 0usize;
@@ -356,7 +384,14 @@ impl Checkpoint {
 
     /// Copies `runs` (elements) of saved chunk `c` into `out`, reading only the checksum
     /// blocks they touch and verifying each one.
-    fn read_runs(&self, info: &KeyInfo, c: &SavedChunk, runs: &[Run], es: usize, out: &mut [u8]) -> Result<()> {
+    fn read_runs(
+        &self,
+        info: &KeyInfo,
+        c: &SavedChunk,
+        runs: &[Run],
+        es: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
         let path = &self.files[c.file];
         let file = &self.handles[c.file];
         let io = |e| Error::io(path, e);
@@ -394,7 +429,10 @@ impl Checkpoint {
             while j < blocks.len() && blocks[j] == blocks[j - 1] + 1 {
                 j += 1;
             }
-            let (a, b) = (blocks[i] * block, ((blocks[j - 1] + 1) * block).min(c.nbytes));
+            let (a, b) = (
+                blocks[i] * block,
+                ((blocks[j - 1] + 1) * block).min(c.nbytes),
+            );
             let at = buf.len();
             buf.resize(at + (b - a), 0);
             file.read_exact_at(&mut buf[at..], c.data_start + a as u64)
@@ -460,9 +498,10 @@ fn missing(dir: &Path, rank: usize, why: String) -> Error {
 /// `shard-*` file, ranks 0..n with none missing.
 fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            Error::NotFound(format!("checkpoint directory {} does not exist", dir.display()))
-        }
+        std::io::ErrorKind::NotFound => Error::NotFound(format!(
+            "checkpoint directory {} does not exist",
+            dir.display()
+        )),
         _ => Error::io(dir, e),
     })?;
     let mut ranks = Vec::new();
@@ -488,5 +527,8 @@ fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
             ));
         }
     }
-    Ok(ranks.iter().map(|&r| dir.join(shard_file_name(r))).collect())
+    Ok(ranks
+        .iter()
+        .map(|&r| dir.join(shard_file_name(r)))
+        .collect())
 }

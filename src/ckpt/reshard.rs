@@ -18,7 +18,12 @@ pub struct BoxIn<'a> {
 impl<'a> BoxIn<'a> {
     /// A shard's chunk, inside the local tensor of shape `storage_shape` that holds it.
     pub fn of_chunk(c: &'a Chunk, storage_shape: &'a [usize]) -> BoxIn<'a> {
-        BoxIn { global_offset: &c.global_offset, shape: &c.shape, storage_shape, storage_offset: &c.local_offset }
+        BoxIn {
+            global_offset: &c.global_offset,
+            shape: &c.shape,
+            storage_shape,
+            storage_offset: &c.local_offset,
+        }
     }
 }
 
@@ -34,7 +39,11 @@ pub struct Run {
 pub fn overlap_runs(src: &BoxIn, dst: &BoxIn) -> Vec<Run> {
     let nd = src.shape.len();
     if nd == 0 {
-        return vec![Run { src: 0, dst: 0, len: 1 }];
+        return vec![Run {
+            src: 0,
+            dst: 0,
+            len: 1,
+        }];
     }
     let mut lo = vec![0; nd];
     let mut ext = vec![0; nd];
@@ -73,7 +82,11 @@ pub fn overlap_runs(src: &BoxIn, dst: &BoxIn) -> Vec<Run> {
             s += (spos[d] + idx[d]) * ss[d];
             t += (dpos[d] + idx[d]) * ds[d];
         }
-        out.push(Run { src: s, dst: t, len });
+        out.push(Run {
+            src: s,
+            dst: t,
+            len,
+        });
         for d in (0..k).rev() {
             idx[d] += 1;
             if idx[d] < ext[d] {
@@ -101,7 +114,8 @@ pub fn local_shard(global: &Tensor, spec: &ShardSpec) -> Tensor {
     for c in spec.chunks() {
         let dst = BoxIn::of_chunk(&c, &local_shape);
         for r in overlap_runs(&src, &dst) {
-            out.data[r.dst * es..(r.dst + r.len) * es].copy_from_slice(&global.data[r.src * es..(r.src + r.len) * es]);
+            out.data[r.dst * es..(r.dst + r.len) * es]
+                .copy_from_slice(&global.data[r.src * es..(r.src + r.len) * es]);
         }
     }
     out
@@ -143,7 +157,21 @@ mod tests {
             &b(&[0, 0], &[2, 4], &[2, 4], &[0, 0]),
             &b(&[0, 1], &[4, 2], &[4, 2], &[0, 0]),
         );
-        assert_eq!(r, vec![Run { src: 1, dst: 0, len: 2 }, Run { src: 5, dst: 2, len: 2 }]);
+        assert_eq!(
+            r,
+            vec![
+                Run {
+                    src: 1,
+                    dst: 0,
+                    len: 2
+                },
+                Run {
+                    src: 5,
+                    dst: 2,
+                    len: 2
+                }
+            ]
+        );
     }
 
     #[test]
@@ -151,7 +179,11 @@ mod tests {
         assert!(overlap_runs(&b(&[0], &[3], &[3], &[0]), &b(&[3], &[2], &[2], &[0])).is_empty());
         assert_eq!(
             overlap_runs(&b(&[], &[], &[], &[]), &b(&[], &[], &[], &[])),
-            vec![Run { src: 0, dst: 0, len: 1 }]
+            vec![Run {
+                src: 0,
+                dst: 0,
+                len: 1
+            }]
         );
     }
 
@@ -162,6 +194,13 @@ mod tests {
             &b(&[5, 0], &[5, 2], &[5, 2], &[0, 0]),
             &b(&[8, 0], &[2, 2], &[4, 2], &[2, 0]),
         );
-        assert_eq!(r, vec![Run { src: 6, dst: 4, len: 4 }]);
+        assert_eq!(
+            r,
+            vec![Run {
+                src: 6,
+                dst: 4,
+                len: 4
+            }]
+        );
     }
 }

@@ -15,11 +15,15 @@ use crate::error::{Error, Result};
 pub fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
     let Some(s) = h.metadata.get("fo") else {
         if h.metadata.contains_key(DIGEST_KEY) {
-            return Err(Error::corrupt(path, "header has fo's digest but no fo metadata"));
+            return Err(Error::corrupt(
+                path,
+                "header has fo's digest but no fo metadata",
+            ));
         }
         return Ok(None);
     };
-    let m: FoMeta = serde_json::from_str(s).map_err(|e| Error::corrupt(path, format!("fo metadata is not valid: {e}")))?;
+    let m: FoMeta = serde_json::from_str(s)
+        .map_err(|e| Error::corrupt(path, format!("fo metadata is not valid: {e}")))?;
     if m.format_version > FORMAT_VERSION {
         return Err(Error::Unsupported(format!(
             "{}: fo format version {} is newer than this fo ({FORMAT_VERSION})",
@@ -51,7 +55,12 @@ pub fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
 /// fo's tensor table, the header's tensors and DCP's sharding info name the same tensors
 /// with the same dtype, shape and offsets. A tensor fo lists that the header lacks is an
 /// error, never a zero-filled key.
-pub fn tables_agree(path: &Path, m: &FoMeta, h: &Header, dcp: &BTreeMap<String, Vec<usize>>) -> Result<()> {
+pub fn tables_agree(
+    path: &Path,
+    m: &FoMeta,
+    h: &Header,
+    dcp: &BTreeMap<String, Vec<usize>>,
+) -> Result<()> {
     let bad = |msg: String| Err(Error::corrupt(path, msg));
     let in_header: BTreeMap<&str, _> = h.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     for (name, ft) in &m.tensors {
@@ -62,9 +71,15 @@ pub fn tables_agree(path: &Path, m: &FoMeta, h: &Header, dcp: &BTreeMap<String, 
             ));
         };
         if m.format_version >= 2 && (ft.dtype.is_none() || ft.shape.is_none()) {
-            return bad(format!("tensor {name:?}: fo's metadata has no dtype or shape"));
+            return bad(format!(
+                "tensor {name:?}: fo's metadata has no dtype or shape"
+            ));
         }
-        if ft.dtype.as_deref().is_some_and(|d| d != t.dtype.safetensors_name()) {
+        if ft
+            .dtype
+            .as_deref()
+            .is_some_and(|d| d != t.dtype.safetensors_name())
+        {
             return bad(format!(
                 "tensor {name:?}: the header says {} but fo saved {}",
                 t.dtype.safetensors_name(),
@@ -97,20 +112,32 @@ pub fn tables_agree(path: &Path, m: &FoMeta, h: &Header, dcp: &BTreeMap<String, 
         }
     }
     if let Some(extra) = dcp.keys().find(|k| !m.tensors.contains_key(*k)) {
-        return bad(format!("DCP_SHARDING_INFO names tensor {extra:?}, which the file does not hold"));
+        return bad(format!(
+            "DCP_SHARDING_INFO names tensor {extra:?}, which the file does not hold"
+        ));
     }
     Ok(())
 }
 
 /// File `idx` (`path`) is rank `idx` of the same save as the first file.
-pub fn same_save(path: &Path, m: &FoMeta, idx: usize, first: Option<(&FoMeta, &Path)>) -> Result<()> {
+pub fn same_save(
+    path: &Path,
+    m: &FoMeta,
+    idx: usize,
+    first: Option<(&FoMeta, &Path)>,
+) -> Result<()> {
     if m.rank != idx {
         return Err(Error::corrupt(
             path,
-            format!("the file says it is rank {}, its name says rank {idx}", m.rank),
+            format!(
+                "the file says it is rank {}, its name says rank {idx}",
+                m.rank
+            ),
         ));
     }
-    let Some((f, fpath)) = first else { return Ok(()) };
+    let Some((f, fpath)) = first else {
+        return Ok(());
+    };
     if f.save_id != m.save_id {
         return Err(Error::corrupt(
             path,
@@ -127,7 +154,10 @@ pub fn same_save(path: &Path, m: &FoMeta, idx: usize, first: Option<(&FoMeta, &P
         ("mode", f.mode != m.mode),
         ("param_groups", f.param_groups != m.param_groups),
         ("format_version", f.format_version != m.format_version),
-        ("checksum_block_bytes", f.checksum_block_bytes != m.checksum_block_bytes),
+        (
+            "checksum_block_bytes",
+            f.checksum_block_bytes != m.checksum_block_bytes,
+        ),
     ];
     if let Some((what, _)) = differs.iter().find(|(_, d)| *d) {
         return Err(Error::corrupt(
@@ -140,7 +170,8 @@ pub fn same_save(path: &Path, m: &FoMeta, idx: usize, first: Option<(&FoMeta, &P
 
 fn overlaps(a: &SavedChunk, b: &SavedChunk) -> bool {
     (0..a.shape.len()).all(|d| {
-        a.global_offset[d] < b.global_offset[d] + b.shape[d] && b.global_offset[d] < a.global_offset[d] + a.shape[d]
+        a.global_offset[d] < b.global_offset[d] + b.shape[d]
+            && b.global_offset[d] < a.global_offset[d] + a.shape[d]
     })
 }
 
@@ -183,7 +214,15 @@ pub fn coverage(info: &KeyInfo, files: &[PathBuf]) -> Result<()> {
         .global_shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| Error::corrupt(&files[0], format!("key {}: global shape {:?} overflows", info.key, info.global_shape)))?;
+        .ok_or_else(|| {
+            Error::corrupt(
+                &files[0],
+                format!(
+                    "key {}: global shape {:?} overflows",
+                    info.key, info.global_shape
+                ),
+            )
+        })?;
     let saved: usize = info.chunks.iter().map(SavedChunk::numel).sum();
     if saved != numel {
         return Err(Error::corrupt(

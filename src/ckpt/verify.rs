@@ -25,11 +25,23 @@ pub fn verify(dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Verified
         keys: ck.keys.len(),
         ..Default::default()
     };
-    let total: u64 = ck.keys.values().flat_map(|k| &k.chunks).map(|c| c.nbytes as u64).sum();
-    let block = ck.meta.as_ref().map_or(1 << 22, |m| m.checksum_block_bytes.max(1));
+    let total: u64 = ck
+        .keys
+        .values()
+        .flat_map(|k| &k.chunks)
+        .map(|c| c.nbytes as u64)
+        .sum();
+    let block = ck
+        .meta
+        .as_ref()
+        .map_or(1 << 22, |m| m.checksum_block_bytes.max(1));
     let mut buf = Vec::new();
-    buf.try_reserve_exact(block)
-        .map_err(|_| Error::corrupt(dir, format!("checksum block of {block} bytes cannot be allocated")))?;
+    buf.try_reserve_exact(block).map_err(|_| {
+        Error::corrupt(
+            dir,
+            format!("checksum block of {block} bytes cannot be allocated"),
+        )
+    })?;
     buf.resize(block, 0);
     // Coverage (every element exactly once) and header consistency: `Checkpoint::open`.
     for info in ck.keys.values() {

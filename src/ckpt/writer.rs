@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
 use super::commit::{clear_marker, finish_rank, stage_dir, sync_dir};
 use super::format::{
-    encode_header, header_digest, part_file_name, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
-    FORMAT_VERSION,
+    encode_header, header_digest, part_file_name, sharding_info, FoMeta, FoTensor, TensorEntry,
+    DIGEST_KEY, FORMAT_VERSION,
 };
 use super::pack::{chunk_bytes, ChunkMeta, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
@@ -75,7 +75,12 @@ pub fn generated_save_id() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
-    format!("auto-{}-{}-{}", t.as_secs(), t.subsec_nanos(), std::process::id())
+    format!(
+        "auto-{}-{}-{}",
+        t.as_secs(),
+        t.subsec_nanos(),
+        std::process::id()
+    )
 }
 
 /// What one file of a rank holds: part `part` of its plan, and (rank file only) the
@@ -196,7 +201,10 @@ pub fn stage_rank_file<'t>(
             .iter()
             .map(|t| "0".repeat(16 * num_blocks((t.end - t.start) as usize)))
             .collect();
-        let head = encode_header(&metadata(plan, &pm, opts, &placeholder, &entries, true), &entries);
+        let head = encode_header(
+            &metadata(plan, &pm, opts, &placeholder, &entries, true),
+            &entries,
+        );
         let mut f = create_truncated(&staged.tmp)?;
         f.write_all(&head).map_err(|e| Error::io(&staged.tmp, e))?;
         files.push((staged, pm, entries, head, f, Vec::new()));
@@ -221,7 +229,12 @@ pub fn stage_rank_file<'t>(
             let (staged, _, _, _, f, sums) = &mut files[c.part];
             sums.push(block_hex(
                 &bytes,
-                chunk_binding(&c.key, c.dtype.safetensors_name(), &c.shape, &c.global_offset),
+                chunk_binding(
+                    &c.key,
+                    c.dtype.safetensors_name(),
+                    &c.shape,
+                    &c.global_offset,
+                ),
             ));
             f.write_all(&bytes).map_err(|e| Error::io(&staged.tmp, e))?;
             i += 1;
@@ -230,7 +243,11 @@ pub fn stage_rank_file<'t>(
     let mut extra = Vec::with_capacity(num_parts - 1);
     for (mut staged, mut pm, entries, head, f, sums) in files.into_iter().rev() {
         if pm.part == 0 {
-            pm.parts = extra.iter().rev().map(|s: &Staged| s.digest.clone()).collect();
+            pm.parts = extra
+                .iter()
+                .rev()
+                .map(|s: &Staged| s.digest.clone())
+                .collect();
         }
         let meta = metadata(plan, &pm, opts, &sums, &entries, false);
         staged.digest = meta[DIGEST_KEY].clone();
@@ -250,7 +267,9 @@ pub fn stage_rank_file<'t>(
         }
         extra.push(staged);
     }
-    Err(Error::Internal("a rank's plan produced no rank file".into()))
+    Err(Error::Internal(
+        "a rank's plan produced no rank file".into(),
+    ))
 }
 
 /// The header entries of chunks laid out back to back in the given order.
@@ -317,14 +336,20 @@ pub fn publish(dir: &Path, mut staged: Staged) -> Result<String> {
 /// Saves the packed state of every in-process rank into `dir` (one file per rank,
 /// written in parallel, committed together). Without a save id, one is generated.
 pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
-    let given = packs.first().map_or(String::new(), |p| p.opts.save_id.clone());
+    let given = packs
+        .first()
+        .map_or(String::new(), |p| p.opts.save_id.clone());
     if packs.iter().any(|p| p.opts.save_id != given) {
         return Err(Error::invalid(
             "save_id",
             "the packs of one save carry different save ids",
         ));
     }
-    let save_id = if given.is_empty() { generated_save_id() } else { given };
+    let save_id = if given.is_empty() {
+        generated_save_id()
+    } else {
+        given
+    };
     let staged: Vec<Result<Staged>> = std::thread::scope(|s| {
         let handles: Vec<_> = packs
             .iter()
@@ -335,7 +360,9 @@ pub fn save(dir: &Path, packs: &[Packed]) -> Result<()> {
                         save_id: save_id.clone(),
                         ..p.opts.clone()
                     };
-                    stage_rank_file(dir, &p.plan, &opts, &mut |e| Ok(Cow::Borrowed(&p.entries[e])))
+                    stage_rank_file(dir, &p.plan, &opts, &mut |e| {
+                        Ok(Cow::Borrowed(&p.entries[e]))
+                    })
                 })
             })
             .collect();
@@ -360,7 +387,9 @@ pub fn save_rank(dir: &Path, pack: &Packed) -> Result<()> {
         save_id: resolve_save_id(&pack.opts.save_id, pack.opts.world_size)?,
         ..pack.opts.clone()
     };
-    let staged = stage_rank_file(dir, &pack.plan, &opts, &mut |e| Ok(Cow::Borrowed(&pack.entries[e])))?;
+    let staged = stage_rank_file(dir, &pack.plan, &opts, &mut |e| {
+        Ok(Cow::Borrowed(&pack.entries[e]))
+    })?;
     finish(dir, staged)
 }
 
@@ -383,7 +412,11 @@ pub fn save_streaming(
 
 /// Writes `path` atomically from a header and a stream of data: temp file, fsync,
 /// rename, fsync of the directory. `body` writes the data after the header.
-pub fn write_atomic(path: &Path, head: &[u8], body: &mut dyn FnMut(&mut File) -> Result<()>) -> Result<()> {
+pub fn write_atomic(
+    path: &Path,
+    head: &[u8],
+    body: &mut dyn FnMut(&mut File) -> Result<()>,
+) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");

@@ -12,7 +12,11 @@ const MESSAGE_BYTES: usize = 4096;
 /// call it at the same point; use it for local checks, not after a failed collective.
 pub fn agree<T>(comm: &Comm, local: Result<T>) -> Result<T> {
     let w = comm.world_size();
-    let mut flag = [if local.is_err() { (w - comm.rank()) as f64 } else { 0.0 }];
+    let mut flag = [if local.is_err() {
+        (w - comm.rank()) as f64
+    } else {
+        0.0
+    }];
     comm.all_reduce_f64(&mut flag, ReduceOp::Max)?;
     if flag[0] == 0.0 {
         return local;
@@ -85,7 +89,10 @@ fn decode(buf: &[u8]) -> Error {
 fn on_rank(e: Error, rank: usize) -> Error {
     let tag = |m: String| format!("{m} (on rank {rank})");
     match e {
-        Error::InvalidArgument { name, reason } => Error::InvalidArgument { name, reason: tag(reason) },
+        Error::InvalidArgument { name, reason } => Error::InvalidArgument {
+            name,
+            reason: tag(reason),
+        },
         Error::Dtype(m) => Error::Dtype(tag(m)),
         Error::Shape(m) => Error::Shape(tag(m)),
         Error::NotFound(m) => Error::NotFound(tag(m)),
@@ -93,8 +100,14 @@ fn on_rank(e: Error, rank: usize) -> Error {
         Error::Numerics(m) => Error::Numerics(tag(m)),
         Error::Unsupported(m) => Error::Unsupported(tag(m)),
         Error::Internal(m) => Error::Internal(tag(m)),
-        Error::Io { path, source } => Error::Io { path, source: std::io::Error::other(tag(source.to_string())) },
-        Error::Corrupt { path, detail } => Error::Corrupt { path, detail: tag(detail) },
+        Error::Io { path, source } => Error::Io {
+            path,
+            source: std::io::Error::other(tag(source.to_string())),
+        },
+        Error::Corrupt { path, detail } => Error::Corrupt {
+            path,
+            detail: tag(detail),
+        },
     }
 }
 
@@ -106,7 +119,12 @@ mod tests {
 
     #[test]
     fn every_rank_gets_the_lowest_failing_ranks_error() {
-        let comms = Comm::local_group_with(4, LocalGroupOptions { timeout: Duration::from_secs(5) });
+        let comms = Comm::local_group_with(
+            4,
+            LocalGroupOptions {
+                timeout: Duration::from_secs(5),
+            },
+        );
         let handles: Vec<_> = comms
             .into_iter()
             .map(|c| {
@@ -123,13 +141,20 @@ mod tests {
         for h in handles {
             let e = h.join().unwrap();
             assert!(matches!(e, Error::Shape(_)), "{e:?}");
-            assert_eq!(e.to_string(), "shape mismatch: key w: [2] vs [3] (on rank 1)");
+            assert_eq!(
+                e.to_string(),
+                "shape mismatch: key w: [2] vs [3] (on rank 1)"
+            );
         }
     }
 
     #[test]
     fn encoding_round_trips_every_variant_and_cuts_long_messages() {
-        for e in [Error::invalid("a", "b"), Error::Numerics("n".into()), Error::corrupt("/f", "d")] {
+        for e in [
+            Error::invalid("a", "b"),
+            Error::Numerics("n".into()),
+            Error::corrupt("/f", "d"),
+        ] {
             let mut buf = vec![0u8; MESSAGE_BYTES];
             encode(&e, &mut buf);
             assert_eq!(decode(&buf).to_string(), e.to_string());

@@ -7,9 +7,11 @@ use super::{Backend, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Copies root's `nbytes` at `buf` into every rank's `buf`.
-pub type BroadcastFn = unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32;
+pub type BroadcastFn =
+    unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32;
 /// Reduces `count` doubles in place across ranks; `op` 0 = sum, 1 = max (NaN-propagating).
-pub type AllReduceF64Fn = unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32;
+pub type AllReduceF64Fn =
+    unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32;
 /// Returns once every rank has entered.
 pub type BarrierFn = unsafe extern "C" fn(user: *mut c_void) -> i32;
 /// Root sends `send_nbytes[r]` bytes at `send_bufs[r]` to rank `r` (both arrays have
@@ -50,20 +52,31 @@ impl CallbackBackend {
         if code == 0 {
             Ok(())
         } else {
-            Err(Error::Comm(format!("{op} callback returned {code} on rank {}", self.rank)))
+            Err(Error::Comm(format!(
+                "{op} callback returned {code} on rank {}",
+                self.rank
+            )))
         }
     }
 }
 
 impl Backend for CallbackBackend {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let code =
-            unsafe { (self.cb.broadcast)(self.cb.user, buf.as_mut_ptr() as *mut c_void, buf.len(), root as i32) };
+        let code = unsafe {
+            (self.cb.broadcast)(
+                self.cb.user,
+                buf.as_mut_ptr() as *mut c_void,
+                buf.len(),
+                root as i32,
+            )
+        };
         self.check("broadcast", code)
     }
 
     fn all_reduce_f64(&self, vals: &mut [f64], op: ReduceOp) -> Result<()> {
-        let code = unsafe { (self.cb.all_reduce_f64)(self.cb.user, vals.as_mut_ptr(), vals.len(), op.code()) };
+        let code = unsafe {
+            (self.cb.all_reduce_f64)(self.cb.user, vals.as_mut_ptr(), vals.len(), op.code())
+        };
         self.check("all_reduce_f64", code)
     }
 
@@ -77,14 +90,32 @@ impl Backend for CallbackBackend {
     }
 
     fn scatter(&self, parts: Option<Vec<Vec<u8>>>, recv: &mut [u8], root: usize) -> Result<()> {
-        let f = self.cb.scatter.ok_or_else(|| Error::Unsupported("scatter: no scatter callback".into()))?;
+        let f = self
+            .cb
+            .scatter
+            .ok_or_else(|| Error::Unsupported("scatter: no scatter callback".into()))?;
         let (ptrs, lens): (Vec<*const c_void>, Vec<usize>) = match &parts {
-            Some(p) if self.rank == root => p.iter().map(|s| (s.as_ptr() as *const c_void, s.len())).unzip(),
+            Some(p) if self.rank == root => p
+                .iter()
+                .map(|s| (s.as_ptr() as *const c_void, s.len()))
+                .unzip(),
             _ => (Vec::new(), Vec::new()),
         };
-        let (pp, lp) =
-            if ptrs.is_empty() { (std::ptr::null(), std::ptr::null()) } else { (ptrs.as_ptr(), lens.as_ptr()) };
-        let code = unsafe { f(self.cb.user, pp, lp, recv.as_mut_ptr() as *mut c_void, recv.len(), root as i32) };
+        let (pp, lp) = if ptrs.is_empty() {
+            (std::ptr::null(), std::ptr::null())
+        } else {
+            (ptrs.as_ptr(), lens.as_ptr())
+        };
+        let code = unsafe {
+            f(
+                self.cb.user,
+                pp,
+                lp,
+                recv.as_mut_ptr() as *mut c_void,
+                recv.len(),
+                root as i32,
+            )
+        };
         self.check("scatter", code)
     }
 }

@@ -17,7 +17,9 @@ pub struct LocalGroupOptions {
 
 impl Default for LocalGroupOptions {
     fn default() -> Self {
-        LocalGroupOptions { timeout: Duration::from_secs(600) }
+        LocalGroupOptions {
+            timeout: Duration::from_secs(600),
+        }
     }
 }
 
@@ -36,7 +38,9 @@ impl LocalGroupOptions {
                 format!("{timeout_s} is not a finite number of seconds in (0, {MAX_TIMEOUT_S}]"),
             ));
         }
-        Ok(LocalGroupOptions { timeout: Duration::from_secs_f64(timeout_s) })
+        Ok(LocalGroupOptions {
+            timeout: Duration::from_secs_f64(timeout_s),
+        })
     }
 }
 
@@ -90,8 +94,15 @@ pub(super) fn group(world_size: usize, opts: LocalGroupOptions) -> Vec<Comm> {
     });
     (0..world_size)
         .map(|rank| {
-            Comm::from_backend(rank, world_size, Box::new(Local { rank, shared: shared.clone() }))
-                .expect("rank < world_size")
+            Comm::from_backend(
+                rank,
+                world_size,
+                Box::new(Local {
+                    rank,
+                    shared: shared.clone(),
+                }),
+            )
+            .expect("rank < world_size")
         })
         .collect()
 }
@@ -112,7 +123,12 @@ impl Local {
         self.exchange_parts(op, data, Vec::new())
     }
 
-    fn exchange_parts(&self, op: &'static str, data: Vec<u8>, parts: Vec<Vec<u8>>) -> Result<Arc<Vec<Deposit>>> {
+    fn exchange_parts(
+        &self,
+        op: &'static str,
+        data: Vec<u8>,
+        parts: Vec<Vec<u8>>,
+    ) -> Result<Arc<Vec<Deposit>>> {
         let sh = &self.shared;
         let mut st = self.lock();
         if let Some(why) = &st.poisoned {
@@ -135,7 +151,8 @@ impl Local {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    let missing: Vec<usize> = (0..sh.world).filter(|&r| st.slots[r].is_none()).collect();
+                    let missing: Vec<usize> =
+                        (0..sh.world).filter(|&r| st.slots[r].is_none()).collect();
                     let why = format!(
                         "timed out after {:.1?} on rank {} waiting for ranks {missing:?} of {}",
                         sh.timeout, self.rank, sh.world
@@ -144,7 +161,11 @@ impl Local {
                     sh.cv.notify_all();
                     return Err(Error::Comm(format!("{op}: {why}")));
                 }
-                st = sh.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+                st = sh
+                    .cv
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
         }
         let result = st.result.clone();
@@ -163,7 +184,10 @@ impl Drop for Local {
     fn drop(&mut self) {
         let mut st = self.lock();
         if st.poisoned.is_none() {
-            st.poisoned = Some(format!("rank {} left the group (its handle was dropped)", self.rank));
+            st.poisoned = Some(format!(
+                "rank {} left the group (its handle was dropped)",
+                self.rank
+            ));
         }
         self.shared.cv.notify_all();
     }
@@ -171,7 +195,11 @@ impl Drop for Local {
 
 impl Backend for Local {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let mine = if self.rank == root { buf.to_vec() } else { Vec::new() };
+        let mine = if self.rank == root {
+            buf.to_vec()
+        } else {
+            Vec::new()
+        };
         let all = self.exchange("broadcast", mine)?;
         let src = &all[root].data;
         if src.len() != buf.len() {
@@ -207,7 +235,9 @@ impl Backend for Local {
         }
         // Every rank reduces in rank order, so all get bit-identical results.
         for (i, v) in vals.iter_mut().enumerate() {
-            let at = |r: usize| f64::from_le_bytes(all[r].data[1 + i * 8..9 + i * 8].try_into().unwrap());
+            let at = |r: usize| {
+                f64::from_le_bytes(all[r].data[1 + i * 8..9 + i * 8].try_into().unwrap())
+            };
             *v = (1..all.len()).fold(at(0), |acc, r| op.combine(acc, at(r)));
         }
         Ok(())
@@ -225,7 +255,10 @@ impl Backend for Local {
         let mine = parts.filter(|_| self.rank == root).unwrap_or_default();
         let all = self.exchange_parts("scatter", Vec::new(), mine)?;
         let Some(part) = all[root].parts.get(self.rank) else {
-            return Err(Error::Comm(format!("scatter: root {root} sent no part to rank {}", self.rank)));
+            return Err(Error::Comm(format!(
+                "scatter: root {root} sent no part to rank {}",
+                self.rank
+            )));
         };
         if part.len() != recv.len() {
             return Err(Error::Comm(format!(
@@ -246,7 +279,9 @@ mod tests {
     use std::thread;
 
     fn short() -> LocalGroupOptions {
-        LocalGroupOptions { timeout: Duration::from_millis(500) }
+        LocalGroupOptions {
+            timeout: Duration::from_millis(500),
+        }
     }
 
     #[test]
@@ -287,7 +322,14 @@ mod tests {
             .map(|c| {
                 thread::spawn(move || {
                     // 1 + 3 * 2^-24 rounds to 1 + 2^-22 only when accumulated wider than f32.
-                    let mut v = vec![if c.rank() == 0 { 1.0f32 } else { 2f32.powi(-24) }, c.rank() as f32];
+                    let mut v = vec![
+                        if c.rank() == 0 {
+                            1.0f32
+                        } else {
+                            2f32.powi(-24)
+                        },
+                        c.rank() as f32,
+                    ];
                     c.all_reduce_f32_sum(&mut v).unwrap();
                     c.all_reduce_f32_sum(&mut []).unwrap();
                     v
@@ -304,7 +346,10 @@ mod tests {
         let mut comms = Comm::local_group_with(3, short());
         let absent = comms.pop().unwrap();
         let t0 = Instant::now();
-        let handles: Vec<_> = comms.into_iter().map(|c| thread::spawn(move || c.barrier())).collect();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| thread::spawn(move || c.barrier()))
+            .collect();
         for h in handles {
             let e = h.join().unwrap().unwrap_err().to_string();
             assert!(e.contains("timed out") && e.contains("[2]"), "{e}");
@@ -315,7 +360,12 @@ mod tests {
 
     #[test]
     fn a_dropped_handle_fails_the_others_at_once() {
-        let mut comms = Comm::local_group_with(2, LocalGroupOptions { timeout: Duration::from_secs(30) });
+        let mut comms = Comm::local_group_with(
+            2,
+            LocalGroupOptions {
+                timeout: Duration::from_secs(30),
+            },
+        );
         let gone = comms.pop().unwrap();
         let c = comms.pop().unwrap();
         let h = thread::spawn(move || c.all_reduce_f64(&mut [1.0], ReduceOp::Sum));
@@ -333,15 +383,13 @@ mod tests {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|c| {
-                thread::spawn(
-                    move || {
-                        if c.rank() == 0 {
-                            c.barrier()
-                        } else {
-                            c.all_reduce_f64(&mut [1.0], ReduceOp::Sum)
-                        }
-                    },
-                )
+                thread::spawn(move || {
+                    if c.rank() == 0 {
+                        c.barrier()
+                    } else {
+                        c.all_reduce_f64(&mut [1.0], ReduceOp::Sum)
+                    }
+                })
             })
             .collect();
         for h in handles {

@@ -61,14 +61,25 @@ pub struct Comm {
 }
 
 impl Comm {
-    pub(crate) fn from_backend(rank: usize, world_size: usize, backend: Box<dyn Backend>) -> Result<Comm> {
+    pub(crate) fn from_backend(
+        rank: usize,
+        world_size: usize,
+        backend: Box<dyn Backend>,
+    ) -> Result<Comm> {
         if world_size == 0 {
             return Err(Error::invalid("world_size", "must be >= 1, got 0"));
         }
         if rank >= world_size {
-            return Err(Error::invalid("rank", format!("{rank} is outside a group of {world_size} ranks")));
+            return Err(Error::invalid(
+                "rank",
+                format!("{rank} is outside a group of {world_size} ranks"),
+            ));
         }
-        Ok(Comm { rank, world_size, backend })
+        Ok(Comm {
+            rank,
+            world_size,
+            backend,
+        })
     }
 
     /// `local_group_with` for caller-supplied sizes: `world_size` outside
@@ -92,7 +103,14 @@ impl Comm {
 
     /// A communicator whose collectives are the host's callbacks (see `Callbacks`).
     pub fn from_callbacks(rank: usize, world_size: usize, callbacks: Callbacks) -> Result<Comm> {
-        Comm::from_backend(rank, world_size, Box::new(callbacks::CallbackBackend { rank, cb: callbacks }))
+        Comm::from_backend(
+            rank,
+            world_size,
+            Box::new(callbacks::CallbackBackend {
+                rank,
+                cb: callbacks,
+            }),
+        )
     }
 
     /// A communicator over an existing `ncclComm_t` and `cudaStream_t` (feature `cuda`).
@@ -132,7 +150,10 @@ impl Comm {
         if root >= self.world_size {
             return Err(Error::invalid(
                 "root",
-                format!("{op}: root {root} is outside a group of {} ranks", self.world_size),
+                format!(
+                    "{op}: root {root} is outside a group of {} ranks",
+                    self.world_size
+                ),
             ));
         }
         Ok(())
@@ -181,7 +202,9 @@ impl Comm {
     pub fn scatter(&self, parts: Option<Vec<Vec<u8>>>, recv: &mut [u8], root: usize) -> Result<()> {
         self.check_root(root, "scatter")?;
         if !self.supports_scatter() {
-            return Err(Error::Unsupported("scatter: this communicator has no scatter".into()));
+            return Err(Error::Unsupported(
+                "scatter: this communicator has no scatter".into(),
+            ));
         }
         if self.rank == root {
             match &parts {
@@ -189,11 +212,20 @@ impl Comm {
                     if p[root].len() != recv.len() {
                         return Err(Error::invalid(
                             "recv",
-                            format!("scatter: root's own part has {} bytes, recv has {}", p[root].len(), recv.len()),
+                            format!(
+                                "scatter: root's own part has {} bytes, recv has {}",
+                                p[root].len(),
+                                recv.len()
+                            ),
                         ));
                     }
                 }
-                _ => return Err(Error::invalid("parts", format!("scatter: root must pass {} parts", self.world_size))),
+                _ => {
+                    return Err(Error::invalid(
+                        "parts",
+                        format!("scatter: root must pass {} parts", self.world_size),
+                    ))
+                }
             }
         }
         self.backend.scatter(parts, recv, root)

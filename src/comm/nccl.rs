@@ -34,14 +34,21 @@ fn nccl_err(what: &str, e: impl std::fmt::Debug) -> Error {
 impl NcclBackend {
     /// # Safety
     /// `comm` and `stream` must be a valid `ncclComm_t` and `cudaStream_t`.
-    pub(super) unsafe fn new(comm: *mut c_void, stream: *mut c_void, rank: usize, world: usize) -> Result<NcclBackend> {
+    pub(super) unsafe fn new(
+        comm: *mut c_void,
+        stream: *mut c_void,
+        rank: usize,
+        world: usize,
+    ) -> Result<NcclBackend> {
         if !cusys::is_culib_present() {
             return Err(Error::Unsupported(
                 "NCCL communicator: the CUDA driver library (libcuda) is not present".into(),
             ));
         }
         if !ncsys::is_culib_present() {
-            return Err(Error::Unsupported("NCCL communicator: the NCCL library (libnccl) is not present".into()));
+            return Err(Error::Unsupported(
+                "NCCL communicator: the NCCL library (libnccl) is not present".into(),
+            ));
         }
         if comm.is_null() {
             return Err(Error::invalid("nccl_comm", "NULL"));
@@ -58,13 +65,25 @@ impl NcclBackend {
         }
         let ordinal = nc::comm_cu_device(comm).map_err(|e| nccl_err("ncclCommCuDevice", e))?;
         let dev = cu::device::get(ordinal).map_err(|e| cuda_err("cuDeviceGet", e))?;
-        let ctx = cu::primary_ctx::retain(dev).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
-        Ok(NcclBackend { comm, stream: stream as cusys::CUstream, ctx, dev, rank })
+        let ctx =
+            cu::primary_ctx::retain(dev).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(NcclBackend {
+            comm,
+            stream: stream as cusys::CUstream,
+            ctx,
+            dev,
+            rank,
+        })
     }
 
     /// Runs `f` with a device buffer of `n` bytes (at least 1) current on this device,
     /// then synchronizes the stream and frees the buffer.
-    fn staged<T>(&self, what: &str, n: usize, f: impl FnOnce(cusys::CUdeviceptr) -> Result<T>) -> Result<T> {
+    fn staged<T>(
+        &self,
+        what: &str,
+        n: usize,
+        f: impl FnOnce(cusys::CUdeviceptr) -> Result<T>,
+    ) -> Result<T> {
         unsafe {
             cu::ctx::set_current(self.ctx).map_err(|e| cuda_err(what, e))?;
             let d = cu::malloc_sync(n.max(1)).map_err(|e| cuda_err(what, e))?;
@@ -95,12 +114,22 @@ impl Backend for NcclBackend {
         let n = buf.len();
         self.staged("broadcast", n, |d| unsafe {
             if self.rank == root {
-                cu::memcpy_htod_async(d, &buf[..], self.stream).map_err(|e| cuda_err("broadcast", e))?;
+                cu::memcpy_htod_async(d, &buf[..], self.stream)
+                    .map_err(|e| cuda_err("broadcast", e))?;
             }
             let p = d as *mut c_void;
-            nc::broadcast(p, p, n, ncsys::ncclDataType_t::ncclUint8, root as i32, self.comm, self.s())
-                .map_err(|e| nccl_err("broadcast", e))?;
-            cu::memcpy_dtoh_async(&mut buf[..], d, self.stream).map_err(|e| cuda_err("broadcast", e))
+            nc::broadcast(
+                p,
+                p,
+                n,
+                ncsys::ncclDataType_t::ncclUint8,
+                root as i32,
+                self.comm,
+                self.s(),
+            )
+            .map_err(|e| nccl_err("broadcast", e))?;
+            cu::memcpy_dtoh_async(&mut buf[..], d, self.stream)
+                .map_err(|e| cuda_err("broadcast", e))
         })
     }
 
@@ -111,11 +140,21 @@ impl Backend for NcclBackend {
             ReduceOp::Max => ncsys::ncclRedOp_t::ncclMax,
         };
         self.staged("all_reduce_f64", n * 8, |d| unsafe {
-            cu::memcpy_htod_async(d, &vals[..], self.stream).map_err(|e| cuda_err("all_reduce_f64", e))?;
+            cu::memcpy_htod_async(d, &vals[..], self.stream)
+                .map_err(|e| cuda_err("all_reduce_f64", e))?;
             let p = d as *mut c_void;
-            nc::all_reduce(p, p, n, ncsys::ncclDataType_t::ncclFloat64, op, self.comm, self.s())
-                .map_err(|e| nccl_err("all_reduce_f64", e))?;
-            cu::memcpy_dtoh_async(&mut vals[..], d, self.stream).map_err(|e| cuda_err("all_reduce_f64", e))
+            nc::all_reduce(
+                p,
+                p,
+                n,
+                ncsys::ncclDataType_t::ncclFloat64,
+                op,
+                self.comm,
+                self.s(),
+            )
+            .map_err(|e| nccl_err("all_reduce_f64", e))?;
+            cu::memcpy_dtoh_async(&mut vals[..], d, self.stream)
+                .map_err(|e| cuda_err("all_reduce_f64", e))
         })
     }
 
@@ -150,7 +189,9 @@ impl Backend for NcclBackend {
                                 .map_err(|e| nccl_err("scatter", e))?;
                         }
                     }
-                    nc::group_end().map_err(|e| nccl_err("scatter", e)).map(|_| ())
+                    nc::group_end()
+                        .map_err(|e| nccl_err("scatter", e))
+                        .map(|_| ())
                 })
             }
             _ => {
@@ -161,7 +202,8 @@ impl Backend for NcclBackend {
                 self.staged("scatter", n, |d| unsafe {
                     nc::recv(d as *mut c_void, n, u8t, root as i32, self.comm, self.s())
                         .map_err(|e| nccl_err("scatter", e))?;
-                    cu::memcpy_dtoh_async(&mut recv[..], d, self.stream).map_err(|e| cuda_err("scatter", e))
+                    cu::memcpy_dtoh_async(&mut recv[..], d, self.stream)
+                        .map_err(|e| cuda_err("scatter", e))
                 })
             }
         }

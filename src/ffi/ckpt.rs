@@ -29,8 +29,9 @@ pub struct fo_pack_options {
 
 impl fo_pack_options {
     unsafe fn to_options(self) -> Result<SaveOptions> {
-        let count =
-            |v: i32, what: &str| usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")));
+        let count = |v: i32, what: &str| {
+            usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
+        };
         let mode = match self.mode {
             0 => Mode::Compressed,
             1 => Mode::Portable,
@@ -60,7 +61,10 @@ impl fo_pack_options {
         o.write_unsharded = match self.write_unsharded {
             -1 => None,
             w => Some(arg_flag(w, "options.write_unsharded").map_err(|_| {
-                Error::invalid("options.write_unsharded", format!("{w} is not -1 (rank 0), 0 or 1"))
+                Error::invalid(
+                    "options.write_unsharded",
+                    format!("{w} is not -1 (rank 0), 0 or 1"),
+                )
             })?),
         };
         if !self.save_id.is_null() {
@@ -117,21 +121,29 @@ pub unsafe extern "C" fn fo_state_pack(
     guard(|| {
         let out = arg_mut(out, "out")?;
         let packed = ckpt::pack(opt_ref(opt)?, &arg_ref(options, "options")?.to_options()?)?;
-        let cstr = |s: &str| CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")));
+        let cstr = |s: &str| {
+            CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")))
+        };
         let names = packed
             .plan
             .chunks
             .iter()
             .map(|c| Ok((cstr(&c.name)?, cstr(&c.key)?)))
             .collect::<Result<_>>()?;
-        *out = Box::into_raw(Box::new(fo_packed { inner: packed, names }));
+        *out = Box::into_raw(Box::new(fo_packed {
+            inner: packed,
+            names,
+        }));
         Ok(())
     })
 }
 
 /// The number of chunks in a packed state.
 #[no_mangle]
-pub unsafe extern "C" fn fo_packed_num_entries(packed: *const fo_packed, out: *mut usize) -> fo_status {
+pub unsafe extern "C" fn fo_packed_num_entries(
+    packed: *const fo_packed,
+    out: *mut usize,
+) -> fo_status {
     guard(|| {
         *arg_mut(out, "out")? = arg_ref(packed, "packed")?.inner.plan.chunks.len();
         Ok(())
@@ -154,9 +166,12 @@ pub unsafe extern "C" fn fo_packed_get_entry(
 impl fo_packed {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
         let chunks = &self.inner.plan.chunks;
-        let c = chunks
-            .get(index)
-            .ok_or_else(|| Error::invalid("index", format!("{index} is out of range ({} entries)", chunks.len())))?;
+        let c = chunks.get(index).ok_or_else(|| {
+            Error::invalid(
+                "index",
+                format!("{index} is out of range ({} entries)", chunks.len()),
+            )
+        })?;
         let data = self.inner.chunk_data(index);
         Ok(fo_packed_entry {
             name: self.names[index].0.as_ptr(),
@@ -194,7 +209,12 @@ pub unsafe extern "C" fn fo_packed_metadata_json(
 /// Writes a packed state as this rank's file in `dir` (atomic: temp file, fsync, rename).
 #[no_mangle]
 pub unsafe extern "C" fn fo_packed_save(packed: *const fo_packed, dir: *const c_char) -> fo_status {
-    guard(|| ckpt::save_rank(Path::new(arg_str(dir, "dir")?), &arg_ref(packed, "packed")?.inner))
+    guard(|| {
+        ckpt::save_rank(
+            Path::new(arg_str(dir, "dir")?),
+            &arg_ref(packed, "packed")?.inner,
+        )
+    })
 }
 
 /// Frees a packed state (NULL is a no-op).
@@ -239,7 +259,8 @@ pub unsafe extern "C" fn fo_state_save_comm(
     guard(|| {
         let o = arg_ref(options, "options")?.to_options()?;
         let comm = &arg_ref(comm, "comm")?.inner;
-        ckpt::save_optimizer_comm(opt_ref(opt)?, Path::new(arg_str(dir, "dir")?), &o, comm).map(|_| ())
+        ckpt::save_optimizer_comm(opt_ref(opt)?, Path::new(arg_str(dir, "dir")?), &o, comm)
+            .map(|_| ())
     })
 }
 
@@ -310,7 +331,10 @@ pub unsafe extern "C" fn fo_state_load(
 /// Writes every key's full tensor into `out_dir/model-00001-of-00001.safetensors` plus
 /// `model.safetensors.index.json` (integer and 0-dim tensors kept exactly).
 #[no_mangle]
-pub unsafe extern "C" fn fo_checkpoint_consolidate(dir: *const c_char, out_dir: *const c_char) -> fo_status {
+pub unsafe extern "C" fn fo_checkpoint_consolidate(
+    dir: *const c_char,
+    out_dir: *const c_char,
+) -> fo_status {
     guard(|| {
         ckpt::consolidate(
             Path::new(arg_str(dir, "dir")?),

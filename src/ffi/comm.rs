@@ -6,7 +6,9 @@ use std::ffi::c_void;
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
-use crate::broadcast::{broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy};
+use crate::broadcast::{
+    broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy,
+};
 use crate::clip::clip_grad_norm_checked;
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
@@ -35,8 +37,12 @@ pub const FO_REDUCE_MAX: i32 = 1;
 #[derive(Clone, Copy)]
 pub struct fo_comm_callbacks {
     pub user: *mut c_void,
-    pub broadcast: Option<unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32>,
-    pub all_reduce_f64: Option<unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32>,
+    pub broadcast: Option<
+        unsafe extern "C" fn(user: *mut c_void, buf: *mut c_void, nbytes: usize, root: i32) -> i32,
+    >,
+    pub all_reduce_f64: Option<
+        unsafe extern "C" fn(user: *mut c_void, vals: *mut f64, count: usize, op: i32) -> i32,
+    >,
     pub barrier: Option<unsafe extern "C" fn(user: *mut c_void) -> i32>,
     pub scatter: Option<
         unsafe extern "C" fn(
@@ -131,38 +137,58 @@ impl fo_broadcast_options {
         let strategy = match self.strategy {
             0 => Strategy::Scatter,
             1 => Strategy::FullBroadcast,
-            s => return Err(Error::invalid("opts.strategy", format!("{s} is not 0 (scatter) or 1 (full broadcast)"))),
+            s => {
+                return Err(Error::invalid(
+                    "opts.strategy",
+                    format!("{s} is not 0 (scatter) or 1 (full broadcast)"),
+                ))
+            }
         };
-        let allow_int_float_cast = arg_flag(self.allow_int_float_cast, "opts.allow_int_float_cast")?;
-        Ok(BroadcastOptions { allow_int_float_cast, strategy })
+        let allow_int_float_cast =
+            arg_flag(self.allow_int_float_cast, "opts.allow_int_float_cast")?;
+        Ok(BroadcastOptions {
+            allow_int_float_cast,
+            strategy,
+        })
     }
 }
 
-unsafe fn sources(p: *const fo_broadcast_source, n: i64) -> Result<Option<Vec<(String, HostTensor)>>> {
+unsafe fn sources(
+    p: *const fo_broadcast_source,
+    n: i64,
+) -> Result<Option<Vec<(String, HostTensor)>>> {
     if p.is_null() && n == 0 {
         return Ok(None);
     }
     let s = arg_slice(p, arg_count(n, "n_full")?, "full")?;
     let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, HostTensor)> {
-        Ok((arg_str(e.key, &format!("full[{i}].key"))?.to_string(), e.tensor.to_host(&format!("full[{i}].tensor"))?))
+        Ok((
+            arg_str(e.key, &format!("full[{i}].key"))?.to_string(),
+            e.tensor.to_host(&format!("full[{i}].tensor"))?,
+        ))
     };
-    s.iter().enumerate().map(one).collect::<Result<Vec<_>>>().map(Some)
+    s.iter()
+        .enumerate()
+        .map(one)
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 unsafe fn dest_list(p: *const fo_broadcast_dest, n: i64) -> Result<Vec<BroadcastDest>> {
     let s = arg_slice(p, arg_count(n, "n_dests")?, "dests")?;
-    let one = |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
-        Ok(BroadcastDest {
-            key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
-            tensor: e.tensor.to_host(&format!("dests[{i}].tensor"))?,
-            spec: match e.spec.as_ref() {
-                None => None,
-                Some(s) => {
-                    Some(s.to_spec().map_err(|err| Error::invalid(format!("dests[{i}].spec"), err.to_string()))?)
-                }
-            },
-        })
-    };
+    let one =
+        |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
+            Ok(BroadcastDest {
+                key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
+                tensor: e.tensor.to_host(&format!("dests[{i}].tensor"))?,
+                spec: match e.spec.as_ref() {
+                    None => None,
+                    Some(s) => Some(s.to_spec().map_err(|err| {
+                        Error::invalid(format!("dests[{i}].spec"), err.to_string())
+                    })?),
+                },
+            })
+        };
     s.iter().enumerate().map(one).collect()
 }
 
@@ -178,8 +204,11 @@ pub unsafe extern "C" fn fo_comm_create_callbacks(
     guard(|| {
         let cb = arg_ref(callbacks, "callbacks")?.to_callbacks()?;
         let out = arg_mut(out, "out")?;
-        let comm =
-            Comm::from_callbacks(arg_count(rank as i64, "rank")?, arg_count(world_size as i64, "world_size")?, cb)?;
+        let comm = Comm::from_callbacks(
+            arg_count(rank as i64, "rank")?,
+            arg_count(world_size as i64, "world_size")?,
+            cb,
+        )?;
         *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
         Ok(())
     })
@@ -220,7 +249,10 @@ pub unsafe extern "C" fn fo_comm_create_nccl(
 ) -> fo_status {
     guard(|| {
         let out = arg_mut(out, "out")?;
-        let (r, w) = (arg_count(rank as i64, "rank")?, arg_count(world_size as i64, "world_size")?);
+        let (r, w) = (
+            arg_count(rank as i64, "rank")?,
+            arg_count(world_size as i64, "world_size")?,
+        );
         let comm = Comm::from_nccl(nccl_comm, cuda_stream, r, w)?;
         *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
         Ok(())
@@ -240,7 +272,11 @@ pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
 
 /// This rank's index and the group's size.
 #[no_mangle]
-pub unsafe extern "C" fn fo_comm_info(comm: *const fo_comm, rank: *mut i32, world_size: *mut i32) -> fo_status {
+pub unsafe extern "C" fn fo_comm_info(
+    comm: *const fo_comm,
+    rank: *mut i32,
+    world_size: *mut i32,
+) -> fo_status {
     guard(|| {
         let c = &arg_ref(comm, "comm")?.inner;
         *arg_mut(rank, "rank")? = c.rank() as i32;
@@ -270,8 +306,12 @@ pub unsafe extern "C" fn fo_broadcast_state_dict(
 ) -> fo_status {
     guard(|| {
         let comm = &arg_ref(comm, "comm")?.inner;
-        let local =
-            opts.as_ref().copied().unwrap_or_default().to_options().and_then(|o| Ok((o, dest_list(dests, n_dests)?)));
+        let local = opts
+            .as_ref()
+            .copied()
+            .unwrap_or_default()
+            .to_options()
+            .and_then(|o| Ok((o, dest_list(dests, n_dests)?)));
         let (opts, dests) = match local {
             Ok((o, d)) => (o, Ok(d)),
             Err(e) => (BroadcastOptions::default(), Err(e)),
@@ -308,7 +348,10 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
             arg_flag(error_if_nonfinite, "error_if_nonfinite")?;
             let g = arg_slice(grads, arg_count(n_grads, "n_grads")?, "grads")?;
             let g = g.iter().enumerate().map(|(i, g)| {
-                Ok((g.tensor.to_host(&format!("grads[{i}]"))?, arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?))
+                Ok((
+                    g.tensor.to_host(&format!("grads[{i}]"))?,
+                    arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
+                ))
             });
             Ok((out, g.collect::<Result<Vec<_>>>()?))
         });
@@ -316,7 +359,8 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
             Ok((o, g)) => (Some(o), Ok(g)),
             Err(e) => (None, Err(e)),
         };
-        let total = clip_grad_norm_checked(comm, grads, max_norm, norm_type, error_if_nonfinite == 1)?;
+        let total =
+            clip_grad_norm_checked(comm, grads, max_norm, norm_type, error_if_nonfinite == 1)?;
         if let Some(o) = out {
             *o = total;
         }

@@ -19,4 +19,3 @@ pub use optim::*;
 pub use shard::*;
 pub use status::*;
 pub use types::*;
-

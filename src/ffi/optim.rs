@@ -52,8 +52,12 @@ pub struct fo_optim_config {
 
 impl fo_optim_config {
     fn to_config(self) -> Result<OptimConfig> {
-        let bits = u32::try_from(self.master_weight_bits)
-            .map_err(|_| Error::invalid("master_weight_bits", format!("{} is negative", self.master_weight_bits)))?;
+        let bits = u32::try_from(self.master_weight_bits).map_err(|_| {
+            Error::invalid(
+                "master_weight_bits",
+                format!("{} is negative", self.master_weight_bits),
+            )
+        })?;
         Ok(OptimConfig {
             algorithm: Algorithm::from_code(self.algorithm)?,
             lr: self.lr,
@@ -108,7 +112,12 @@ fn index(i: i32, what: &str) -> Result<usize> {
 
 /// Writes `s` plus a NUL into `buf` (`capacity` bytes); `*out_len` is always the size
 /// needed (NUL included). Too small a buffer: nothing written, FO_ERR_INVALID_ARGUMENT.
-pub(super) unsafe fn write_string(s: &str, buf: *mut c_char, capacity: usize, out_len: *mut usize) -> Result<()> {
+pub(super) unsafe fn write_string(
+    s: &str,
+    buf: *mut c_char,
+    capacity: usize,
+    out_len: *mut usize,
+) -> Result<()> {
     *arg_mut(out_len, "out_len")? = s.len() + 1;
     if capacity < s.len() + 1 {
         return Err(Error::invalid(
@@ -139,7 +148,10 @@ pub unsafe extern "C" fn fo_optim_config_default(algorithm: i32, out: *mut fo_op
 
 /// Creates an optimizer whose param group 0 is `cfg` (validated as FlashOptim does).
 #[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_create(cfg: *const fo_optim_config, out: *mut *mut fo_optimizer) -> fo_status {
+pub unsafe extern "C" fn fo_optimizer_create(
+    cfg: *const fo_optim_config,
+    out: *mut *mut fo_optimizer,
+) -> fo_status {
     guard(|| {
         let out = arg_mut(out, "out")?;
         let inner = Optimizer::new(arg_ref(cfg, "cfg")?.to_config()?)?;
@@ -201,7 +213,11 @@ pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
 /// (the parameter is skipped and gets no state). Everything is validated first: on any
 /// error no parameter and no state has changed.
 #[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_step(opt: *mut fo_optimizer, grads: *const fo_tensor, n: usize) -> fo_status {
+pub unsafe extern "C" fn fo_optimizer_step(
+    opt: *mut fo_optimizer,
+    grads: *const fo_tensor,
+    n: usize,
+) -> fo_status {
     guard(|| {
         let opt = opt_mut(opt)?;
         let views = arg_slice(grads, n, "grads")?
@@ -259,7 +275,10 @@ pub unsafe extern "C" fn fo_optimizer_state_info(
 ) -> fo_status {
     guard(|| {
         let t = opt_ref(opt)?.get_state(self::index(index, "index")?, arg_str(key, "key")?)?;
-        let (dt, nd) = (arg_mut(out_dtype, "out_dtype")?, arg_mut(out_ndim, "out_ndim")?);
+        let (dt, nd) = (
+            arg_mut(out_dtype, "out_dtype")?,
+            arg_mut(out_ndim, "out_ndim")?,
+        );
         let shape = arg_slice_mut(out_shape, super::FO_MAX_DIMS, "out_shape")?;
         (*dt, *nd) = (t.dtype.code(), t.shape.len() as i32);
         shape
@@ -292,13 +311,10 @@ pub unsafe extern "C" fn fo_optimizer_set_state(
             .zip(values)
             .enumerate()
             .map(|(i, (&k, v))| {
-                Ok((
-                    arg_str(k, &format!("keys[{i}]"))?.to_string(),
-                    {
-                        let what = format!("values[{i}]");
-                        v.to_host(&what)?.try_to_tensor(&what)?
-                    },
-                ))
+                Ok((arg_str(k, &format!("keys[{i}]"))?.to_string(), {
+                    let what = format!("values[{i}]");
+                    v.to_host(&what)?.try_to_tensor(&what)?
+                }))
             })
             .collect::<Result<Vec<(String, Tensor)>>>()?;
         opt.set_states(self::index(index, "index")?, &entries)
@@ -321,7 +337,11 @@ pub unsafe extern "C" fn fo_optimizer_add_param_group(
 
 /// Sets group `group`'s learning rate for the following steps (LR schedules).
 #[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_set_group_lr(opt: *mut fo_optimizer, group: i32, lr: f64) -> fo_status {
+pub unsafe extern "C" fn fo_optimizer_set_group_lr(
+    opt: *mut fo_optimizer,
+    group: i32,
+    lr: f64,
+) -> fo_status {
     guard(|| opt_mut(opt)?.set_group_lr(index(group, "group")?, lr))
 }
 
@@ -333,7 +353,9 @@ pub unsafe extern "C" fn fo_optimizer_set_group_config(
     group: i32,
     cfg: *const fo_optim_config,
 ) -> fo_status {
-    guard(|| opt_mut(opt)?.set_group_config(index(group, "group")?, arg_ref(cfg, "cfg")?.to_config()?))
+    guard(|| {
+        opt_mut(opt)?.set_group_config(index(group, "group")?, arg_ref(cfg, "cfg")?.to_config()?)
+    })
 }
 
 /// Reads group `group`'s hyper-parameters.
@@ -358,7 +380,10 @@ pub unsafe extern "C" fn fo_optimizer_get_group_config(
 
 /// The number of registered parameters.
 #[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_num_params(opt: *const fo_optimizer, out: *mut i32) -> fo_status {
+pub unsafe extern "C" fn fo_optimizer_num_params(
+    opt: *const fo_optimizer,
+    out: *mut i32,
+) -> fo_status {
     guard(|| {
         *arg_mut(out, "out")? = opt_ref(opt)?.num_params() as i32;
         Ok(())
@@ -368,7 +393,11 @@ pub unsafe extern "C" fn fo_optimizer_num_params(opt: *const fo_optimizer, out: 
 /// Bytes of optimizer state held for parameter `index` (moments, quantization scales,
 /// error bits; not the step counter), or for all parameters when `index` is -1.
 #[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_state_bytes(opt: *const fo_optimizer, index: i32, out: *mut u64) -> fo_status {
+pub unsafe extern "C" fn fo_optimizer_state_bytes(
+    opt: *const fo_optimizer,
+    index: i32,
+    out: *mut u64,
+) -> fo_status {
     guard(|| {
         let opt = opt_ref(opt)?;
         let out = arg_mut(out, "out")?;
@@ -411,17 +440,32 @@ pub unsafe extern "C" fn fo_optimizer_param_groups_json(
     capacity: usize,
     out_len: *mut usize,
 ) -> fo_status {
-    guard(|| write_string(&opt_ref(opt)?.param_groups_json().to_string(), buf, capacity, out_len))
+    guard(|| {
+        write_string(
+            &opt_ref(opt)?.param_groups_json().to_string(),
+            buf,
+            capacity,
+            out_len,
+        )
+    })
 }
 
 /// Megatron's offload plan: visiting the `n` parameter sizes in order, `out[i]` = 1 while
 /// the offloaded numel is below `fraction × total` (the parameter crossing it included).
 #[no_mangle]
-pub unsafe extern "C" fn fo_offload_plan(numels: *const i64, n: usize, fraction: f64, out: *mut i32) -> fo_status {
+pub unsafe extern "C" fn fo_offload_plan(
+    numels: *const i64,
+    n: usize,
+    fraction: f64,
+    out: *mut i32,
+) -> fo_status {
     guard(|| {
         let sizes = super::args::arg_dims(arg_slice(numels, n, "numels")?, "numels")?;
         if !(0.0..=1.0).contains(&fraction) {
-            return Err(Error::invalid("fraction", format!("{fraction} is outside [0, 1]")));
+            return Err(Error::invalid(
+                "fraction",
+                format!("{fraction} is outside [0, 1]"),
+            ));
         }
         let plan = plan_offload(&sizes, fraction);
         arg_slice_mut(out, n, "out")?
@@ -439,7 +483,8 @@ pub unsafe extern "C" fn fo_offload_plan(numels: *const i64, n: usize, fraction:
 pub unsafe extern "C" fn fo_set_num_threads(n: i32) -> fo_status {
     guard(|| {
         crate::optim::set_num_threads(
-            usize::try_from(n).map_err(|_| Error::invalid("n", format!("negative thread count {n}")))?,
+            usize::try_from(n)
+                .map_err(|_| Error::invalid("n", format!("negative thread count {n}")))?,
         )
     })
 }

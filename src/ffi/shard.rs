@@ -18,7 +18,8 @@ pub unsafe extern "C" fn fo_wrap_uneven(
     out: *mut fo_shard_info,
 ) -> fo_status {
     guard(|| {
-        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec =
+            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         *arg_mut(out, "out")? = spec.info().into();
         Ok(())
     })
@@ -41,11 +42,15 @@ pub unsafe extern "C" fn fo_shard_indices(
     out_len: *mut i64,
 ) -> fo_status {
     guard(|| {
-        let spec = shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
+        let spec =
+            shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         let out_len = arg_mut(out_len, "out_len")?;
         let d = arg_count(dim as i64, "dim")?;
         if d >= spec.global_shape().len() {
-            return Err(Error::invalid("dim", format!("{dim} is outside a tensor with {ndim} dims")));
+            return Err(Error::invalid(
+                "dim",
+                format!("{dim} is outside a tensor with {ndim} dims"),
+            ));
         }
         let capacity = arg_count(capacity, "capacity")?;
         let runs = spec.runs(d);
@@ -97,7 +102,10 @@ pub unsafe extern "C" fn fo_grouped_placements(
                 match q.shard_dim() {
                     Some(d) if d + 1 >= crate::tensor::MAX_DIMS => Err(Error::invalid(
                         format!("placements[{i}].dim"),
-                        format!("{d}: the stacked tensor's dim {} would exceed FO_MAX_DIMS", d + 1),
+                        format!(
+                            "{d}: the stacked tensor's dim {} would exceed FO_MAX_DIMS",
+                            d + 1
+                        ),
                     )),
                     _ => Ok(fo_placement::from_placement(q.shifted_for_grouped())),
                 }

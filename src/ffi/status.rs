@@ -87,7 +87,9 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> fo_status {
             code
         }
         Err(payload) => {
-            set_last_error(Error::Internal(format!("panic: {}", panic_text(payload.as_ref()))).to_string());
+            set_last_error(
+                Error::Internal(format!("panic: {}", panic_text(payload.as_ref()))).to_string(),
+            );
             FO_ERR_INTERNAL
         }
     }
@@ -147,7 +149,9 @@ mod tests {
     use std::ffi::CStr;
 
     fn last() -> String {
-        unsafe { CStr::from_ptr(fo_last_error_message()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(fo_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     #[test]

@@ -70,10 +70,18 @@ impl fo_placement {
                         format!("must be >= 1, got {}", self.split_factor),
                     ));
                 }
-                Placement::StridedShard { dim: dim()?, split_factor: self.split_factor as usize }
+                Placement::StridedShard {
+                    dim: dim()?,
+                    split_factor: self.split_factor as usize,
+                }
             }
             FO_PLACEMENT_PARTIAL => Placement::Partial,
-            k => return Err(Error::invalid(format!("{what}.kind"), format!("unknown placement kind {k} (valid: 0..=3)"))),
+            k => {
+                return Err(Error::invalid(
+                    format!("{what}.kind"),
+                    format!("unknown placement kind {k} (valid: 0..=3)"),
+                ))
+            }
         })
     }
 
@@ -81,10 +89,16 @@ impl fo_placement {
         let (kind, dim, split_factor) = match p {
             Placement::Replicate => (FO_PLACEMENT_REPLICATE, 0, 0),
             Placement::Shard(d) => (FO_PLACEMENT_SHARD, d as i32, 0),
-            Placement::StridedShard { dim, split_factor } => (FO_PLACEMENT_STRIDED_SHARD, dim as i32, split_factor as i32),
+            Placement::StridedShard { dim, split_factor } => {
+                (FO_PLACEMENT_STRIDED_SHARD, dim as i32, split_factor as i32)
+            }
             Placement::Partial => (FO_PLACEMENT_PARTIAL, 0, 0),
         };
-        fo_placement { kind, dim, split_factor }
+        fo_placement {
+            kind,
+            dim,
+            split_factor,
+        }
     }
 }
 
@@ -104,7 +118,14 @@ pub struct fo_shard_spec {
 
 impl fo_shard_spec {
     pub(crate) unsafe fn to_spec(self) -> Result<ShardSpec> {
-        shard_spec_from_parts(self.ndim, self.global_shape, self.mesh_ndim, self.mesh_shape, self.coord, self.placements)
+        shard_spec_from_parts(
+            self.ndim,
+            self.global_shape,
+            self.mesh_ndim,
+            self.mesh_shape,
+            self.coord,
+            self.placements,
+        )
     }
 }
 
@@ -119,8 +140,14 @@ pub(crate) unsafe fn shard_spec_from_parts(
 ) -> Result<ShardSpec> {
     let ndim = arg_ndim(ndim, "ndim", false)?;
     let mesh_ndim = arg_ndim(mesh_ndim, "mesh_ndim", true)?;
-    let global_shape = arg_dims(arg_slice(global_shape, ndim, "global_shape")?, "global_shape")?;
-    let mesh_shape = arg_dims(arg_slice(mesh_shape, mesh_ndim, "mesh_shape")?, "mesh_shape")?;
+    let global_shape = arg_dims(
+        arg_slice(global_shape, ndim, "global_shape")?,
+        "global_shape",
+    )?;
+    let mesh_shape = arg_dims(
+        arg_slice(mesh_shape, mesh_ndim, "mesh_shape")?,
+        "mesh_shape",
+    )?;
     let coord = arg_dims(arg_slice(coord, mesh_ndim, "coord")?, "coord")?;
     let placements = arg_slice(placements, mesh_ndim, "placements")?
         .iter()

@@ -238,7 +238,10 @@ impl OptimConfig {
         if self.algorithm.is_adam() || self.algorithm == Algorithm::Lion {
             for (n, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
                 if !(0.0..=1.0).contains(&b) {
-                    return Err(Error::invalid(n, format!("invalid beta {b} (must be in [0, 1])")));
+                    return Err(Error::invalid(
+                        n,
+                        format!("invalid beta {b} (must be in [0, 1])"),
+                    ));
                 }
             }
         }
@@ -276,7 +279,10 @@ impl OptimConfig {
         } else if self.nesterov {
             return Err(Error::invalid(
                 "nesterov",
-                format!("only SGD and SGDW take nesterov, not {}", self.algorithm.name()),
+                format!(
+                    "only SGD and SGDW take nesterov, not {}",
+                    self.algorithm.name()
+                ),
             ));
         }
         if self.decouple_lr {
@@ -352,8 +358,15 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("lr"));
         c.lr = 1e-3;
         c.master_weight_bits = 16;
-        assert!(c.validate().unwrap_err().to_string().contains("master_weight_bits"));
-        assert!(Arithmetic::from_code(2).unwrap_err().to_string().contains("arithmetic"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("master_weight_bits"));
+        assert!(Arithmetic::from_code(2)
+            .unwrap_err()
+            .to_string()
+            .contains("arithmetic"));
         assert_eq!(Arithmetic::from_name("fast").unwrap(), Arithmetic::Fast);
         assert!(Arithmetic::from_name("quick")
             .unwrap_err()
@@ -361,6 +374,10 @@ mod tests {
             .contains("arithmetic"));
         let mut c = OptimConfig::default_for(Algorithm::Adam);
         c.decouple_lr = true;
-        assert!(c.validate().unwrap_err().to_string().contains("decouple_lr"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("decouple_lr"));
     }
 }

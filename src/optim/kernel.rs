@@ -15,7 +15,8 @@
 //! `optim_stages` show where the remaining time goes.
 use std::cell::RefCell;
 
-use super::fast;
+use super::fast::FastRule;
+use super::fused;
 use super::rule::Rule;
 use super::state::{GradChunk, MomentChunk, ParamChunk};
 
@@ -81,7 +82,6 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
         first,
     } = job;
     let n = p.len();
-    let fast = matches!(rule, Rule::Fast(_));
     let (pb, rest) = scratch.split_at_mut(BLOCK);
     let (gb, rest) = rest.split_at_mut(BLOCK);
     let (mb, vb) = rest.split_at_mut(BLOCK);
@@ -94,10 +94,6 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let ps: &mut [f32] = match &mut p {
         ParamChunk::F32(s) => s,
-        other if fast => {
-            fast::load_param(other, &mut pb[..n]);
-            &mut pb[..n]
-        }
         other => {
             other.load(&mut pb[..n]);
             &mut pb[..n]
@@ -105,10 +101,6 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let ms: &mut [f32] = match &mut m {
         Some(MomentChunk::F32(s)) => s,
-        Some(c) if fast => {
-            fast::load_moment(c, &mut mb[..n]);
-            &mut mb[..n]
-        }
         Some(c) => {
             c.load(&mut mb[..n], true);
             &mut mb[..n]
@@ -117,10 +109,6 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     };
     let vs: &mut [f32] = match &mut v {
         Some(MomentChunk::F32(s)) => s,
-        Some(c) if fast => {
-            fast::load_moment(c, &mut vb[..n]);
-            &mut vb[..n]
-        }
         Some(c) => {
             c.load(&mut vb[..n], true);
             &mut vb[..n]
@@ -132,18 +120,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
         p.store(&pb[..n]);
     }
     if let Some(c) = m.as_mut().filter(|c| !matches!(c, MomentChunk::F32(_))) {
-        if fast {
-            fast::store_moment(c, &mut mb[..n]);
-        } else {
-            c.store(&mb[..n]);
-        }
+        c.store(&mb[..n]);
     }
     if let Some(c) = v.as_mut().filter(|c| !matches!(c, MomentChunk::F32(_))) {
-        if fast {
-            fast::store_moment(c, &mut vb[..n]);
-        } else {
-            c.store(&vb[..n]);
-        }
+        c.store(&vb[..n]);
     }
 }
 
@@ -159,9 +139,10 @@ unsafe fn run_avx2(job: Job<'_>, scratch: &mut [f32]) {
     run_blocks(job, scratch)
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Isa {
-    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx512(fused::Avx512),
     Avx2,
     Generic,
 }
@@ -178,17 +159,13 @@ fn isa() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             let no512 = cap == "avx2" || std::env::var_os("FO_NO_AVX512").is_some();
-            if !no512
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512dq")
+            if let Some(t) = fused::Avx512::detect().filter(|_| !no512) {
+                return Isa::Avx512(t);
+            }
+            if is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
                 return Isa::Avx2;
             }
         }
@@ -196,15 +173,37 @@ fn isa() -> Isa {
     })
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fast_avx512(l: fused::Avx512, job: Job<'_>, rule: &FastRule) {
+    fused::run(l, job, rule)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fast_avx2(job: Job<'_>, rule: &FastRule) {
+    fused::run(fused::Portable, job, rule)
+}
+
 /// Runs one chunk with the widest vector instructions this CPU has. The arithmetic is
 /// the same on every path: IEEE f32 operations, `mul_add` always fused.
 pub fn run(job: Job<'_>) {
+    if let Rule::Fast(rule) = job.rule {
+        return match isa() {
+            // SAFETY: the features were detected at run time.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512(l) => unsafe { fast_avx512(l, job, &rule) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { fast_avx2(job, &rule) },
+            _ => fused::run(fused::Portable, job, &rule),
+        };
+    }
     SCRATCH.with(|s| {
         let s = &mut s.borrow_mut()[..];
         match isa() {
             // SAFETY: the features were detected at run time.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { run_avx512(job, s) },
+            Isa::Avx512(_) => unsafe { run_avx512(job, s) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { run_avx2(job, s) },
             _ => run_blocks(job, s),

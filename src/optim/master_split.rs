@@ -139,14 +139,21 @@ pub fn reconstruct_one<C: ErrorCode>(h: Half, bits: u16, code: C) -> f32 {
 
 fn check(what: &str, a: usize, b: usize, c: usize) -> Result<()> {
     if a != b || a != c {
-        return Err(Error::Shape(format!("{what}: lengths {a}, {b} and {c} differ")));
+        return Err(Error::Shape(format!(
+            "{what}: lengths {a}, {b} and {c} differ"
+        )));
     }
     Ok(())
 }
 
 /// Error bits for masters `master` stored as `param` (bf16/f16 bit patterns of `dtype`).
 /// FlashOptim's `compute_ecc_bits`.
-pub fn encode_error_bits<C: ErrorCode>(dtype: DType, master: &[f32], param: &[u16], out: &mut [C]) -> Result<()> {
+pub fn encode_error_bits<C: ErrorCode>(
+    dtype: DType,
+    master: &[f32],
+    param: &[u16],
+    out: &mut [C],
+) -> Result<()> {
     let h = Half::from_dtype(dtype)?;
     check("encode_error_bits", master.len(), param.len(), out.len())?;
     for ((o, &x), &b) in out.iter_mut().zip(master).zip(param) {
@@ -157,7 +164,12 @@ pub fn encode_error_bits<C: ErrorCode>(dtype: DType, master: &[f32], param: &[u1
 
 /// Master values from 16-bit params and their error bits. FlashOptim's
 /// `reconstruct_fp32_param`.
-pub fn reconstruct<C: ErrorCode>(dtype: DType, param: &[u16], codes: &[C], out: &mut [f32]) -> Result<()> {
+pub fn reconstruct<C: ErrorCode>(
+    dtype: DType,
+    param: &[u16],
+    codes: &[C],
+    out: &mut [f32],
+) -> Result<()> {
     let h = Half::from_dtype(dtype)?;
     check("reconstruct", param.len(), codes.len(), out.len())?;
     for ((o, &b), &c) in out.iter_mut().zip(param).zip(codes) {

@@ -6,7 +6,8 @@
 //! - `rule`: the element-wise updates (torch's arithmetic for fp32 state, FlashOptim's
 //!   for compressed state);
 //! - `state`: stored state and the chunk views kernels decode and encode;
-//! - `fast`: the `fast` arithmetic's rules and codecs (bounded distance from exact);
+//! - `fast`: the `fast` arithmetic's scalars and its bound (distance from exact);
+//!   `fused`: its step, one quantization group at a time in registers;
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
@@ -14,6 +15,7 @@
 //! - `gpu`: the GPU kernels' source (proven on the host) and why device tensors are refused.
 pub mod config;
 pub mod fast;
+pub mod fused;
 pub mod gpu;
 pub mod master_split;
 pub mod numerics;

@@ -37,7 +37,9 @@ unsafe fn max_abs(t: &HostTensor) -> f32 {
     let f = |i: usize| -> f32 {
         match t.dtype() {
             DType::F32 => f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()),
-            DType::BF16 => f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16),
+            DType::BF16 => {
+                f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
+            }
             _ => half::f16::from_bits(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])).to_f32(),
         }
     };
@@ -60,7 +62,11 @@ pub fn log2_min_step(dtype: DType, maxabs: f64, master_weight_bits: u32) -> f64 
     maxabs.log2().floor() - mantissa
 }
 
-pub(crate) unsafe fn check(opt: &Optimizer, grads: &[Option<HostTensor>], bytes: &[Option<&[u8]>]) -> Result<()> {
+pub(crate) unsafe fn check(
+    opt: &Optimizer,
+    grads: &[Option<HostTensor>],
+    bytes: &[Option<&[u8]>],
+) -> Result<()> {
     for (i, p) in opt.params.iter().enumerate() {
         let cfg = &opt.groups[p.group];
         let (Some(b), Some(g)) = (bytes[i], &grads[i]) else {

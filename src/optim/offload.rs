@@ -29,10 +29,22 @@ mod tests {
 
     #[test]
     fn crossing_param_is_included_and_later_ones_are_not() {
-        assert_eq!(plan_offload(&[10, 10, 10, 10], 0.5), vec![true, true, false, false]);
-        assert_eq!(plan_offload(&[10, 10, 10, 10], 0.3), vec![true, true, false, false]);
-        assert_eq!(plan_offload(&[10, 10, 10, 10], 0.25), vec![true, false, false, false]);
-        assert_eq!(plan_offload(&[10, 10, 10, 10], 0.2), vec![true, false, false, false]);
+        assert_eq!(
+            plan_offload(&[10, 10, 10, 10], 0.5),
+            vec![true, true, false, false]
+        );
+        assert_eq!(
+            plan_offload(&[10, 10, 10, 10], 0.3),
+            vec![true, true, false, false]
+        );
+        assert_eq!(
+            plan_offload(&[10, 10, 10, 10], 0.25),
+            vec![true, false, false, false]
+        );
+        assert_eq!(
+            plan_offload(&[10, 10, 10, 10], 0.2),
+            vec![true, false, false, false]
+        );
         assert_eq!(plan_offload(&[5, 100, 1], 0.01), vec![true, false, false]);
         assert_eq!(plan_offload(&[5, 100, 1], 0.0), vec![false, false, false]);
         assert_eq!(plan_offload(&[5, 100, 1], 1.0), vec![true, true, true]);

@@ -94,7 +94,10 @@ impl Optimizer {
         for (name, same) in [
             ("algorithm", old.algorithm == cfg.algorithm),
             ("state_format", old.state_format == cfg.state_format),
-            ("master_weight_bits", old.master_weight_bits == cfg.master_weight_bits),
+            (
+                "master_weight_bits",
+                old.master_weight_bits == cfg.master_weight_bits,
+            ),
         ] {
             if !same {
                 return Err(Error::invalid(
@@ -148,7 +151,8 @@ impl Optimizer {
         }
         let cfg = &self.groups[group];
         if cfg.master_weight_bits != 0 {
-            Half::from_dtype(param.dtype()).map_err(|e| Error::Dtype(format!("parameter {fqn}: {e}")))?;
+            Half::from_dtype(param.dtype())
+                .map_err(|e| Error::Dtype(format!("parameter {fqn}: {e}")))?;
         }
         if let Some(other) = self.overlapping_param(&param) {
             return Err(Error::invalid(
@@ -279,7 +283,11 @@ impl Optimizer {
         if grads.len() != self.params.len() {
             return Err(Error::invalid(
                 "grads",
-                format!("{} gradients given for {} parameters", grads.len(), self.params.len()),
+                format!(
+                    "{} gradients given for {} parameters",
+                    grads.len(),
+                    self.params.len()
+                ),
             ));
         }
         // Strided gradients are gathered into contiguous copies first.
@@ -314,7 +322,11 @@ impl Optimizer {
                     ),
                 ));
             }
-            gathered.push(if g.is_contiguous() { None } else { Some(g.try_to_tensor("grads")?.data) });
+            gathered.push(if g.is_contiguous() {
+                None
+            } else {
+                Some(g.try_to_tensor("grads")?.data)
+            });
         }
         let grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
@@ -367,7 +379,11 @@ unsafe fn push_jobs<'a>(
     let n = param.numel();
     let ptr = param.as_ptr();
     let direct = |m: &Option<Moment>| matches!(m, None | Some(Moment::F32(_)));
-    let chunk = if param.dtype() == DType::F32 && grad_dtype == DType::F32 && direct(&st.m) && direct(&st.v) {
+    let chunk = if param.dtype() == DType::F32
+        && grad_dtype == DType::F32
+        && direct(&st.m)
+        && direct(&st.v)
+    {
         CHUNK_DIRECT
     } else {
         CHUNK

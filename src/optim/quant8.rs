@@ -84,7 +84,9 @@ fn tree_max(l: [u32; 16]) -> u32 {
 #[inline(always)]
 pub(crate) fn absmax(x: &[f32]) -> f32 {
     let m = if let Ok(x) = <&[f32; GROUP]>::try_from(x) {
-        tree_max(std::array::from_fn(|i| mag_bits(x[i]).max(mag_bits(x[i + 16]))))
+        tree_max(std::array::from_fn(|i| {
+            mag_bits(x[i]).max(mag_bits(x[i + 16]))
+        }))
     } else {
         x.iter().fold(0u32, |m, &v| m.max(mag_bits(v)))
     };
@@ -186,14 +188,22 @@ pub fn decode_unsigned_sqrt_group(codes: &[u8], scale: f16, out: &mut [f32]) {
 
 fn check_lens(what: &str, numel: usize, codes: usize, scales: usize) {
     assert_eq!(numel, codes, "{what}: {numel} values but {codes} codes");
-    assert_eq!(scales, num_groups(numel), "{what}: {scales} scales for {numel} values");
+    assert_eq!(
+        scales,
+        num_groups(numel),
+        "{what}: {scales} scales for {numel} values"
+    );
 }
 
 /// Quantizes momentum-like values (FlashOptim `quantize(x, signed=True, softsign=True)`).
 /// `codes.len() == x.len()`, `scales.len() == num_groups(x.len())`.
 pub fn quantize_signed(x: &[f32], codes: &mut [i8], scales: &mut [f16]) {
     check_lens("quantize_signed", x.len(), codes.len(), scales.len());
-    for ((x, c), s) in x.chunks(GROUP).zip(codes.chunks_mut(GROUP)).zip(scales.iter_mut()) {
+    for ((x, c), s) in x
+        .chunks(GROUP)
+        .zip(codes.chunks_mut(GROUP))
+        .zip(scales.iter_mut())
+    {
         *s = encode_signed_group(x, c);
     }
 }
@@ -210,14 +220,23 @@ pub fn dequantize_signed(codes: &[i8], scales: &[f16], out: &mut [f32]) {
 pub fn quantize_unsigned_sqrt(v: &[f32], codes: &mut [u8], scales: &mut [f16]) {
     check_lens("quantize_unsigned_sqrt", v.len(), codes.len(), scales.len());
     let mut scratch = [0f32; GROUP];
-    for ((v, c), s) in v.chunks(GROUP).zip(codes.chunks_mut(GROUP)).zip(scales.iter_mut()) {
+    for ((v, c), s) in v
+        .chunks(GROUP)
+        .zip(codes.chunks_mut(GROUP))
+        .zip(scales.iter_mut())
+    {
         *s = encode_unsigned_sqrt_group(v, c, &mut scratch);
     }
 }
 
 /// Inverse of `quantize_unsigned_sqrt`.
 pub fn dequantize_unsigned_sqrt(codes: &[u8], scales: &[f16], out: &mut [f32]) {
-    check_lens("dequantize_unsigned_sqrt", out.len(), codes.len(), scales.len());
+    check_lens(
+        "dequantize_unsigned_sqrt",
+        out.len(),
+        codes.len(),
+        scales.len(),
+    );
     for ((c, &s), o) in codes.chunks(GROUP).zip(scales).zip(out.chunks_mut(GROUP)) {
         decode_unsigned_sqrt_group(c, s, o);
     }

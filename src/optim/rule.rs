@@ -171,7 +171,7 @@ impl Rule {
         let n = p.len();
         let g = &g[..n];
         match *self {
-            Rule::Fast(r) => r.apply(p, g, m, v, first),
+            Rule::Fast(_) => unreachable!("fast rules step in optim::fused, one group at a time"),
             Rule::TorchAdam {
                 l2,
                 decay,
@@ -238,7 +238,11 @@ impl Rule {
                     };
                     let d = match momentum {
                         Some(mom) => {
-                            let b = if first { gi } else { gi.mul_add(wdamp, m[i] * mom) };
+                            let b = if first {
+                                gi
+                            } else {
+                                gi.mul_add(wdamp, m[i] * mom)
+                            };
                             m[i] = b;
                             if nesterov {
                                 b.mul_add(mom, gi)
@@ -268,7 +272,16 @@ impl Rule {
                     wdamp,
                     lr,
                 };
-                run_sgd_variant(&f, l2.is_some(), momentum.is_some(), nesterov, first, p, g, m)
+                run_sgd_variant(
+                    &f,
+                    l2.is_some(),
+                    momentum.is_some(),
+                    nesterov,
+                    first,
+                    p,
+                    g,
+                    m,
+                )
             }
             Rule::TorchLion {
                 decay,
@@ -325,7 +338,11 @@ impl SgdVariant for FlashSgdLoop {
             p[i] = if K == 0 {
                 pi - gi * self.lr
             } else {
-                let b = if K >= 3 { gi } else { m[i] * self.mom + gi * self.wdamp };
+                let b = if K >= 3 {
+                    gi
+                } else {
+                    m[i] * self.mom + gi * self.wdamp
+                };
                 m[i] = b;
                 if K == 2 || K == 4 {
                     pi - (gi + self.mom * b) * self.lr

@@ -140,13 +140,20 @@ impl Moment {
         debug_assert_eq!(chunk % GROUP, 0);
         match self {
             Moment::F32(v) => v.chunks_mut(chunk).map(MomentChunk::F32).collect(),
-            Moment::Half(h, v) => v.chunks_mut(chunk).map(|c| MomentChunk::Half(*h, c)).collect(),
+            Moment::Half(h, v) => v
+                .chunks_mut(chunk)
+                .map(|c| MomentChunk::Half(*h, c))
+                .collect(),
             Moment::Signed { codes, scales } => codes
                 .chunks_mut(chunk)
                 .zip(scales.chunks_mut(chunk / GROUP))
                 .map(|(c, s)| MomentChunk::Signed(c, s))
                 .collect(),
-            Moment::Unsigned { codes, scales, root } => codes
+            Moment::Unsigned {
+                codes,
+                scales,
+                root,
+            } => codes
                 .chunks_mut(chunk)
                 .zip(scales.chunks_mut(chunk / GROUP))
                 .map(|(c, s)| MomentChunk::Unsigned(c, s, *root))
@@ -193,7 +200,9 @@ impl MomentChunk<'_> {
             MomentChunk::F32(s) => MomentChunk::F32(&mut s[lo..hi]),
             MomentChunk::Half(h, s) => MomentChunk::Half(*h, &mut s[lo..hi]),
             MomentChunk::Signed(c, s) => MomentChunk::Signed(&mut c[lo..hi], &mut s[gl..gh]),
-            MomentChunk::Unsigned(c, s, r) => MomentChunk::Unsigned(&mut c[lo..hi], &mut s[gl..gh], *r),
+            MomentChunk::Unsigned(c, s, r) => {
+                MomentChunk::Unsigned(&mut c[lo..hi], &mut s[gl..gh], *r)
+            }
         }
     }
 
@@ -264,7 +273,10 @@ fn encode_fourth_root_group(v: &[f32], codes: &mut [u8], scratch: &mut [f32; GRO
     for (r, &v) in r.iter_mut().zip(v) {
         *r = v.sqrt().sqrt();
     }
-    let a = r.iter().fold(0f32, |a, x| a.max(*x)).max(quant8::ABSMAX_FLOOR);
+    let a = r
+        .iter()
+        .fold(0f32, |a, x| a.max(*x))
+        .max(quant8::ABSMAX_FLOOR);
     for (c, &r) in codes.iter_mut().zip(r.iter()) {
         *c = quant8::to_code(((r / a) * 255.0 + 0.5).floor(), 0.0, 255.0) as u8;
     }

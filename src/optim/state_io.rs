@@ -93,8 +93,16 @@ impl Optimizer {
                     .map(|c| u16::from_le_bytes([c[0], c[1]]))
                     .collect();
                 match e {
-                    ErrorBits::I8(e) => bits.iter().zip(e).map(|(&b, &c)| reconstruct_one(h, b, c)).collect(),
-                    ErrorBits::I16(e) => bits.iter().zip(e).map(|(&b, &c)| reconstruct_one(h, b, c)).collect(),
+                    ErrorBits::I8(e) => bits
+                        .iter()
+                        .zip(e)
+                        .map(|(&b, &c)| reconstruct_one(h, b, c))
+                        .collect(),
+                    ErrorBits::I16(e) => bits
+                        .iter()
+                        .zip(e)
+                        .map(|(&b, &c)| reconstruct_one(h, b, c))
+                        .collect(),
                 }
             }
             _ => t.to_f32().expect("param dtypes are float"),
@@ -141,7 +149,9 @@ impl Optimizer {
                 }),
             };
         }
-        let (name, raw) = key.split_once("::").map_or((key, None), |(n, r)| (n, Some(r)));
+        let (name, raw) = key
+            .split_once("::")
+            .map_or((key, None), |(n, r)| (n, Some(r)));
         let m = if name == m_name(a) {
             st.m.as_ref()
         } else if name == "exp_avg_sq" {
@@ -162,11 +172,13 @@ impl Optimizer {
                 shape,
                 data: codes.clone(),
             }),
-            (Some("scales"), Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. }) => Ok(Tensor {
-                dtype: DType::F16,
-                shape: vec![scales.len()],
-                data: le_bytes(scales, |s| s.to_le_bytes()),
-            }),
+            (Some("scales"), Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. }) => {
+                Ok(Tensor {
+                    dtype: DType::F16,
+                    shape: vec![scales.len()],
+                    data: le_bytes(scales, |s| s.to_le_bytes()),
+                })
+            }
             _ => Err(missing()),
         }
     }
@@ -178,7 +190,9 @@ impl Optimizer {
         if t.dtype == dtype {
             return Ok(t);
         }
-        if t.dtype != DType::F32 || !matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
+        if t.dtype != DType::F32
+            || !matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+        {
             return Err(Error::Dtype(format!(
                 "state key {key} is {}; it cannot be read as {dtype}",
                 t.dtype
@@ -206,7 +220,10 @@ impl Optimizer {
     /// anything changes; on error nothing is modified.
     pub fn set_states(&mut self, i: usize, entries: &[(String, Tensor)]) -> Result<()> {
         self.check_index(i)?;
-        let mut st: ParamState = self.params[i].state.clone().unwrap_or_else(|| self.new_state(i));
+        let mut st: ParamState = self.params[i]
+            .state
+            .clone()
+            .unwrap_or_else(|| self.new_state(i));
         let p = &self.params[i];
         let fqn = p.fqn.clone();
         let shape = p.tensor.shape().to_vec();
@@ -224,7 +241,9 @@ impl Optimizer {
         };
         for (key, t) in entries {
             let key = key.as_str();
-            let (name, raw) = key.split_once("::").map_or((key, None), |(n, r)| (n, Some(r)));
+            let (name, raw) = key
+                .split_once("::")
+                .map_or((key, None), |(n, r)| (n, Some(r)));
             if seen.contains(&name) && raw.is_none() || seen.contains(&key) {
                 return Err(Error::invalid(
                     "entries",
@@ -299,12 +318,18 @@ impl Optimizer {
             }
         }
         for (nm, _, _) in &raw_pending {
-            let q = raw_pending.iter().find(|(n2, r, _)| n2 == nm && *r == "quantized");
-            let s = raw_pending.iter().find(|(n2, r, _)| n2 == nm && *r == "scales");
+            let q = raw_pending
+                .iter()
+                .find(|(n2, r, _)| n2 == nm && *r == "quantized");
+            let s = raw_pending
+                .iter()
+                .find(|(n2, r, _)| n2 == nm && *r == "scales");
             let (Some((_, _, q)), Some((_, _, s))) = (q, s) else {
                 return Err(Error::invalid(
                     "entries",
-                    format!("parameter {fqn}: {nm}::quantized and {nm}::scales must be given together"),
+                    format!(
+                        "parameter {fqn}: {nm}::quantized and {nm}::scales must be given together"
+                    ),
                 ));
             };
             let target = if *nm == "exp_avg_sq" {
@@ -312,7 +337,8 @@ impl Optimizer {
             } else {
                 st.m.as_mut()
             };
-            let target = target.ok_or_else(|| Error::NotFound(format!("parameter {fqn} keeps no {nm}")))?;
+            let target =
+                target.ok_or_else(|| Error::NotFound(format!("parameter {fqn} keeps no {nm}")))?;
             set_raw(target, q, s, &fqn, nm, &shape, n)?;
             st.m_valid |= *nm != "exp_avg_sq";
         }
@@ -364,10 +390,15 @@ fn set_error_bits(e: &mut ErrorBits, t: &Tensor, fqn: &str) -> Result<()> {
     };
     match (e, t.dtype) {
         (ErrorBits::I8(e), DType::I8) => e.iter_mut().zip(&t.data).for_each(|(e, &b)| *e = b as i8),
-        (ErrorBits::I16(e), DType::I16 | DType::BF16) => e.iter_mut().zip(bits16()).for_each(|(e, b)| *e = b as i16),
+        (ErrorBits::I16(e), DType::I16 | DType::BF16) => {
+            e.iter_mut().zip(bits16()).for_each(|(e, b)| *e = b as i16)
+        }
         (ErrorBits::I8(e), DType::BF16) => {
             // FlashOptim saves int8 error bits converted by value to bf16.
-            let vals: Vec<f32> = bits16().into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect();
+            let vals: Vec<f32> = bits16()
+                .into_iter()
+                .map(|b| f32::from_bits((b as u32) << 16))
+                .collect();
             if let Some(x) = vals
                 .iter()
                 .find(|x| !(x.fract() == 0.0 && (-128.0..=127.0).contains(*x)))
@@ -393,7 +424,15 @@ fn set_error_bits(e: &mut ErrorBits, t: &Tensor, fqn: &str) -> Result<()> {
     Ok(())
 }
 
-fn set_raw(target: &mut Moment, q: &Tensor, s: &Tensor, fqn: &str, nm: &str, shape: &[usize], n: usize) -> Result<()> {
+fn set_raw(
+    target: &mut Moment,
+    q: &Tensor,
+    s: &Tensor,
+    fqn: &str,
+    nm: &str,
+    shape: &[usize],
+    n: usize,
+) -> Result<()> {
     let g = quant8::num_groups(n);
     if q.shape != shape {
         return Err(Error::Shape(format!(

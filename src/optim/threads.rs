@@ -16,7 +16,10 @@ struct Pool {
     pool: Option<Arc<rayon::ThreadPool>>,
 }
 
-static POOL: Mutex<Pool> = Mutex::new(Pool { requested: 0, pool: None });
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    requested: 0,
+    pool: None,
+});
 
 fn default_threads() -> usize {
     std::env::var("FO_NUM_THREADS")
@@ -60,10 +63,16 @@ pub fn pool() -> Result<Arc<rayon::ThreadPool>> {
 /// starts here; the current pool is dropped once running steps release it.
 pub fn set_num_threads(n: usize) -> Result<()> {
     if n > MAX_THREADS {
-        return Err(Error::invalid("n", format!("{n} threads requested, at most {MAX_THREADS} (0: the default)")));
+        return Err(Error::invalid(
+            "n",
+            format!("{n} threads requested, at most {MAX_THREADS} (0: the default)"),
+        ));
     }
     let mut g = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if g.pool.as_ref().is_some_and(|p| p.current_num_threads() != resolve(n)) {
+    if g.pool
+        .as_ref()
+        .is_some_and(|p| p.current_num_threads() != resolve(n))
+    {
         g.pool = None;
     }
     g.requested = n;
@@ -73,12 +82,17 @@ pub fn set_num_threads(n: usize) -> Result<()> {
 /// Threads the next step will use (starts none).
 pub fn num_threads() -> Result<usize> {
     let g = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(g.pool.as_ref().map_or_else(|| resolve(g.requested), |p| p.current_num_threads()))
+    Ok(g.pool
+        .as_ref()
+        .map_or_else(|| resolve(g.requested), |p| p.current_num_threads()))
 }
 
 /// Whether the pool's threads are running (they start at the first step).
 pub fn started() -> bool {
-    POOL.lock().unwrap_or_else(|e| e.into_inner()).pool.is_some()
+    POOL.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .pool
+        .is_some()
 }
 
 #[cfg(test)]

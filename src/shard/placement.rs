@@ -29,7 +29,10 @@ impl Placement {
     pub fn shifted_for_grouped(&self) -> Placement {
         match *self {
             Placement::Shard(d) => Placement::Shard(d + 1),
-            Placement::StridedShard { dim, split_factor } => Placement::StridedShard { dim: dim + 1, split_factor },
+            Placement::StridedShard { dim, split_factor } => Placement::StridedShard {
+                dim: dim + 1,
+                split_factor,
+            },
             other => other,
         }
     }
@@ -71,7 +74,9 @@ impl std::fmt::Display for Placement {
         match self {
             Placement::Replicate => write!(f, "Replicate()"),
             Placement::Shard(d) => write!(f, "Shard(dim={d})"),
-            Placement::StridedShard { dim, split_factor } => write!(f, "_StridedShard(dim={dim}, sf={split_factor})"),
+            Placement::StridedShard { dim, split_factor } => {
+                write!(f, "_StridedShard(dim={dim}, sf={split_factor})")
+            }
             Placement::Partial => write!(f, "Partial()"),
         }
     }
@@ -88,7 +93,10 @@ mod tests {
         assert_eq!("S1".parse::<Placement>().unwrap(), Placement::Shard(1));
         assert_eq!(
             "SS0:3".parse::<Placement>().unwrap(),
-            Placement::StridedShard { dim: 0, split_factor: 3 }
+            Placement::StridedShard {
+                dim: 0,
+                split_factor: 3
+            }
         );
         let e = "S".parse::<Placement>().unwrap_err();
         assert!(e.to_string().contains("\"S\""), "{e}");
@@ -98,17 +106,37 @@ mod tests {
 
     #[test]
     fn grouped_shift_moves_shard_dims_only() {
-        assert_eq!(Placement::Shard(0).shifted_for_grouped(), Placement::Shard(1));
         assert_eq!(
-            Placement::StridedShard { dim: 1, split_factor: 2 }.shifted_for_grouped(),
-            Placement::StridedShard { dim: 2, split_factor: 2 }
+            Placement::Shard(0).shifted_for_grouped(),
+            Placement::Shard(1)
         );
-        assert_eq!(Placement::Replicate.shifted_for_grouped(), Placement::Replicate);
+        assert_eq!(
+            Placement::StridedShard {
+                dim: 1,
+                split_factor: 2
+            }
+            .shifted_for_grouped(),
+            Placement::StridedShard {
+                dim: 2,
+                split_factor: 2
+            }
+        );
+        assert_eq!(
+            Placement::Replicate.shifted_for_grouped(),
+            Placement::Replicate
+        );
     }
 
     #[test]
     fn displays_torch_names() {
-        assert_eq!(Placement::StridedShard { dim: 0, split_factor: 3 }.to_string(), "_StridedShard(dim=0, sf=3)");
+        assert_eq!(
+            Placement::StridedShard {
+                dim: 0,
+                split_factor: 3
+            }
+            .to_string(),
+            "_StridedShard(dim=0, sf=3)"
+        );
         assert_eq!(Placement::Shard(2).to_string(), "Shard(dim=2)");
     }
 }

@@ -67,7 +67,10 @@ impl Runs {
         for j in 0..split_factor.min(len) {
             let piece = chunk_range(len, split_factor, j);
             let mine = chunk_range(piece.len(), n, r);
-            for run in self.slice(piece.start + mine.start..piece.start + mine.end).0 {
+            for run in self
+                .slice(piece.start + mine.start..piece.start + mine.end)
+                .0
+            {
                 push_merged(&mut out, run);
             }
         }
@@ -139,6 +142,8 @@ mod tests {
         // 3 rows, split factor i32::MAX: pieces 0..3 hold one row each, the rest are empty.
         let r = Runs::full(3).strided_shard(i32::MAX as usize, 2, 0);
         assert_eq!(r.to_vec(), vec![0, 1, 2]);
-        assert!(Runs::full(3).strided_shard(i32::MAX as usize, 2, 1).is_empty());
+        assert!(Runs::full(3)
+            .strided_shard(i32::MAX as usize, 2, 1)
+            .is_empty());
     }
 }

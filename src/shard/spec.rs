@@ -60,13 +60,19 @@ impl ShardSpec {
         if global_shape.len() > MAX_DIMS {
             return Err(Error::invalid(
                 "ndim",
-                format!("{} tensor dims given, at most {MAX_DIMS} supported", global_shape.len()),
+                format!(
+                    "{} tensor dims given, at most {MAX_DIMS} supported",
+                    global_shape.len()
+                ),
             ));
         }
         if mesh_shape.is_empty() || mesh_shape.len() > MAX_DIMS {
             return Err(Error::invalid(
                 "mesh_ndim",
-                format!("{} mesh dims given, expected 1..={MAX_DIMS}", mesh_shape.len()),
+                format!(
+                    "{} mesh dims given, expected 1..={MAX_DIMS}",
+                    mesh_shape.len()
+                ),
             ));
         }
         if coord.len() != mesh_shape.len() || placements.len() != mesh_shape.len() {
@@ -82,7 +88,10 @@ impl ShardSpec {
         }
         for (i, (&m, &c)) in mesh_shape.iter().zip(&coord).enumerate() {
             if m == 0 {
-                return Err(Error::invalid(format!("mesh_shape[{i}]"), "mesh dim of size 0"));
+                return Err(Error::invalid(
+                    format!("mesh_shape[{i}]"),
+                    "mesh dim of size 0",
+                ));
             }
             if c >= m {
                 return Err(Error::invalid(
@@ -100,23 +109,40 @@ impl ShardSpec {
                     ));
                 }
             }
-            if let Placement::StridedShard { split_factor: 0, .. } = p {
-                return Err(Error::invalid(format!("placements[{i}].split_factor"), "must be >= 1, got 0"));
+            if let Placement::StridedShard {
+                split_factor: 0, ..
+            } = p
+            {
+                return Err(Error::invalid(
+                    format!("placements[{i}].split_factor"),
+                    "must be >= 1, got 0",
+                ));
             }
         }
         checked_numel(&global_shape, "global_shape")
             .ok()
             .filter(|&n| n <= i64::MAX as usize)
-            .ok_or_else(|| Error::invalid("global_shape", format!("{global_shape:?} has more than 2^63-1 elements")))?;
-        let boxes =
-            (0..global_shape.len()).try_fold(1usize, |acc, d| acc.checked_mul(max_runs(&global_shape, &placements, d)));
+            .ok_or_else(|| {
+                Error::invalid(
+                    "global_shape",
+                    format!("{global_shape:?} has more than 2^63-1 elements"),
+                )
+            })?;
+        let boxes = (0..global_shape.len()).try_fold(1usize, |acc, d| {
+            acc.checked_mul(max_runs(&global_shape, &placements, d))
+        });
         if boxes.is_none_or(|b| b > MAX_BOXES) {
             return Err(Error::invalid(
                 "placements",
                 format!("split factors that may cut a shard of {global_shape:?} into more than {MAX_BOXES} boxes"),
             ));
         }
-        Ok(ShardSpec { global_shape, mesh_shape, coord, placements })
+        Ok(ShardSpec {
+            global_shape,
+            mesh_shape,
+            coord,
+            placements,
+        })
     }
 
     /// A tensor that is not sharded: one coordinate holding everything.
@@ -126,7 +152,12 @@ impl ShardSpec {
 
     /// The same tensor and placements at another mesh coordinate.
     pub fn at_coord(&self, coord: Vec<usize>) -> Result<ShardSpec> {
-        ShardSpec::new(self.global_shape.clone(), self.mesh_shape.clone(), coord, self.placements.clone())
+        ShardSpec::new(
+            self.global_shape.clone(),
+            self.mesh_shape.clone(),
+            coord,
+            self.placements.clone(),
+        )
     }
 
     /// The grouped-weight form: the same placements applied to `num_gemms` stacked copies,
@@ -134,8 +165,17 @@ impl ShardSpec {
     pub fn grouped(&self, num_gemms: usize) -> Result<ShardSpec> {
         let mut shape = vec![num_gemms];
         shape.extend_from_slice(&self.global_shape);
-        let placements = self.placements.iter().map(Placement::shifted_for_grouped).collect();
-        ShardSpec::new(shape, self.mesh_shape.clone(), self.coord.clone(), placements)
+        let placements = self
+            .placements
+            .iter()
+            .map(Placement::shifted_for_grouped)
+            .collect();
+        ShardSpec::new(
+            shape,
+            self.mesh_shape.clone(),
+            self.coord.clone(),
+            placements,
+        )
     }
 
     pub fn global_shape(&self) -> &[usize] {
@@ -160,10 +200,18 @@ impl ShardSpec {
     /// Mesh dims apply in order, each splitting what the previous ones left.
     pub fn runs(&self, dim: usize) -> Runs {
         let mut runs = Runs::full(self.global_shape[dim]);
-        for ((p, &n), &c) in self.placements.iter().zip(&self.mesh_shape).zip(&self.coord) {
+        for ((p, &n), &c) in self
+            .placements
+            .iter()
+            .zip(&self.mesh_shape)
+            .zip(&self.coord)
+        {
             runs = match *p {
                 Placement::Shard(d) if d == dim => runs.shard(n, c),
-                Placement::StridedShard { dim: d, split_factor } if d == dim => runs.strided_shard(split_factor, n, c),
+                Placement::StridedShard {
+                    dim: d,
+                    split_factor,
+                } if d == dim => runs.strided_shard(split_factor, n, c),
                 _ => runs,
             };
         }
@@ -181,7 +229,9 @@ impl ShardSpec {
     }
 
     pub fn local_shape(&self) -> Vec<usize> {
-        (0..self.global_shape.len()).map(|d| self.runs(d).len()).collect()
+        (0..self.global_shape.len())
+            .map(|d| self.runs(d).len())
+            .collect()
     }
 
     pub fn local_numel(&self) -> usize {
@@ -238,7 +288,8 @@ impl ShardSpec {
         let mut out = Vec::new();
         let mut pick = vec![0usize; per_dim.len()];
         loop {
-            let parts: Vec<&(usize, std::ops::Range<usize>)> = pick.iter().zip(&per_dim).map(|(&i, v)| &v[i]).collect();
+            let parts: Vec<&(usize, std::ops::Range<usize>)> =
+                pick.iter().zip(&per_dim).map(|(&i, v)| &v[i]).collect();
             out.push(Chunk {
                 local_offset: parts.iter().map(|p| p.0).collect(),
                 global_offset: parts.iter().map(|p| p.1.start).collect(),
@@ -279,7 +330,10 @@ pub fn rank_to_coord(rank: usize, mesh_shape: &[usize]) -> Vec<usize> {
 
 /// The rank of a coordinate in a row-major mesh.
 pub fn coord_to_rank(coord: &[usize], mesh_shape: &[usize]) -> usize {
-    coord.iter().zip(mesh_shape).fold(0, |acc, (&c, &m)| acc * m + c)
+    coord
+        .iter()
+        .zip(mesh_shape)
+        .fold(0, |acc, (&c, &m)| acc * m + c)
 }
 
 #[cfg(test)]
@@ -302,17 +356,38 @@ mod tests {
 
     #[test]
     fn strided_shard_is_not_a_box_and_splits_into_chunks() {
-        let s = spec(&[10, 7], &[2], &[1], &[StridedShard { dim: 0, split_factor: 2 }]);
+        let s = spec(
+            &[10, 7],
+            &[2],
+            &[1],
+            &[StridedShard {
+                dim: 0,
+                split_factor: 2,
+            }],
+        );
         assert!(!s.is_box());
         let chunks = s.chunks();
         assert_eq!(chunks.len(), 2);
-        assert_eq!(chunks[1], Chunk { local_offset: vec![2, 0], global_offset: vec![8, 0], shape: vec![2, 7] });
+        assert_eq!(
+            chunks[1],
+            Chunk {
+                local_offset: vec![2, 0],
+                global_offset: vec![8, 0],
+                shape: vec![2, 7]
+            }
+        );
     }
 
     #[test]
     fn fsdp_over_tp_rows_are_contiguous() {
         // [StridedShard(0, sf=2), Shard(0)] on a (2,2) mesh: each rank's rows form one box.
-        let pl = [StridedShard { dim: 0, split_factor: 2 }, Shard(0)];
+        let pl = [
+            StridedShard {
+                dim: 0,
+                split_factor: 2,
+            },
+            Shard(0),
+        ];
         for c in mesh_coords(&[2, 2]) {
             assert!(spec(&[10, 6], &[2, 2], &c, &pl).is_box(), "{c:?}");
         }
@@ -342,25 +417,58 @@ mod tests {
         assert!(e.to_string().contains("mesh_shape[0]"), "{e}");
         let e = ShardSpec::new(vec![4], vec![2], vec![0], vec![Shard(1)]).unwrap_err();
         assert!(e.to_string().contains("placements[0].dim"), "{e}");
-        let e = ShardSpec::new(vec![4], vec![2], vec![0], vec![StridedShard { dim: 0, split_factor: 0 }])
-            .unwrap_err();
+        let e = ShardSpec::new(
+            vec![4],
+            vec![2],
+            vec![0],
+            vec![StridedShard {
+                dim: 0,
+                split_factor: 0,
+            }],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("split_factor"), "{e}");
         let e = ShardSpec::new(vec![1; 9], vec![1], vec![0], vec![Replicate]).unwrap_err();
         assert!(e.to_string().contains("at most 8"), "{e}");
-        let e = ShardSpec::new(vec![usize::MAX / 2, 4], vec![1], vec![0], vec![Replicate]).unwrap_err();
+        let e =
+            ShardSpec::new(vec![usize::MAX / 2, 4], vec![1], vec![0], vec![Replicate]).unwrap_err();
         assert!(e.to_string().contains("2^63-1 elements"), "{e}");
     }
 
     #[test]
     fn huge_split_factors_cost_the_dim_not_the_factor() {
         let sf = i32::MAX as usize;
-        let s = spec(&[5, 3], &[2], &[1], &[StridedShard { dim: 0, split_factor: sf }]);
+        let s = spec(
+            &[5, 3],
+            &[2],
+            &[1],
+            &[StridedShard {
+                dim: 0,
+                split_factor: sf,
+            }],
+        );
         assert_eq!(s.local_shape(), vec![0, 3]);
-        let s = spec(&[5, 3], &[2], &[0], &[StridedShard { dim: 0, split_factor: sf }]);
+        let s = spec(
+            &[5, 3],
+            &[2],
+            &[0],
+            &[StridedShard {
+                dim: 0,
+                split_factor: sf,
+            }],
+        );
         assert_eq!(s.indices(0), vec![0, 1, 2, 3, 4]);
         // A long dim with a huge factor would be cut into ~2^31 boxes: refused.
-        let e = ShardSpec::new(vec![1 << 40], vec![2], vec![0], vec![StridedShard { dim: 0, split_factor: sf }])
-            .unwrap_err();
+        let e = ShardSpec::new(
+            vec![1 << 40],
+            vec![2],
+            vec![0],
+            vec![StridedShard {
+                dim: 0,
+                split_factor: sf,
+            }],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("boxes"), "{e}");
         let s = spec(&[1 << 62, 1], &[1], &[0], &[Shard(0)]);
         assert_eq!(s.count(0), 1 << 62);

@@ -27,7 +27,8 @@ pub fn config(format: StateFormat, bits: u32) -> OptimConfig {
 }
 
 pub fn value(i: usize, seed: f32) -> f32 {
-    ((i as f32 * 0.731 + seed).sin() * 0.5 + (i % 7) as f32 * 0.01) * if i % 3 == 0 { 3.0 } else { 1.0 }
+    ((i as f32 * 0.731 + seed).sin() * 0.5 + (i % 7) as f32 * 0.01)
+        * if i.is_multiple_of(3) { 3.0 } else { 1.0 }
 }
 
 pub fn global(dtype: DType, shape: &[usize], seed: f32) -> Tensor {
@@ -58,12 +59,27 @@ pub struct Buf(Vec<u64>, Tensor);
 impl Buf {
     pub fn new(t: Tensor) -> Buf {
         let mut words = vec![0u64; t.data.len().div_ceil(8)];
-        unsafe { std::ptr::copy_nonoverlapping(t.data.as_ptr(), words.as_mut_ptr() as *mut u8, t.data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                t.data.as_ptr(),
+                words.as_mut_ptr() as *mut u8,
+                t.data.len(),
+            )
+        };
         Buf(words, t)
     }
     pub fn view(&mut self) -> HostTensor {
         let shape: Vec<i64> = self.1.shape.iter().map(|&d| d as i64).collect();
-        unsafe { HostTensor::new(self.0.as_mut_ptr() as *mut u8, self.1.dtype, &shape, None, "t").unwrap() }
+        unsafe {
+            HostTensor::new(
+                self.0.as_mut_ptr() as *mut u8,
+                self.1.dtype,
+                &shape,
+                None,
+                "t",
+            )
+            .unwrap()
+        }
     }
     pub fn bytes(&self) -> &[u8] {
         unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const u8, self.1.data.len()) }
@@ -106,10 +122,18 @@ impl Rank {
             .zip(&self.specs)
             .enumerate()
             .map(|(k, ((_, shape, _, has), s))| {
-                has.then(|| Buf::new(local_shard(&global(self.dtype, shape, 100.0 + (t * 10 + k) as f32), s)))
+                has.then(|| {
+                    Buf::new(local_shard(
+                        &global(self.dtype, shape, 100.0 + (t * 10 + k) as f32),
+                        s,
+                    ))
+                })
             })
             .collect();
-        let views: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| g.as_mut().map(Buf::view)).collect();
+        let views: Vec<Option<HostTensor>> = grads
+            .iter_mut()
+            .map(|g| g.as_mut().map(Buf::view))
+            .collect();
         unsafe { self.opt.step(&views).unwrap() };
     }
 }

@@ -91,7 +91,10 @@ where
         match rx.recv_timeout(left) {
             Ok((r, Ok(v))) => out[r] = Some(v),
             Ok((r, Err(p))) => {
-                let msg = p.downcast_ref::<String>().cloned().or(p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or(p.downcast_ref::<&str>().map(|s| s.to_string()));
                 panic!("rank {r} panicked: {}", msg.unwrap_or_default());
             }
             Err(_) => {
@@ -105,5 +108,10 @@ where
 
 /// An in-process group whose collectives give up after `secs` seconds.
 pub fn group(world: usize, secs: f64) -> Vec<Comm> {
-    Comm::local_group_with(world, LocalGroupOptions { timeout: Duration::from_secs_f64(secs) })
+    Comm::local_group_with(
+        world,
+        LocalGroupOptions {
+            timeout: Duration::from_secs_f64(secs),
+        },
+    )
 }

@@ -27,7 +27,9 @@ impl<'a> Oracle<'a> {
         self.0.tensor(key).is_ok()
     }
     fn raw(&self, key: &str) -> safetensors::tensor::TensorView<'a> {
-        self.0.tensor(key).unwrap_or_else(|e| panic!("oracle key {key}: {e}"))
+        self.0
+            .tensor(key)
+            .unwrap_or_else(|e| panic!("oracle key {key}: {e}"))
     }
     pub fn shape(&self, key: &str) -> Vec<usize> {
         self.raw(key).shape().to_vec()
@@ -150,12 +152,17 @@ impl Run {
     /// Registers `p{i}.init` of the oracle file with `cfg`.
     pub fn new(o: &Oracle, n_params: usize, cfg: OptimConfig) -> Run {
         let mut opt = Optimizer::new(cfg).unwrap();
-        let mut bufs: Vec<Vec<u8>> = (0..n_params).map(|i| o.bytes(&format!("p{i}.init"))).collect();
-        let shapes: Vec<Vec<usize>> = (0..n_params).map(|i| o.shape(&format!("p{i}.init"))).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..n_params)
+            .map(|i| o.bytes(&format!("p{i}.init")))
+            .collect();
+        let shapes: Vec<Vec<usize>> = (0..n_params)
+            .map(|i| o.shape(&format!("p{i}.init")))
+            .collect();
         let dtype = dtype_of(o.dtype("p0.init"));
         for (i, b) in bufs.iter_mut().enumerate() {
             let shape: Vec<i64> = shapes[i].iter().map(|&s| s as i64).collect();
-            let t = unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
+            let t =
+                unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
             unsafe { opt.add_param(&format!("p{i}"), t, None, 0).unwrap() };
         }
         Run {

@@ -18,7 +18,11 @@ where
             return Ok(Csv(vec![]));
         }
         s.split(',')
-            .map(|x| x.trim().parse::<T>().map_err(|e| format!("{:?}: {e}", x.trim())))
+            .map(|x| {
+                x.trim()
+                    .parse::<T>()
+                    .map_err(|e| format!("{:?}: {e}", x.trim()))
+            })
             .collect::<Result<_, _>>()
             .map(Csv)
     }

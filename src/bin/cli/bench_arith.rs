@@ -5,7 +5,9 @@
 //! same thread count and parameter count) when a python with torch is given.
 use std::time::Instant;
 
-use fo::optim::{set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
+use fo::optim::{
+    set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat,
+};
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
@@ -32,8 +34,18 @@ pub struct Opts {
 /// Seconds per pass of a no-math loop with the compressed step's memory pattern.
 fn ceiling12(n: usize, iters: usize) -> Result<f64, String> {
     let pool = threads::pool().map_err(|e| e.to_string())?;
-    let bf = |seed| -> Vec<u16> { fill(n, seed, 1.0).iter().map(|x| (x.to_bits() >> 16) as u16).collect() };
-    let bytes = |seed| -> Vec<u8> { fill(n, seed, 1.0).iter().map(|x| (x.to_bits() >> 12) as u8).collect() };
+    let bf = |seed| -> Vec<u16> {
+        fill(n, seed, 1.0)
+            .iter()
+            .map(|x| (x.to_bits() >> 16) as u16)
+            .collect()
+    };
+    let bytes = |seed| -> Vec<u8> {
+        fill(n, seed, 1.0)
+            .iter()
+            .map(|x| (x.to_bits() >> 12) as u8)
+            .collect()
+    };
     let (mut p, g) = (bf(1), bf(2));
     let (mut m, mut v, mut e) = (bytes(3), bytes(4), bytes(5));
     let (mut ms, mut vs) = (bf(6)[..n / 32].to_vec(), bf(7)[..n / 32].to_vec());
@@ -72,7 +84,13 @@ fn ceiling12(n: usize, iters: usize) -> Result<f64, String> {
 }
 
 /// Seconds per step of `alg` over n params (one tensor) in the given format.
-fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iters: usize) -> Result<f64, String> {
+fn step_time(
+    n: usize,
+    alg: Algorithm,
+    compressed: bool,
+    arith: Arithmetic,
+    iters: usize,
+) -> Result<f64, String> {
     let mut cfg = OptimConfig::default_for(alg);
     if alg == Algorithm::Sgd {
         cfg.momentum = 0.9;
@@ -82,15 +100,23 @@ fn step_time(n: usize, alg: Algorithm, compressed: bool, arith: Arithmetic, iter
         cfg.state_format = StateFormat::Fp32;
         cfg.master_weight_bits = 0;
     }
-    let (dtype, elem) = if compressed { (DType::BF16, 2) } else { (DType::F32, 4) };
+    let (dtype, elem) = if compressed {
+        (DType::BF16, 2)
+    } else {
+        (DType::F32, 4)
+    };
     let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
     let mut p = to_bytes(fill(n, 10, 1.0));
     let mut g = to_bytes(fill(n, 1000, 0.02));
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     let view = |b: &mut Vec<u8>| unsafe {
-        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t").map_err(|e| e.to_string())
+        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
+            .map_err(|e| e.to_string())
     };
-    unsafe { opt.add_param("w", view(&mut p)?, None, 0).map_err(|e| e.to_string())? };
+    unsafe {
+        opt.add_param("w", view(&mut p)?, None, 0)
+            .map_err(|e| e.to_string())?
+    };
     let gs = vec![Some(view(&mut g)?)];
     best_step(&mut opt, &gs, iters)
 }
@@ -174,11 +200,9 @@ pub fn run(o: &Opts) -> Result<(), String> {
         let s = step_time(o.n, Algorithm::AdamW, false, Arithmetic::Exact, o.iters)?;
         row("fo fp32 AdamW", o.n, s, c, torch);
         for (name, a) in algs {
-            if !o
-                .algs
-                .iter()
-                .any(|x| name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x))
-            {
+            if !o.algs.iter().any(|x| {
+                name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x)
+            }) {
                 continue;
             }
             for &arith in &o.modes {

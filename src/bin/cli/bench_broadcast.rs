@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy};
+use fo::broadcast::{
+    broadcast_state_dict, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy,
+};
 use fo::comm::Comm;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, HostTensor};
@@ -16,7 +18,10 @@ fn iota(n: usize, from: usize) -> Vec<f32> {
 
 fn view(buf: &mut [f32], shape: &[usize]) -> HostTensor {
     let s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
-    unsafe { HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, &s, None, "bench").expect("valid view") }
+    unsafe {
+        HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, &s, None, "bench")
+            .expect("valid view")
+    }
 }
 
 struct Outcome {
@@ -24,8 +29,18 @@ struct Outcome {
     stats: Vec<BroadcastStats>,
 }
 
-fn run_once(ranks: usize, tensors: usize, rows: usize, cols: usize, strategy: Strategy) -> Result<Outcome, String> {
-    let full: Arc<Vec<Vec<f32>>> = Arc::new((0..tensors).map(|t| iota(rows * cols, t * rows * cols)).collect());
+fn run_once(
+    ranks: usize,
+    tensors: usize,
+    rows: usize,
+    cols: usize,
+    strategy: Strategy,
+) -> Result<Outcome, String> {
+    let full: Arc<Vec<Vec<f32>>> = Arc::new(
+        (0..tensors)
+            .map(|t| iota(rows * cols, t * rows * cols))
+            .collect(),
+    );
     let handles: Vec<_> = Comm::local_group(ranks)
         .into_iter()
         .map(|comm| {
@@ -39,10 +54,18 @@ fn run_once(ranks: usize, tensors: usize, rows: usize, cols: usize, strategy: St
                     .map(|(t, b)| (format!("layers.{t}.weight"), view(b, &[rows, cols])))
                     .collect();
                 let specs: Vec<ShardSpec> = (0..tensors)
-                    .map(|_| ShardSpec::new(vec![rows, cols], vec![ranks], vec![r], vec![Placement::Shard(0)]))
+                    .map(|_| {
+                        ShardSpec::new(
+                            vec![rows, cols],
+                            vec![ranks],
+                            vec![r],
+                            vec![Placement::Shard(0)],
+                        )
+                    })
                     .collect::<Result<_, _>>()
                     .map_err(|e| e.to_string())?;
-                let mut dst: Vec<Vec<f32>> = specs.iter().map(|s| vec![0f32; s.local_numel()]).collect();
+                let mut dst: Vec<Vec<f32>> =
+                    specs.iter().map(|s| vec![0f32; s.local_numel()]).collect();
                 let dests: Vec<BroadcastDest> = dst
                     .iter_mut()
                     .zip(&specs)
@@ -53,11 +76,16 @@ fn run_once(ranks: usize, tensors: usize, rows: usize, cols: usize, strategy: St
                         spec: Some(s.clone()),
                     })
                     .collect();
-                let opts = BroadcastOptions { strategy, ..Default::default() };
+                let opts = BroadcastOptions {
+                    strategy,
+                    ..Default::default()
+                };
                 comm.barrier().map_err(|e| e.to_string())?;
                 let t0 = Instant::now();
-                let stats = unsafe { broadcast_state_dict(&comm, (r == 0).then_some(&full_views[..]), &dests, &opts) }
-                    .map_err(|e| e.to_string())?;
+                let stats = unsafe {
+                    broadcast_state_dict(&comm, (r == 0).then_some(&full_views[..]), &dests, &opts)
+                }
+                .map_err(|e| e.to_string())?;
                 let secs = t0.elapsed().as_secs_f64();
                 // Spot-check: each shard starts at its first global row.
                 for (t, (b, s)) in dst.iter().zip(&specs).enumerate() {
@@ -72,7 +100,10 @@ fn run_once(ranks: usize, tensors: usize, rows: usize, cols: usize, strategy: St
             })
         })
         .collect();
-    let mut out = Outcome { seconds: 0.0, stats: Vec::new() };
+    let mut out = Outcome {
+        seconds: 0.0,
+        stats: Vec::new(),
+    };
     for h in handles {
         let (s, st) = h.join().map_err(|_| "a rank panicked".to_string())??;
         out.seconds = out.seconds.max(s);
@@ -117,9 +148,16 @@ pub fn run(a: &BroadcastArgs) -> Result<(), String> {
         "{:<16} {:>10} {:>22} {:>22} {:>16}",
         "strategy", "time (s)", "received/rank (MiB)", "received, all (MiB)", "sent by 0 (MiB)"
     );
-    for (name, strategy) in [("scatter", Strategy::Scatter), ("full broadcast", Strategy::FullBroadcast)] {
+    for (name, strategy) in [
+        ("scatter", Strategy::Scatter),
+        ("full broadcast", Strategy::FullBroadcast),
+    ] {
         let o = run_once(ranks, tensors, rows, cols, strategy)?;
-        let per_rank: Vec<String> = o.stats.iter().map(|s| format!("{:.1}", mib(s.bytes_received))).collect();
+        let per_rank: Vec<String> = o
+            .stats
+            .iter()
+            .map(|s| format!("{:.1}", mib(s.bytes_received)))
+            .collect();
         let all: u64 = o.stats.iter().map(|s| s.bytes_received).sum();
         println!(
             "{:<16} {:>10.3} {:>22} {:>22.1} {:>16.1}",

@@ -30,7 +30,13 @@ fn fill(n: usize, seed: u64) -> Vec<u8> {
 }
 
 fn spec(rows: usize, world: usize, rank: usize) -> ShardSpec {
-    ShardSpec::new(vec![rows, COLS], vec![world], vec![rank], vec![Placement::Shard(0)]).unwrap()
+    ShardSpec::new(
+        vec![rows, COLS],
+        vec![world],
+        vec![rank],
+        vec![Placement::Shard(0)],
+    )
+    .unwrap()
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -80,10 +86,9 @@ pub struct BenchCkptArgs {
 
 pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     let (mib, world, seed) = (a.size_mib, a.ranks, a.seed);
-    let dir = a
-        .dir
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id())));
+    let dir = a.dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id()))
+    });
     let rows = (mib << 20) / 4 / COLS / TENSORS;
     if rows == 0 || world == 0 {
         return Err(format!(
@@ -117,12 +122,16 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     let plain = dir.join("plain.bin");
     let to = world.max(2) - 1;
     let mut m = Measured::default();
-    let pb = progress::bytes("bench ckpt", bytes * a.rounds as u64 * if a.save_only { 2 } else { 5 });
+    let pb = progress::bytes(
+        "bench ckpt",
+        bytes * a.rounds as u64 * if a.save_only { 2 } else { 5 },
+    );
     // Interleaved: each round runs fo and the baseline back to back, alternating which goes
     // first, so both see the same machine state; reads start cold (page cache dropped).
     for round in 0..a.rounds {
         let fo_side = |m: &mut Measured| -> Result<(), String> {
-            m.save.push(timed(|| save(&fo_dir, &packs).map_err(|e| e.to_string()))?);
+            m.save
+                .push(timed(|| save(&fo_dir, &packs).map_err(|e| e.to_string()))?);
             pb.inc(bytes);
             if !a.save_only {
                 drop_cache(&fo_dir)?;
@@ -170,15 +179,26 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
                 let mut scales = vec![half::f16::ZERO; quant8::num_groups(x.len())];
                 quant8::quantize_signed(&x, &mut codes, &mut scales);
                 let ck = format!("state.layer{k}.exp_avg::quantized");
-                let codes =
-                    Tensor::new(DType::I8, t.shape.clone(), codes.into_iter().map(|c| c as u8).collect()).unwrap();
+                let codes = Tensor::new(
+                    DType::I8,
+                    t.shape.clone(),
+                    codes.into_iter().map(|c| c as u8).collect(),
+                )
+                .unwrap();
                 let sc = Tensor::new(
                     DType::F16,
                     vec![scales.len()],
-                    scales.iter().flat_map(|s| s.to_bits().to_le_bytes()).collect(),
+                    scales
+                        .iter()
+                        .flat_map(|s| s.to_bits().to_le_bytes())
+                        .collect(),
                 )
                 .unwrap();
-                entries.push(StateEntry::new(ck.clone(), codes, Some(spec(rows, world, p.opts.rank))));
+                entries.push(StateEntry::new(
+                    ck.clone(),
+                    codes,
+                    Some(spec(rows, world, p.opts.rank)),
+                ));
                 entries.push(StateEntry::group_scales(
                     format!("state.layer{k}.exp_avg::scales"),
                     sc,
@@ -287,8 +307,10 @@ fn load(dir: &Path, rows: usize, world: usize) -> Result<(), String> {
                 })
             })
             .collect();
-        hs.into_iter()
-            .try_for_each(|h| h.join().map_err(|_| "a reader thread panicked".to_string())?)
+        hs.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| "a reader thread panicked".to_string())?
+        })
     })
 }
 

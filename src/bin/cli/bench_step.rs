@@ -37,7 +37,12 @@ pub(super) fn best(v: Vec<f64>) -> f64 {
 /// Seconds per pass of the no-math AdamW memory pattern over n elements.
 fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
     let pool = threads::pool().map_err(|e| e.to_string())?;
-    let (mut p, g, mut m, mut v) = (fill(n, 1, 1.0), fill(n, 2, 1.0), fill(n, 3, 1.0), fill(n, 4, 1.0));
+    let (mut p, g, mut m, mut v) = (
+        fill(n, 1, 1.0),
+        fill(n, 2, 1.0),
+        fill(n, 3, 1.0),
+        fill(n, 4, 1.0),
+    );
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -67,7 +72,9 @@ fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
 /// The bytes of a benchmark's params or grads: bf16 for the compressed step, else f32.
 pub(super) fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
     if compressed {
-        v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+        v.iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect()
     } else {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
@@ -81,7 +88,11 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         cfg.state_format = StateFormat::Fp32;
         cfg.master_weight_bits = 0;
     }
-    let (dtype, elem) = if compressed { (DType::BF16, 2) } else { (DType::F32, 4) };
+    let (dtype, elem) = if compressed {
+        (DType::BF16, 2)
+    } else {
+        (DType::F32, 4)
+    };
     let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
     let sizes: Vec<usize> = (0..tensors)
         .map(|i| n / tensors + usize::from(i < n % tensors))
@@ -98,7 +109,8 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         .collect();
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     let view = |b: &mut Vec<u8>| unsafe {
-        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t").map_err(|e| e.to_string())
+        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
+            .map_err(|e| e.to_string())
     };
     for (i, p) in params.iter_mut().enumerate() {
         unsafe {
@@ -106,12 +118,19 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
                 .map_err(|e| e.to_string())?
         };
     }
-    let gs: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| view(g).map(Some)).collect::<Result<_, _>>()?;
+    let gs: Vec<Option<HostTensor>> = grads
+        .iter_mut()
+        .map(|g| view(g).map(Some))
+        .collect::<Result<_, _>>()?;
     best_step(&mut opt, &gs, iters)
 }
 
 /// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
-pub(super) fn best_step(opt: &mut Optimizer, gs: &[Option<HostTensor>], iters: usize) -> Result<f64, String> {
+pub(super) fn best_step(
+    opt: &mut Optimizer,
+    gs: &[Option<HostTensor>],
+    iters: usize,
+) -> Result<f64, String> {
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();
@@ -215,7 +234,11 @@ pub fn run(a: &StepArgs) -> Result<(), String> {
             if comp {
                 cases.push(("bf16+quant8+24-bit AdamW, 1 tensor".into(), 1, true));
                 if largest {
-                    cases.push((format!("bf16+quant8+24 AdamW, {tensors} tensors"), tensors, true));
+                    cases.push((
+                        format!("bf16+quant8+24 AdamW, {tensors} tensors"),
+                        tensors,
+                        true,
+                    ));
                 }
             }
             for (label, k, compressed) in cases {
@@ -224,7 +247,11 @@ pub fn run(a: &StepArgs) -> Result<(), String> {
                 let c = ceiling(n, iters)?;
                 let cr = n as f64 / c;
                 row("  ceiling (4 reads + 3 writes, f32)", n, c, FP32_BYTES, cr);
-                let bytes = if compressed { COMPRESSED_BYTES } else { FP32_BYTES };
+                let bytes = if compressed {
+                    COMPRESSED_BYTES
+                } else {
+                    FP32_BYTES
+                };
                 row(&label, n, step_time(n, k, compressed, iters)?, bytes, cr);
             }
         }
@@ -240,7 +267,11 @@ pub fn run(a: &StepArgs) -> Result<(), String> {
 /// (1 unless given), `--torch PY` (else `FO_TORCH_PYTHON`), `--iters N` (best of N).
 fn arith_opts(a: &StepArgs, sizes: &[usize]) -> Result<super::bench_arith::Opts, String> {
     Ok(super::bench_arith::Opts {
-        n: if a.sizes.is_some() { sizes.iter().copied().max().unwrap_or(1 << 24) } else { 1 << 24 },
+        n: if a.sizes.is_some() {
+            sizes.iter().copied().max().unwrap_or(1 << 24)
+        } else {
+            1 << 24
+        },
         threads: a.threads.as_ref().map_or(vec![1], |t| t.0.clone()),
         iters: a.iters,
         modes: a
@@ -250,6 +281,9 @@ fn arith_opts(a: &StepArgs, sizes: &[usize]) -> Result<super::bench_arith::Opts,
             .map(|m| fo::optim::Arithmetic::from_name(m).map_err(|e| e.to_string()))
             .collect::<Result<_, _>>()?,
         algs: a.algs.0.clone(),
-        torch: a.torch.clone().or_else(|| std::env::var("FO_TORCH_PYTHON").ok()),
+        torch: a
+            .torch
+            .clone()
+            .or_else(|| std::env::var("FO_TORCH_PYTHON").ok()),
     })
 }

@@ -123,7 +123,11 @@ fn inspect(dir: &Path) -> Result<(), String> {
     println!(
         "{} keys, {total} bytes of tensor data; state is {}",
         ck.keys.len(),
-        if compressed { "compressed (quant8)" } else { "portable" }
+        if compressed {
+            "compressed (quant8)"
+        } else {
+            "portable"
+        }
     );
     Ok(())
 }

@@ -23,7 +23,8 @@ pub enum Format {
 }
 
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Every key with at least one dim is sharded over the new mesh with --placements (default
+#[command(
+    after_help = "Every key with at least one dim is sharded over the new mesh with --placements (default
 Shard(0) on every mesh dim; a placement naming a dim a key lacks becomes Replicate for that
 key); 0-dim keys (step) are saved once. Moments keep their format unless --to says otherwise;
 quant8 moments saved in another sharding are requantized in the new groups (error bound in
@@ -33,7 +34,8 @@ Examples:
   fo ckpt convert ckpt/step-1000 ckpt/step-1000-3r --ranks 3
   fo ckpt convert ckpt/step-1000 ckpt/step-1000-tp --mesh 2,2 --placements S0,S1
   fo ckpt convert ckpt/step-1000 ckpt/portable --to portable
-  fo ckpt convert tests/oracle/ckpt_fsdp2_4ranks/sharded /tmp/fo-2r --ranks 2")]
+  fo ckpt convert tests/oracle/ckpt_fsdp2_4ranks/sharded /tmp/fo-2r --ranks 2"
+)]
 pub struct ConvertArgs {
     /// The checkpoint to read (fo's or a PyTorch DCP HuggingFace directory).
     pub src: PathBuf,
@@ -78,7 +80,10 @@ fn moment_signed(key: &str) -> Option<bool> {
 fn items(ck: &Checkpoint, to: Option<Format>) -> Result<Vec<Item>, String> {
     let mut out = Vec::new();
     for (k, info) in &ck.keys {
-        if let Some(base) = k.strip_suffix("::quantized").filter(|b| ck.is_compressed(b)) {
+        if let Some(base) = k
+            .strip_suffix("::quantized")
+            .filter(|b| ck.is_compressed(b))
+        {
             let signed = info.dtype == DType::I8;
             out.push(Item {
                 key: base.to_string(),
@@ -87,7 +92,10 @@ fn items(ck: &Checkpoint, to: Option<Format>) -> Result<Vec<Item>, String> {
                 quant: (to != Some(Format::Portable)).then_some(signed),
                 src_compressed: true,
             });
-        } else if k.strip_suffix("::scales").is_some_and(|b| ck.is_compressed(b)) {
+        } else if k
+            .strip_suffix("::scales")
+            .is_some_and(|b| ck.is_compressed(b))
+        {
             continue;
         } else {
             let quant = match moment_signed(k) {
@@ -120,11 +128,15 @@ fn spec_for(
     let pl: Vec<Placement> = placements
         .iter()
         .map(|p| match p {
-            Placement::Shard(d) | Placement::StridedShard { dim: d, .. } if !fits(*d) => Placement::Replicate,
+            Placement::Shard(d) | Placement::StridedShard { dim: d, .. } if !fits(*d) => {
+                Placement::Replicate
+            }
             p => *p,
         })
         .collect();
-    ShardSpec::new(shape.to_vec(), mesh.to_vec(), coord.to_vec(), pl).map(Some).map_err(|e| e.to_string())
+    ShardSpec::new(shape.to_vec(), mesh.to_vec(), coord.to_vec(), pl)
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 pub fn run(a: &ConvertArgs) -> Result<(), String> {
@@ -132,12 +144,19 @@ pub fn run(a: &ConvertArgs) -> Result<(), String> {
     let src_world = ck.meta.as_ref().map_or(ck.files.len(), |m| m.world_size);
     let mesh = match (&a.mesh, a.ranks) {
         (Some(m), Some(r)) if m.0.iter().product::<usize>() != r => {
-            return Err(format!("--mesh {:?} holds {} ranks, --ranks says {r}", m.0, m.0.iter().product::<usize>()))
+            return Err(format!(
+                "--mesh {:?} holds {} ranks, --ranks says {r}",
+                m.0,
+                m.0.iter().product::<usize>()
+            ))
         }
         (Some(m), _) => m.0.clone(),
         (None, r) => vec![r.unwrap_or(src_world)],
     };
-    let placements = a.placements.as_ref().map_or_else(|| vec![Placement::Shard(0); mesh.len()], |p| p.0.clone());
+    let placements = a
+        .placements
+        .as_ref()
+        .map_or_else(|| vec![Placement::Shard(0); mesh.len()], |p| p.0.clone());
     if mesh.is_empty() || mesh.contains(&0) || placements.len() != mesh.len() {
         return Err(format!(
             "--mesh {mesh:?} needs positive sizes and one placement per mesh dim (got {})",
@@ -148,24 +167,43 @@ pub fn run(a: &ConvertArgs) -> Result<(), String> {
     let items = items(&ck, a.to)?;
     let stage = prepare_dst(&a.dst, a.force)?;
     let result = write(&ck, &items, &mesh, &placements, &stage, a.to);
-    if let Err(e) = result.and_then(|_| Checkpoint::open(&stage).map(drop).map_err(|e| e.to_string())) {
+    if let Err(e) = result.and_then(|_| {
+        Checkpoint::open(&stage)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }) {
         let _ = std::fs::remove_dir_all(&stage);
         return Err(e);
     }
     publish(&stage, &a.dst)?;
-    let empty: Vec<&str> =
-        items.iter().filter(|i| !i.shape.is_empty() && i.shape.contains(&0)).map(|i| i.key.as_str()).collect();
+    let empty: Vec<&str> = items
+        .iter()
+        .filter(|i| !i.shape.is_empty() && i.shape.contains(&0))
+        .map(|i| i.key.as_str())
+        .collect();
     if !empty.is_empty() {
         // fo's format stores no chunk for a 0-element shard, so a key with no element at all
         // leaves no trace in the files.
-        eprintln!("note: {} key(s) with no elements are not stored: {}", empty.len(), empty.join(", "));
+        eprintln!(
+            "note: {} key(s) with no elements are not stored: {}",
+            empty.len(),
+            empty.join(", ")
+        );
     }
-    let mode = if items.iter().any(|i| i.quant.is_some()) { "compressed" } else { "portable" };
+    let mode = if items.iter().any(|i| i.quant.is_some()) {
+        "compressed"
+    } else {
+        "portable"
+    };
     println!(
         "wrote {} ({} keys, {world} ranks, mesh {mesh:?}, placements [{}], {mode})",
         a.dst.display(),
         items.len(),
-        placements.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        placements
+            .iter()
+            .map(|p| p.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     Ok(())
 }
@@ -179,7 +217,10 @@ fn write(
     to: Option<Format>,
 ) -> Result<(), String> {
     let world: usize = mesh.iter().product();
-    let total: u64 = items.iter().map(|i| (i.shape.iter().product::<usize>() * i.dtype.size()) as u64).sum();
+    let total: u64 = items
+        .iter()
+        .map(|i| (i.shape.iter().product::<usize>() * i.dtype.size()) as u64)
+        .sum();
     let pb = progress::bytes("convert", total);
     let meta = ck.meta.as_ref();
     // Every rank of the converted checkpoint belongs to one save: the source's id plus
@@ -187,7 +228,9 @@ fn write(
     let save_id = match meta {
         Some(m) => format!("{}+convert", m.save_id),
         None => {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
             format!("convert-{}", t.as_nanos())
         }
     };
@@ -204,7 +247,8 @@ fn write(
         let mut parts = Vec::new();
         let mut dests = Vec::new();
         for (n, it) in items.iter().enumerate() {
-            let spec = spec_for(&it.shape, mesh, &coord, placements).map_err(|e| format!("key {}: {e}", it.key))?;
+            let spec = spec_for(&it.shape, mesh, &coord, placements)
+                .map_err(|e| format!("key {}: {e}", it.key))?;
             let dest = match &spec {
                 Some(s) => s.clone(),
                 None => ShardSpec::unsharded(it.shape.clone()).map_err(|e| e.to_string())?,
@@ -212,8 +256,18 @@ fn write(
             let local = dest.local_shape();
             match it.quant {
                 None => {
-                    let dtype = if it.src_compressed { DType::F32 } else { it.dtype };
-                    metas.push(meta_of(it.key.clone(), dtype, local, spec, Layout::Elementwise));
+                    let dtype = if it.src_compressed {
+                        DType::F32
+                    } else {
+                        it.dtype
+                    };
+                    metas.push(meta_of(
+                        it.key.clone(),
+                        dtype,
+                        local,
+                        spec,
+                        Layout::Elementwise,
+                    ));
                     parts.push((n, 0));
                 }
                 Some(signed) => {
@@ -246,7 +300,9 @@ fn write(
             let (n, part) = parts[e];
             let (it, dest) = (&items[n], &dests[n]);
             let t = match it.quant {
-                None if it.src_compressed => Tensor::from_f32(dest.local_shape(), &ck.read_f32(&it.key, dest)?)?,
+                None if it.src_compressed => {
+                    Tensor::from_f32(dest.local_shape(), &ck.read_f32(&it.key, dest)?)?
+                }
                 None if it.shape.is_empty() => ck.read_full(&it.key)?,
                 None => ck.read(&it.key, dest)?,
                 Some(signed) => {
@@ -272,24 +328,47 @@ fn write(
     Ok(())
 }
 
-fn meta_of(key: String, dtype: DType, local_shape: Vec<usize>, spec: Option<ShardSpec>, layout: Layout) -> EntryMeta {
-    EntryMeta { key, dtype, local_shape, spec, layout }
+fn meta_of(
+    key: String,
+    dtype: DType,
+    local_shape: Vec<usize>,
+    spec: Option<ShardSpec>,
+    layout: Layout,
+) -> EntryMeta {
+    EntryMeta {
+        key,
+        dtype,
+        local_shape,
+        spec,
+        layout,
+    }
 }
 
 /// Refuses a non-empty `dst` without `force`; returns a fresh staging directory beside it.
 fn prepare_dst(dst: &Path, force: bool) -> Result<PathBuf, String> {
-    let non_empty = std::fs::read_dir(dst).map(|mut d| d.next().is_some()).unwrap_or(false);
+    let non_empty = std::fs::read_dir(dst)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
     if non_empty && !force {
-        return Err(format!("{} exists and is not empty (--force replaces it)", dst.display()));
+        return Err(format!(
+            "{} exists and is not empty (--force replaces it)",
+            dst.display()
+        ));
     }
     if dst.exists() && !dst.is_dir() {
         return Err(format!("{} exists and is not a directory", dst.display()));
     }
-    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name =
-        dst.file_name().and_then(|n| n.to_str()).ok_or_else(|| format!("{}: no directory name", dst.display()))?;
+    let parent = dst
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = dst
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| format!("{}: no directory name", dst.display()))?;
     let stage = parent.join(format!(".{name}.convert-{}", std::process::id()));
-    std::fs::create_dir_all(&stage).map_err(|e| format!("cannot create {}: {e}", stage.display()))?;
+    std::fs::create_dir_all(&stage)
+        .map_err(|e| format!("cannot create {}: {e}", stage.display()))?;
     Ok(stage)
 }
 
@@ -299,16 +378,22 @@ fn publish(stage: &Path, dst: &Path) -> Result<(), String> {
     let old = stage.with_extension("old");
     let had = dst.exists();
     if had {
-        std::fs::rename(dst, &old).map_err(|e| format!("cannot move {} aside: {e}", dst.display()))?;
+        std::fs::rename(dst, &old)
+            .map_err(|e| format!("cannot move {} aside: {e}", dst.display()))?;
     }
     if let Err(e) = std::fs::rename(stage, dst) {
         if had {
             let _ = std::fs::rename(&old, dst);
         }
-        return Err(format!("cannot rename {} to {}: {e}", stage.display(), dst.display()));
+        return Err(format!(
+            "cannot rename {} to {}: {e}",
+            stage.display(),
+            dst.display()
+        ));
     }
     if had {
-        std::fs::remove_dir_all(&old).map_err(|e| format!("cannot remove the replaced {}: {e}", old.display()))?;
+        std::fs::remove_dir_all(&old)
+            .map_err(|e| format!("cannot remove the replaced {}: {e}", old.display()))?;
     }
     Ok(())
 }

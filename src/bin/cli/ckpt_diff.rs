@@ -8,7 +8,8 @@ use super::ckpt_source::{LogicalKey, Source, SLAB_ELEMS};
 use super::progress;
 
 #[derive(Debug, clap::Args)]
-#[command(after_help = "An element is within tolerance when |a - b| <= atol + rtol * |b| (torch.allclose; NaN equals
+#[command(
+    after_help = "An element is within tolerance when |a - b| <= atol + rtol * |b| (torch.allclose; NaN equals
 NaN). A and B may be sharded checkpoint directories (any world size, mesh or placements), a
 consolidated directory, or one .safetensors file. Compressed (quant8) state is compared as
 its dequantized values. Exit status: 0 every key within tolerance, 1 a key differs or is
@@ -17,7 +18,8 @@ missing on one side, 2 bad usage.
 Examples:
   fo ckpt diff ckpt/step-1000 ckpt/step-1000-on-3-ranks
   fo ckpt diff tests/oracle/ckpt_fsdp2_4ranks/sharded tests/oracle/ckpt_fsdp2_4ranks/full.safetensors
-  fo ckpt diff A B --atol 1e-2 --json | jq '.keys[] | select(.status != \"equal\")'")]
+  fo ckpt diff A B --atol 1e-2 --json | jq '.keys[] | select(.status != \"equal\")'"
+)]
 pub struct DiffArgs {
     /// The first checkpoint (directory or .safetensors file).
     pub a: PathBuf,
@@ -99,7 +101,10 @@ fn num(x: f64) -> Value {
 
 pub fn run(a: &DiffArgs) -> Result<(), String> {
     if !(a.rtol >= 0.0 && a.atol >= 0.0) {
-        return Err(format!("--rtol {} --atol {}: tolerances must be >= 0", a.rtol, a.atol));
+        return Err(format!(
+            "--rtol {} --atol {}: tolerances must be >= 0",
+            a.rtol, a.atol
+        ));
     }
     let (sa, sb) = (Source::open(&a.a)?, Source::open(&a.b)?);
     let (ka, kb) = (sa.keys(), sb.keys());
@@ -109,17 +114,29 @@ pub fn run(a: &DiffArgs) -> Result<(), String> {
     let total: u64 = ka
         .iter()
         .filter_map(|(k, x)| kb.get(k).map(|y| (x, y)))
-        .map(|(x, y)| (x.shape.iter().product::<usize>() * (x.dtype.size() + y.dtype.size())) as u64)
+        .map(|(x, y)| {
+            (x.shape.iter().product::<usize>() * (x.dtype.size() + y.dtype.size())) as u64
+        })
         .sum();
     let pb = progress::bytes("diff", total);
     let mut rows = Vec::new();
     for name in names {
         let d = match (ka.get(name), kb.get(name)) {
             (Some(x), Some(y)) => compare(&sa, &sb, name, (x, y), a, &pb)?,
-            (Some(_), None) => KeyDiff { mismatch: Some(format!("only in {}", a.a.display())), ..Default::default() },
-            _ => KeyDiff { mismatch: Some(format!("only in {}", a.b.display())), ..Default::default() },
+            (Some(_), None) => KeyDiff {
+                mismatch: Some(format!("only in {}", a.a.display())),
+                ..Default::default()
+            },
+            _ => KeyDiff {
+                mismatch: Some(format!("only in {}", a.b.display())),
+                ..Default::default()
+            },
         };
-        rows.push((name.clone(), ka.get(name).or(kb.get(name)).unwrap().clone(), d));
+        rows.push((
+            name.clone(),
+            ka.get(name).or(kb.get(name)).unwrap().clone(),
+            d,
+        ));
     }
     pb.finish_and_clear();
     let differing = rows.iter().filter(|r| r.2.differs()).count();
@@ -183,7 +200,12 @@ fn print_table(rows: &[(String, LogicalKey, KeyDiff)]) {
     );
     for (k, lk, d) in rows {
         if let Some(m) = &d.mismatch {
-            println!("{:<48} {:<9} {:<14} {m}", k, d.status(), format!("{:?}", lk.shape));
+            println!(
+                "{:<48} {:<9} {:<14} {m}",
+                k,
+                d.status(),
+                format!("{:?}", lk.shape)
+            );
             continue;
         }
         println!(

@@ -28,7 +28,12 @@ pub struct LogicalKey {
 
 pub enum Source {
     Sharded(Box<Checkpoint>),
-    Full { path: PathBuf, file: File, data_start: u64, tensors: BTreeMap<String, TensorEntry> },
+    Full {
+        path: PathBuf,
+        file: File,
+        data_start: u64,
+        tensors: BTreeMap<String, TensorEntry>,
+    },
 }
 
 fn err(e: fo::Error) -> String {
@@ -36,7 +41,8 @@ fn err(e: fo::Error) -> String {
 }
 
 fn base_of_pair(k: &str) -> Option<&str> {
-    k.strip_suffix("::quantized").or_else(|| k.strip_suffix("::scales"))
+    k.strip_suffix("::quantized")
+        .or_else(|| k.strip_suffix("::scales"))
 }
 
 impl Source {
@@ -49,19 +55,33 @@ impl Source {
         } else {
             None
         };
-        let Some(path) = file_path else { return Checkpoint::open(p).map(|c| Source::Sharded(Box::new(c))).map_err(err) };
+        let Some(path) = file_path else {
+            return Checkpoint::open(p)
+                .map(|c| Source::Sharded(Box::new(c)))
+                .map_err(err);
+        };
         let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let h = read_header(&path, &file).map_err(err)?;
         let tensors = h.tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
-        Ok(Source::Full { path, file, data_start: h.data_start, tensors })
+        Ok(Source::Full {
+            path,
+            file,
+            data_start: h.data_start,
+            tensors,
+        })
     }
 
     fn raw_keys(&self) -> Vec<(String, DType, Vec<usize>)> {
         match self {
-            Source::Sharded(ck) => ck.keys.iter().map(|(k, i)| (k.clone(), i.dtype, i.global_shape.clone())).collect(),
-            Source::Full { tensors, .. } => {
-                tensors.iter().map(|(k, t)| (k.clone(), t.dtype, t.shape.clone())).collect()
-            }
+            Source::Sharded(ck) => ck
+                .keys
+                .iter()
+                .map(|(k, i)| (k.clone(), i.dtype, i.global_shape.clone()))
+                .collect(),
+            Source::Full { tensors, .. } => tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), t.dtype, t.shape.clone()))
+                .collect(),
         }
     }
 
@@ -77,13 +97,30 @@ impl Source {
         let mut out = BTreeMap::new();
         for (k, dtype, shape) in self.raw_keys() {
             match base_of_pair(&k) {
-                Some(b) if self.has(&format!("{b}::quantized")) && self.has(&format!("{b}::scales")) => {
+                Some(b)
+                    if self.has(&format!("{b}::quantized"))
+                        && self.has(&format!("{b}::scales")) =>
+                {
                     if k.ends_with("::quantized") {
-                        out.insert(b.to_string(), LogicalKey { dtype: DType::F32, shape, compressed: true });
+                        out.insert(
+                            b.to_string(),
+                            LogicalKey {
+                                dtype: DType::F32,
+                                shape,
+                                compressed: true,
+                            },
+                        );
                     }
                 }
                 _ => {
-                    out.insert(k, LogicalKey { dtype, shape, compressed: false });
+                    out.insert(
+                        k,
+                        LogicalKey {
+                            dtype,
+                            shape,
+                            compressed: false,
+                        },
+                    );
                 }
             }
         }
@@ -94,21 +131,31 @@ impl Source {
     /// under `slab_elems` elements (one unsharded slab for 0-dim and small tensors).
     pub fn slabs(shape: &[usize], slab_elems: usize) -> Result<Vec<ShardSpec>, String> {
         let numel: usize = shape.iter().product();
-        let n = if shape.is_empty() { 1 } else { numel.div_ceil(slab_elems.max(1)).clamp(1, shape[0].max(1)) };
+        let n = if shape.is_empty() {
+            1
+        } else {
+            numel.div_ceil(slab_elems.max(1)).clamp(1, shape[0].max(1))
+        };
         if n == 1 {
             return Ok(vec![ShardSpec::unsharded(shape.to_vec()).map_err(err)?]);
         }
         (0..n)
-            .map(|i| ShardSpec::new(shape.to_vec(), vec![n], vec![i], vec![Placement::Shard(0)]).map_err(err))
+            .map(|i| {
+                ShardSpec::new(shape.to_vec(), vec![n], vec![i], vec![Placement::Shard(0)])
+                    .map_err(err)
+            })
             .collect()
     }
 
     /// The values of logical `key` in `slab` (one of `slabs(shape)`), as f64.
     pub fn read(&self, key: &str, k: &LogicalKey, slab: &ShardSpec) -> Result<Vec<f64>, String> {
         match self {
-            Source::Sharded(ck) if k.compressed => {
-                Ok(ck.read_f32(key, slab).map_err(err)?.into_iter().map(f64::from).collect())
-            }
+            Source::Sharded(ck) if k.compressed => Ok(ck
+                .read_f32(key, slab)
+                .map_err(err)?
+                .into_iter()
+                .map(f64::from)
+                .collect()),
             Source::Sharded(ck) => values(&ck.read(key, slab).map_err(err)?),
             Source::Full { .. } if k.compressed => self.read_full_quant8(key, slab),
             Source::Full { .. } => values(&self.read_rows(key, slab)?),
@@ -117,42 +164,78 @@ impl Source {
 
     /// The rows of `slab` (a dim-0 range, contiguous in a full file) of raw key `key`.
     fn read_rows(&self, key: &str, slab: &ShardSpec) -> Result<Tensor, String> {
-        let Source::Full { path, file, data_start, tensors } = self else { unreachable!() };
-        let t = tensors.get(key).ok_or_else(|| format!("key {key} is not in {}", path.display()))?;
+        let Source::Full {
+            path,
+            file,
+            data_start,
+            tensors,
+        } = self
+        else {
+            unreachable!()
+        };
+        let t = tensors
+            .get(key)
+            .ok_or_else(|| format!("key {key} is not in {}", path.display()))?;
         let local = slab.local_shape();
         let row_bytes = t.shape.iter().skip(1).product::<usize>() * t.dtype.size();
         let first_row = slab.global_offset().first().copied().unwrap_or(0);
         let mut buf = vec![0u8; local.iter().product::<usize>() * t.dtype.size()];
-        file.read_exact_at(&mut buf, data_start + t.start + (first_row * row_bytes) as u64)
-            .map_err(|e| format!("{}: key {key}: {e}", path.display()))?;
+        file.read_exact_at(
+            &mut buf,
+            data_start + t.start + (first_row * row_bytes) as u64,
+        )
+        .map_err(|e| format!("{}: key {key}: {e}", path.display()))?;
         Tensor::new(t.dtype, local, buf).map_err(err)
     }
 
     /// FlashOptim's unsharded layout: codes of the full tensor, one fp16 scale per 32
     /// consecutive elements of it.
     fn read_full_quant8(&self, base: &str, slab: &ShardSpec) -> Result<Vec<f64>, String> {
-        let Source::Full { path, file, data_start, tensors } = self else { unreachable!() };
+        let Source::Full {
+            path,
+            file,
+            data_start,
+            tensors,
+        } = self
+        else {
+            unreachable!()
+        };
         let codes = self.read_rows(&format!("{base}::quantized"), slab)?;
         let st = &tensors[&format!("{base}::scales")];
         if st.dtype != DType::F16 || st.shape.len() != 1 {
-            return Err(format!("key {base}::scales: expected 1-dim F16 scales, found {} {:?}", st.dtype, st.shape));
+            return Err(format!(
+                "key {base}::scales: expected 1-dim F16 scales, found {} {:?}",
+                st.dtype, st.shape
+            ));
         }
         // Only the slab's groups are read, not the whole scales tensor.
         let row: usize = codes.shape.iter().skip(1).product();
         let e0 = slab.global_offset().first().copied().unwrap_or(0) * row;
-        let (g0, g1) = (e0 / quant8::GROUP, (e0 + codes.numel()).div_ceil(quant8::GROUP));
+        let (g0, g1) = (
+            e0 / quant8::GROUP,
+            (e0 + codes.numel()).div_ceil(quant8::GROUP),
+        );
         if g1 > st.shape[0] {
-            return Err(format!("key {base}::scales holds {} groups, its codes need {g1}", st.shape[0]));
+            return Err(format!(
+                "key {base}::scales holds {} groups, its codes need {g1}",
+                st.shape[0]
+            ));
         }
         let mut buf = vec![0u8; (g1 - g0) * 2];
         file.read_exact_at(&mut buf, data_start + st.start + (g0 * 2) as u64)
             .map_err(|e| format!("{}: key {base}::scales: {e}", path.display()))?;
-        let scales: Vec<half::f16> =
-            buf.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
+        let scales: Vec<half::f16> = buf
+            .chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+            .collect();
         let signed = match codes.dtype {
             DType::I8 => true,
             DType::U8 => false,
-            other => return Err(format!("key {base}::quantized: quant8 codes must be I8 or U8, found {other}")),
+            other => {
+                return Err(format!(
+                    "key {base}::quantized: quant8 codes must be I8 or U8, found {other}"
+                ))
+            }
         };
         Ok(codes
             .data
@@ -176,12 +259,29 @@ impl Source {
 pub fn values(t: &Tensor) -> Result<Vec<f64>, String> {
     let b = &t.data;
     Ok(match t.dtype {
-        DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect(),
+        DType::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
         DType::I8 => b.iter().map(|&x| f64::from(x as i8)).collect(),
         DType::U8 | DType::Bool => b.iter().map(|&x| f64::from(x)).collect(),
-        DType::I16 => b.chunks_exact(2).map(|c| f64::from(i16::from_le_bytes([c[0], c[1]]))).collect(),
-        DType::I32 => b.chunks_exact(4).map(|c| f64::from(i32::from_le_bytes(c.try_into().unwrap()))).collect(),
-        DType::I64 => b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        _ => t.to_f32().map_err(err)?.into_iter().map(f64::from).collect(),
+        DType::I16 => b
+            .chunks_exact(2)
+            .map(|c| f64::from(i16::from_le_bytes([c[0], c[1]])))
+            .collect(),
+        DType::I32 => b
+            .chunks_exact(4)
+            .map(|c| f64::from(i32::from_le_bytes(c.try_into().unwrap())))
+            .collect(),
+        DType::I64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        _ => t
+            .to_f32()
+            .map_err(err)?
+            .into_iter()
+            .map(f64::from)
+            .collect(),
     })
 }

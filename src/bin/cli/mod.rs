@@ -94,7 +94,9 @@ pub fn run(cli: Cli) -> Result<(), String> {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "fo", &mut script);
             match std::io::Write::write_all(&mut std::io::stdout(), &script) {
-                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("writing to stdout: {e}")),
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    Err(format!("writing to stdout: {e}"))
+                }
                 _ => Ok(()),
             }
         }

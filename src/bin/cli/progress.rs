@@ -22,9 +22,11 @@ pub fn bytes(what: &str, total: u64) -> ProgressBar {
     }
     let pb = ProgressBar::new(total);
     pb.set_style(
-        ProgressStyle::with_template("{msg:>12} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .expect("static template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg:>12} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb

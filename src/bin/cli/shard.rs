@@ -2,11 +2,13 @@ use super::args::Csv;
 use fo::shard::{mesh_coords, Placement, ShardSpec};
 
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Placements: R (Replicate), P (Partial), S<dim> (Shard), SS<dim>:<sf> (_StridedShard).
+#[command(
+    after_help = "Placements: R (Replicate), P (Partial), S<dim> (Shard), SS<dim>:<sf> (_StridedShard).
 
 Examples:
   fo shard --shape 10,7 --mesh 2,3 --placements SS0:3,S0   FSDP2 over TP: the strided layout
-  fo shard --shape 6 --mesh 4 --placements S0              torch's uneven chunks (rank 3 empty)")]
+  fo shard --shape 6 --mesh 4 --placements S0              torch's uneven chunks (rank 3 empty)"
+)]
 pub struct ShardArgs {
     /// The global shape, comma-separated (empty for a 0-dim tensor).
     #[arg(long, value_name = "D0,D1,..")]
@@ -22,10 +24,18 @@ pub struct ShardArgs {
 /// `fo shard`: one row per mesh coordinate, as a person debugging a layout reads it.
 pub fn run(a: &ShardArgs) -> Result<(), String> {
     let (shape, mesh, placements) = (a.shape.0.clone(), a.mesh.0.clone(), a.placements.0.clone());
-    let first = ShardSpec::new(shape.clone(), mesh.clone(), vec![0; mesh.len()], placements.clone())
-        .map_err(|e| e.to_string())?;
+    let first = ShardSpec::new(
+        shape.clone(),
+        mesh.clone(),
+        vec![0; mesh.len()],
+        placements.clone(),
+    )
+    .map_err(|e| e.to_string())?;
     let names: Vec<String> = placements.iter().map(|p| p.to_string()).collect();
-    println!("global shape {shape:?}, mesh {mesh:?}, placements [{}]", names.join(", "));
+    println!(
+        "global shape {shape:?}, mesh {mesh:?}, placements [{}]",
+        names.join(", ")
+    );
     println!(
         "{:<6} {:<12} {:<14} {:<14} {:<4} indices held (per dim)",
         "rank", "coord", "local shape", "global offset", "box"
@@ -39,7 +49,11 @@ pub fn run(a: &ShardArgs) -> Result<(), String> {
                 if runs.is_empty() {
                     "{}".to_string()
                 } else {
-                    runs.0.iter().map(|r| format!("[{},{})", r.start, r.end)).collect::<Vec<_>>().join("+")
+                    runs.0
+                        .iter()
+                        .map(|r| format!("[{},{})", r.start, r.end))
+                        .collect::<Vec<_>>()
+                        .join("+")
                 }
             })
             .collect();

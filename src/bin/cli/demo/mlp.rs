@@ -55,9 +55,15 @@ pub fn init_params(seed: u64) -> Vec<Vec<f32>> {
     PARAMS
         .iter()
         .map(|(name, shape)| {
-            let fan_in = if name.starts_with("fc1") { INPUT } else { HIDDEN };
+            let fan_in = if name.starts_with("fc1") {
+                INPUT
+            } else {
+                HIDDEN
+            };
             let bound = 1.0 / (fan_in as f64).sqrt();
-            (0..numel(shape)).map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32).collect()
+            (0..numel(shape))
+                .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                .collect()
         })
         .collect()
 }
@@ -73,10 +79,16 @@ pub fn sample(seed: u64, step: usize, index: usize, teacher: &[Vec<f32>]) -> (Ve
 /// Returns the output and the hidden pre-activations (for backward).
 fn forward(p: &[Vec<f32>], x: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (w1, b1, w2, b2) = (&p[0], &p[1], &p[2], &p[3]);
-    let pre: Vec<f32> =
-        (0..HIDDEN).map(|j| b1[j] + (0..INPUT).map(|i| w1[j * INPUT + i] * x[i]).sum::<f32>()).collect();
+    let pre: Vec<f32> = (0..HIDDEN)
+        .map(|j| b1[j] + (0..INPUT).map(|i| w1[j * INPUT + i] * x[i]).sum::<f32>())
+        .collect();
     let y = (0..OUTPUT)
-        .map(|k| b2[k] + (0..HIDDEN).map(|j| w2[k * HIDDEN + j] * pre[j].max(0.0)).sum::<f32>())
+        .map(|k| {
+            b2[k]
+                + (0..HIDDEN)
+                    .map(|j| w2[k * HIDDEN + j] * pre[j].max(0.0))
+                    .sum::<f32>()
+        })
         .collect();
     (y, pre)
 }
@@ -85,8 +97,13 @@ fn forward(p: &[Vec<f32>], x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// the unscaled squared-error term, for one sample.
 pub fn backward(p: &[Vec<f32>], x: &[f32], t: &[f32], scale: f32, grads: &mut [Vec<f32>]) -> f64 {
     let (y, pre) = forward(p, x);
-    let dy: Vec<f32> = (0..OUTPUT).map(|k| scale * 2.0 * (y[k] - t[k]) / OUTPUT as f32).collect();
-    let loss: f64 = (0..OUTPUT).map(|k| ((y[k] - t[k]) as f64).powi(2)).sum::<f64>() / OUTPUT as f64;
+    let dy: Vec<f32> = (0..OUTPUT)
+        .map(|k| scale * 2.0 * (y[k] - t[k]) / OUTPUT as f32)
+        .collect();
+    let loss: f64 = (0..OUTPUT)
+        .map(|k| ((y[k] - t[k]) as f64).powi(2))
+        .sum::<f64>()
+        / OUTPUT as f64;
     let mut dh = vec![0f32; HIDDEN];
     for k in 0..OUTPUT {
         grads[3][k] += dy[k];
@@ -130,7 +147,10 @@ mod tests {
             minus[pi][idx] -= h;
             let fd = (loss_at(&plus) - loss_at(&minus)) / (2.0 * h as f64);
             let an = g[pi][idx] as f64;
-            assert!((fd - an).abs() <= 1e-2 * an.abs().max(1e-2), "param {pi}[{idx}]: fd {fd} vs analytic {an}");
+            assert!(
+                (fd - an).abs() <= 1e-2 * an.abs().max(1e-2),
+                "param {pi}[{idx}]: fd {fd} vs analytic {an}"
+            );
         }
     }
 

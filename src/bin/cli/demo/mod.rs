@@ -52,14 +52,21 @@ pub struct DemoArgs {
 pub fn run(a: &DemoArgs) -> Result<(), String> {
     let (ranks, steps, seed) = (a.ranks, a.steps, a.seed);
     if !(2..=64).contains(&ranks) {
-        return Err(format!("--ranks {ranks}: need 2..=64 (the demo restarts on ranks - 1)"));
+        return Err(format!(
+            "--ranks {ranks}: need 2..=64 (the demo restarts on ranks - 1)"
+        ));
     }
     if steps < 4 {
-        return Err(format!("--steps {steps}: need at least 4 (the demo checkpoints halfway)"));
+        return Err(format!(
+            "--steps {steps}: need at least 4 (the demo checkpoints halfway)"
+        ));
     }
     let (out, temp) = match &a.out {
         Some(d) => (d.clone(), false),
-        None => (std::env::temp_dir().join(format!("fo-demo-{}", std::process::id())), true),
+        None => (
+            std::env::temp_dir().join(format!("fo-demo-{}", std::process::id())),
+            true,
+        ),
     };
     std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     let result = demo(ranks, steps, seed, &out);
@@ -74,40 +81,98 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
 fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String> {
     let numels: Vec<usize> = mlp::PARAMS.iter().map(|(_, s)| mlp::numel(s)).collect();
     let offloaded = fo::optim::plan_offload(&numels, 0.5);
-    let setup = Setup { seed, steps, batch: 64, lr: 1e-2, max_norm: 1.0, offloaded: offloaded.clone() };
+    let setup = Setup {
+        seed,
+        steps,
+        batch: 64,
+        lr: 1e-2,
+        max_norm: 1.0,
+        offloaded: offloaded.clone(),
+    };
     let half = steps / 2;
     let e = |e: fo::Error| e.to_string();
 
-    println!("fo demo: 2-layer MLP (bf16 params {:?}), {ranks} ranks, {steps} steps, seed {seed}", numels);
+    println!(
+        "fo demo: 2-layer MLP (bf16 params {:?}), {ranks} ranks, {steps} steps, seed {seed}",
+        numels
+    );
     println!("AdamW with quant8 state and 24-bit master weights; offload planner (fraction 0.5) puts on the host:");
     for ((name, shape), off) in mlp::PARAMS.iter().zip(&offloaded) {
-        println!("  {name:<11} {:<9} {}", format!("{shape:?}"), if *off { "host (offloaded)" } else { "device group" });
+        println!(
+            "  {name:<11} {:<9} {}",
+            format!("{shape:?}"),
+            if *off {
+                "host (offloaded)"
+            } else {
+                "device group"
+            }
+        );
     }
     println!("(no GPU here: both groups step on the host; the split is what a hybrid optimizer would use)\n");
 
     println!("[1/4] reference run on {ranks} ranks, checkpoint at step {half}");
-    let reference =
-        phase(ranks, &setup, Start::Fresh(mlp::init_params(seed)), 0..steps, Some((half, out))).map_err(e)?;
+    let reference = phase(
+        ranks,
+        &setup,
+        Start::Fresh(mlp::init_params(seed)),
+        0..steps,
+        Some((half, out)),
+    )
+    .map_err(e)?;
     println!("[2/4] restart on {ranks} ranks from the compressed checkpoint (same sharding)");
-    let same = phase(ranks, &setup, Start::Checkpoint(out.join("compressed")), half..steps, None).map_err(e)?;
-    println!("[3/4] restart on {} ranks from the compressed checkpoint (resharded on load)", ranks - 1);
-    let resharded =
-        phase(ranks - 1, &setup, Start::Checkpoint(out.join("compressed")), half..steps, None).map_err(e)?;
+    let same = phase(
+        ranks,
+        &setup,
+        Start::Checkpoint(out.join("compressed")),
+        half..steps,
+        None,
+    )
+    .map_err(e)?;
+    println!(
+        "[3/4] restart on {} ranks from the compressed checkpoint (resharded on load)",
+        ranks - 1
+    );
+    let resharded = phase(
+        ranks - 1,
+        &setup,
+        Start::Checkpoint(out.join("compressed")),
+        half..steps,
+        None,
+    )
+    .map_err(e)?;
     println!(
         "[4/4] restart on {} ranks: rank 0 reads the consolidated checkpoint, broadcast_state_dict scatters",
         ranks - 1
     );
     let consolidated = out.join("consolidated");
     fo::ckpt::consolidate(&out.join("portable"), &consolidated, &mut |_, _| {}).map_err(e)?;
-    let broadcast = phase(ranks - 1, &setup, Start::Broadcast(consolidated), half..steps, None).map_err(e)?;
+    let broadcast = phase(
+        ranks - 1,
+        &setup,
+        Start::Broadcast(consolidated),
+        half..steps,
+        None,
+    )
+    .map_err(e)?;
 
-    let checks = summary::report(&setup, ranks, out, &reference, &same, &resharded, &broadcast)?;
+    let checks = summary::report(
+        &setup, ranks, out, &reference, &same, &resharded, &broadcast,
+    )?;
     if checks.iter().all(|(ok, _)| *ok) {
         println!("\nall {} checks passed", checks.len());
         Ok(())
     } else {
-        let failed: Vec<&str> = checks.iter().filter(|(ok, _)| !ok).map(|(_, s)| s.as_str()).collect();
-        Err(format!("{} of {} checks failed: {}", failed.len(), checks.len(), failed.join("; ")))
+        let failed: Vec<&str> = checks
+            .iter()
+            .filter(|(ok, _)| !ok)
+            .map(|(_, s)| s.as_str())
+            .collect();
+        Err(format!(
+            "{} of {} checks failed: {}",
+            failed.len(),
+            checks.len(),
+            failed.join("; ")
+        ))
     }
 }
 
@@ -133,7 +198,10 @@ fn phase(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(fo::Error::Internal("a rank panicked".into()))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(fo::Error::Internal("a rank panicked".into())))
+            })
             .collect()
     });
     results.into_iter().collect()

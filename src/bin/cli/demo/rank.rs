@@ -43,7 +43,12 @@ pub struct Rank {
 }
 
 pub fn spec_for(shape: &[usize], world: usize, rank: usize) -> Result<ShardSpec> {
-    ShardSpec::new(shape.to_vec(), vec![world], vec![rank], vec![Placement::Shard(0)])
+    ShardSpec::new(
+        shape.to_vec(),
+        vec![world],
+        vec![rank],
+        vec![Placement::Shard(0)],
+    )
 }
 
 pub fn bf16_bits(x: f32) -> u16 {
@@ -70,16 +75,31 @@ impl Rank {
         let mut params = Vec::new();
         for (i, (_, shape)) in PARAMS.iter().enumerate() {
             let spec = spec_for(shape, world, rank)?;
-            params.push(local_rows(&full[i], shape, &spec).into_iter().map(bf16_bits).collect::<Vec<u16>>());
+            params.push(
+                local_rows(&full[i], shape, &spec)
+                    .into_iter()
+                    .map(bf16_bits)
+                    .collect::<Vec<u16>>(),
+            );
             specs.push(spec);
         }
         for (i, (name, _)) in PARAMS.iter().enumerate() {
             let group = if setup.offloaded[i] { 0 } else { device_group };
-            let view = host_view(params[i].as_mut_ptr() as *mut u8, DType::BF16, &specs[i].local_shape())?;
+            let view = host_view(
+                params[i].as_mut_ptr() as *mut u8,
+                DType::BF16,
+                &specs[i].local_shape(),
+            )?;
             // SAFETY: `params[i]` is owned by this Rank, never reallocated, and outlives `opt`.
             unsafe { opt.add_param(name, view, Some(specs[i].clone()), group)? };
         }
-        Ok(Rank { comm, specs, params, opt, teacher: setup.teacher() })
+        Ok(Rank {
+            comm,
+            specs,
+            params,
+            opt,
+            teacher: setup.teacher(),
+        })
     }
 
     /// Full f32 parameters, all-gathered: every rank contributes its rows, zeros elsewhere.
@@ -132,11 +152,17 @@ impl Rank {
         }
         let mut views = Vec::new();
         for (g, spec) in shards.iter_mut().zip(&self.specs) {
-            views.push(host_view(g.as_mut_ptr() as *mut u8, DType::F32, &spec.local_shape())?);
+            views.push(host_view(
+                g.as_mut_ptr() as *mut u8,
+                DType::F32,
+                &spec.local_shape(),
+            )?);
         }
         let with_flags: Vec<(HostTensor, bool)> = views.iter().map(|v| (v.clone(), true)).collect();
         // SAFETY: the views point into `shards`, alive and unaliased for these calls.
-        let norm = unsafe { fo::clip::clip_grad_norm(&self.comm, &with_flags, setup.max_norm, 2.0, true)? };
+        let norm = unsafe {
+            fo::clip::clip_grad_norm(&self.comm, &with_flags, setup.max_norm, 2.0, true)?
+        };
         for g in 0..self.opt.num_groups() {
             self.opt.set_group_lr(g, setup.lr_at(step))?;
         }
@@ -154,7 +180,11 @@ impl Rank {
 /// The rows of a row-major `full` tensor that `spec` holds along dim 0 (one run: Shard(0)).
 pub fn local_rows(full: &[f32], shape: &[usize], spec: &ShardSpec) -> Vec<f32> {
     let row_len: usize = shape[1..].iter().product();
-    spec.runs(0).0.iter().flat_map(|r| full[r.start * row_len..r.end * row_len].iter().copied()).collect()
+    spec.runs(0)
+        .0
+        .iter()
+        .flat_map(|r| full[r.start * row_len..r.end * row_len].iter().copied())
+        .collect()
 }
 
 pub fn host_view(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<HostTensor> {

@@ -31,7 +31,10 @@ pub struct BroadcastReport {
 /// Every rank writes its file of a compressed and of a portable checkpoint, parameters
 /// included as stored (bf16), so a restart needs nothing else.
 pub fn save_checkpoints(rank: &Rank, dir: &Path) -> Result<()> {
-    for (mode, sub) in [(Mode::Compressed, "compressed"), (Mode::Portable, "portable")] {
+    for (mode, sub) in [
+        (Mode::Compressed, "compressed"),
+        (Mode::Portable, "portable"),
+    ] {
         let mut opts = SaveOptions::new(rank.comm.rank(), rank.comm.world_size(), mode);
         opts.params = Some(ParamsAs::Stored);
         ckpt::save_optimizer_comm(&rank.opt, &dir.join(sub), &opts, &rank.comm)?;
@@ -57,7 +60,12 @@ pub fn restore(rank: &mut Rank, start: &Start) -> Result<Option<BroadcastReport>
 
 fn copy_into_bf16(dst: &mut [u16], t: &Tensor) -> Result<()> {
     if t.dtype != DType::BF16 || t.data.len() != dst.len() * 2 {
-        return Err(fo::Error::Shape(format!("restored parameter is {} {:?}, expected {} bf16 values", t.dtype, t.shape, dst.len())));
+        return Err(fo::Error::Shape(format!(
+            "restored parameter is {} {:?}, expected {} bf16 values",
+            t.dtype,
+            t.shape,
+            dst.len()
+        )));
     }
     for (d, c) in dst.iter_mut().zip(t.data.chunks_exact(2)) {
         *d = u16::from_le_bytes([c[0], c[1]]);
@@ -69,12 +77,16 @@ fn copy_into_bf16(dst: &mut [u16], t: &Tensor) -> Result<()> {
 fn read_consolidated(dir: &Path) -> Result<Vec<(String, Tensor)>> {
     let path = dir.join(CONSOLIDATED_FILE);
     let bytes = std::fs::read(&path).map_err(|e| fo::Error::io(&path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| fo::Error::corrupt(&path, e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| fo::Error::corrupt(&path, e.to_string()))?;
     st.tensors()
         .into_iter()
         .map(|(name, view)| {
             let dtype = DType::from_safetensors_name(&format!("{:?}", view.dtype()))?;
-            Ok((name, Tensor::new(dtype, view.shape().to_vec(), view.data().to_vec())?))
+            Ok((
+                name,
+                Tensor::new(dtype, view.shape().to_vec(), view.data().to_vec())?,
+            ))
         })
         .collect()
 }
@@ -89,15 +101,29 @@ struct StateBuffers {
 
 fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
     // Rank 0 alone reads the consolidated file.
-    let full: Vec<(String, Tensor)> = if rank.comm.rank() == 0 { read_consolidated(dir)? } else { vec![] };
+    let full: Vec<(String, Tensor)> = if rank.comm.rank() == 0 {
+        read_consolidated(dir)?
+    } else {
+        vec![]
+    };
     let full_views: Vec<(String, HostTensor)> = full
         .iter()
-        .map(|(k, t)| Ok((k.clone(), host_view(t.data.as_ptr() as *mut u8, t.dtype, &t.shape)?)))
+        .map(|(k, t)| {
+            Ok((
+                k.clone(),
+                host_view(t.data.as_ptr() as *mut u8, t.dtype, &t.shape)?,
+            ))
+        })
         .collect::<Result<_>>()?;
     let mut bufs: Vec<StateBuffers> = rank
         .params
         .iter()
-        .map(|p| StateBuffers { exp_avg: vec![0.0; p.len()], exp_avg_sq: vec![0.0; p.len()], error_bits: vec![0; p.len()], step: 0.0 })
+        .map(|p| StateBuffers {
+            exp_avg: vec![0.0; p.len()],
+            exp_avg_sq: vec![0.0; p.len()],
+            error_bits: vec![0; p.len()],
+            step: 0.0,
+        })
         .collect();
     let mut dests = Vec::new();
     let mut shard_bytes = 0u64;
@@ -106,37 +132,80 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
         let spec = Some(rank.specs[i].clone());
         let b = &mut bufs[i];
         let entries = [
-            (name.to_string(), host_view(rank.params[i].as_mut_ptr() as *mut u8, DType::BF16, &local)?),
-            (format!("state.{name}.exp_avg"), host_view(b.exp_avg.as_mut_ptr() as *mut u8, DType::F32, &local)?),
-            (format!("state.{name}.exp_avg_sq"), host_view(b.exp_avg_sq.as_mut_ptr() as *mut u8, DType::F32, &local)?),
-            (format!("state.{name}.error_bits"), host_view(b.error_bits.as_mut_ptr() as *mut u8, DType::I8, &local)?),
+            (
+                name.to_string(),
+                host_view(rank.params[i].as_mut_ptr() as *mut u8, DType::BF16, &local)?,
+            ),
+            (
+                format!("state.{name}.exp_avg"),
+                host_view(b.exp_avg.as_mut_ptr() as *mut u8, DType::F32, &local)?,
+            ),
+            (
+                format!("state.{name}.exp_avg_sq"),
+                host_view(b.exp_avg_sq.as_mut_ptr() as *mut u8, DType::F32, &local)?,
+            ),
+            (
+                format!("state.{name}.error_bits"),
+                host_view(b.error_bits.as_mut_ptr() as *mut u8, DType::I8, &local)?,
+            ),
         ];
         for (key, tensor) in entries {
             shard_bytes += tensor.nbytes() as u64;
-            dests.push(BroadcastDest { key, tensor, spec: spec.clone() });
+            dests.push(BroadcastDest {
+                key,
+                tensor,
+                spec: spec.clone(),
+            });
         }
         let step = host_view(&mut b.step as *mut f32 as *mut u8, DType::F32, &[])?;
         shard_bytes += 4;
-        dests.push(BroadcastDest { key: format!("state.{name}.step"), tensor: step, spec: None });
+        dests.push(BroadcastDest {
+            key: format!("state.{name}.step"),
+            tensor: step,
+            spec: None,
+        });
     }
     let full_bytes = {
         let mut n = [full.iter().map(|(_, t)| t.nbytes() as f64).sum::<f64>()];
         rank.comm.all_reduce_f64(&mut n, fo::comm::ReduceOp::Max)?;
         n[0] as u64
     };
-    let root = if rank.comm.rank() == 0 { Some(full_views.as_slice()) } else { None };
+    let root = if rank.comm.rank() == 0 {
+        Some(full_views.as_slice())
+    } else {
+        None
+    };
     // SAFETY: every destination view points into `rank.params` or `bufs`, alive and unaliased here.
-    let stats = unsafe { broadcast_state_dict(&rank.comm, root, &dests, &BroadcastOptions::default())? };
+    let stats =
+        unsafe { broadcast_state_dict(&rank.comm, root, &dests, &BroadcastOptions::default())? };
     drop(dests);
     for (i, b) in bufs.iter().enumerate() {
         let local = rank.specs[i].local_shape();
         let entries = vec![
             ("step".to_string(), Tensor::from_f32(vec![], &[b.step])?),
-            ("exp_avg".to_string(), Tensor::from_f32(local.clone(), &b.exp_avg)?),
-            ("exp_avg_sq".to_string(), Tensor::from_f32(local.clone(), &b.exp_avg_sq)?),
-            ("error_bits".to_string(), Tensor::new(DType::I8, local, b.error_bits.iter().map(|&x| x as u8).collect())?),
+            (
+                "exp_avg".to_string(),
+                Tensor::from_f32(local.clone(), &b.exp_avg)?,
+            ),
+            (
+                "exp_avg_sq".to_string(),
+                Tensor::from_f32(local.clone(), &b.exp_avg_sq)?,
+            ),
+            (
+                "error_bits".to_string(),
+                Tensor::new(
+                    DType::I8,
+                    local,
+                    b.error_bits.iter().map(|&x| x as u8).collect(),
+                )?,
+            ),
         ];
         rank.opt.set_states(i, &entries)?;
     }
-    Ok(BroadcastReport { bytes_received: stats.bytes_received, table_bytes: stats.table_bytes, shard_bytes, full_bytes })
+    Ok(BroadcastReport {
+        bytes_received: stats.bytes_received,
+        table_bytes: stats.table_bytes,
+        shard_bytes,
+        full_bytes,
+    })
 }

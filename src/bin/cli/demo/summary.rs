@@ -8,16 +8,27 @@ type Checks = Vec<(bool, String)>;
 
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok()).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
         .unwrap_or(0)
 }
 
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-12))
+        .fold(0.0, f64::max)
 }
 
 fn check(checks: &mut Checks, ok: bool, what: String) {
@@ -40,25 +51,62 @@ pub(super) fn report(
     let (a, b, c) = (&same[0].losses, &resharded[0].losses, &broadcast[0].losses);
     let mut checks = Checks::new();
 
-    println!("\nloss curve (uninterrupted reference vs the three restarts from step {}):", half + 1);
-    println!("  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}", "step", "reference", format!("{ranks} ranks"), format!("{} resharded", ranks - 1), format!("{} broadcast", ranks - 1));
+    println!(
+        "\nloss curve (uninterrupted reference vs the three restarts from step {}):",
+        half + 1
+    );
+    println!(
+        "  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}",
+        "step",
+        "reference",
+        format!("{ranks} ranks"),
+        format!("{} resharded", ranks - 1),
+        format!("{} broadcast", ranks - 1)
+    );
     let every = (setup.steps / 10).max(1);
     for (i, step) in (half..setup.steps).enumerate() {
         if step % every == 0 || step + 1 == setup.steps {
-            println!("  {:>5}  {:>12.6}  {:>12.6}  {:>12.6}  {:>12.6}", step + 1, tail[i], a[i], b[i], c[i]);
+            println!(
+                "  {:>5}  {:>12.6}  {:>12.6}  {:>12.6}  {:>12.6}",
+                step + 1,
+                tail[i],
+                a[i],
+                b[i],
+                c[i]
+            );
         }
     }
-    println!("  mean step time: {:.2} ms ({ranks} ranks), {:.2} ms ({} ranks)", reference[0].step_ms, resharded[0].step_ms, ranks - 1);
+    println!(
+        "  mean step time: {:.2} ms ({ranks} ranks), {:.2} ms ({} ranks)",
+        reference[0].step_ms,
+        resharded[0].step_ms,
+        ranks - 1
+    );
 
     println!("\nchecks:");
     let (first, last) = (r[0], r[r.len() - 1]);
-    check(&mut checks, last < 0.9 * first, format!("training learns: loss {first:.5} -> {last:.5} (at least 10% lower)"));
+    check(
+        &mut checks,
+        last < 0.9 * first,
+        format!("training learns: loss {first:.5} -> {last:.5} (at least 10% lower)"),
+    );
     let d_same = max_abs_diff(a, tail);
-    check(&mut checks, d_same == 0.0, format!("restart on {ranks} ranks (same sharding) is identical: max |diff| = {d_same:e}"));
+    check(
+        &mut checks,
+        d_same == 0.0,
+        format!("restart on {ranks} ranks (same sharding) is identical: max |diff| = {d_same:e}"),
+    );
     // Another rank count regroups quant8 codes and changes the order of gradient sums, so
     // the trajectories differ slightly; the bound says they stay the same training run.
     let d_resh = max_rel_diff(b, tail);
-    check(&mut checks, d_resh < 0.05, format!("restart on {} ranks (resharded): max relative loss difference {d_resh:.2e} (< 5%)", ranks - 1));
+    check(
+        &mut checks,
+        d_resh < 0.05,
+        format!(
+            "restart on {} ranks (resharded): max relative loss difference {d_resh:.2e} (< 5%)",
+            ranks - 1
+        ),
+    );
     let d_bc = max_rel_diff(c, tail);
     check(&mut checks, d_bc < 0.05, format!("restart via consolidated checkpoint + broadcast: max relative loss difference {d_bc:.2e} (< 5%)"));
 
@@ -73,20 +121,33 @@ pub(super) fn report(
         ),
     );
 
-    let (comp, port) = (dir_bytes(&out.join("compressed")), dir_bytes(&out.join("portable")));
+    let (comp, port) = (
+        dir_bytes(&out.join("compressed")),
+        dir_bytes(&out.join("portable")),
+    );
     check(
         &mut checks,
         comp > 0 && comp < port,
-        format!("checkpoint size: compressed {comp} B vs portable {port} B ({:.2}x smaller)", port as f64 / comp.max(1) as f64),
+        format!(
+            "checkpoint size: compressed {comp} B vs portable {port} B ({:.2}x smaller)",
+            port as f64 / comp.max(1) as f64
+        ),
     );
 
     for (rank, t) in broadcast.iter().enumerate() {
         let Some(bc) = &t.broadcast else {
-            check(&mut checks, false, format!("rank {rank}: no broadcast report"));
+            check(
+                &mut checks,
+                false,
+                format!("rank {rank}: no broadcast report"),
+            );
             continue;
         };
         if rank == 0 {
-            println!("  rank 0 (source) held the full state dict: {} B", bc.full_bytes);
+            println!(
+                "  rank 0 (source) held the full state dict: {} B",
+                bc.full_bytes
+            );
             continue;
         }
         // The payload is exactly this rank's shards; the table is the only other traffic.

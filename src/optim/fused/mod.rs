@@ -1,0 +1,314 @@
+//! The `fast` arithmetic's step, fused: each 32-element quantization group is loaded,
+//! decoded, updated, re-quantized and stored while it sits in registers (two vectors of
+//! 16 lanes), so no stage writes its f32 values back to memory. The kernel is written
+//! once against `Lanes`; its AVX-512 backend and the portable one (AVX2 and plain code)
+//! give the same bits, since every lane operation has one exact result.
+//!
+//! - `lanes`: the lane operations and the portable backend; `avx512`: the AVX-512 one;
+//! - `codec`: stored formats ⇄ f32 lanes (split masters, bf16/f16, quant8);
+//! - `rules`: the algorithms' updates.
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod codec;
+mod lanes;
+mod rules;
+
+#[cfg(target_arch = "x86_64")]
+pub use avx512::Avx512;
+pub use lanes::{Lanes, Portable, W};
+
+use codec::{ErrPtr, GradPtr, MomentPtr, ParamPtr};
+use rules::{Adam, Lion, Sgd, Update};
+
+use super::fast::FastRule;
+use super::kernel::Job;
+use super::state::{ErrChunk, GradChunk, MomentChunk, ParamChunk};
+use crate::optim::quant8::GROUP;
+
+/// A job's memory as raw pointers (valid for the job's `n` elements).
+struct Ptrs {
+    p: ParamPtr,
+    g: GradPtr,
+    m: MomentPtr,
+    v: MomentPtr,
+    n: usize,
+}
+
+fn moment_ptr(c: &mut Option<MomentChunk<'_>>) -> MomentPtr {
+    match c {
+        None => MomentPtr::F32(std::ptr::null_mut()),
+        Some(MomentChunk::F32(s)) => MomentPtr::F32(s.as_mut_ptr()),
+        Some(MomentChunk::Half(h, s)) => MomentPtr::Half(*h, s.as_mut_ptr()),
+        Some(MomentChunk::Signed(q, s)) => MomentPtr::Signed(q.as_mut_ptr(), s.as_mut_ptr()),
+        Some(MomentChunk::Unsigned(q, s, r)) => {
+            MomentPtr::Unsigned(q.as_mut_ptr(), s.as_mut_ptr(), *r)
+        }
+    }
+}
+
+impl Ptrs {
+    fn new(job: &mut Job<'_>) -> Ptrs {
+        let n = job.p.len();
+        let p = match &mut job.p {
+            ParamChunk::F32(s) => ParamPtr::F32(s.as_mut_ptr()),
+            ParamChunk::Half { h, bits, err } => ParamPtr::Half {
+                h: *h,
+                bits: bits.as_mut_ptr(),
+                err: match err {
+                    ErrChunk::None => ErrPtr::None,
+                    ErrChunk::I8(e) => ErrPtr::I8(e.as_mut_ptr()),
+                    ErrChunk::I16(e) => ErrPtr::I16(e.as_mut_ptr()),
+                },
+            },
+        };
+        let g = match &job.g {
+            GradChunk::F32(s) => GradPtr::F32(s.as_ptr()),
+            GradChunk::Half(h, s) => GradPtr::Half(*h, s.as_ptr()),
+        };
+        Ptrs {
+            p,
+            g,
+            m: moment_ptr(&mut job.m),
+            v: moment_ptr(&mut job.v),
+            n,
+        }
+    }
+}
+
+/// Groups per block: one lane each in the vectors of group scales.
+const BLOCK_GROUPS: usize = W;
+
+/// Steps the block of `n` elements (at most `BLOCK_GROUPS` groups; `FULL`: exactly that
+/// many, all full) from `lo`, in three passes:
+/// 1. per group: decode, update, store the parameter (and unquantized states); quantized
+///    states' new values wait in registers or L1 with their lane-wise maxima;
+/// 2. all the block's group scales at once: one transpose of maxima, one fp16 conversion,
+///    one division for the encode factors;
+/// 3. per group: encode and store the quantized states.
+///
+/// So no group waits on its own maximum's reduction and reciprocal before the next
+/// starts, and the per-group scalar work becomes a few vector operations per block.
+///
+/// # Safety
+/// As `run_groups`.
+#[inline(always)]
+unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
+    l: L,
+    u: &U,
+    x: &Ptrs,
+    lo: usize,
+    n: usize,
+) {
+    let ng = if FULL {
+        BLOCK_GROUPS
+    } else {
+        n.div_ceil(GROUP)
+    };
+    let g0 = lo / GROUP;
+    let zero = l.splat(0.0);
+    let (qm, qv) = (
+        U::M && codec::is_quantized(x.m),
+        U::V && codec::is_quantized(x.v),
+    );
+    let mdec = if U::READ_M {
+        codec::decode_factors(l, x.m, g0, ng)
+    } else {
+        [0.0; W]
+    };
+    let vdec = if U::V {
+        codec::decode_factors(l, x.v, g0, ng)
+    } else {
+        [0.0; W]
+    };
+    let (mut mq, mut vq) = ([[zero; 2]; BLOCK_GROUPS], [[zero; 2]; BLOCK_GROUPS]);
+    let (mut mmax, mut vmax) = ([zero; W], [zero; W]);
+    let halves = |j: usize| {
+        let len = if FULL {
+            GROUP
+        } else {
+            (n - j * GROUP).min(GROUP)
+        };
+        [len.min(W), len.saturating_sub(W)]
+    };
+    for j in 0..ng {
+        let at = lo + j * GROUP;
+        let nn = halves(j);
+        let mut m = if U::READ_M {
+            codec::load_moment(l, x.m, at, nn, mdec[j])
+        } else {
+            [zero; 2]
+        };
+        let mut v = if U::V {
+            codec::load_moment(l, x.v, at, nn, vdec[j])
+        } else {
+            [zero; 2]
+        };
+        for h in 0..2 {
+            if nn[h] > 0 {
+                let mut p = codec::load_param(l, x.p, at + h * W, nn[h]);
+                let g = codec::load_grad(l, x.g, at + h * W, nn[h]);
+                u.apply(l, &mut p, g, &mut m[h], &mut v[h]);
+                codec::store_param(l, x.p, at + h * W, nn[h], p);
+            }
+        }
+        if qm {
+            (mq[j], mmax[j]) = codec::prepare(l, x.m, nn, m);
+        } else if U::M {
+            codec::store_plain(l, x.m, at, nn, m);
+        }
+        if qv {
+            (vq[j], vmax[j]) = codec::prepare(l, x.v, nn, v);
+        } else if U::V {
+            codec::store_plain(l, x.v, at, nn, v);
+        }
+    }
+    if qm {
+        let k = codec::encode_scales(l, x.m, g0, ng, &mmax);
+        for j in 0..ng {
+            codec::store_codes(l, x.m, lo + j * GROUP, halves(j), mq[j], k[j]);
+        }
+    }
+    if qv {
+        let k = codec::encode_scales(l, x.v, g0, ng, &vmax);
+        for j in 0..ng {
+            codec::store_codes(l, x.v, lo + j * GROUP, halves(j), vq[j], k[j]);
+        }
+    }
+}
+
+/// Steps every group of the job with update `u`.
+///
+/// # Safety
+/// The pointers are valid for `x.n` elements (and their groups' scales); the states the
+/// update uses are present.
+#[inline(always)]
+unsafe fn run_groups<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
+    // Full blocks with their lengths known at compile time (unmasked loads and stores),
+    // then the rest, whose last group may be short.
+    let step = BLOCK_GROUPS * GROUP;
+    let full = x.n - x.n % step;
+    for lo in (0..full).step_by(step) {
+        block::<L, U, true>(l, u, x, lo, step);
+    }
+    if full < x.n {
+        block::<L, U, false>(l, u, x, full, x.n - full);
+    }
+}
+
+/// Runs a `fast` job on backend `l`: the chunk's states must be present as its rule
+/// needs them (the optimizer creates them by its group's config).
+#[inline(always)]
+pub fn run<L: Lanes>(l: L, mut job: Job<'_>, rule: &FastRule) {
+    let x = Ptrs::new(&mut job);
+    let has = |c: &Option<MomentChunk<'_>>| c.is_some();
+    // SAFETY: the pointers come from the job's slices, all of length `n` (scales: one
+    // per group); each branch runs only with the states its update reads and writes.
+    unsafe {
+        match *rule {
+            FastRule::Adam {
+                l2,
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                step,
+                inv_sqrt_bc2,
+                eps,
+                v_root,
+            } => {
+                assert!(
+                    has(&job.m) && has(&job.v),
+                    "Adam steps with exp_avg and exp_avg_sq"
+                );
+                macro_rules! adam {
+                    ($l2:literal, $root:literal) => {
+                        run_groups(
+                            l,
+                            &Adam::<$l2, $root> {
+                                wd: l2.unwrap_or(0.0),
+                                decay,
+                                b1,
+                                w1,
+                                b2,
+                                w2,
+                                step,
+                                inv_sqrt_bc2,
+                                eps,
+                            },
+                            &x,
+                        )
+                    };
+                }
+                match (l2.is_some(), v_root) {
+                    (false, false) => adam!(false, false),
+                    (false, true) => adam!(false, true),
+                    (true, false) => adam!(true, false),
+                    (true, true) => adam!(true, true),
+                }
+            }
+            FastRule::Sgd {
+                l2,
+                decay,
+                momentum,
+                wdamp,
+                nesterov,
+                neg_lr,
+            } => {
+                assert!(
+                    momentum.is_none() || has(&job.m),
+                    "SGD with momentum steps with momentum_buffer"
+                );
+                macro_rules! sgd {
+                    ($l2:literal, $k:literal) => {
+                        run_groups(
+                            l,
+                            &Sgd::<$l2, $k> {
+                                wd: l2.unwrap_or(0.0),
+                                decay,
+                                mom: momentum.unwrap_or(0.0),
+                                wdamp,
+                                neg_lr,
+                            },
+                            &x,
+                        )
+                    };
+                }
+                match (l2.is_some(), momentum.is_some(), nesterov, job.first) {
+                    (false, false, _, _) => sgd!(false, 0),
+                    (true, false, _, _) => sgd!(true, 0),
+                    (false, true, false, false) => sgd!(false, 1),
+                    (true, true, false, false) => sgd!(true, 1),
+                    (false, true, true, false) => sgd!(false, 2),
+                    (true, true, true, false) => sgd!(true, 2),
+                    (false, true, false, true) => sgd!(false, 3),
+                    (true, true, false, true) => sgd!(true, 3),
+                    (false, true, true, true) => sgd!(false, 4),
+                    (true, true, true, true) => sgd!(true, 4),
+                }
+            }
+            FastRule::Lion {
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                neg_lr,
+            } => {
+                assert!(has(&job.m), "Lion steps with exp_avg");
+                run_groups(
+                    l,
+                    &Lion {
+                        decay,
+                        b1,
+                        w1,
+                        b2,
+                        w2,
+                        neg_lr,
+                    },
+                    &x,
+                )
+            }
+        }
+    }
+}
