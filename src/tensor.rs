@@ -218,12 +218,14 @@ impl HostTensor {
                 });
             match extent.and_then(|e| e.checked_mul(dtype.size())) {
                 Some(bytes) if bytes <= isize::MAX as usize => {}
-                _ => return Err(Error::invalid(
-                    format!("{what}.strides"),
-                    format!(
+                _ => {
+                    return Err(Error::invalid(
+                        format!("{what}.strides"),
+                        format!(
                         "shape {ushape:?} with strides {ustrides:?} overflows the address space"
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(HostTensor {

@@ -33,6 +33,7 @@ fn mask(n: usize) -> __mmask16 {
 // SAFETY (every `unsafe` block below): an `Avx512` value exists only where `detect`
 // found the instructions; pointer arguments are the callers' contract.
 impl Lanes for Avx512 {
+    const SPECIALIZE: bool = true;
     type F = __m512;
     type I = __m512i;
     type M = __mmask16;

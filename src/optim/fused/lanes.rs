@@ -17,6 +17,9 @@ pub trait Lanes: Copy {
     type I: Copy;
     /// One bit per lane.
     type M: Copy;
+    /// Whether the kernel is worth compiling once more per common storage layout (see
+    /// `fused::run_groups`): yes where speed matters, no for the portable fallback.
+    const SPECIALIZE: bool;
 
     fn splat(self, x: f32) -> Self::F;
     fn isplat(self, x: u32) -> Self::I;
@@ -143,6 +146,7 @@ fn bitmask(f: impl Fn(usize) -> bool) -> u16 {
 }
 
 impl Lanes for Portable {
+    const SPECIALIZE: bool = false;
     type F = Fa;
     type I = Ia;
     type M = u16;

@@ -17,6 +17,10 @@ mod rules;
 pub use avx512::Avx512;
 pub use lanes::{Lanes, Portable, W};
 
+use std::mem::MaybeUninit;
+
+use crate::optim::master_split::Half;
+use crate::optim::state::Root;
 use codec::{ErrPtr, GradPtr, MomentPtr, ParamPtr};
 use rules::{Adam, Lion, Sgd, Update};
 
@@ -120,7 +124,10 @@ unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
     } else {
         [0.0; W]
     };
-    let (mut mq, mut vq) = ([[zero; 2]; BLOCK_GROUPS], [[zero; 2]; BLOCK_GROUPS]);
+    // Written in pass 1 and read in pass 3 for groups `0..ng` only; left uninitialized
+    // because zeroing them (4 KiB per block) cost a memset call per block.
+    let mut mq = [MaybeUninit::<[L::F; 2]>::uninit(); BLOCK_GROUPS];
+    let mut vq = [MaybeUninit::<[L::F; 2]>::uninit(); BLOCK_GROUPS];
     let (mut mmax, mut vmax) = ([zero; W], [zero; W]);
     let halves = |j: usize| {
         let len = if FULL {
@@ -152,12 +159,16 @@ unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
             }
         }
         if qm {
-            (mq[j], mmax[j]) = codec::prepare(l, x.m, nn, m);
+            let (q, a) = codec::prepare(l, x.m, nn, m);
+            mq[j].write(q);
+            mmax[j] = a;
         } else if U::M {
             codec::store_plain(l, x.m, at, nn, m);
         }
         if qv {
-            (vq[j], vmax[j]) = codec::prepare(l, x.v, nn, v);
+            let (q, a) = codec::prepare(l, x.v, nn, v);
+            vq[j].write(q);
+            vmax[j] = a;
         } else if U::V {
             codec::store_plain(l, x.v, at, nn, v);
         }
@@ -165,24 +176,100 @@ unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
     if qm {
         let k = codec::encode_scales(l, x.m, g0, ng, &mmax);
         for j in 0..ng {
-            codec::store_codes(l, x.m, lo + j * GROUP, halves(j), mq[j], k[j]);
+            // SAFETY: pass 1 wrote group j (j < ng) when `qm`.
+            let q = mq[j].assume_init();
+            codec::store_codes(l, x.m, lo + j * GROUP, halves(j), q, k[j]);
         }
     }
     if qv {
         let k = codec::encode_scales(l, x.v, g0, ng, &vmax);
         for j in 0..ng {
-            codec::store_codes(l, x.v, lo + j * GROUP, halves(j), vq[j], k[j]);
+            // SAFETY: pass 1 wrote group j (j < ng) when `qv`.
+            let q = vq[j].assume_init();
+            codec::store_codes(l, x.v, lo + j * GROUP, halves(j), q, k[j]);
         }
     }
 }
 
 /// Steps every group of the job with update `u`.
 ///
+/// The storage layout is known only at run time, and the block's code tests it for
+/// every half group: on the AVX-512 path the compressed step's own layouts (bf16 params
+/// with 8- or 16-bit error bits and bf16 grads; quant8 momentum; quant8 or quant8_wide
+/// variance) get a copy of the block with those tests resolved at compile time, which
+/// measured 1.3x faster. Every other layout runs the general block.
+///
 /// # Safety
 /// The pointers are valid for `x.n` elements (and their groups' scales); the states the
 /// update uses are present.
 #[inline(always)]
 unsafe fn run_groups<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
+    let unused = MomentPtr::F32(std::ptr::null_mut());
+    let m = match x.m {
+        MomentPtr::Signed(q, s) if U::M => Some(MomentPtr::Signed(q, s)),
+        _ if !U::M => Some(unused),
+        _ => None,
+    };
+    let layout = match (x.p, x.g) {
+        (
+            ParamPtr::Half {
+                h: Half::BF16,
+                bits,
+                err,
+            },
+            GradPtr::Half(Half::BF16, g),
+        ) => Some((bits, err, g)),
+        _ => None,
+    };
+    if let (true, Some(m), Some((bits, err, g))) = (L::SPECIALIZE, m, layout) {
+        // Each arm rebuilds the pointers from constants and the matched fields, so the
+        // inlined block sees every layout test's answer.
+        macro_rules! known {
+            ($err:expr, $v:expr) => {
+                return blocks(
+                    l,
+                    u,
+                    &Ptrs {
+                        p: ParamPtr::Half {
+                            h: Half::BF16,
+                            bits,
+                            err: $err,
+                        },
+                        g: GradPtr::Half(Half::BF16, g),
+                        m,
+                        v: $v,
+                        n: x.n,
+                    },
+                )
+            };
+        }
+        match (err, x.v) {
+            (ErrPtr::I8(e), _) if !U::V => known!(ErrPtr::I8(e), unused),
+            (ErrPtr::I16(e), _) if !U::V => known!(ErrPtr::I16(e), unused),
+            (ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Sqrt)) => {
+                known!(ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Sqrt))
+            }
+            (ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Sqrt)) => {
+                known!(ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Sqrt))
+            }
+            (ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Fourth)) => {
+                known!(ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Fourth))
+            }
+            (ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Fourth)) => {
+                known!(ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Fourth))
+            }
+            _ => {}
+        }
+    }
+    blocks(l, u, x)
+}
+
+/// `run_groups` for one layout.
+///
+/// # Safety
+/// As `run_groups`.
+#[inline(always)]
+unsafe fn blocks<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
     // Full blocks with their lengths known at compile time (unmasked loads and stores),
     // then the rest, whose last group may be short.
     let step = BLOCK_GROUPS * GROUP;
