@@ -12,7 +12,9 @@
 //! reconstruction `code/127`; momentum encode `x/a` and `2y/(1+|y|)`; variance encode
 //! `sqrt(v)/a`), which no reciprocal multiply may replace without changing last bits.
 //! These run vectorized (AVX-512 or AVX2, picked at run time); the stage timings in
-//! `optim_stages` show where the remaining time goes.
+//! `optim_stages` show where the remaining time goes. Groups with `Arithmetic::Fast`
+//! (`fast.rs`) skip the chunk buffers: `fused` steps them one block of quantization groups
+//! at a time in registers (2.2-3x faster than exact on the compressed step, README).
 use std::cell::RefCell;
 
 use super::fast::FastRule;

@@ -108,6 +108,10 @@ impl Lanes for Avx512 {
         unsafe { _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(a) }
     }
     #[inline(always)]
+    fn trunc_i(self, a: __m512) -> __m512i {
+        unsafe { _mm512_cvttps_epi32(a) }
+    }
+    #[inline(always)]
     fn and(self, a: __m512i, b: __m512i) -> __m512i {
         unsafe { _mm512_and_si512(a, b) }
     }
@@ -122,10 +126,6 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn isub(self, a: __m512i, b: __m512i) -> __m512i {
         unsafe { _mm512_sub_epi32(a, b) }
-    }
-    #[inline(always)]
-    fn ineg_where(self, m: __mmask16, a: __m512i) -> __m512i {
-        unsafe { _mm512_mask_sub_epi32(a, m, _mm512_setzero_si512(), a) }
     }
     #[inline(always)]
     fn shl<const N: u32>(self, a: __m512i) -> __m512i {

@@ -136,11 +136,15 @@ fn error_fraction<L: Lanes>(l: L, h: Half, bits: L::I, e: L::F) -> L::F {
     }
 }
 
-/// Round half away from zero of `s` (|s| well inside i32).
+/// Round half away from zero of `s` (|s| < 2^22), as `trunc(s ± (0.5 − 2^−25))`: the sum
+/// rounds up to the next integer exactly when |s|'s fraction is at least one half (the
+/// tie 0.5 + (0.5 − 2^−25) = 1 − 2^−25 rounds to even, 1.0), where `floor(|s| + 0.5)`
+/// with its sign restored takes two more operations.
 #[inline(always)]
 fn round_away<L: Lanes>(l: L, s: L::F) -> L::I {
-    let q = l.floor_i(l.add(l.abs(s), l.splat(0.5)));
-    l.ineg_where(l.lt(s, l.splat(0.0)), q)
+    let sign = l.and(l.to_bits(s), l.isplat(0x8000_0000));
+    let half = l.or(sign, l.isplat(0.5f32.next_down().to_bits()));
+    l.trunc_i(l.add(s, l.bits_as_f(half)))
 }
 
 /// Master values of elements `[i, i+n)`.
@@ -374,6 +378,44 @@ pub unsafe fn store_codes<L: Lanes>(
                 l.store_u8_sat(q.add(at), n[h], l.floor_i(t));
             }
             _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::fused::Portable;
+
+    /// `round_away` is `f32::round` (half away from zero) over the codes' range: the
+    /// values next to every half-integer, and the one below 0.5 that `x + 0.5` gets wrong.
+    #[test]
+    fn round_away_is_round_half_away_from_zero() {
+        let mut xs = vec![
+            0.0f32,
+            -0.0,
+            0.5f32.next_down(),
+            -0.5f32.next_down(),
+            1e-30,
+            -1e-30,
+        ];
+        for k in -32768i32..=32767 {
+            let h = k as f32 + 0.5;
+            xs.extend([
+                h,
+                h.next_up(),
+                h.next_down(),
+                k as f32,
+                (k as f32).next_up(),
+            ]);
+        }
+        for c in xs.chunks(W) {
+            let mut a = [0.0f32; W];
+            a[..c.len()].copy_from_slice(c);
+            let q = round_away(Portable, a);
+            for (x, q) in a.iter().zip(q) {
+                assert_eq!(q as i32, x.round() as i32, "round_away({x:e})");
+            }
         }
     }
 }

@@ -47,13 +47,13 @@ pub trait Lanes: Copy {
     /// floor(a) as a signed 32-bit integer; NaN and values out of range give `i32::MIN`
     /// (x86's integer indefinite).
     fn floor_i(self, a: Self::F) -> Self::I;
+    /// Toward zero to i32, as `floor_i` out of range.
+    fn trunc_i(self, a: Self::F) -> Self::I;
 
     fn and(self, a: Self::I, b: Self::I) -> Self::I;
     fn or(self, a: Self::I, b: Self::I) -> Self::I;
     fn iadd(self, a: Self::I, b: Self::I) -> Self::I;
     fn isub(self, a: Self::I, b: Self::I) -> Self::I;
-    /// Signed 32-bit negation where `m` is set.
-    fn ineg_where(self, m: Self::M, a: Self::I) -> Self::I;
     fn shl<const N: u32>(self, a: Self::I) -> Self::I;
     /// Logical shift right.
     fn shr<const N: u32>(self, a: Self::I) -> Self::I;
@@ -213,15 +213,11 @@ impl Lanes for Portable {
     }
     #[inline(always)]
     fn floor_i(self, a: Fa) -> Ia {
-        map(a, |x| {
-            let f = x.floor();
-            // In range and not NaN: the comparisons are false for NaN.
-            if (-2147483648.0..2147483648.0).contains(&f) {
-                f as i32 as u32
-            } else {
-                0x8000_0000
-            }
-        })
+        map(a, |x| to_i32(x.floor()))
+    }
+    #[inline(always)]
+    fn trunc_i(self, a: Fa) -> Ia {
+        map(a, |x| to_i32(x.trunc()))
     }
     #[inline(always)]
     fn and(self, a: Ia, b: Ia) -> Ia {
@@ -238,16 +234,6 @@ impl Lanes for Portable {
     #[inline(always)]
     fn isub(self, a: Ia, b: Ia) -> Ia {
         zip(a, b, u32::wrapping_sub)
-    }
-    #[inline(always)]
-    fn ineg_where(self, m: u16, a: Ia) -> Ia {
-        std::array::from_fn(|i| {
-            if m >> i & 1 != 0 {
-                a[i].wrapping_neg()
-            } else {
-                a[i]
-            }
-        })
     }
     #[inline(always)]
     fn shl<const N: u32>(self, a: Ia) -> Ia {
@@ -370,5 +356,16 @@ impl Lanes for Portable {
         for (i, &x) in a.iter().enumerate().take(n) {
             *p.add(i) = (x as i32).clamp(-32768, 32767) as i16;
         }
+    }
+}
+
+/// An integral f32 as i32; out of range or NaN as x86's "integer indefinite".
+#[inline(always)]
+fn to_i32(f: f32) -> u32 {
+    // The comparisons are false for NaN.
+    if (-2147483648.0..2147483648.0).contains(&f) {
+        f as i32 as u32
+    } else {
+        0x8000_0000
     }
 }
