@@ -6,6 +6,7 @@
 // (f32, 16-bit, int8 codes and fp16 scales) and error bits after every step.
 #include <nlohmann/json.hpp>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -431,9 +432,31 @@ void device_tensors_are_refused_clearly() {
   fo_optimizer_destroy(opt);
 }
 
+// The launch table's layout as the kernel reads it. src/optim/gpu/table_tests.rs asserts
+// the same numbers for its Rust mirror (FoStepTensor, FoRule), which fo uploads as bytes.
+static_assert(sizeof(fo_rule) == 68 && alignof(fo_rule) == 4, "fo_rule layout");
+static_assert(offsetof(fo_rule, nesterov) == 12 && offsetof(fo_rule, l2) == 16, "fo_rule layout");
+static_assert(offsetof(fo_rule, bc2_sqrt) == 48 && offsetof(fo_rule, wdamp) == 64, "fo_rule layout");
+static_assert(sizeof(fo_step_tensor) == 168 && alignof(fo_step_tensor) == 8, "fo_step_tensor layout");
+void table_layout() {
+  const size_t want[] = {0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96};
+  const size_t got[] = {offsetof(fo_step_tensor, param),       offsetof(fo_step_tensor, grad),
+                        offsetof(fo_step_tensor, error_bits),  offsetof(fo_step_tensor, m),
+                        offsetof(fo_step_tensor, m_scales),    offsetof(fo_step_tensor, v),
+                        offsetof(fo_step_tensor, v_scales),    offsetof(fo_step_tensor, numel),
+                        offsetof(fo_step_tensor, group_begin), offsetof(fo_step_tensor, param_dtype),
+                        offsetof(fo_step_tensor, grad_dtype),  offsetof(fo_step_tensor, error_bits_width),
+                        offsetof(fo_step_tensor, m_kind),      offsetof(fo_step_tensor, v_kind),
+                        offsetof(fo_step_tensor, first),       offsetof(fo_step_tensor, rule)};
+  for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); ++i) CHECK(got[i] == want[i]);
+  std::printf("table layout: fo_step_tensor %zu bytes, fo_rule %zu bytes (as table_tests.rs)\n",
+              sizeof(fo_step_tensor), sizeof(fo_rule));
+}
+
 }  // namespace
 
 int main() {
+  table_layout();
   device_tensors_are_refused_clearly();
   random_matrix();
   oracle_cases();

@@ -5,6 +5,10 @@
 //! the CPU step; `scripts/nvrtc_check.py`: NVRTC compiles it for sm_80/sm_90). The launch
 //! path (module cache per device, tensor table upload, stream) is not written yet, so
 //! device tensors are refused with `Unsupported`, naming what is missing.
+//!
+//! `table`: the launch's tensor table (Rust mirror of `fo_step_tensor` / `fo_rule`),
+//! built and tested on the host.
+pub mod table;
 
 /// The kernel headers, in include order, for a launcher that hands them to NVRTC.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
