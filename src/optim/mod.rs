@@ -14,6 +14,7 @@
 //!   `threads`: fo's thread pool;
 //! - `gpu`: the GPU kernels' source (proven on the host) and why device tensors are refused.
 pub mod config;
+mod device_step;
 pub mod fast;
 pub mod fused;
 pub mod gpu;

@@ -9,6 +9,7 @@
 //! C++ struct the kernel reads). Pointers are `u64` on this side: a `CUdeviceptr` on the
 //! GPU, a host address in tests; both are 8 bytes, as `void*` is on the 64-bit hosts fo
 //! supports.
+use super::super::config::{OptimConfig, StateFormat};
 use super::super::quant8::GROUP;
 use super::super::rule::Rule;
 use super::super::state::{ErrorBits, Moment, ParamState, Root};
@@ -75,6 +76,66 @@ impl MomentKind {
                 root: Root::Fourth, ..
             } => MomentKind::Q8Fourth,
         }
+    }
+}
+
+/// How a parameter's state is stored, from its group's config and its dtype, laid out as
+/// `Optimizer::new_state` lays out host state (so the device mirrors the same bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateLayout {
+    pub m: MomentKind,
+    pub v: MomentKind,
+    /// 0, 8 (int8 error bits) or 16 (int16).
+    pub error_bits_width: i32,
+}
+
+impl StateLayout {
+    pub fn of(cfg: &OptimConfig, param_dtype: DType) -> StateLayout {
+        let plain = match (cfg.state_format, param_dtype) {
+            (StateFormat::ParamDtype, DType::F16) => MomentKind::F16,
+            (StateFormat::ParamDtype, DType::BF16) => MomentKind::BF16,
+            _ => MomentKind::F32,
+        };
+        let m = match (cfg.has_momentum_state(), cfg.state_format.is_quantized()) {
+            (false, _) => MomentKind::None,
+            (true, true) => MomentKind::Q8Signed,
+            (true, false) => plain,
+        };
+        let v = match (cfg.algorithm.is_adam(), cfg.state_format) {
+            (false, _) => MomentKind::None,
+            (true, StateFormat::Quant8) => MomentKind::Q8Sqrt,
+            (true, StateFormat::Quant8Wide) => MomentKind::Q8Fourth,
+            (true, _) => plain,
+        };
+        let half = matches!(param_dtype, DType::F16 | DType::BF16);
+        let error_bits_width = match cfg.master_weight_bits {
+            24 if half => 8,
+            32 if half => 16,
+            _ => 0,
+        };
+        StateLayout {
+            m,
+            v,
+            error_bits_width,
+        }
+    }
+
+    /// Bytes of a moment's codes or values and of its fp16 scales, for `n` elements.
+    pub fn moment_bytes(kind: MomentKind, n: usize) -> (usize, usize) {
+        let scales = 2 * n.div_ceil(GROUP);
+        match kind {
+            MomentKind::None => (0, 0),
+            MomentKind::F32 => (4 * n, 0),
+            MomentKind::F16 | MomentKind::BF16 => (2 * n, 0),
+            MomentKind::Q8Signed | MomentKind::Q8Sqrt | MomentKind::Q8Fourth => (n, scales),
+        }
+    }
+
+    /// Bytes of the state of `n` elements (as `ParamState::nbytes` counts them).
+    pub fn nbytes(&self, n: usize) -> usize {
+        let (m, ms) = Self::moment_bytes(self.m, n);
+        let (v, vs) = Self::moment_bytes(self.v, n);
+        m + ms + v + vs + n * self.error_bits_width as usize / 8
     }
 }
 

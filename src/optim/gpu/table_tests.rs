@@ -276,3 +276,49 @@ fn moment_kinds_follow_the_stored_format() {
         MomentKind::Q8Fourth
     );
 }
+
+#[test]
+fn state_layout_is_what_new_state_creates() {
+    use crate::optim::config::Arithmetic;
+    let algos = [
+        Algorithm::AdamW,
+        Algorithm::Adam,
+        Algorithm::Sgd,
+        Algorithm::SgdW,
+        Algorithm::Lion,
+    ];
+    let formats = [
+        StateFormat::Fp32,
+        StateFormat::ParamDtype,
+        StateFormat::Quant8,
+        StateFormat::Quant8Wide,
+    ];
+    let kind = |m: &Option<Moment>| m.as_ref().map_or(MomentKind::None, MomentKind::of);
+    let mut checked = 0;
+    for a in algos {
+        for f in formats {
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                for mw in [0, 24, 32] {
+                    for momentum in [0.0, 0.9] {
+                        if dt == DType::F32 && mw != 0 {
+                            continue;
+                        }
+                        let mut c = cfg(a, f, mw);
+                        c.momentum = momentum;
+                        c.arithmetic = Arithmetic::Exact;
+                        let st = state(&c, dt, 77);
+                        let l = StateLayout::of(&c, dt);
+                        let w = StatePtrs::of_host(&mut st.clone()).error_bits_width;
+                        assert_eq!(
+                            (l.m, l.v, l.error_bits_width),
+                            (kind(&st.m), kind(&st.v), w)
+                        );
+                        assert_eq!(l.nbytes(77), st.nbytes(), "{a:?} {f:?} {dt} mw{mw}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 4 * 7 * 2);
+}
