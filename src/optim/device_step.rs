@@ -8,6 +8,7 @@ use super::gpu::table::{build_table, FoRule, StateLayout, StepTable, TableEntry}
 use super::gpu::{self, DeviceState};
 use super::optimizer::Optimizer;
 use super::rule::Rule;
+use super::state::ParamState;
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
 
@@ -45,6 +46,29 @@ impl Optimizer {
 
     pub fn stream(&self) -> usize {
         self.stream
+    }
+
+    /// Parameter `i`'s state if it is in host memory and has one.
+    pub fn param_state(&self, i: usize) -> Option<&ParamState> {
+        self.params[i].state.as_ref()
+    }
+
+    /// A host copy of device parameter `i`'s state, read after the work queued on the
+    /// optimizer's stream (this waits for it).
+    pub fn device_state(&self, i: usize) -> Result<ParamState> {
+        self.check_index(i)?;
+        let p = &self.params[i];
+        if p.device < 0 {
+            return Err(Error::invalid(
+                "index",
+                format!("parameter {} is in host memory (see param_state)", p.fqn),
+            ));
+        }
+        let st = p.gpu.as_ref().ok_or_else(|| {
+            Error::NotFound(format!("parameter {} has no optimizer state yet", p.fqn))
+        })?;
+        // SAFETY: the optimizer's stream is the one the caller gave for this device.
+        unsafe { st.to_host(self.stream) }
     }
 
     /// Checks that gradient `g` (on `device`) may step parameter `i`.

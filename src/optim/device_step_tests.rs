@@ -174,3 +174,18 @@ fn the_stream_is_taken_only_where_the_gpu_half_can_run() {
         }
     }
 }
+
+#[test]
+fn state_accessors_say_where_the_state_is() {
+    let (mut h, mut d) = (vec![1f32; 40], vec![2f32; 40]);
+    let mut opt = hybrid(adamw(StateFormat::Fp32), &mut h, &mut d);
+    assert!(opt.param_state(0).is_none() && opt.param_state(1).is_none());
+    let e = opt.device_state(0).unwrap_err().to_string();
+    assert!(e.contains("parameter h is in host memory"), "{e}");
+    let e = opt.device_state(1).unwrap_err().to_string();
+    assert!(e.contains("parameter d has no optimizer state yet"), "{e}");
+    assert!(opt.device_state(2).is_err());
+    let mut g = vec![0.5f32; 40];
+    unsafe { opt.step_on(&[Some(view(&mut g, &[40], None)), None], &[-1, -1]) }.unwrap();
+    assert_eq!(opt.param_state(0).unwrap().step, 1);
+}

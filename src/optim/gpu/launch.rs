@@ -238,6 +238,22 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Copies `dst.len()` bytes from device address `src` into `dst` after the work
+    /// queued on `stream`, and waits for it (the one place fo waits: reading state back).
+    ///
+    /// # Safety
+    /// `src` must be `dst.len()` readable bytes of this device; `stream` valid or null.
+    pub unsafe fn download(&self, src: u64, dst: &mut [u8], stream: cusys::CUstream) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx)?;
+        cu::memcpy_dtoh_async(dst, src, stream).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        cu::stream::synchronize(stream).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+}
+
 /// Device memory owned by fo (a parameter's optimizer state), freed on drop.
 pub struct DeviceBuffer {
     dev: Arc<Device>,

@@ -14,8 +14,46 @@ pub mod table;
 #[cfg(feature = "cuda")]
 pub mod launch;
 
+use super::state::{Moment, ParamState};
 use crate::error::{Error, Result};
-use table::{StateLayout, StatePtrs, StepTable};
+use table::{MomentKind, StateLayout, StatePtrs, StepTable};
+
+/// A moment from its stored bytes (little-endian, as the device and the host hold them):
+/// `data` the values or codes, `scales` the fp16 scales of the quantized kinds; None for
+/// `MomentKind::None`.
+pub fn moment_from_bytes(kind: MomentKind, data: &[u8], scales: &[u8]) -> Option<Moment> {
+    use super::master_split::Half;
+    use super::state::Root;
+    let u16s = |b: &[u8]| -> Vec<u16> {
+        b.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    };
+    let f16s = |b: &[u8]| u16s(b).into_iter().map(half::f16::from_bits).collect();
+    Some(match kind {
+        MomentKind::None => return None,
+        MomentKind::F32 => Moment::F32(
+            data.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        MomentKind::F16 => Moment::Half(Half::F16, u16s(data)),
+        MomentKind::BF16 => Moment::Half(Half::BF16, u16s(data)),
+        MomentKind::Q8Signed => Moment::Signed {
+            codes: data.iter().map(|&b| b as i8).collect(),
+            scales: f16s(scales),
+        },
+        MomentKind::Q8Sqrt | MomentKind::Q8Fourth => Moment::Unsigned {
+            codes: data.to_vec(),
+            scales: f16s(scales),
+            root: if kind == MomentKind::Q8Fourth {
+                Root::Fourth
+            } else {
+                Root::Sqrt
+            },
+        },
+    })
+}
 
 /// The kernel headers, in include order, for a launcher that hands them to NVRTC.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
@@ -54,6 +92,7 @@ fn missing() -> String {
 /// A parameter's optimizer state in device memory, laid out as the host state would be
 /// (`StateLayout`). Exists only in builds with feature `cuda`.
 pub struct DeviceState {
+    pub device: i32,
     pub step: u64,
     /// As `ParamState::m_valid`: SGD's buffer holds a value.
     pub m_valid: bool,
@@ -71,6 +110,58 @@ pub struct DeviceState {
 impl DeviceState {
     pub fn nbytes(&self) -> usize {
         self.layout.nbytes(self.numel)
+    }
+
+    /// A host copy of the state, read after the work queued on `stream` (0: the legacy
+    /// default stream), which this waits for.
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a valid stream of the state's device.
+    pub unsafe fn to_host(&self, stream: usize) -> Result<ParamState> {
+        #[cfg(feature = "cuda")]
+        {
+            let dev = launch::device(self.device)?;
+            let s = stream as cudarc::driver::sys::CUstream;
+            let n = self.numel;
+            let read = |src: u64, bytes: usize| -> Result<Vec<u8>> {
+                let mut v = vec![0u8; bytes];
+                dev.download(src, &mut v, s)?;
+                Ok(v)
+            };
+            let moment = |m: Option<table::MomentPtrs>| -> Result<Option<Moment>> {
+                let Some(m) = m else { return Ok(None) };
+                let (d, sc) = StateLayout::moment_bytes(m.kind, n);
+                Ok(moment_from_bytes(
+                    m.kind,
+                    &read(m.data, d)?,
+                    &read(m.scales, sc)?,
+                ))
+            };
+            let p = self.ptrs;
+            let err = read(p.error_bits, n * p.error_bits_width as usize / 8)?;
+            let pairs =
+                |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
+            Ok(ParamState {
+                step: self.step,
+                m: moment(p.m)?,
+                v: moment(p.v)?,
+                error_bits: match p.error_bits_width {
+                    8 => Some(super::state::ErrorBits::I8(
+                        err.iter().map(|&b| b as i8).collect(),
+                    )),
+                    16 => Some(super::state::ErrorBits::I16(
+                        pairs(&err).into_iter().map(i16::from_le_bytes).collect(),
+                    )),
+                    _ => None,
+                },
+                m_valid: self.m_valid,
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = stream;
+            match self.never {}
+        }
     }
 
     /// The device addresses of the state's buffers, for a launch table.
@@ -151,6 +242,7 @@ pub unsafe fn new_device_state(
         let width = layout.error_bits_width;
         let error_bits = alloc(numel * width as usize / 8)?;
         Ok(DeviceState {
+            device,
             step: 0,
             m_valid: false,
             layout,

@@ -322,3 +322,40 @@ fn state_layout_is_what_new_state_creates() {
     }
     assert_eq!(checked, 5 * 4 * 7 * 2);
 }
+
+/// The device holds each buffer as the host does; `moment_from_bytes` reads those bytes
+/// back (what `DeviceState::to_host` does with a download) into the same moment.
+#[test]
+fn moments_read_back_from_their_bytes() {
+    use crate::optim::gpu::moment_from_bytes;
+    let formats = [
+        StateFormat::Fp32,
+        StateFormat::ParamDtype,
+        StateFormat::Quant8,
+        StateFormat::Quant8Wide,
+    ];
+    let n = 70;
+    let values: Vec<f32> = (0..n).map(|i| (i as f32 - 30.0) * 0.37).collect();
+    for f in formats {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let c = cfg(Algorithm::AdamW, f, 0);
+            let mut st = state(&c, dt, n);
+            for m in [st.m.as_mut().unwrap(), st.v.as_mut().unwrap()] {
+                m.encode(&values.iter().map(|x| x.abs()).collect::<Vec<_>>());
+            }
+            let ptrs = StatePtrs::of_host(&mut st);
+            for (m, p) in [(&st.m, ptrs.m), (&st.v, ptrs.v)] {
+                let p = p.unwrap();
+                let (d, s) = StateLayout::moment_bytes(p.kind, n);
+                // A moment without scales has address 0: no slice is made of it.
+                let bytes = |a: u64, len: usize| match len {
+                    0 => vec![],
+                    _ => unsafe { std::slice::from_raw_parts(a as *const u8, len).to_vec() },
+                };
+                let back = moment_from_bytes(p.kind, &bytes(p.data, d), &bytes(p.scales, s));
+                assert_eq!(&back, m, "{f:?} {dt}");
+            }
+        }
+    }
+    assert_eq!(moment_from_bytes(MomentKind::None, &[], &[]), None);
+}
