@@ -189,3 +189,18 @@ fn state_accessors_say_where_the_state_is() {
     unsafe { opt.step_on(&[Some(view(&mut g, &[40], None)), None], &[-1, -1]) }.unwrap();
     assert_eq!(opt.param_state(0).unwrap().step, 1);
 }
+
+#[test]
+fn a_device_gradient_aliasing_a_device_param_is_refused() {
+    let (mut h, mut d) = (vec![1f32; 40], vec![2f32; 40]);
+    let mut opt = hybrid(adamw(StateFormat::Fp32), &mut h, &mut d);
+    let alias = view(&mut d, &[40], None);
+    let e = unsafe { opt.step_on(&[None, Some(alias)], &[-1, 0]) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the gradient of d overlaps the memory of parameter d"),
+        "{e}"
+    );
+    assert!(!opt.has_state(1));
+}

@@ -396,12 +396,8 @@ impl Optimizer {
                 )));
             }
             self.check_grad_device(i, g, devices[i])?;
-            if p.device >= 0 {
-                // Read by the kernel only: never dereferenced on the host.
-                gathered.push(None);
-                continue;
-            }
-            // Parameters are written while gradients are read, from several threads.
+            // Parameters are written while gradients are read, from several threads (or
+            // GPU threads: the check compares addresses only).
             if let Some(q) = self.overlapping_param(g) {
                 return Err(Error::invalid(
                     "grads",
@@ -411,7 +407,8 @@ impl Optimizer {
                     ),
                 ));
             }
-            gathered.push(if g.is_contiguous() {
+            // A device gradient is read by the kernel only, never on the host.
+            gathered.push(if g.is_contiguous() || p.device >= 0 {
                 None
             } else {
                 Some(g.try_to_tensor("grads")?.data)
