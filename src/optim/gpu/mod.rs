@@ -283,6 +283,10 @@ pub unsafe fn launch_tables(tables: &[(i32, StepTable)], stream: usize) -> Resul
 }
 
 #[cfg(test)]
+#[path = "host_kernel_tests.rs"]
+mod host_kernel_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
