@@ -149,12 +149,13 @@ fn devices() -> &'static Mutex<HashMap<i32, Arc<Device>>> {
 /// Device `ordinal` with the kernel loaded, compiling it on first use. Failures are not
 /// cached: a later call tries again.
 pub fn device(ordinal: i32) -> Result<Arc<Device>> {
-    if let Some(m) = missing_library() {
-        return Err(Error::Unsupported(format!("device = {ordinal}: {m}")));
-    }
     let mut map = devices().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(d) = map.get(&ordinal) {
         return Ok(d.clone());
+    }
+    // Checked before the first CUDA call only: every step looks its device up here.
+    if let Some(m) = missing_library() {
+        return Err(Error::Unsupported(format!("device = {ordinal}: {m}")));
     }
     // SAFETY: the libraries are present (checked above).
     let d = Arc::new(unsafe { Device::open(ordinal)? });
