@@ -534,6 +534,24 @@ fo_status fo_clip_grad_norm(struct fo_comm *comm,
                             double *total_norm);
 
 /*
+ Sets the CUDA stream (`cudaStream_t` / `CUstream`, of the parameters' device) that
+ `fo_optimizer_step` launches device parameters' kernels on; NULL (the default) is the
+ legacy default stream. fo never synchronizes the device: a step's kernels run after
+ the work queued on `stream` before the call, and work queued on it after the call
+ runs after them; `fo_optimizer_step` returns without waiting for them. Ordering with
+ other streams, and host reads of device parameters, are the caller's (events, stream
+ synchronize). Pointer rules: device parameters, gradients and fo's device state are
+ memory of the device the parameter was registered on; a gradient must stay valid
+ until the step's kernels have run (stream order), a parameter for the optimizer's
+ lifetime; `stream` must outlive every step launched on it. A CUDA error while
+ launching returns FO_ERR_INTERNAL and leaves device parameters' state undefined
+ (validation errors change nothing, as for host steps). Without the `cuda` build
+ feature, or when libcuda or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED
+ naming what is missing.
+ */
+fo_status fo_optimizer_set_stream(struct fo_optimizer *opt, void *stream);
+
+/*
  Fills `out` with FlashOptim 0.1.4's defaults for `algorithm` (quant8 state, 24-bit
  master weights; AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8, wd 1e-2; Adam the same with
  wd 0; SGD/SGDW lr 1e-3, no momentum; Lion lr 1e-3, betas 0.9/0.99). An unknown
@@ -561,8 +579,11 @@ fo_status fo_optimizer_add_param(struct fo_optimizer *opt,
                                  int32_t *out_index);
 
 /*
- Registers a parameter: contiguous host memory of dtype F32, BF16 or F16, updated in
- place by every step and borrowed until `fo_optimizer_destroy`. `shard` (NULL: not
+ Registers a parameter: contiguous memory of dtype F32, BF16 or F16, updated in place
+ by every step and borrowed until `fo_optimizer_destroy`; host memory (`device` -1),
+ or with a `cuda` build device memory (`device` >= 0: its state lives on that device;
+ state get/set and checkpoints refuse it for now; see `fo_optimizer_set_stream`).
+ `shard` (NULL: not
  sharded) is where this local tensor lies in its DTensor; its local shape must equal
  the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
  */
@@ -575,9 +596,10 @@ fo_status fo_optimizer_add_param_to_group(struct fo_optimizer *opt,
 
 /*
  One step over all registered parameters: `grads[i]` (n == number of parameters) is
- parameter i's gradient, F32/BF16/F16, any strides; `data == NULL` means no gradient
- (the parameter is skipped and gets no state). Everything is validated first: on any
- error no parameter and no state has changed.
+ parameter i's gradient, F32/BF16/F16, any strides (contiguous on a device), on its
+ parameter's device; `data == NULL` means no gradient (the parameter is skipped and
+ gets no state). Device parameters step on their GPU while host ones step on the CPU.
+ Everything is validated first: on any error no parameter and no state has changed.
  */
 fo_status fo_optimizer_step(struct fo_optimizer *opt, const struct fo_tensor *grads, size_t n);
 

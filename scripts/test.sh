@@ -43,6 +43,10 @@ NVRTC_SITE="${HOME}/.cache/fo/nvrtc-12.8.93"
   .venv/bin/python -m pip install -q --target "$NVRTC_SITE" nvidia-cuda-nvrtc-cu12==12.8.93
 .venv/bin/python scripts/nvrtc_check.py "$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
 
+step "NVRTC through fo's own launch code: the embedded kernels compile for sm_80/sm_90 (no GPU needed)"
+LD_LIBRARY_PATH="$NVRTC_SITE/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  cargo test --release --features cuda --lib gpu::launch
+
 step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
 .venv/bin/python -m pytest -q python/tests

@@ -81,7 +81,7 @@ pub fn save_optimizer_comm(
     agree(comm, local)?;
     let save_id = agree_save_id(comm, &o.save_id)?;
     let staged = (|| {
-        let (metas, srcs) = plan_entries(opt, o);
+        let (metas, srcs) = plan_entries(opt, o)?;
         let mut popts = pack_options(opt, o);
         popts.save_id = save_id.clone();
         let plan = super::pack::plan(&metas, &popts)?;

@@ -73,7 +73,14 @@ fn packed_params(opt: &Optimizer) -> Vec<usize> {
         .collect()
 }
 
-pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>, Vec<Source>) {
+pub(super) fn plan_entries(
+    opt: &Optimizer,
+    o: &SaveOptions,
+) -> Result<(Vec<EntryMeta>, Vec<Source>)> {
+    // Device state is not staged to the host yet: refuse rather than leave it out.
+    for i in 0..opt.num_params() {
+        opt.host_only(i, "checkpoint")?;
+    }
     let (mut metas, mut srcs) = (Vec::new(), Vec::new());
     let mut push = |key: String, dtype, shape: Vec<usize>, spec: Option<ShardSpec>, layout, src| {
         metas.push(EntryMeta {
@@ -212,7 +219,7 @@ pub(super) fn plan_entries(opt: &Optimizer, o: &SaveOptions) -> (Vec<EntryMeta>,
             }
         }
     }
-    (metas, srcs)
+    Ok((metas, srcs))
 }
 
 pub(super) fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
@@ -242,7 +249,7 @@ pub(super) fn fetch(opt: &Optimizer, s: &Source) -> Result<Tensor> {
 
 /// The optimizer's local state as named chunks, data included (`fo_state_pack`).
 pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
-    let (metas, srcs) = plan_entries(opt, o);
+    let (metas, srcs) = plan_entries(opt, o)?;
     let entries = metas
         .into_iter()
         .zip(&srcs)
@@ -259,7 +266,7 @@ pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
 /// Saves this rank's state into `dir`, one entry at a time (peak extra memory: the
 /// largest entry).
 pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
-    let (metas, srcs) = plan_entries(opt, o);
+    let (metas, srcs) = plan_entries(opt, o)?;
     let mut popts = pack_options(opt, o);
     popts.save_id = resolve_save_id(&o.save_id, o.world_size)?;
     let plan = super::pack::plan(&metas, &popts)?;
@@ -321,6 +328,9 @@ fn base(name: &str) -> &str {
 /// read and checked into fresh buffers first; the optimizer changes only if all of it
 /// applies (a failure while applying restores every param's previous state).
 pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadReport> {
+    for i in 0..opt.num_params() {
+        opt.host_only(i, "checkpoint load")?;
+    }
     let ck = Checkpoint::open(dir)?;
     let mut report = LoadReport::default();
     let mut taken = BTreeSet::new();

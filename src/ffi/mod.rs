@@ -10,11 +10,13 @@ mod types;
 
 mod ckpt;
 mod comm;
+mod gpu;
 mod optim;
 mod shard;
 
 pub use ckpt::*;
 pub use comm::*;
+pub use gpu::*;
 pub use optim::*;
 pub use shard::*;
 pub use status::*;

@@ -182,8 +182,11 @@ pub unsafe extern "C" fn fo_optimizer_add_param(
     fo_optimizer_add_param_to_group(opt, fqn, param, shard, 0, out_index)
 }
 
-/// Registers a parameter: contiguous host memory of dtype F32, BF16 or F16, updated in
-/// place by every step and borrowed until `fo_optimizer_destroy`. `shard` (NULL: not
+/// Registers a parameter: contiguous memory of dtype F32, BF16 or F16, updated in place
+/// by every step and borrowed until `fo_optimizer_destroy`; host memory (`device` -1),
+/// or with a `cuda` build device memory (`device` >= 0: its state lives on that device;
+/// state get/set and checkpoints refuse it for now; see `fo_optimizer_set_stream`).
+/// `shard` (NULL: not
 /// sharded) is where this local tensor lies in its DTensor; its local shape must equal
 /// the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
 #[no_mangle]
@@ -198,20 +201,21 @@ pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
     guard(|| {
         let opt = opt_mut(opt)?;
         let (fqn, out_index) = (arg_str(fqn, "fqn")?, arg_mut(out_index, "out_index")?);
-        let t = arg_ref(param, "param")?.to_host("param")?;
+        let (t, device) = arg_ref(param, "param")?.to_view("param")?;
         let spec = match shard.as_ref() {
             Some(s) => Some(s.to_spec()?),
             None => None,
         };
-        *out_index = opt.add_param(fqn, t, spec, index(group, "group")?)? as i32;
+        *out_index = opt.add_param_on(fqn, t, spec, index(group, "group")?, device)? as i32;
         Ok(())
     })
 }
 
 /// One step over all registered parameters: `grads[i]` (n == number of parameters) is
-/// parameter i's gradient, F32/BF16/F16, any strides; `data == NULL` means no gradient
-/// (the parameter is skipped and gets no state). Everything is validated first: on any
-/// error no parameter and no state has changed.
+/// parameter i's gradient, F32/BF16/F16, any strides (contiguous on a device), on its
+/// parameter's device; `data == NULL` means no gradient (the parameter is skipped and
+/// gets no state). Device parameters step on their GPU while host ones step on the CPU.
+/// Everything is validated first: on any error no parameter and no state has changed.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_step(
     opt: *mut fo_optimizer,
@@ -220,18 +224,21 @@ pub unsafe extern "C" fn fo_optimizer_step(
 ) -> fo_status {
     guard(|| {
         let opt = opt_mut(opt)?;
-        let views = arg_slice(grads, n, "grads")?
+        let grads = arg_slice(grads, n, "grads")?;
+        let mut devices = vec![-1; grads.len()];
+        let views = grads
             .iter()
             .enumerate()
             .map(|(i, g)| {
                 if g.data.is_null() {
-                    Ok(None)
-                } else {
-                    g.to_host(&format!("grads[{i}]")).map(Some)
+                    return Ok(None);
                 }
+                let (t, d) = g.to_view(&format!("grads[{i}]"))?;
+                devices[i] = d;
+                Ok(Some(t))
             })
             .collect::<Result<Vec<Option<HostTensor>>>>()?;
-        opt.step(&views)
+        opt.step_on(&views, &devices)
     })
 }
 
@@ -427,6 +434,7 @@ pub unsafe extern "C" fn fo_optimizer_state_keys(
         let opt = opt_ref(opt)?;
         let i = self::index(index, "index")?;
         opt.check_index(i)?;
+        opt.host_only(i, "fo_optimizer_state_keys")?;
         write_string(&opt.state_keys(i).join("\n"), buf, capacity, out_len)
     })
 }

@@ -41,6 +41,23 @@ impl fo_tensor {
     }
 }
 
+impl fo_tensor {
+    /// A checked view of the tensor's memory and its device (-1 host). Device memory is
+    /// checked as a view (shape, strides, NULL, alignment) and never read on the host;
+    /// the entry points taking it (`fo_optimizer_add_param`, `fo_optimizer_step`) hand it
+    /// to the GPU only.
+    pub(crate) unsafe fn to_view(self, what: &str) -> Result<(HostTensor, i32)> {
+        if self.device < -1 {
+            return Err(Error::invalid(
+                format!("{what}.device"),
+                format!("{} is neither -1 (host) nor a CUDA ordinal", self.device),
+            ));
+        }
+        let host = fo_tensor { device: -1, ..self }.to_host(what)?;
+        Ok((host, self.device))
+    }
+}
+
 /// One mesh dim's placement. `kind`: 0 Replicate, 1 Shard, 2 StridedShard
 /// (torch `_StridedShard`), 3 Partial. `dim` is the tensor dim for kinds 1 and 2;
 /// `split_factor` (>= 1) is read for kind 2 only.

@@ -19,8 +19,11 @@ use std::cell::RefCell;
 
 use super::fast::FastRule;
 use super::fused;
+use super::master_split::Half;
 use super::rule::Rule;
-use super::state::{GradChunk, MomentChunk, ParamChunk};
+use super::state::{ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState};
+use crate::dtype::DType;
+use crate::tensor::HostTensor;
 
 /// Elements per chunk when something must be decoded: the 4 f32 buffers (32 KiB) stay
 /// in L1 between decode, update and encode.
@@ -211,4 +214,72 @@ pub fn run(job: Job<'_>) {
             _ => run_blocks(job, s),
         }
     })
+}
+
+/// Cuts one parameter (and its gradient and state) into chunk jobs.
+pub(super) unsafe fn push_jobs<'a>(
+    jobs: &mut Vec<Job<'a>>,
+    param: &HostTensor,
+    grad: &'a [u8],
+    grad_dtype: DType,
+    st: &'a mut ParamState,
+    rule: Rule,
+    first: bool,
+) {
+    let n = param.numel();
+    let ptr = param.as_ptr();
+    let direct = |m: &Option<Moment>| matches!(m, None | Some(Moment::F32(_)));
+    let chunk = if param.dtype() == DType::F32
+        && grad_dtype == DType::F32
+        && direct(&st.m)
+        && direct(&st.v)
+    {
+        CHUNK_DIRECT
+    } else {
+        CHUNK
+    };
+    let pchunks: Vec<ParamChunk<'a>> = match param.dtype() {
+        DType::F32 => std::slice::from_raw_parts_mut(ptr as *mut f32, n)
+            .chunks_mut(chunk)
+            .map(ParamChunk::F32)
+            .collect(),
+        d => {
+            let h = Half::from_dtype(d).expect("param dtypes are checked at add_param");
+            let bits = std::slice::from_raw_parts_mut(ptr as *mut u16, n);
+            let errs: Vec<ErrChunk<'a>> = match st.error_bits.as_mut() {
+                None => (0..n.div_ceil(chunk)).map(|_| ErrChunk::None).collect(),
+                Some(ErrorBits::I8(e)) => e.chunks_mut(chunk).map(ErrChunk::I8).collect(),
+                Some(ErrorBits::I16(e)) => e.chunks_mut(chunk).map(ErrChunk::I16).collect(),
+            };
+            bits.chunks_mut(chunk)
+                .zip(errs)
+                .map(|(bits, err)| ParamChunk::Half { h, bits, err })
+                .collect()
+        }
+    };
+    let gchunks: Vec<GradChunk<'a>> = match grad_dtype {
+        DType::F32 => {
+            let g = std::slice::from_raw_parts(grad.as_ptr() as *const f32, n);
+            g.chunks(chunk).map(GradChunk::F32).collect()
+        }
+        d => {
+            let h = Half::from_dtype(d).expect("grad dtypes are checked before the step");
+            let g = std::slice::from_raw_parts(grad.as_ptr() as *const u16, n);
+            g.chunks(chunk).map(|c| GradChunk::Half(h, c)).collect()
+        }
+    };
+    let mut ms = st.m.as_mut().map(|m| m.chunks_mut(chunk).into_iter());
+    let mut vs = st.v.as_mut().map(|v| v.chunks_mut(chunk).into_iter());
+    for (p, g) in pchunks.into_iter().zip(gchunks) {
+        let m = ms.as_mut().and_then(|it| it.next());
+        let v = vs.as_mut().and_then(|it| it.next());
+        jobs.push(Job {
+            p,
+            g,
+            m,
+            v,
+            rule,
+            first,
+        });
+    }
 }

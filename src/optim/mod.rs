@@ -12,8 +12,11 @@
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
 //!   `threads`: fo's thread pool;
-//! - `gpu`: the GPU kernels' source (proven on the host) and why device tensors are refused.
+//! - `gpu`: the GPU kernels' source (proven on the host), the launch table, and with
+//!   feature `cuda` the launch path and device state; `device_step`: the device half of
+//!   the step (not run on a GPU yet).
 pub mod config;
+mod device_step;
 pub mod fast;
 pub mod fused;
 pub mod gpu;

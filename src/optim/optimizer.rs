@@ -1,13 +1,15 @@
-//! The optimizer handle: param groups, registered parameters (borrowed host memory,
-//! updated in place), lazily created state, and the step.
+//! The optimizer handle: param groups, registered parameters (borrowed memory, updated
+//! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
+//! state, and the step. The device half of the step is in `device_step`.
 use rayon::prelude::*;
 
 use super::config::{OptimConfig, StateFormat};
-use super::kernel::{self, Job, CHUNK, CHUNK_DIRECT};
+use super::gpu::{self, DeviceState};
+use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
 use super::rule::Rule;
-use super::state::{ErrChunk, ErrorBits, GradChunk, Moment, ParamChunk, ParamState, Root};
+use super::state::{ErrorBits, Moment, ParamState, Root};
 use super::threads;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -20,6 +22,10 @@ pub(crate) struct Param {
     pub spec: Option<ShardSpec>,
     pub group: usize,
     pub state: Option<ParamState>,
+    /// -1: host memory; >= 0: the CUDA device holding the parameter (and its state).
+    pub device: i32,
+    /// The state of a device parameter (`state` stays None for it).
+    pub gpu: Option<DeviceState>,
 }
 
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
@@ -28,6 +34,8 @@ pub struct Optimizer {
     pub(crate) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
     ranges: Vec<(usize, usize, usize)>,
+    /// The `CUstream` device steps run on (0: the legacy default stream).
+    pub(crate) stream: usize,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -57,6 +65,7 @@ impl Optimizer {
             groups: vec![cfg],
             params: Vec::new(),
             ranges: Vec::new(),
+            stream: 0,
         })
     }
 
@@ -122,6 +131,49 @@ impl Optimizer {
         spec: Option<ShardSpec>,
         group: usize,
     ) -> Result<usize> {
+        self.add_param_on(fqn, param, spec, group, -1)
+    }
+
+    /// `add_param` for memory on `device` (-1: host memory; >= 0: a CUDA ordinal, whose
+    /// kernels are compiled here on first use, so a device that cannot step is refused
+    /// at registration).
+    ///
+    /// # Safety
+    /// As `add_param`; device memory must be memory of `device`.
+    pub unsafe fn add_param_on(
+        &mut self,
+        fqn: &str,
+        param: HostTensor,
+        spec: Option<ShardSpec>,
+        group: usize,
+        device: i32,
+    ) -> Result<usize> {
+        if device < -1 {
+            return Err(Error::invalid(
+                "param.device",
+                format!("{device} is neither -1 (host) nor a CUDA ordinal"),
+            ));
+        }
+        if device >= 0 {
+            // Errors say "device = N: why"; as an argument, that is `param.device`.
+            gpu::open_device(device).map_err(|e| match e {
+                Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
+                e => e,
+            })?;
+        }
+        self.register(fqn, param, spec, group, device)
+    }
+
+    /// `add_param_on` once the device is known to step (tests register device params
+    /// here on machines without one: their memory is never touched on the host).
+    pub(crate) unsafe fn register(
+        &mut self,
+        fqn: &str,
+        param: HostTensor,
+        spec: Option<ShardSpec>,
+        group: usize,
+        device: i32,
+    ) -> Result<usize> {
         self.check_group(group)?;
         if fqn.is_empty() {
             return Err(Error::invalid("fqn", "empty parameter name"));
@@ -182,6 +234,8 @@ impl Optimizer {
             spec,
             group,
             state: None,
+            device,
+            gpu: None,
         });
         Ok(self.params.len() - 1)
     }
@@ -217,12 +271,18 @@ impl Optimizer {
         &self.groups[g]
     }
     pub fn has_state(&self, i: usize) -> bool {
-        self.params[i].state.is_some()
+        self.params[i].state.is_some() || self.params[i].gpu.is_some()
+    }
+    /// -1 for a parameter in host memory, else its CUDA device.
+    pub fn param_device(&self, i: usize) -> i32 {
+        self.params[i].device
     }
     /// Bytes of optimizer state held for parameter `i` (moments, scales, error bits;
     /// the step counter is not counted).
     pub fn state_bytes(&self, i: usize) -> usize {
-        self.params[i].state.as_ref().map_or(0, ParamState::nbytes)
+        let p = &self.params[i];
+        p.state.as_ref().map_or(0, ParamState::nbytes)
+            + p.gpu.as_ref().map_or(0, DeviceState::nbytes)
     }
     pub fn total_state_bytes(&self) -> usize {
         (0..self.params.len()).map(|i| self.state_bytes(i)).sum()
@@ -280,6 +340,29 @@ impl Optimizer {
     /// Every gradient must be valid for reads for the call; registered parameters must
     /// still be valid.
     pub unsafe fn step(&mut self, grads: &[Option<HostTensor>]) -> Result<()> {
+        self.step_on(grads, &vec![-1; grads.len()])
+    }
+
+    /// `step` with `devices[i]` the device of `grads[i]` (-1: host memory), which must be
+    /// its parameter's. Device parameters step on the GPU (one launch per param group and
+    /// device, on the optimizer's stream, not waited for) while host parameters step on
+    /// the CPU. Validation covers both halves before anything runs; a CUDA error while
+    /// launching is reported, and then the device parameters' state is undefined.
+    ///
+    /// # Safety
+    /// As `step`; device gradients must be memory of their device, valid until the
+    /// launched kernels have run.
+    pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
+        if devices.len() != grads.len() {
+            return Err(Error::invalid(
+                "devices",
+                format!(
+                    "{} devices given for {} gradients",
+                    devices.len(),
+                    grads.len()
+                ),
+            ));
+        }
         if grads.len() != self.params.len() {
             return Err(Error::invalid(
                 "grads",
@@ -292,7 +375,7 @@ impl Optimizer {
         }
         // Strided gradients are gathered into contiguous copies first.
         let mut gathered: Vec<Option<Vec<u8>>> = Vec::with_capacity(grads.len());
-        for (p, g) in self.params.iter().zip(grads) {
+        for (i, (p, g)) in self.params.iter().zip(grads).enumerate() {
             let Some(g) = g else {
                 gathered.push(None);
                 continue;
@@ -312,7 +395,9 @@ impl Optimizer {
                     g.dtype()
                 )));
             }
-            // Parameters are written while gradients are read, from several threads.
+            self.check_grad_device(i, g, devices[i])?;
+            // Parameters are written while gradients are read, from several threads (or
+            // GPU threads: the check compares addresses only).
             if let Some(q) = self.overlapping_param(g) {
                 return Err(Error::invalid(
                     "grads",
@@ -322,7 +407,8 @@ impl Optimizer {
                     ),
                 ));
             }
-            gathered.push(if g.is_contiguous() {
+            // A device gradient is read by the kernel only, never on the host.
+            gathered.push(if g.is_contiguous() || p.device >= 0 {
                 None
             } else {
                 Some(g.try_to_tensor("grads")?.data)
@@ -331,16 +417,21 @@ impl Optimizer {
         let grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
             .zip(&gathered)
-            .map(|(g, own)| match (g, own) {
+            .zip(&self.params)
+            .map(|((g, own), p)| match (g, own) {
                 (None, _) => None,
+                (Some(_), _) if p.device >= 0 => None,
                 (Some(_), Some(v)) => Some(&v[..]),
                 (Some(g), None) => g.contiguous_bytes(),
             })
             .collect();
         let pool = threads::pool()?;
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
+        let device_step = self.prepare_device_step(grads)?;
 
-        // From here on nothing can fail.
+        // From here on nothing can fail but a CUDA launch (see `step_on`). The GPU half
+        // is launched first, so it runs while the CPU steps the host parameters.
+        self.run_device_step(device_step)?;
         for (i, g) in grad_bytes.iter().enumerate() {
             if g.is_some() && self.params[i].state.is_none() {
                 self.params[i].state = Some(self.new_state(i));
@@ -363,73 +454,5 @@ impl Optimizer {
         }
         pool.install(|| jobs.into_par_iter().for_each(kernel::run));
         Ok(())
-    }
-}
-
-/// Cuts one parameter (and its gradient and state) into chunk jobs.
-unsafe fn push_jobs<'a>(
-    jobs: &mut Vec<Job<'a>>,
-    param: &HostTensor,
-    grad: &'a [u8],
-    grad_dtype: DType,
-    st: &'a mut ParamState,
-    rule: Rule,
-    first: bool,
-) {
-    let n = param.numel();
-    let ptr = param.as_ptr();
-    let direct = |m: &Option<Moment>| matches!(m, None | Some(Moment::F32(_)));
-    let chunk = if param.dtype() == DType::F32
-        && grad_dtype == DType::F32
-        && direct(&st.m)
-        && direct(&st.v)
-    {
-        CHUNK_DIRECT
-    } else {
-        CHUNK
-    };
-    let pchunks: Vec<ParamChunk<'a>> = match param.dtype() {
-        DType::F32 => std::slice::from_raw_parts_mut(ptr as *mut f32, n)
-            .chunks_mut(chunk)
-            .map(ParamChunk::F32)
-            .collect(),
-        d => {
-            let h = Half::from_dtype(d).expect("param dtypes are checked at add_param");
-            let bits = std::slice::from_raw_parts_mut(ptr as *mut u16, n);
-            let errs: Vec<ErrChunk<'a>> = match st.error_bits.as_mut() {
-                None => (0..n.div_ceil(chunk)).map(|_| ErrChunk::None).collect(),
-                Some(ErrorBits::I8(e)) => e.chunks_mut(chunk).map(ErrChunk::I8).collect(),
-                Some(ErrorBits::I16(e)) => e.chunks_mut(chunk).map(ErrChunk::I16).collect(),
-            };
-            bits.chunks_mut(chunk)
-                .zip(errs)
-                .map(|(bits, err)| ParamChunk::Half { h, bits, err })
-                .collect()
-        }
-    };
-    let gchunks: Vec<GradChunk<'a>> = match grad_dtype {
-        DType::F32 => {
-            let g = std::slice::from_raw_parts(grad.as_ptr() as *const f32, n);
-            g.chunks(chunk).map(GradChunk::F32).collect()
-        }
-        d => {
-            let h = Half::from_dtype(d).expect("grad dtypes are checked before the step");
-            let g = std::slice::from_raw_parts(grad.as_ptr() as *const u16, n);
-            g.chunks(chunk).map(|c| GradChunk::Half(h, c)).collect()
-        }
-    };
-    let mut ms = st.m.as_mut().map(|m| m.chunks_mut(chunk).into_iter());
-    let mut vs = st.v.as_mut().map(|v| v.chunks_mut(chunk).into_iter());
-    for (p, g) in pchunks.into_iter().zip(gchunks) {
-        let m = ms.as_mut().and_then(|it| it.next());
-        let v = vs.as_mut().and_then(|it| it.next());
-        jobs.push(Job {
-            p,
-            g,
-            m,
-            v,
-            rule,
-            first,
-        });
     }
 }

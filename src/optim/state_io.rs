@@ -113,6 +113,7 @@ impl Optimizer {
     /// `step` as an f32 0-dim tensor, `master` as f32.
     pub fn get_state(&self, i: usize, key: &str) -> Result<Tensor> {
         self.check_index(i)?;
+        self.host_only(i, "get_state")?;
         let p = &self.params[i];
         let shape = p.tensor.shape().to_vec();
         if key == "master" {
@@ -220,6 +221,7 @@ impl Optimizer {
     /// anything changes; on error nothing is modified.
     pub fn set_states(&mut self, i: usize, entries: &[(String, Tensor)]) -> Result<()> {
         self.check_index(i)?;
+        self.host_only(i, "set_state")?;
         let mut st: ParamState = self.params[i]
             .state
             .clone()

@@ -11,6 +11,9 @@ mod ckpt_diff;
 mod ckpt_source;
 mod demo;
 pub mod progress;
+mod selftest;
+#[cfg(feature = "cuda")]
+mod selftest_gpu;
 mod shard;
 
 use clap::{CommandFactory, Parser, Subcommand};
@@ -22,6 +25,7 @@ const EXAMPLES: &str = "Examples:
   fo ckpt diff A B --rtol 1e-3                         compare two checkpoints, any shardings
   fo ckpt convert SRC DST --ranks 3                    reshard offline onto 3 ranks
   fo bench step --sizes 16M --threads 2
+  fo selftest                                          GPU vs CPU bits (says so without a GPU)
   fo completions bash > ~/.local/share/bash-completion/completions/fo
 
 Exit status: 0 success, 1 failure (or `fo ckpt diff` found a difference), 2 bad usage.";
@@ -48,6 +52,10 @@ pub enum Command {
     Ckpt(ckpt::CkptArgs),
     /// Benchmarks, each against a baseline measured in the same run.
     Bench(BenchArgs),
+    /// Step every rule x state format on the GPU and the CPU from the same inputs and count
+    /// mismatching elements (must be 0), then GPU throughput vs a device-to-device copy.
+    /// Without a GPU, says why and exits 0.
+    Selftest(selftest::SelftestArgs),
     /// Print a shell completion script to stdout.
     #[command(after_help = "Examples:
   fo completions bash > ~/.local/share/bash-completion/completions/fo
@@ -83,6 +91,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
         Command::Shard(a) => shard::run(&a),
         Command::Demo(a) => demo::run(&a),
         Command::Ckpt(a) => ckpt::run(&a),
+        Command::Selftest(a) => selftest::run(&a),
         Command::Bench(b) => match b.command {
             BenchCommand::Step(a) => bench_step::run(&a),
             BenchCommand::Broadcast(a) => bench_broadcast::run(&a),

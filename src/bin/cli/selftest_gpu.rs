@@ -1,0 +1,329 @@
+//! The GPU half of `fo selftest` (feature `cuda`): device memory through the raw driver
+//! API (the device's primary context, the one fo's launcher uses), the GPU-vs-CPU
+//! comparison and the throughput table. It has not been run on a GPU yet.
+use std::time::Instant;
+
+use cudarc::driver::{result as cu, sys as cusys};
+use fo::optim::gpu::table::StateLayout;
+use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
+use fo::{DType, HostTensor};
+
+use super::bench_step::{best, fill};
+use super::selftest::{rules, state_mismatches, SelftestArgs, FORMATS};
+
+/// Why there is no GPU to test, or None when the driver reports at least one device.
+pub fn no_gpu() -> Option<String> {
+    // SAFETY: only tries to load libcuda.
+    if !unsafe { cusys::is_culib_present() } {
+        return Some("the CUDA driver library (libcuda.so) could not be loaded".into());
+    }
+    if let Err(e) = cu::init() {
+        return Some(format!("cuInit failed ({e:?}): no usable CUDA device"));
+    }
+    match cu::device::get_count() {
+        Ok(0) => Some("the CUDA driver reports no device".into()),
+        Ok(_) => None,
+        Err(e) => Some(format!("cuDeviceGetCount failed ({e:?})")),
+    }
+}
+
+fn cuda<T>(what: &str, r: Result<T, cu::DriverError>) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: {e:?}"))
+}
+
+/// Device memory, freed on drop.
+struct Buf {
+    ptr: u64,
+    bytes: usize,
+}
+
+impl Buf {
+    fn upload(bytes: &[u8]) -> Result<Buf, String> {
+        // SAFETY: fresh allocations of the right size; the context is current (`run`).
+        unsafe {
+            let ptr = cuda("cuMemAlloc", cu::malloc_sync(bytes.len().max(1)))?;
+            let b = Buf {
+                ptr,
+                bytes: bytes.len(),
+            };
+            if !bytes.is_empty() {
+                cuda("cuMemcpyHtoD", cu::memcpy_htod_sync(ptr, bytes))?;
+            }
+            Ok(b)
+        }
+    }
+
+    fn download(&self) -> Result<Vec<u8>, String> {
+        let mut v = vec![0u8; self.bytes];
+        if !v.is_empty() {
+            // SAFETY: `self.bytes` bytes were allocated at `ptr`.
+            cuda("cuMemcpyDtoH", unsafe {
+                cu::memcpy_dtoh_sync(&mut v, self.ptr)
+            })?;
+        }
+        Ok(v)
+    }
+
+    fn view(&self, dtype: DType, n: usize) -> Result<HostTensor, String> {
+        // SAFETY: a view only; fo hands device views to the GPU, never reads them.
+        unsafe { HostTensor::new(self.ptr as *mut u8, dtype, &[n as i64], None, "t") }
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc in the current context.
+        let _ = unsafe { cu::free_sync(self.ptr) };
+    }
+}
+
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Inputs spanning small and large magnitudes, with exact zeros.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut v = fill(n, seed, scale);
+    for (i, x) in v.iter_mut().enumerate() {
+        match i % 11 {
+            0 => *x = 0.0,
+            1 => *x *= 1e-6,
+            2 => *x *= 1e3,
+            _ => {}
+        }
+    }
+    v
+}
+
+const SIZES: [usize; 4] = [1000, 33, 4097, 65543];
+const STEPS: usize = 3;
+
+/// One rule x format x dtype on both sides from the same inputs; mismatching elements.
+fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<usize, String> {
+    let err = |e: fo::Error| e.to_string();
+    let (mut cpu, mut gpu) = (
+        Optimizer::new(cfg.clone()).map_err(err)?,
+        Optimizer::new(cfg.clone()).map_err(err)?,
+    );
+    let mut host: Vec<Vec<u8>> = Vec::new();
+    let mut dev: Vec<Buf> = Vec::new();
+    for (i, &n) in SIZES.iter().enumerate() {
+        let bytes = encode(dtype, &values(n, 7 + i as u64, 2.0));
+        dev.push(Buf::upload(&bytes)?);
+        host.push(bytes);
+    }
+    for (i, &n) in SIZES.iter().enumerate() {
+        let name = format!("p{i}");
+        // SAFETY: the buffers outlive both optimizers (dropped after them, below).
+        unsafe {
+            let h = HostTensor::new(host[i].as_mut_ptr(), dtype, &[n as i64], None, "p")
+                .map_err(err)?;
+            cpu.add_param(&name, h, None, 0).map_err(err)?;
+            gpu.add_param_on(&name, dev[i].view(dtype, n)?, None, 0, ordinal)
+                .map_err(err)?;
+        }
+    }
+    for s in 0..STEPS {
+        let grads: Vec<Vec<u8>> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| encode(dtype, &values(n, 100 + (s * 10 + i) as u64, 0.1)))
+            .collect();
+        let dgrads = grads
+            .iter()
+            .map(|g| Buf::upload(g))
+            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: host grads are live for the call; device grads until the synchronize.
+        unsafe {
+            let hv = grads
+                .iter()
+                .zip(SIZES)
+                .map(|(g, n)| {
+                    HostTensor::new(g.as_ptr() as *mut u8, dtype, &[n as i64], None, "g").map(Some)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?;
+            cpu.step(&hv).map_err(err)?;
+            let dv = dgrads
+                .iter()
+                .zip(SIZES)
+                .map(|(g, n)| g.view(dtype, n).map(Some))
+                .collect::<Result<Vec<_>, _>>()?;
+            gpu.step_on(&dv, &[ordinal; SIZES.len()]).map_err(err)?;
+        }
+        cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
+    }
+    let mut bad = 0;
+    let w = dtype.size();
+    for i in 0..SIZES.len() {
+        let got = dev[i].download()?;
+        bad += got
+            .chunks(w)
+            .zip(host[i].chunks(w))
+            .filter(|(a, b)| a != b)
+            .count();
+        let want = cpu.param_state(i).ok_or("the CPU step created no state")?;
+        bad += state_mismatches(&gpu.device_state(i).map_err(err)?, want);
+    }
+    drop((cpu, gpu));
+    Ok(bad)
+}
+
+/// Seconds of the best of `iters` GPU steps over `n` parameters in 64 tensors, and the
+/// bytes one step moves per parameter (reads plus writes).
+fn step_time(
+    ordinal: i32,
+    cfg: &OptimConfig,
+    dtype: DType,
+    n: usize,
+    iters: usize,
+) -> Result<(f64, f64), String> {
+    let err = |e: fo::Error| e.to_string();
+    let k = 64;
+    let sizes: Vec<usize> = (0..k).map(|i| n / k + usize::from(i < n % k)).collect();
+    let mut opt = Optimizer::new(cfg.clone()).map_err(err)?;
+    let (mut params, mut grads) = (Vec::new(), Vec::new());
+    for (i, &s) in sizes.iter().enumerate() {
+        params.push(Buf::upload(&encode(dtype, &fill(s, 10 + i as u64, 1.0)))?);
+        grads.push(Buf::upload(&encode(
+            dtype,
+            &fill(s, 1000 + i as u64, 0.02),
+        ))?);
+        // SAFETY: the buffers outlive the optimizer (dropped after it).
+        unsafe {
+            opt.add_param_on(
+                &format!("p{i}"),
+                params[i].view(dtype, s)?,
+                None,
+                0,
+                ordinal,
+            )
+        }
+        .map_err(err)?;
+    }
+    let gv = grads
+        .iter()
+        .zip(&sizes)
+        .map(|(g, &s)| g.view(dtype, s).map(Some))
+        .collect::<Result<Vec<_>, _>>()?;
+    let devices = vec![ordinal; k];
+    let mut times = Vec::new();
+    for it in 0..=iters {
+        cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
+        let t0 = Instant::now();
+        // SAFETY: every buffer is live until the synchronize.
+        unsafe { opt.step_on(&gv, &devices) }.map_err(err)?;
+        cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
+        if it > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let state = StateLayout::of(cfg, dtype).nbytes(n) as f64 / n as f64;
+    let per_param = 3.0 * dtype.size() as f64 + 2.0 * state;
+    drop(opt);
+    Ok((best(times), per_param))
+}
+
+/// Seconds of the best of `iters` device-to-device copies of `bytes` bytes.
+fn copy_time(bytes: usize, iters: usize) -> Result<f64, String> {
+    // SAFETY: two fresh allocations of `bytes`; the copy stays within them.
+    unsafe {
+        let src = Buf {
+            ptr: cuda("cuMemAlloc", cu::malloc_sync(bytes.max(1)))?,
+            bytes,
+        };
+        let dst = Buf {
+            ptr: cuda("cuMemAlloc", cu::malloc_sync(bytes.max(1)))?,
+            bytes,
+        };
+        let mut times = Vec::new();
+        for it in 0..=iters {
+            cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
+            let t0 = Instant::now();
+            cuda(
+                "cuMemcpyDtoD",
+                cu::memcpy_dtod_sync(dst.ptr, src.ptr, bytes),
+            )?;
+            cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
+            if it > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(best(times))
+    }
+}
+
+pub fn run(a: &SelftestArgs) -> Result<(), String> {
+    let ordinal = a.device;
+    // fo compiles its kernels here (NVRTC), so a GPU it cannot use fails now, clearly.
+    fo::optim::gpu::open_device(ordinal).map_err(|e| e.to_string())?;
+    let dev = cuda("cuDeviceGet", cu::device::get(ordinal))?;
+    let name = cuda("cuDeviceGetName", cu::device::get_name(dev))?;
+    // SAFETY: the device's primary context, current on this thread for the allocations.
+    unsafe {
+        let ctx = cuda("cuDevicePrimaryCtxRetain", cu::primary_ctx::retain(dev))?;
+        cuda("cuCtxSetCurrent", cu::ctx::set_current(ctx))?;
+    }
+    println!("fo selftest on CUDA device {ordinal} ({name}): GPU vs CPU, bit for bit");
+    let (mut combos, mut bad) = (0, 0);
+    for (rule, base) in rules() {
+        for format in FORMATS {
+            for (dtype, mw) in [(DType::F32, 0), (DType::BF16, 24), (DType::F16, 32)] {
+                let mut cfg = base.clone();
+                (cfg.state_format, cfg.master_weight_bits) = (format, mw);
+                let m = compare(ordinal, &cfg, dtype)?;
+                if m > 0 {
+                    println!(
+                        "  {rule} {} {dtype} mw{mw}: {m} mismatching elements",
+                        format.name()
+                    );
+                }
+                (combos, bad) = (combos + 1, bad + m);
+            }
+        }
+    }
+    println!(
+        "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements"
+    );
+    let n = a.size.0.max(64);
+    let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
+    (fp32.state_format, fp32.master_weight_bits) = (StateFormat::Fp32, 0);
+    let q8 = OptimConfig::default_for(Algorithm::AdamW);
+    println!(
+        "throughput, {n} parameters in 64 tensors, best of {} steps:",
+        a.iters
+    );
+    for (label, cfg, dtype) in [
+        ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
+        ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
+    ] {
+        let (t, per_param) = step_time(ordinal, &cfg, dtype, n, a.iters)?;
+        // A copy of S bytes reads S and writes S: the step's bytes are B = 2S.
+        let bytes = per_param * n as f64;
+        let tc = copy_time((bytes / 2.0) as usize, a.iters)?;
+        println!(
+            "  {label}: {:.1} G params/s, {:.0} GB/s at {per_param:.3} B/param = {:.2}x a device-to-device copy of the same bytes ({:.0} GB/s)",
+            n as f64 / t / 1e9,
+            bytes / t / 1e9,
+            tc / t,
+            bytes / tc / 1e9
+        );
+    }
+    if bad > 0 {
+        return Err(format!(
+            "{bad} elements differ between the GPU and the CPU step"
+        ));
+    }
+    Ok(())
+}

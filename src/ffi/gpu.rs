@@ -1,0 +1,27 @@
+//! The C ABI of the GPU half of the step (feature `cuda`).
+use std::ffi::c_void;
+
+use super::optim::{fo_optimizer, opt_mut};
+use super::status::{fo_status, guard};
+
+/// Sets the CUDA stream (`cudaStream_t` / `CUstream`, of the parameters' device) that
+/// `fo_optimizer_step` launches device parameters' kernels on; NULL (the default) is the
+/// legacy default stream. fo never synchronizes the device: a step's kernels run after
+/// the work queued on `stream` before the call, and work queued on it after the call
+/// runs after them; `fo_optimizer_step` returns without waiting for them. Ordering with
+/// other streams, and host reads of device parameters, are the caller's (events, stream
+/// synchronize). Pointer rules: device parameters, gradients and fo's device state are
+/// memory of the device the parameter was registered on; a gradient must stay valid
+/// until the step's kernels have run (stream order), a parameter for the optimizer's
+/// lifetime; `stream` must outlive every step launched on it. A CUDA error while
+/// launching returns FO_ERR_INTERNAL and leaves device parameters' state undefined
+/// (validation errors change nothing, as for host steps). Without the `cuda` build
+/// feature, or when libcuda or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED
+/// naming what is missing.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_set_stream(
+    opt: *mut fo_optimizer,
+    stream: *mut c_void,
+) -> fo_status {
+    guard(|| opt_mut(opt)?.set_stream(stream as usize))
+}

@@ -1,0 +1,220 @@
+//! The launch path's data, run by the kernel: the kernel text is built for the host (g++,
+//! `-ffp-contract=off`, through the shim header, as ctest builds it) into a shared
+//! object, and fed tables built by `build_table` from fo's own states and `Rule`s, as the
+//! GPU launcher builds them (only the addresses are host ones). The result must be the
+//! CPU step's, bit for bit. This proves the Rust side of a launch (rule scalars, moment
+//! kinds, state addresses, group prefix sums, SGD's first step) against the kernel
+//! without a GPU; skipped, with the reason printed, where g++ is absent.
+use std::ffi::CString;
+use std::path::PathBuf;
+use std::process::Command;
+
+use super::table::{build_table, FoStepTensor, StatePtrs, TableEntry};
+use crate::dtype::DType;
+use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::rule::Rule;
+use crate::optim::state::ParamState;
+use crate::optim::Optimizer;
+use crate::tensor::HostTensor;
+
+type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
+
+/// Builds the host kernel into a shared object and loads `fo_test_run`.
+fn host_kernel() -> Result<RunTable, String> {
+    let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let src = dir.join("run.cpp");
+    // A small grid, so the grid-stride loop and the table search both get exercised.
+    std::fs::write(
+        &src,
+        "#include \"fo_step.cuh\"\n\
+         extern \"C\" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {\n\
+           fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });\n\
+         }\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let so = dir.join("run.so");
+    let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
+    let out = Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-ffp-contract=off",
+            "-shared",
+            "-fPIC",
+            "-I",
+        ])
+        .arg(&kernels)
+        .arg(&src)
+        .arg("-o")
+        .arg(&so)
+        .output()
+        .map_err(|e| format!("g++ not runnable: {e}"))?;
+    if !out.status.success() {
+        panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let path = CString::new(so.to_str().unwrap()).unwrap();
+    // SAFETY: a library built just above; the symbol has the declared C signature.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+        assert!(!h.is_null(), "dlopen {so:?}");
+        let f = libc::dlsym(h, c"fo_test_run".as_ptr());
+        assert!(!f.is_null(), "dlsym fo_test_run");
+        Ok(std::mem::transmute::<*mut libc::c_void, RunTable>(f))
+    }
+}
+
+fn encode(dt: DType, v: &[f32]) -> Vec<u8> {
+    match dt {
+        DType::BF16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Values over many magnitudes with zeros, deterministic.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            match i % 7 {
+                0 => 0.0,
+                1 => u * 1e-5,
+                2 => u * 300.0,
+                _ => u,
+            }
+        })
+        .collect()
+}
+
+fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
+    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+}
+
+const SIZES: [usize; 4] = [100, 33, 0, 70];
+
+/// One config on both sides for 3 steps (step 2 skips tensor 1); mismatching buffers.
+fn run_both(run: RunTable, cfg: &OptimConfig, dt: DType) -> usize {
+    let mut cpu = Optimizer::new(cfg.clone()).unwrap();
+    let mut a: Vec<Vec<u8>> = SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| encode(dt, &values(n, i as u64 + 1)))
+        .collect();
+    let mut b = a.clone();
+    for (i, &n) in SIZES.iter().enumerate() {
+        unsafe {
+            cpu.add_param(&format!("p{i}"), view(&mut a[i], dt, n), None, 0)
+                .unwrap()
+        };
+    }
+    // The kernel side's state, as `DeviceState` holds it (zeroed, step, m_valid).
+    let mut states: Vec<ParamState> = (0..SIZES.len()).map(|i| cpu.new_state(i)).collect();
+    for s in 0..3u64 {
+        let mut grads: Vec<Vec<u8>> = SIZES
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| encode(dt, &values(n, 50 + s * 10 + i as u64)))
+            .collect();
+        let skip = |i: usize| s == 1 && i == 1;
+        let views: Vec<Option<HostTensor>> = grads
+            .iter_mut()
+            .zip(SIZES)
+            .enumerate()
+            .map(|(i, (g, n))| (!skip(i)).then(|| view(g, dt, n)))
+            .collect();
+        unsafe { cpu.step(&views).unwrap() };
+        let mut entries = Vec::new();
+        for (i, st) in states.iter_mut().enumerate() {
+            if skip(i) {
+                continue;
+            }
+            entries.push(TableEntry {
+                param: b[i].as_mut_ptr() as u64,
+                param_dtype: dt,
+                grad: grads[i].as_ptr() as u64,
+                grad_dtype: dt,
+                numel: SIZES[i],
+                state: StatePtrs::of_host(st),
+                rule: Rule::new(cfg, st.step + 1),
+                first: !st.m_valid,
+            });
+            st.step += 1;
+            st.m_valid = true;
+        }
+        let t = build_table(&entries).unwrap();
+        unsafe { run(t.tensors.as_ptr(), t.tensors.len() as i32, t.total_groups) };
+    }
+    let mut bad = 0;
+    for i in 0..SIZES.len() {
+        bad += usize::from(a[i] != b[i]);
+        // Debug prints -0.0 and 0.0 apart, and every code and scale.
+        let want = format!("{:?}", cpu.param_state(i).unwrap());
+        bad += usize::from(format!("{:?}", states[i]) != want);
+    }
+    bad
+}
+
+#[test]
+fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
+    let run = match host_kernel() {
+        Ok(r) => r,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let mut cfgs = Vec::new();
+    for a in [
+        Algorithm::AdamW,
+        Algorithm::Adam,
+        Algorithm::Sgd,
+        Algorithm::SgdW,
+        Algorithm::Lion,
+    ] {
+        for (momentum, nesterov, dampening) in
+            [(0.0, false, 0.0), (0.9, true, 0.0), (0.8, false, 0.3)]
+        {
+            if !a.is_sgd() && momentum != 0.0 {
+                continue;
+            }
+            let mut c = OptimConfig::default_for(a);
+            (c.lr, c.weight_decay) = (1e-2, 0.05);
+            (c.momentum, c.nesterov, c.dampening) = (momentum, nesterov, dampening);
+            cfgs.push(c);
+        }
+    }
+    let mut combos = 0;
+    for base in &cfgs {
+        for f in [
+            StateFormat::Fp32,
+            StateFormat::ParamDtype,
+            StateFormat::Quant8,
+            StateFormat::Quant8Wide,
+        ] {
+            for (dt, mw) in [
+                (DType::F32, 0),
+                (DType::BF16, 24),
+                (DType::F16, 32),
+                (DType::BF16, 0),
+            ] {
+                let mut c = base.clone();
+                (c.state_format, c.master_weight_bits) = (f, mw);
+                let bad = run_both(run, &c, dt);
+                assert_eq!(bad, 0, "{:?} {f:?} {dt} mw{mw}", c.algorithm);
+                combos += 1;
+            }
+        }
+    }
+    assert_eq!(combos, 9 * 4 * 4);
+}

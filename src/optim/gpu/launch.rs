@@ -1,0 +1,386 @@
+//! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device for
+//! that device's architecture, and each (param group, step) uploads its tensor table and
+//! launches `fo_step_kernel` once on the caller's stream. Everything is stream-ordered
+//! (table allocation, copy, kernel, free): the host never waits for the device here.
+//!
+//! Only the raw driver and NVRTC calls of cudarc are used, because fo borrows the
+//! caller's stream and the caller's current context must be left as it was: each entry
+//! pushes the device's primary context (the one the CUDA runtime, hence torch, uses) and
+//! pops it on return. Library presence is checked before any call: cudarc panics when a
+//! library it was asked to use is absent.
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{result as cu, sys as cusys};
+use cudarc::nvrtc::{result as nvr, sys as nvsys};
+
+use super::table::StepTable;
+use super::KERNEL_SOURCES;
+use crate::error::{Error, Result};
+
+/// The kernel's entry point (`extern "C"` in fo_step.cuh).
+pub const ENTRY: &str = "fo_step_kernel";
+/// NVRTC options besides `--gpu-architecture`: the same as scripts/nvrtc_check.py, which
+/// compiles the kernels in CI. `--fmad=false`: only the multiply-adds written as `fo_fma`
+/// fuse, as on the CPU path.
+pub const NVRTC_OPTIONS: [&str; 3] = ["--fmad=false", "-std=c++17", "--restrict"];
+/// Threads per block; each thread steps one 32-element group at a time.
+const BLOCK: u32 = 128;
+/// Resident blocks per SM the grid is capped at; the kernel's grid-stride loop covers
+/// the rest, so a huge group does not launch millions of blocks.
+const BLOCKS_PER_SM: u32 = 8;
+
+/// Why GPU steps cannot run in this process (a library that does not load), or None.
+pub fn missing_library() -> Option<&'static str> {
+    // SAFETY: only tries to load libcuda; no CUDA call is made.
+    if !unsafe { cusys::is_culib_present() } {
+        return Some("the CUDA driver library (libcuda.so) could not be loaded");
+    }
+    missing_nvrtc()
+}
+
+/// Why NVRTC cannot be used (compiling needs no GPU and no libcuda), or None.
+pub fn missing_nvrtc() -> Option<&'static str> {
+    // SAFETY: only tries to load the library; no NVRTC call is made.
+    if !unsafe { nvsys::is_culib_present() } {
+        return Some("the NVRTC library (libnvrtc.so) could not be loaded; add its directory to LD_LIBRARY_PATH");
+    }
+    None
+}
+
+fn cuda_err(what: &str, e: cu::DriverError) -> Error {
+    Error::Internal(format!("CUDA call {what} failed: {e:?}"))
+}
+
+/// The `--gpu-architecture` option for compute capability `major.minor` (PTX for the
+/// device's own virtual architecture; the driver finishes it for the exact chip).
+pub fn arch_option(major: i32, minor: i32) -> String {
+    format!("--gpu-architecture=compute_{major}{minor}")
+}
+
+/// Compiles the kernels to PTX with `arch` (an `arch_option`). The headers are handed to
+/// NVRTC in memory, so no file or include path is needed at run time. Errors carry
+/// NVRTC's log.
+pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
+    if let Some(m) = missing_nvrtc() {
+        return Err(Error::Unsupported(m.into()));
+    }
+    let cstr = |s: &str| CString::new(s).expect("kernel sources hold no NUL");
+    let names: Vec<CString> = KERNEL_SOURCES.iter().map(|(n, _)| cstr(n)).collect();
+    let texts: Vec<CString> = KERNEL_SOURCES.iter().map(|(_, t)| cstr(t)).collect();
+    let name_ptrs: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
+    let text_ptrs: Vec<*const c_char> = texts.iter().map(|c| c.as_ptr()).collect();
+    let main = cstr("#include \"fo_step.cuh\"\n");
+    let mut opts: Vec<String> = vec![arch.to_string()];
+    opts.extend(NVRTC_OPTIONS.iter().map(|s| s.to_string()));
+    let nv = |what: &str, e: nvr::NvrtcError| Error::Unsupported(format!("NVRTC {what}: {e:?}"));
+    // SAFETY: every pointer outlives the program, which is destroyed before returning.
+    unsafe {
+        let mut prog: nvsys::nvrtcProgram = std::ptr::null_mut();
+        nvsys::nvrtcCreateProgram(
+            &mut prog,
+            main.as_ptr(),
+            c"fo_kernels.cu".as_ptr(),
+            names.len() as i32,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+        .result()
+        .map_err(|e| nv("nvrtcCreateProgram", e))?;
+        let compiled = nvr::compile_program(prog, &opts);
+        let out = match compiled {
+            Ok(()) => nvr::get_ptx(prog).map_err(|e| nv("nvrtcGetPTX", e)),
+            Err(e) => {
+                let log = nvr::get_program_log(prog)
+                    .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(Error::Unsupported(format!(
+                    "NVRTC could not compile fo's kernels ({} {}): {e:?}\n{log}",
+                    arch,
+                    NVRTC_OPTIONS.join(" ")
+                )))
+            }
+        };
+        let _ = nvr::destroy_program(prog);
+        out
+    }
+}
+
+/// Makes a context current for the lifetime of the guard, then restores the caller's.
+struct Current;
+
+impl Current {
+    unsafe fn push(ctx: cusys::CUcontext) -> Result<Current> {
+        cusys::cuCtxPushCurrent_v2(ctx)
+            .result()
+            .map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        Ok(Current)
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        let mut popped: cusys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context `push` made current on this thread.
+        let _ = unsafe { cusys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+/// One CUDA device with fo's kernel loaded (compiled once, kept for the process).
+pub struct Device {
+    pub ordinal: i32,
+    pub arch: String,
+    ctx: cusys::CUcontext,
+    func: cusys::CUfunction,
+    max_blocks: u32,
+}
+
+// SAFETY: a primary context and a function handle may be used from any thread once the
+// context is current there (every use goes through `Current`).
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+fn devices() -> &'static Mutex<HashMap<i32, Arc<Device>>> {
+    static D: OnceLock<Mutex<HashMap<i32, Arc<Device>>>> = OnceLock::new();
+    D.get_or_init(Default::default)
+}
+
+/// Device `ordinal` with the kernel loaded, compiling it on first use. Failures are not
+/// cached: a later call tries again.
+pub fn device(ordinal: i32) -> Result<Arc<Device>> {
+    let mut map = devices().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = map.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    // Checked before the first CUDA call only: every step looks its device up here.
+    if let Some(m) = missing_library() {
+        return Err(Error::Unsupported(format!("device = {ordinal}: {m}")));
+    }
+    // SAFETY: the libraries are present (checked above).
+    let d = Arc::new(unsafe { Device::open(ordinal)? });
+    map.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+impl Device {
+    unsafe fn open(ordinal: i32) -> Result<Device> {
+        cu::init().map_err(|e| cuda_err("cuInit", e))?;
+        let count = cu::device::get_count().map_err(|e| cuda_err("cuDeviceGetCount", e))?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(Error::Unsupported(format!(
+                "device = {ordinal}: this machine has {count} CUDA device(s)"
+            )));
+        }
+        let dev = cu::device::get(ordinal).map_err(|e| cuda_err("cuDeviceGet", e))?;
+        let attr =
+            |a| cu::device::get_attribute(dev, a).map_err(|e| cuda_err("cuDeviceGetAttribute", e));
+        use cusys::CUdevice_attribute as A;
+        let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
+        let arch = arch_option(major, minor);
+        let ptx = compile_ptx(&arch)?;
+        // The primary context stays retained for the process, as the module does.
+        let ctx =
+            cu::primary_ctx::retain(dev).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
+        let _cur = Current::push(ctx)?;
+        let module = cu::module::load_data(ptx.as_ptr() as *const c_void)
+            .map_err(|e| cuda_err("cuModuleLoadData", e))?;
+        let entry = CString::new(ENTRY).expect("no NUL");
+        let func = cu::module::get_function(module, entry)
+            .map_err(|e| cuda_err("cuModuleGetFunction", e))?;
+        Ok(Device {
+            ordinal,
+            arch,
+            ctx,
+            func,
+            max_blocks: sms * BLOCKS_PER_SM,
+        })
+    }
+
+    /// Launches one param group's table on `stream` (null: the legacy default stream):
+    /// the table is copied into stream-ordered device memory, the kernel runs, the
+    /// memory is freed after it, all in stream order; nothing waits for the device.
+    ///
+    /// # Safety
+    /// `stream` must be a valid stream of this device (or null), and every address in
+    /// the table must be device memory of this device that stays valid until the kernel
+    /// has run.
+    pub unsafe fn launch(&self, table: &StepTable, stream: cusys::CUstream) -> Result<()> {
+        if table.tensors.is_empty() {
+            return Ok(());
+        }
+        let count = i32::try_from(table.tensors.len()).map_err(|_| {
+            Error::invalid("params", "more than 2^31 device tensors in one param group")
+        })?;
+        let _cur = Current::push(self.ctx)?;
+        let bytes = table.as_bytes();
+        let d =
+            cu::malloc_async(stream, bytes.len()).map_err(|e| cuda_err("cuMemAllocAsync", e))?;
+        // A pageable source: the copy returns once the bytes are staged, so `table` may
+        // be dropped when this returns.
+        let launched = cu::memcpy_htod_async(d, bytes, stream)
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+            .and_then(|()| {
+                let blocks = table.total_groups.div_ceil(BLOCK as u64);
+                let grid = blocks.min(self.max_blocks as u64) as u32;
+                let (mut t, mut n, mut total) = (d, count, table.total_groups);
+                let mut args = [
+                    &mut t as *mut _ as *mut c_void,
+                    &mut n as *mut _ as *mut c_void,
+                    &mut total as *mut _ as *mut c_void,
+                ];
+                cu::launch_kernel(self.func, (grid, 1, 1), (BLOCK, 1, 1), 0, stream, &mut args)
+                    .map_err(|e| cuda_err("cuLaunchKernel", e))
+            });
+        let freed = cu::free_async(d, stream).map_err(|e| cuda_err("cuMemFreeAsync", e));
+        launched.and(freed)
+    }
+}
+
+impl Device {
+    /// Copies `dst.len()` bytes from device address `src` into `dst` after the work
+    /// queued on `stream`, and waits for it (the one place fo waits: reading state back).
+    ///
+    /// # Safety
+    /// `src` must be `dst.len()` readable bytes of this device; `stream` valid or null.
+    pub unsafe fn download(&self, src: u64, dst: &mut [u8], stream: cusys::CUstream) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx)?;
+        cu::memcpy_dtoh_async(dst, src, stream).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        cu::stream::synchronize(stream).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+}
+
+/// Device memory owned by fo (a parameter's optimizer state), freed on drop.
+pub struct DeviceBuffer {
+    dev: Arc<Device>,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+// SAFETY: a device address; freeing it makes the owning context current first.
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// `bytes` of device memory, zeroed in stream order on `stream` (so a kernel later
+    /// on the same stream sees zeros).
+    ///
+    /// # Safety
+    /// `stream` must be a valid stream of `dev` (or null).
+    pub unsafe fn zeroed(
+        dev: &Arc<Device>,
+        bytes: usize,
+        stream: cusys::CUstream,
+    ) -> Result<DeviceBuffer> {
+        let _cur = Current::push(dev.ctx)?;
+        let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
+        let buf = DeviceBuffer {
+            dev: dev.clone(),
+            ptr,
+            bytes,
+        };
+        cu::memset_d8_async(ptr, 0, bytes.max(1), stream)
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        Ok(buf)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc in this context; cuMemFree waits for work
+        // still using it.
+        unsafe {
+            if let Ok(_cur) = Current::push(self.dev.ctx) {
+                let _ = cu::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvrtc_options_are_the_ones_ci_compiles_with() {
+        let script = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/nvrtc_check.py"
+        ))
+        .unwrap();
+        for o in NVRTC_OPTIONS {
+            assert!(
+                script.contains(&format!("\"{o}\"")),
+                "{o} not in nvrtc_check.py"
+            );
+        }
+        assert!(script.contains(&format!("ENTRY = \"{ENTRY}\"")));
+        assert_eq!(arch_option(9, 0), "--gpu-architecture=compute_90");
+        assert_eq!(arch_option(8, 6), "--gpu-architecture=compute_86");
+    }
+
+    /// Runs where NVRTC loads (no GPU needed): scripts/test.sh puts the pinned NVRTC wheel
+    /// on LD_LIBRARY_PATH for it.
+    #[test]
+    fn nvrtc_compiles_the_embedded_kernels_for_sm80_and_sm90() {
+        if let Some(why) = missing_nvrtc() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        let written = include_str!("kernels/fo_rules.cuh")
+            .matches("fo_fma(")
+            .count();
+        for (major, minor) in [(8, 0), (9, 0)] {
+            let ptx = compile_ptx(&arch_option(major, minor)).unwrap();
+            let bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+            let text = CStr::from_bytes_until_nul(&bytes)
+                .unwrap()
+                .to_str()
+                .unwrap();
+            assert!(
+                text.contains(&format!(".entry {ENTRY}")),
+                "sm_{major}{minor}"
+            );
+            assert!(
+                text.contains(&format!(".target sm_{major}{minor}")),
+                "sm_{major}{minor}"
+            );
+            // --fmad=false took effect: the only fused multiply-adds are the written ones.
+            assert_eq!(
+                text.matches("fma.rn.f32").count(),
+                written,
+                "sm_{major}{minor}"
+            );
+        }
+        let e = compile_ptx("--gpu-architecture=compute_10")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("NVRTC could not compile fo's kernels (--gpu-architecture=compute_10"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn without_libcuda_a_device_is_refused_naming_it() {
+        // SAFETY: only tries to load the library.
+        if unsafe { cusys::is_culib_present() } {
+            eprintln!("skipped: libcuda loads on this machine");
+            return;
+        }
+        let e = device(0).err().expect("no libcuda").to_string();
+        assert!(
+            e.contains("device = 0: the CUDA driver library (libcuda.so)"),
+            "{e}"
+        );
+        assert!(
+            devices().lock().unwrap().is_empty(),
+            "failures are not cached"
+        );
+    }
+}

@@ -1,0 +1,424 @@
+//! The tensor table of one multi-tensor launch: Rust mirrors of the kernel's
+//! `fo_step_tensor` and `fo_rule` (kernels/fo_step.cuh, kernels/fo_rules.cuh), and the
+//! function that fills a param group's table from fo's own types. Not feature-gated: the
+//! layout and every field are tested on the host, so the launcher (which cannot run in
+//! CI) only uploads bytes whose meaning is already pinned.
+//!
+//! The layout is pinned twice with the same numbers: `table_layout_matches_the_kernel`
+//! here and `table_layout()` in cpp_tests/test_gpu_kernels_host.cpp (static_assert on the
+//! C++ struct the kernel reads). Pointers are `u64` on this side: a `CUdeviceptr` on the
+//! GPU, a host address in tests; both are 8 bytes, as `void*` is on the 64-bit hosts fo
+//! supports.
+use super::super::config::{OptimConfig, StateFormat};
+use super::super::quant8::GROUP;
+use super::super::rule::Rule;
+use super::super::state::{ErrorBits, Moment, ParamState, Root};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// `fo_rule_kind` of fo_rules.cuh.
+pub const RULE_TORCH_ADAM: i32 = 0;
+pub const RULE_FLASH_ADAM: i32 = 1;
+pub const RULE_TORCH_SGD: i32 = 2;
+pub const RULE_FLASH_SGD: i32 = 3;
+pub const RULE_TORCH_LION: i32 = 4;
+pub const RULE_FLASH_LION: i32 = 5;
+
+/// `fo_rule`: one tensor's scalars for one step. Unused fields are 0 (as `make_rule` in
+/// the C++ test leaves them), so two tables built from the same rule are byte-equal.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FoRule {
+    pub kind: i32,
+    pub has_l2: i32,
+    pub has_momentum: i32,
+    pub nesterov: i32,
+    pub l2: f32,
+    pub decay: f32,
+    pub b1: f32,
+    pub w1: f32,
+    pub b2: f32,
+    pub w2: f32,
+    pub bc1: f32,
+    pub bc2: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub lr: f32,
+    pub momentum: f32,
+    pub wdamp: f32,
+}
+
+/// `fo_moment_kind` of fo_step.cuh: how a moment is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum MomentKind {
+    None = 0,
+    F32 = 1,
+    F16 = 2,
+    BF16 = 3,
+    Q8Signed = 4,
+    Q8Sqrt = 5,
+    Q8Fourth = 6,
+}
+
+impl MomentKind {
+    pub fn of(m: &Moment) -> MomentKind {
+        use super::super::master_split::Half;
+        match m {
+            Moment::F32(_) => MomentKind::F32,
+            Moment::Half(Half::F16, _) => MomentKind::F16,
+            Moment::Half(Half::BF16, _) => MomentKind::BF16,
+            Moment::Signed { .. } => MomentKind::Q8Signed,
+            Moment::Unsigned {
+                root: Root::Sqrt, ..
+            } => MomentKind::Q8Sqrt,
+            Moment::Unsigned {
+                root: Root::Fourth, ..
+            } => MomentKind::Q8Fourth,
+        }
+    }
+}
+
+/// How a parameter's state is stored, from its group's config and its dtype, laid out as
+/// `Optimizer::new_state` lays out host state (so the device mirrors the same bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateLayout {
+    pub m: MomentKind,
+    pub v: MomentKind,
+    /// 0, 8 (int8 error bits) or 16 (int16).
+    pub error_bits_width: i32,
+}
+
+impl StateLayout {
+    pub fn of(cfg: &OptimConfig, param_dtype: DType) -> StateLayout {
+        let plain = match (cfg.state_format, param_dtype) {
+            (StateFormat::ParamDtype, DType::F16) => MomentKind::F16,
+            (StateFormat::ParamDtype, DType::BF16) => MomentKind::BF16,
+            _ => MomentKind::F32,
+        };
+        let m = match (cfg.has_momentum_state(), cfg.state_format.is_quantized()) {
+            (false, _) => MomentKind::None,
+            (true, true) => MomentKind::Q8Signed,
+            (true, false) => plain,
+        };
+        let v = match (cfg.algorithm.is_adam(), cfg.state_format) {
+            (false, _) => MomentKind::None,
+            (true, StateFormat::Quant8) => MomentKind::Q8Sqrt,
+            (true, StateFormat::Quant8Wide) => MomentKind::Q8Fourth,
+            (true, _) => plain,
+        };
+        let half = matches!(param_dtype, DType::F16 | DType::BF16);
+        let error_bits_width = match cfg.master_weight_bits {
+            24 if half => 8,
+            32 if half => 16,
+            _ => 0,
+        };
+        StateLayout {
+            m,
+            v,
+            error_bits_width,
+        }
+    }
+
+    /// Bytes of a moment's codes or values and of its fp16 scales, for `n` elements.
+    pub fn moment_bytes(kind: MomentKind, n: usize) -> (usize, usize) {
+        let scales = 2 * n.div_ceil(GROUP);
+        match kind {
+            MomentKind::None => (0, 0),
+            MomentKind::F32 => (4 * n, 0),
+            MomentKind::F16 | MomentKind::BF16 => (2 * n, 0),
+            MomentKind::Q8Signed | MomentKind::Q8Sqrt | MomentKind::Q8Fourth => (n, scales),
+        }
+    }
+
+    /// Bytes of the state of `n` elements (as `ParamState::nbytes` counts them).
+    pub fn nbytes(&self, n: usize) -> usize {
+        let (m, ms) = Self::moment_bytes(self.m, n);
+        let (v, vs) = Self::moment_bytes(self.v, n);
+        m + ms + v + vs + n * self.error_bits_width as usize / 8
+    }
+}
+
+/// `fo_step_tensor`: one tensor of a launch.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FoStepTensor {
+    pub param: u64,
+    pub grad: u64,
+    pub error_bits: u64,
+    pub m: u64,
+    pub m_scales: u64,
+    pub v: u64,
+    pub v_scales: u64,
+    pub numel: u64,
+    pub group_begin: u64,
+    pub param_dtype: i32,
+    pub grad_dtype: i32,
+    pub error_bits_width: i32,
+    pub m_kind: i32,
+    pub v_kind: i32,
+    pub first: i32,
+    pub rule: FoRule,
+    /// The C struct's tail padding (to its 8-byte alignment), spelled out so the table's
+    /// bytes are all initialized when they are copied to the device.
+    pub _pad: i32,
+}
+
+impl FoRule {
+    /// The kernel's scalars for `rule`. The fast arithmetic has no GPU kernel (exact mode
+    /// is the one whose bits the GPU reproduces), so it is refused, not approximated.
+    pub fn new(rule: &Rule) -> Result<FoRule> {
+        let l2 = |l2: Option<f32>| (l2.is_some() as i32, l2.unwrap_or(0.0));
+        let r = match *rule {
+            Rule::TorchAdam {
+                l2: wd,
+                decay,
+                w1,
+                b2,
+                w2,
+                bc2_sqrt,
+                eps,
+                neg_step,
+            } => FoRule {
+                kind: RULE_TORCH_ADAM,
+                has_l2: l2(wd).0,
+                l2: l2(wd).1,
+                decay,
+                w1,
+                b2,
+                w2,
+                bc2_sqrt,
+                eps,
+                lr: neg_step,
+                ..FoRule::default()
+            },
+            Rule::FlashAdam {
+                l2: wd,
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                bc1,
+                bc2,
+                lr,
+                eps,
+            } => FoRule {
+                kind: RULE_FLASH_ADAM,
+                has_l2: l2(wd).0,
+                l2: l2(wd).1,
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                bc1,
+                bc2,
+                eps,
+                lr,
+                ..FoRule::default()
+            },
+            Rule::TorchSgd {
+                l2: wd,
+                decay,
+                momentum,
+                wdamp,
+                nesterov,
+                neg_lr: lr,
+            }
+            | Rule::FlashSgd {
+                l2: wd,
+                decay,
+                momentum,
+                wdamp,
+                nesterov,
+                lr,
+            } => FoRule {
+                kind: if matches!(rule, Rule::TorchSgd { .. }) {
+                    RULE_TORCH_SGD
+                } else {
+                    RULE_FLASH_SGD
+                },
+                has_l2: l2(wd).0,
+                l2: l2(wd).1,
+                has_momentum: momentum.is_some() as i32,
+                momentum: momentum.unwrap_or(0.0),
+                nesterov: nesterov as i32,
+                decay,
+                wdamp,
+                lr,
+                ..FoRule::default()
+            },
+            Rule::TorchLion {
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                neg_lr: lr,
+            }
+            | Rule::FlashLion {
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                lr,
+            } => FoRule {
+                kind: if matches!(rule, Rule::TorchLion { .. }) {
+                    RULE_TORCH_LION
+                } else {
+                    RULE_FLASH_LION
+                },
+                decay,
+                b1,
+                w1,
+                b2,
+                w2,
+                lr,
+                ..FoRule::default()
+            },
+            Rule::Fast(_) => return Err(Error::Unsupported(
+                "arithmetic = fast has no GPU kernel; device tensors step with arithmetic = exact"
+                    .into(),
+            )),
+        };
+        Ok(r)
+    }
+}
+
+/// Where one moment's buffers are (device addresses on the GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MomentPtrs {
+    pub kind: MomentKind,
+    pub data: u64,
+    /// The fp16 scales of the quantized kinds, else 0.
+    pub scales: u64,
+}
+
+/// Where one parameter's state buffers are: what the table needs of a `ParamState`,
+/// wherever its bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatePtrs {
+    pub m: Option<MomentPtrs>,
+    pub v: Option<MomentPtrs>,
+    /// int8 (width 8) or int16 (width 16) error bits, or (0, 0).
+    pub error_bits: u64,
+    pub error_bits_width: i32,
+}
+
+fn moment_ptrs(m: &mut Moment) -> MomentPtrs {
+    let kind = MomentKind::of(m);
+    let (data, scales) = match m {
+        Moment::F32(v) => (v.as_mut_ptr() as u64, 0),
+        Moment::Half(_, v) => (v.as_mut_ptr() as u64, 0),
+        Moment::Signed { codes, scales } => (codes.as_mut_ptr() as u64, scales.as_mut_ptr() as u64),
+        Moment::Unsigned { codes, scales, .. } => {
+            (codes.as_mut_ptr() as u64, scales.as_mut_ptr() as u64)
+        }
+    };
+    MomentPtrs { kind, data, scales }
+}
+
+impl StatePtrs {
+    /// The addresses of a state held in host memory (the host build of the kernel reads
+    /// these; the GPU launcher mirrors the same buffers on the device).
+    pub fn of_host(st: &mut ParamState) -> StatePtrs {
+        let (error_bits, error_bits_width) = match st.error_bits.as_mut() {
+            None => (0, 0),
+            Some(ErrorBits::I8(e)) => (e.as_mut_ptr() as u64, 8),
+            Some(ErrorBits::I16(e)) => (e.as_mut_ptr() as u64, 16),
+        };
+        StatePtrs {
+            m: st.m.as_mut().map(moment_ptrs),
+            v: st.v.as_mut().map(moment_ptrs),
+            error_bits,
+            error_bits_width,
+        }
+    }
+}
+
+/// One tensor to step: its buffers, dtypes, rule and SGD's `first` flag.
+#[derive(Debug, Clone, Copy)]
+pub struct TableEntry {
+    pub param: u64,
+    pub param_dtype: DType,
+    pub grad: u64,
+    pub grad_dtype: DType,
+    pub numel: usize,
+    pub state: StatePtrs,
+    pub rule: Rule,
+    /// The momentum buffer is created by this step (SGD copies the gradient).
+    pub first: bool,
+}
+
+/// A param group's launch: the table and the number of 32-element groups it spans (one
+/// thread per group).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepTable {
+    pub tensors: Vec<FoStepTensor>,
+    pub total_groups: u64,
+}
+
+impl StepTable {
+    /// The table's bytes as the kernel reads them.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: FoStepTensor is repr(C) plain data without implicit padding (its tail
+        // padding is the `_pad` field), so every byte is initialized.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.tensors.as_ptr() as *const u8,
+                std::mem::size_of_val(&self.tensors[..]),
+            )
+        }
+    }
+}
+
+fn float_dtype(d: DType, what: &str) -> Result<i32> {
+    match d {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(d.code()),
+        other => Err(Error::Dtype(format!(
+            "{what}: dtype {other} has no GPU kernel (F32, F16, BF16)"
+        ))),
+    }
+}
+
+/// Builds one launch's table from `entries`, in order: empty tensors are left out (no
+/// group to step), `group_begin` is the running sum of each tensor's groups, so the
+/// kernel's binary search over it finds the tensor of any global group.
+pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
+    let mut t = StepTable::default();
+    for (i, e) in entries.iter().enumerate() {
+        if e.numel == 0 {
+            continue;
+        }
+        let kind_of = |m: Option<MomentPtrs>| m.map_or(MomentKind::None, |m| m.kind) as i32;
+        let ptrs = |m: Option<MomentPtrs>| m.map_or((0, 0), |m| (m.data, m.scales));
+        let ((m, m_scales), (v, v_scales)) = (ptrs(e.state.m), ptrs(e.state.v));
+        t.tensors.push(FoStepTensor {
+            param: e.param,
+            grad: e.grad,
+            error_bits: e.state.error_bits,
+            m,
+            m_scales,
+            v,
+            v_scales,
+            numel: e.numel as u64,
+            group_begin: t.total_groups,
+            param_dtype: float_dtype(e.param_dtype, &format!("table entry {i}: param"))?,
+            grad_dtype: float_dtype(e.grad_dtype, &format!("table entry {i}: grad"))?,
+            error_bits_width: e.state.error_bits_width,
+            m_kind: kind_of(e.state.m),
+            v_kind: kind_of(e.state.v),
+            first: e.first as i32,
+            rule: FoRule::new(&e.rule)?,
+            _pad: 0,
+        });
+        t.total_groups += e.numel.div_ceil(GROUP) as u64;
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+#[path = "table_tests.rs"]
+mod tests;

@@ -1,0 +1,361 @@
+use std::mem::{align_of, offset_of, size_of};
+
+use super::*;
+use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::master_split::Half;
+
+/// The numbers `table_layout()` in cpp_tests/test_gpu_kernels_host.cpp asserts for the
+/// C++ structs: change one side, and the other fails.
+#[test]
+fn table_layout_matches_the_kernel() {
+    assert_eq!(size_of::<FoRule>(), 68);
+    assert_eq!(align_of::<FoRule>(), 4);
+    assert_eq!(offset_of!(FoRule, nesterov), 12);
+    assert_eq!(offset_of!(FoRule, l2), 16);
+    assert_eq!(offset_of!(FoRule, bc2_sqrt), 48);
+    assert_eq!(offset_of!(FoRule, wdamp), 64);
+    assert_eq!(size_of::<FoStepTensor>(), 168);
+    assert_eq!(align_of::<FoStepTensor>(), 8);
+    let offsets = [
+        offset_of!(FoStepTensor, param),
+        offset_of!(FoStepTensor, grad),
+        offset_of!(FoStepTensor, error_bits),
+        offset_of!(FoStepTensor, m),
+        offset_of!(FoStepTensor, m_scales),
+        offset_of!(FoStepTensor, v),
+        offset_of!(FoStepTensor, v_scales),
+        offset_of!(FoStepTensor, numel),
+        offset_of!(FoStepTensor, group_begin),
+        offset_of!(FoStepTensor, param_dtype),
+        offset_of!(FoStepTensor, grad_dtype),
+        offset_of!(FoStepTensor, error_bits_width),
+        offset_of!(FoStepTensor, m_kind),
+        offset_of!(FoStepTensor, v_kind),
+        offset_of!(FoStepTensor, first),
+        offset_of!(FoStepTensor, rule),
+    ];
+    assert_eq!(
+        offsets,
+        [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96]
+    );
+}
+
+fn cfg(a: Algorithm, f: StateFormat, mw: u32) -> OptimConfig {
+    let mut c = OptimConfig::default_for(a);
+    c.state_format = f;
+    c.master_weight_bits = mw;
+    c
+}
+
+/// Fresh state as the optimizer creates it, for a parameter of `n` elements.
+fn state(c: &OptimConfig, dt: DType, n: usize) -> ParamState {
+    let mut opt = crate::optim::Optimizer::new(c.clone()).unwrap();
+    let mut buf = vec![0u8; n.max(1) * dt.size()];
+    let t = unsafe {
+        crate::tensor::HostTensor::new(buf.as_mut_ptr(), dt, &[n as i64], None, "p").unwrap()
+    };
+    unsafe { opt.add_param("p", t, None, 0).unwrap() };
+    opt.new_state(0)
+}
+
+#[test]
+fn mixed_group_table_has_every_field() {
+    // (config, param dtype, grad dtype, numel, step): uneven sizes, every state format,
+    // every master width, one empty tensor (left out), SGD with and without momentum.
+    let mut sgd_m = cfg(Algorithm::Sgd, StateFormat::Quant8, 0);
+    sgd_m.momentum = 0.9;
+    sgd_m.nesterov = true;
+    let cases = [
+        (
+            cfg(Algorithm::AdamW, StateFormat::Fp32, 0),
+            DType::F32,
+            DType::F32,
+            100,
+            3,
+        ),
+        (
+            cfg(Algorithm::AdamW, StateFormat::Quant8, 24),
+            DType::BF16,
+            DType::F16,
+            33,
+            1,
+        ),
+        (
+            cfg(Algorithm::Adam, StateFormat::ParamDtype, 32),
+            DType::F16,
+            DType::BF16,
+            0,
+            1,
+        ),
+        (
+            cfg(Algorithm::Adam, StateFormat::ParamDtype, 32),
+            DType::F16,
+            DType::BF16,
+            64,
+            2,
+        ),
+        (
+            cfg(Algorithm::Lion, StateFormat::Quant8Wide, 0),
+            DType::BF16,
+            DType::BF16,
+            7,
+            5,
+        ),
+        (
+            cfg(Algorithm::AdamW, StateFormat::Quant8Wide, 24),
+            DType::BF16,
+            DType::F32,
+            95,
+            1,
+        ),
+        (
+            cfg(Algorithm::SgdW, StateFormat::Fp32, 0),
+            DType::F32,
+            DType::F32,
+            1,
+            1,
+        ),
+        (sgd_m, DType::F16, DType::F16, 40, 1),
+    ];
+    let mut states: Vec<ParamState> = cases.iter().map(|c| state(&c.0, c.1, c.3)).collect();
+    let entries: Vec<TableEntry> = cases
+        .iter()
+        .zip(states.iter_mut())
+        .enumerate()
+        .map(|(i, (c, st))| TableEntry {
+            param: 0x1000 * (i as u64 + 1),
+            param_dtype: c.1,
+            grad: 0x100000 * (i as u64 + 1),
+            grad_dtype: c.2,
+            numel: c.3,
+            state: StatePtrs::of_host(st),
+            rule: Rule::new(&c.0, c.4),
+            first: c.4 == 1,
+        })
+        .collect();
+    let t = build_table(&entries).unwrap();
+    assert_eq!(t.tensors.len(), 7, "the empty tensor is left out");
+    // Groups: 100 -> 4, 33 -> 2, 64 -> 2, 7 -> 1, 95 -> 3, 1 -> 1, 40 -> 2.
+    let begins: Vec<u64> = t.tensors.iter().map(|x| x.group_begin).collect();
+    assert_eq!(begins, [0, 4, 6, 8, 9, 12, 13]);
+    assert_eq!(t.total_groups, 15);
+    let kinds: Vec<(i32, i32, i32)> = t
+        .tensors
+        .iter()
+        .map(|x| (x.m_kind, x.v_kind, x.error_bits_width))
+        .collect();
+    use MomentKind as K;
+    assert_eq!(
+        kinds,
+        [
+            (K::F32 as i32, K::F32 as i32, 0),
+            (K::Q8Signed as i32, K::Q8Sqrt as i32, 8),
+            (K::F16 as i32, K::F16 as i32, 16),
+            (K::Q8Signed as i32, K::None as i32, 0),
+            (K::Q8Signed as i32, K::Q8Fourth as i32, 8),
+            (K::None as i32, K::None as i32, 0),
+            (K::Q8Signed as i32, K::None as i32, 0),
+        ]
+    );
+    let kept: Vec<usize> = vec![0, 1, 3, 4, 5, 6, 7];
+    for (x, &i) in t.tensors.iter().zip(&kept) {
+        let (e, st) = (&entries[i], &states[i]);
+        assert_eq!((x.param, x.grad), (e.param, e.grad));
+        assert_eq!(x.numel, cases[i].3 as u64);
+        assert_eq!(x.param_dtype, cases[i].1.code());
+        assert_eq!(x.grad_dtype, cases[i].2.code());
+        assert_eq!(x.first, (cases[i].4 == 1) as i32);
+        assert_eq!(x.rule, FoRule::new(&e.rule).unwrap());
+        // Addresses are the state's own buffers; scales only for quantized moments.
+        let ptrs = StatePtrs::of_host(&mut st.clone());
+        assert_eq!(x.m == 0, st.m.is_none());
+        assert_eq!(x.v == 0, st.v.is_none());
+        assert_eq!(x.m_scales != 0, matches!(st.m, Some(Moment::Signed { .. })));
+        assert_eq!(
+            x.v_scales != 0,
+            matches!(st.v, Some(Moment::Unsigned { .. }))
+        );
+        assert_eq!(x.error_bits == 0, ptrs.error_bits_width == 0);
+    }
+    assert_eq!(t.tensors[1].m, entries[1].state.m.unwrap().data);
+    assert_eq!(t.tensors[1].v_scales, entries[1].state.v.unwrap().scales);
+    assert_eq!(t.tensors[1].error_bits, entries[1].state.error_bits);
+    assert_eq!(t.as_bytes().len(), 7 * 168);
+}
+
+#[test]
+fn rule_scalars_come_from_rule_new() {
+    let mut c = cfg(Algorithm::Adam, StateFormat::Fp32, 0);
+    c.weight_decay = 0.25;
+    c.lr = 0.01;
+    let r = FoRule::new(&Rule::new(&c, 3)).unwrap();
+    let bc1 = 1.0 - 0.9f64.powi(3);
+    let bc2 = 1.0 - 0.999f64.powi(3);
+    assert_eq!((r.kind, r.has_l2, r.l2), (RULE_TORCH_ADAM, 1, 0.25));
+    assert_eq!(r.lr, (-(0.01 / bc1)) as f32, "torch adam carries -lr/bc1");
+    assert_eq!(r.bc2_sqrt, bc2.sqrt() as f32);
+    assert_eq!((r.w1, r.b2, r.decay), (0.1f64 as f32, 0.999, 1.0));
+
+    let c = cfg(Algorithm::AdamW, StateFormat::Quant8, 24);
+    let r = FoRule::new(&Rule::new(&c, 2)).unwrap();
+    assert_eq!(
+        (r.kind, r.has_l2, r.b1, r.lr),
+        (RULE_FLASH_ADAM, 0, 0.9, 1e-3)
+    );
+    assert_eq!(r.bc1, 1.0 - (0.9f32 as f64).powf(2.0) as f32);
+    assert_eq!(r.decay, 1.0 - (1e-2 * 1e-3) as f32);
+    assert_eq!(r.bc2_sqrt, 0.0, "unused fields stay 0");
+
+    let mut c = cfg(Algorithm::Sgd, StateFormat::Fp32, 0);
+    c.momentum = 0.5;
+    c.dampening = 0.25;
+    let r = FoRule::new(&Rule::new(&c, 1)).unwrap();
+    assert_eq!(
+        (r.kind, r.has_momentum, r.momentum),
+        (RULE_TORCH_SGD, 1, 0.5)
+    );
+    assert_eq!((r.wdamp, r.lr, r.nesterov), (0.75, -1e-3, 0));
+
+    let r = FoRule::new(&Rule::new(&cfg(Algorithm::SgdW, StateFormat::Quant8, 0), 1)).unwrap();
+    assert_eq!((r.kind, r.has_momentum, r.lr), (RULE_FLASH_SGD, 0, 1e-3));
+
+    let c = cfg(Algorithm::Lion, StateFormat::Fp32, 0);
+    let r = FoRule::new(&Rule::new(&c, 1)).unwrap();
+    assert_eq!(
+        (r.kind, r.b1, r.b2, r.lr),
+        (RULE_TORCH_LION, 0.9, 0.99, -1e-3)
+    );
+    let r = FoRule::new(&Rule::new(&cfg(Algorithm::Lion, StateFormat::Quant8, 0), 1)).unwrap();
+    assert_eq!((r.kind, r.w2, r.lr), (RULE_FLASH_LION, 1.0 - 0.99f32, 1e-3));
+}
+
+#[test]
+fn fast_arithmetic_and_non_float_dtypes_are_refused() {
+    let mut c = cfg(Algorithm::AdamW, StateFormat::Quant8, 24);
+    c.arithmetic = crate::optim::Arithmetic::Fast;
+    let e = FoRule::new(&Rule::new(&c, 1)).unwrap_err().to_string();
+    assert!(e.contains("arithmetic = fast"), "{e}");
+    let c = cfg(Algorithm::Sgd, StateFormat::Fp32, 0);
+    let mut st = state(&c, DType::F32, 4);
+    let e = build_table(&[TableEntry {
+        param: 8,
+        param_dtype: DType::F64,
+        grad: 16,
+        grad_dtype: DType::F32,
+        numel: 4,
+        state: StatePtrs::of_host(&mut st),
+        rule: Rule::new(&c, 1),
+        first: true,
+    }])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("table entry 0: param: dtype F64"), "{e}");
+}
+
+#[test]
+fn moment_kinds_follow_the_stored_format() {
+    assert_eq!(MomentKind::of(&Moment::F32(vec![])), MomentKind::F32);
+    assert_eq!(
+        MomentKind::of(&Moment::Half(Half::BF16, vec![])),
+        MomentKind::BF16
+    );
+    assert_eq!(
+        MomentKind::of(&Moment::Half(Half::F16, vec![])),
+        MomentKind::F16
+    );
+    assert_eq!(
+        MomentKind::of(&Moment::zeros_signed(3)),
+        MomentKind::Q8Signed
+    );
+    assert_eq!(
+        MomentKind::of(&Moment::zeros_unsigned(3, Root::Sqrt)),
+        MomentKind::Q8Sqrt
+    );
+    assert_eq!(
+        MomentKind::of(&Moment::zeros_unsigned(3, Root::Fourth)),
+        MomentKind::Q8Fourth
+    );
+}
+
+#[test]
+fn state_layout_is_what_new_state_creates() {
+    use crate::optim::config::Arithmetic;
+    let algos = [
+        Algorithm::AdamW,
+        Algorithm::Adam,
+        Algorithm::Sgd,
+        Algorithm::SgdW,
+        Algorithm::Lion,
+    ];
+    let formats = [
+        StateFormat::Fp32,
+        StateFormat::ParamDtype,
+        StateFormat::Quant8,
+        StateFormat::Quant8Wide,
+    ];
+    let kind = |m: &Option<Moment>| m.as_ref().map_or(MomentKind::None, MomentKind::of);
+    let mut checked = 0;
+    for a in algos {
+        for f in formats {
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                for mw in [0, 24, 32] {
+                    for momentum in [0.0, 0.9] {
+                        if dt == DType::F32 && mw != 0 {
+                            continue;
+                        }
+                        let mut c = cfg(a, f, mw);
+                        c.momentum = momentum;
+                        c.arithmetic = Arithmetic::Exact;
+                        let st = state(&c, dt, 77);
+                        let l = StateLayout::of(&c, dt);
+                        let w = StatePtrs::of_host(&mut st.clone()).error_bits_width;
+                        assert_eq!(
+                            (l.m, l.v, l.error_bits_width),
+                            (kind(&st.m), kind(&st.v), w)
+                        );
+                        assert_eq!(l.nbytes(77), st.nbytes(), "{a:?} {f:?} {dt} mw{mw}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 5 * 4 * 7 * 2);
+}
+
+/// The device holds each buffer as the host does; `moment_from_bytes` reads those bytes
+/// back (what `DeviceState::to_host` does with a download) into the same moment.
+#[test]
+fn moments_read_back_from_their_bytes() {
+    use crate::optim::gpu::moment_from_bytes;
+    let formats = [
+        StateFormat::Fp32,
+        StateFormat::ParamDtype,
+        StateFormat::Quant8,
+        StateFormat::Quant8Wide,
+    ];
+    let n = 70;
+    let values: Vec<f32> = (0..n).map(|i| (i as f32 - 30.0) * 0.37).collect();
+    for f in formats {
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let c = cfg(Algorithm::AdamW, f, 0);
+            let mut st = state(&c, dt, n);
+            for m in [st.m.as_mut().unwrap(), st.v.as_mut().unwrap()] {
+                m.encode(&values.iter().map(|x| x.abs()).collect::<Vec<_>>());
+            }
+            let ptrs = StatePtrs::of_host(&mut st);
+            for (m, p) in [(&st.m, ptrs.m), (&st.v, ptrs.v)] {
+                let p = p.unwrap();
+                let (d, s) = StateLayout::moment_bytes(p.kind, n);
+                // A moment without scales has address 0: no slice is made of it.
+                let bytes = |a: u64, len: usize| match len {
+                    0 => vec![],
+                    _ => unsafe { std::slice::from_raw_parts(a as *const u8, len).to_vec() },
+                };
+                let back = moment_from_bytes(p.kind, &bytes(p.data, d), &bytes(p.scales, s));
+                assert_eq!(&back, m, "{f:?} {dt}");
+            }
+        }
+    }
+    assert_eq!(moment_from_bytes(MomentKind::None, &[], &[]), None);
+}
