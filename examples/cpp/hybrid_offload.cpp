@@ -3,6 +3,11 @@
 // CPU-offloaded shards of Megatron's HybridDeviceOptimizer), every parameter is stepped
 // with AdamW + quant8 state + 24-bit master weights, the state is packed and saved, then
 // reloaded into a fresh optimizer whose next steps must match the original bit for bit.
+// Its GPU half puts the resident parameters on GPU 0 (the shards Megatron keeps on the
+// device) and steps them in the same fo_optimizer_step as the host arena's, on the
+// caller's stream; the result must be the bits of an all-host run. It is skipped, saying
+// why, where libcuda, a GPU or a `--features cuda` build of libfo is missing.
+#include <dlfcn.h>
 #include <fo.h>
 
 #include <cmath>
@@ -66,12 +71,27 @@ struct Model {
   }
 };
 
-fo_tensor bf16_tensor(void* data, const Param& p) {
-  return fo_tensor{data, 2 /* BF16 */, static_cast<int32_t>(p.shape.size()), p.shape.data(), nullptr, -1};
+fo_tensor bf16_tensor(void* data, const Param& p, int32_t device = -1) {
+  return fo_tensor{data, 2 /* BF16 */, static_cast<int32_t>(p.shape.size()), p.shape.data(), nullptr, device};
 }
 
-// Two groups: the planner's host-offloaded params (group 0) and the rest (group 1).
-fo_optimizer* make_optimizer(Model& m, const std::vector<int32_t>& offloaded) {
+void init(Model& m) {
+  for (size_t i = 0; i < kParams.size(); ++i)
+    for (int64_t j = 0; j < kParams[i].numel(); ++j) m.data[i][j] = to_bf16(std::cos(0.11f * j + i) * 0.5f);
+}
+
+// Where the GPU half keeps the resident parameters and their gradients (device
+// addresses; 0 for parameters in the host arena).
+struct OnDevice {
+  std::vector<unsigned long long> param, grad;
+};
+
+// Two groups: the planner's host-offloaded params (group 0) and the rest (group 1), whose
+// memory is `dev->param[i]` on GPU 0 where `dev` is given. Returns NULL, with fo's
+// message in `refused`, when fo refuses a parameter (a device one, by a build without GPU
+// support).
+fo_optimizer* make_optimizer(Model& m, const std::vector<int32_t>& offloaded, const OnDevice* dev = nullptr,
+                             std::string* refused = nullptr) {
   fo_optim_config cfg;
   fo_optim_config_default(0 /* AdamW */, &cfg);
   cfg.lr = 1e-2;
@@ -83,16 +103,70 @@ fo_optimizer* make_optimizer(Model& m, const std::vector<int32_t>& offloaded) {
   int32_t device_group = -1;
   check(fo_optimizer_add_param_group(opt, &cfg, &device_group), "fo_optimizer_add_param_group");
   for (size_t i = 0; i < kParams.size(); ++i) {
-    fo_tensor t = bf16_tensor(m.data[i], kParams[i]);
+    bool gpu = dev && dev->param[i] != 0;
+    fo_tensor t = gpu ? bf16_tensor(reinterpret_cast<void*>(dev->param[i]), kParams[i], 0)
+                      : bf16_tensor(m.data[i], kParams[i]);
     int32_t index = -1;
-    check(fo_optimizer_add_param_to_group(opt, kParams[i].fqn, &t, nullptr, offloaded[i] ? 0 : device_group, &index),
-          "fo_optimizer_add_param_to_group");
+    fo_status st =
+        fo_optimizer_add_param_to_group(opt, kParams[i].fqn, &t, nullptr, offloaded[i] ? 0 : device_group, &index);
+    if (st != FO_OK && gpu && refused) {
+      *refused = fo_last_error_message();
+      fo_optimizer_destroy(opt);
+      return nullptr;
+    }
+    check(st, "fo_optimizer_add_param_to_group");
   }
   return opt;
 }
 
-// Deterministic bf16 gradients for step `s`.
-void step(fo_optimizer* opt, int s) {
+// The few CUDA driver entry points the GPU half uses, loaded at run time so that the
+// example builds and runs (skipping that half) where CUDA is absent.
+struct Cuda {
+  int (*Init)(unsigned) = nullptr;
+  int (*DeviceGetCount)(int*) = nullptr;
+  int (*PrimaryCtxRetain)(void**, int) = nullptr;
+  int (*CtxPushCurrent)(void*) = nullptr;
+  int (*MemAlloc)(unsigned long long*, size_t) = nullptr;
+  int (*MemFree)(unsigned long long) = nullptr;
+  int (*MemcpyHtoD)(unsigned long long, const void*, size_t) = nullptr;
+  int (*MemcpyDtoH)(void*, unsigned long long, size_t) = nullptr;
+  int (*StreamCreate)(void**, unsigned) = nullptr;
+  int (*StreamSynchronize)(void*) = nullptr;
+
+  // Empty when usable, else why not.
+  std::string load() {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return "libcuda.so.1 could not be loaded (no NVIDIA driver)";
+    bool ok = sym(lib, "cuInit", Init) && sym(lib, "cuDeviceGetCount", DeviceGetCount) &&
+              sym(lib, "cuDevicePrimaryCtxRetain", PrimaryCtxRetain) &&
+              sym(lib, "cuCtxPushCurrent_v2", CtxPushCurrent) &&
+              sym(lib, "cuMemAlloc_v2", MemAlloc) && sym(lib, "cuMemFree_v2", MemFree) &&
+              sym(lib, "cuMemcpyHtoD_v2", MemcpyHtoD) && sym(lib, "cuMemcpyDtoH_v2", MemcpyDtoH) &&
+              sym(lib, "cuStreamCreate", StreamCreate) && sym(lib, "cuStreamSynchronize", StreamSynchronize);
+    if (!ok) return "libcuda.so.1 lacks a driver API entry point this example uses";
+    int count = 0;
+    if (Init(0) != 0 || DeviceGetCount(&count) != 0 || count == 0) return "no CUDA device";
+    void* ctx = nullptr;
+    if (PrimaryCtxRetain(&ctx, 0) != 0 || CtxPushCurrent(ctx) != 0) return "GPU 0's primary context is unavailable";
+    return "";
+  }
+  template <typename F>
+  static bool sym(void* lib, const char* name, F& f) {
+    f = reinterpret_cast<F>(dlsym(lib, name));
+    return f != nullptr;
+  }
+};
+
+void cu_check(int r, const char* what) {
+  if (r != 0) {
+    std::fprintf(stderr, "%s failed: CUresult %d\n", what, r);
+    std::exit(1);
+  }
+}
+
+// Deterministic bf16 gradients for step `s`; the resident parameters' go to their device
+// buffers where `dev` is given, and the step runs on `stream`, waited for before return.
+void step(fo_optimizer* opt, int s, const OnDevice* dev = nullptr, const Cuda* cu = nullptr, void* stream = nullptr) {
   std::vector<std::vector<uint16_t>> grads;
   std::vector<fo_tensor> views;
   for (size_t i = 0; i < kParams.size(); ++i) {
@@ -100,8 +174,77 @@ void step(fo_optimizer* opt, int s) {
     for (size_t j = 0; j < g.size(); ++j) g[j] = to_bf16(std::sin(0.37f * (j + 1) + 1.3f * s + i) * 0.1f);
     grads.push_back(std::move(g));
   }
-  for (size_t i = 0; i < kParams.size(); ++i) views.push_back(bf16_tensor(grads[i].data(), kParams[i]));
+  for (size_t i = 0; i < kParams.size(); ++i) {
+    if (dev && dev->grad[i] != 0) {
+      cu_check(cu->MemcpyHtoD(dev->grad[i], grads[i].data(), grads[i].size() * 2), "cuMemcpyHtoD (grad)");
+      views.push_back(bf16_tensor(reinterpret_cast<void*>(dev->grad[i]), kParams[i], 0));
+    } else {
+      views.push_back(bf16_tensor(grads[i].data(), kParams[i]));
+    }
+  }
   check(fo_optimizer_step(opt, views.data(), views.size()), "fo_optimizer_step");
+  // The device gradients are reused by the next step: wait for this one's kernels.
+  if (cu) cu_check(cu->StreamSynchronize(stream), "cuStreamSynchronize");
+}
+
+// The GPU half: returns the number of mismatching parameters (0 also when skipped).
+int gpu_half(const std::vector<int32_t>& offloaded) {
+  Cuda cu;
+  std::string why = cu.load();
+  if (!why.empty()) {
+    std::printf("GPU half skipped: %s\n", why.c_str());
+    return 0;
+  }
+  const int kSteps = 5;
+  Model host(offloaded), hybrid(offloaded);
+  init(host);
+  init(hybrid);
+  OnDevice dev;
+  for (size_t i = 0; i < kParams.size(); ++i) {
+    unsigned long long p = 0, g = 0;
+    if (!offloaded[i]) {
+      size_t bytes = static_cast<size_t>(kParams[i].numel()) * 2;
+      cu_check(cu.MemAlloc(&p, bytes), "cuMemAlloc");
+      cu_check(cu.MemAlloc(&g, bytes), "cuMemAlloc");
+      cu_check(cu.MemcpyHtoD(p, hybrid.data[i], bytes), "cuMemcpyHtoD (param)");
+    }
+    dev.param.push_back(p);
+    dev.grad.push_back(g);
+  }
+  std::string refused;
+  fo_optimizer* opt = make_optimizer(hybrid, offloaded, &dev, &refused);
+  if (!opt) {
+    std::printf("GPU half skipped: %s\n", refused.c_str());
+    return 0;
+  }
+  void* stream = nullptr;
+  cu_check(cu.StreamCreate(&stream, 0), "cuStreamCreate");
+  check(fo_optimizer_set_stream(opt, stream), "fo_optimizer_set_stream");
+  fo_optimizer* ref = make_optimizer(host, offloaded);
+  for (int s = 0; s < kSteps; ++s) {
+    step(ref, s);
+    step(opt, s, &dev, &cu, stream);
+  }
+  int failures = 0, on_gpu = 0;
+  for (size_t i = 0; i < kParams.size(); ++i) {
+    if (dev.param[i] != 0) {
+      ++on_gpu;
+      cu_check(cu.MemcpyDtoH(hybrid.data[i], dev.param[i], static_cast<size_t>(kParams[i].numel()) * 2),
+               "cuMemcpyDtoH");
+      cu.MemFree(dev.param[i]);
+      cu.MemFree(dev.grad[i]);
+    }
+    if (std::memcmp(host.data[i], hybrid.data[i], static_cast<size_t>(kParams[i].numel()) * 2) != 0) {
+      std::fprintf(stderr, "%s: GPU/host hybrid step differs from the all-host step\n", kParams[i].fqn);
+      ++failures;
+    }
+  }
+  fo_optimizer_destroy(opt);
+  fo_optimizer_destroy(ref);
+  std::printf("GPU half: %d params on GPU 0, %d in the host arena, %d steps: %s\n", on_gpu,
+              static_cast<int>(kParams.size()) - on_gpu, kSteps,
+              failures == 0 ? "bit-identical to the all-host step" : "MISMATCH");
+  return failures;
 }
 
 std::vector<std::string> state_keys(const fo_optimizer* opt, int32_t i) {
@@ -147,8 +290,7 @@ int main(int argc, char** argv) {
                 offloaded[i] ? "host arena (offloaded)" : "resident");
 
   Model model(offloaded);
-  for (size_t i = 0; i < kParams.size(); ++i)
-    for (int64_t j = 0; j < kParams[i].numel(); ++j) model.data[i][j] = to_bf16(std::cos(0.11f * j + i) * 0.5f);
+  init(model);
   fo_optimizer* opt = make_optimizer(model, offloaded);
   for (int s = 0; s < 5; ++s) step(opt, s);
   uint64_t state_bytes = 0;
@@ -207,5 +349,6 @@ int main(int argc, char** argv) {
   fo_optimizer_destroy(opt);
   fo_optimizer_destroy(opt2);
   std::printf("hybrid_offload: %s\n", failures == 0 ? "reloaded state steps identically" : "MISMATCH");
+  failures += gpu_half(offloaded);
   return failures == 0 ? 0 : 1;
 }
