@@ -3,13 +3,14 @@
 //! state, and the step. The device half of the step is in `device_step`.
 use rayon::prelude::*;
 
-use super::config::{OptimConfig, StateFormat};
+use super::config::OptimConfig;
+use super::gpu::table::StateLayout;
 use super::gpu::{self, DeviceState};
 use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
 use super::rule::Rule;
-use super::state::{ErrorBits, Moment, ParamState, Root};
+use super::state::ParamState;
 use super::threads;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -302,34 +303,7 @@ impl Optimizer {
     /// Fresh (zero) state for parameter `i` in its group's format.
     pub(crate) fn new_state(&self, i: usize) -> ParamState {
         let p = &self.params[i];
-        let cfg = &self.groups[p.group];
-        let n = p.tensor.numel();
-        let half = Half::from_dtype(p.tensor.dtype()).ok();
-        let plain = || match (cfg.state_format, half) {
-            (StateFormat::ParamDtype, Some(h)) => Moment::Half(h, vec![0; n]),
-            _ => Moment::F32(vec![0.0; n]),
-        };
-        let m = cfg.has_momentum_state().then(|| match cfg.state_format {
-            StateFormat::Quant8 | StateFormat::Quant8Wide => Moment::zeros_signed(n),
-            _ => plain(),
-        });
-        let v = cfg.algorithm.is_adam().then(|| match cfg.state_format {
-            StateFormat::Quant8 => Moment::zeros_unsigned(n, Root::Sqrt),
-            StateFormat::Quant8Wide => Moment::zeros_unsigned(n, Root::Fourth),
-            _ => plain(),
-        });
-        let error_bits = match cfg.master_weight_bits {
-            24 => Some(ErrorBits::I8(vec![0; n])),
-            32 => Some(ErrorBits::I16(vec![0; n])),
-            _ => None,
-        };
-        ParamState {
-            step: 0,
-            m,
-            v,
-            error_bits,
-            m_valid: false,
-        }
+        StateLayout::of(&self.groups[p.group], p.tensor.dtype()).zeroed(p.tensor.numel())
     }
 
     /// One optimizer step. `grads[i]` is parameter `i`'s gradient, `None` to skip it

@@ -120,6 +120,32 @@ impl StateLayout {
         }
     }
 
+    /// Zeroed host state of `n` elements in this layout: `Optimizer::new_state` builds
+    /// host state here, so host and device state follow one decision.
+    pub fn zeroed(&self, n: usize) -> ParamState {
+        use super::super::master_split::Half;
+        let moment = |kind: MomentKind| match kind {
+            MomentKind::None => None,
+            MomentKind::F32 => Some(Moment::F32(vec![0.0; n])),
+            MomentKind::F16 => Some(Moment::Half(Half::F16, vec![0; n])),
+            MomentKind::BF16 => Some(Moment::Half(Half::BF16, vec![0; n])),
+            MomentKind::Q8Signed => Some(Moment::zeros_signed(n)),
+            MomentKind::Q8Sqrt => Some(Moment::zeros_unsigned(n, Root::Sqrt)),
+            MomentKind::Q8Fourth => Some(Moment::zeros_unsigned(n, Root::Fourth)),
+        };
+        ParamState {
+            step: 0,
+            m: moment(self.m),
+            v: moment(self.v),
+            error_bits: match self.error_bits_width {
+                8 => Some(ErrorBits::I8(vec![0; n])),
+                16 => Some(ErrorBits::I16(vec![0; n])),
+                _ => None,
+            },
+            m_valid: false,
+        }
+    }
+
     /// Bytes of a moment's codes or values and of its fp16 scales, for `n` elements.
     pub fn moment_bytes(kind: MomentKind, n: usize) -> (usize, usize) {
         let scales = 2 * n.div_ceil(GROUP);
