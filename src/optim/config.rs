@@ -17,6 +17,15 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm, in C ABI code order.
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::AdamW,
+        Algorithm::Adam,
+        Algorithm::Sgd,
+        Algorithm::SgdW,
+        Algorithm::Lion,
+    ];
+
     pub fn from_code(c: i32) -> Result<Algorithm> {
         Ok(match c {
             0 => Algorithm::AdamW,
@@ -333,13 +342,7 @@ mod tests {
 
     #[test]
     fn defaults_validate_and_bad_values_name_the_field() {
-        for a in [
-            Algorithm::AdamW,
-            Algorithm::Adam,
-            Algorithm::Sgd,
-            Algorithm::SgdW,
-            Algorithm::Lion,
-        ] {
+        for a in Algorithm::ALL {
             OptimConfig::default_for(a).validate().unwrap();
             assert_eq!(Algorithm::from_code(a.code()).unwrap(), a);
         }

@@ -193,13 +193,7 @@ mod tests {
     #[test]
     fn every_algorithm_and_format_is_covered() {
         let r = rules();
-        for a in [
-            Algorithm::AdamW,
-            Algorithm::Adam,
-            Algorithm::Sgd,
-            Algorithm::SgdW,
-            Algorithm::Lion,
-        ] {
+        for a in Algorithm::ALL {
             assert!(r.iter().any(|(_, c)| c.algorithm == a), "{a:?}");
         }
         assert!(r.iter().all(|(_, c)| c.validate().is_ok()));

@@ -175,13 +175,7 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
         }
     };
     let mut cfgs = Vec::new();
-    for a in [
-        Algorithm::AdamW,
-        Algorithm::Adam,
-        Algorithm::Sgd,
-        Algorithm::SgdW,
-        Algorithm::Lion,
-    ] {
+    for a in Algorithm::ALL {
         for (momentum, nesterov, dampening) in
             [(0.0, false, 0.0), (0.9, true, 0.0), (0.8, false, 0.3)]
         {

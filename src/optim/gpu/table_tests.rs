@@ -280,13 +280,7 @@ fn moment_kinds_follow_the_stored_format() {
 #[test]
 fn state_layout_is_what_new_state_creates() {
     use crate::optim::config::Arithmetic;
-    let algos = [
-        Algorithm::AdamW,
-        Algorithm::Adam,
-        Algorithm::Sgd,
-        Algorithm::SgdW,
-        Algorithm::Lion,
-    ];
+    let algos = Algorithm::ALL;
     let formats = [
         StateFormat::Fp32,
         StateFormat::ParamDtype,
