@@ -131,7 +131,9 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
             p.fast.opt.set_states(i, &entries).unwrap();
         }
     }
-    let before: Vec<Vec<f32>> = (0..p.shapes.len()).map(|i| p.exact.opt.master(i)).collect();
+    let before: Vec<Vec<f32>> = (0..p.shapes.len())
+        .map(|i| p.exact.opt.master(i).unwrap())
+        .collect();
     step(&mut p.exact, &p.shapes, &mut grads.to_vec(), gdt);
     step(&mut p.fast, &p.shapes, &mut grads.to_vec(), gdt);
     let fine = p.bits == 32 || p.dtype == DType::F32;
@@ -140,7 +142,10 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
         ..Worst::default()
     };
     for (i, before) in before.iter().enumerate() {
-        let (e, f) = (p.exact.opt.master(i), p.fast.opt.master(i));
+        let (e, f) = (
+            p.exact.opt.master(i).unwrap(),
+            p.fast.opt.master(i).unwrap(),
+        );
         for ((&e, &f), &b) in e.iter().zip(&f).zip(before) {
             if e.is_nan() && f.is_nan() {
                 continue;
@@ -406,7 +411,7 @@ fn fast_accuracy(name: &str, format: StateFormat) -> (f64, f64) {
             .collect();
         for got in [
             (0..n).flat_map(|i| run.param_f32(i)).collect::<Vec<f32>>(),
-            (0..n).flat_map(|i| run.opt.master(i)).collect(),
+            (0..n).flat_map(|i| run.opt.master(i).unwrap()).collect(),
         ] {
             let (cos, nmse) = cosine_nmse(&got, &r);
             worst_cos = worst_cos.min(cos);

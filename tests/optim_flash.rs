@@ -163,7 +163,7 @@ fn accuracy(name: &str, format: StateFormat) -> (f64, f64) {
         let r = reference(&o, n, t);
         for got in [
             concat(&run, n, |r, i| r.param_f32(i)),
-            concat(&run, n, |r, i| r.opt.master(i)),
+            concat(&run, n, |r, i| r.opt.master(i).unwrap()),
         ] {
             let (cos, nmse) = cosine_nmse(&got, &r);
             worst_cos = worst_cos.min(cos);

@@ -1,7 +1,7 @@
 //! The optimizer glue: pack an `Optimizer`'s local state (compressed or portable), save
 //! it streaming, and load any checkpoint back into it, all-or-nothing.
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde_json::Value;
@@ -77,10 +77,6 @@ pub(super) fn plan_entries(
     opt: &Optimizer,
     o: &SaveOptions,
 ) -> Result<(Vec<EntryMeta>, Vec<Source>)> {
-    // Device state is not staged to the host yet: refuse rather than leave it out.
-    for i in 0..opt.num_params() {
-        opt.host_only(i, "checkpoint")?;
-    }
     let (mut metas, mut srcs) = (Vec::new(), Vec::new());
     let mut push = |key: String, dtype, shape: Vec<usize>, spec: Option<ShardSpec>, layout, src| {
         metas.push(EntryMeta {
@@ -242,8 +238,7 @@ pub(super) fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
 pub(super) fn fetch(opt: &Optimizer, s: &Source) -> Result<Tensor> {
     match s {
         Source::State { i, key, dtype } => opt.get_state_as(*i, key, *dtype),
-        // SAFETY: registered params stay valid for the optimizer's lifetime.
-        Source::Param(i) => Ok(unsafe { opt.param(*i).to_tensor() }),
+        Source::Param(i) => opt.param_tensor(*i),
     }
 }
 
@@ -328,9 +323,6 @@ fn base(name: &str) -> &str {
 /// read and checked into fresh buffers first; the optimizer changes only if all of it
 /// applies (a failure while applying restores every param's previous state).
 pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadReport> {
-    for i in 0..opt.num_params() {
-        opt.host_only(i, "checkpoint load")?;
-    }
     let ck = Checkpoint::open(dir)?;
     let mut report = LoadReport::default();
     let mut taken = BTreeSet::new();
@@ -481,15 +473,10 @@ fn apply(
     staged: Vec<(usize, Vec<(String, Tensor)>)>,
     groups: Vec<(usize, crate::optim::OptimConfig)>,
 ) -> Result<()> {
-    let before: BTreeMap<usize, _> = staged
+    let before = staged
         .iter()
-        .map(|(i, _)| (*i, opt.params[*i].state.clone()))
-        .collect();
-    // SAFETY: registered params stay valid for the optimizer's lifetime.
-    let memory: BTreeMap<usize, Tensor> = staged
-        .iter()
-        .map(|(i, _)| (*i, unsafe { opt.param(*i).to_tensor() }))
-        .collect();
+        .map(|(i, _)| Ok((*i, opt.snapshot(*i)?)))
+        .collect::<Result<Vec<_>>>()?;
     let old_groups: Vec<_> = groups
         .iter()
         .map(|(g, _)| (*g, opt.group_config(*g).clone()))
@@ -499,8 +486,7 @@ fn apply(
             let (raw, states): (Vec<_>, Vec<_>) =
                 entries.iter().cloned().partition(|(k, _)| k == RAW_PARAM);
             for (_, t) in raw {
-                // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-                unsafe { opt.param(*i).write_bytes(&t.data)? };
+                opt.write_param(*i, &t.data)?;
             }
             opt.set_states(*i, &states)?;
         }
@@ -510,10 +496,8 @@ fn apply(
         Ok(())
     })();
     if result.is_err() {
-        for (i, st) in before {
-            opt.params[i].state = st;
-            // SAFETY: as above; the bytes are the param's own previous contents.
-            unsafe { opt.param(i).write_bytes(&memory[&i].data)? };
+        for (i, snap) in before {
+            opt.restore(i, snap)?;
         }
         for (g, c) in old_groups {
             opt.groups[g] = c;

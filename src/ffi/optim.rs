@@ -434,7 +434,6 @@ pub unsafe extern "C" fn fo_optimizer_state_keys(
         let opt = opt_ref(opt)?;
         let i = self::index(index, "index")?;
         opt.check_index(i)?;
-        opt.host_only(i, "fo_optimizer_state_keys")?;
         write_string(&opt.state_keys(i).join("\n"), buf, capacity, out_len)
     })
 }

@@ -22,21 +22,6 @@ pub(crate) struct DeviceStep {
 }
 
 impl Optimizer {
-    /// An error unless parameter `i`'s state is host memory: the entry points reading
-    /// or writing state and parameter bytes on the host (state get/set, checkpoints)
-    /// do not follow device state yet.
-    pub fn host_only(&self, i: usize, what: &str) -> Result<()> {
-        let p = &self.params[i];
-        if p.device >= 0 {
-            return Err(Error::Unsupported(format!(
-                "{what}: parameter {} is on CUDA device {}; its state stays on the device, \
-                 and reading or writing it from the host is not available yet",
-                p.fqn, p.device
-            )));
-        }
-        Ok(())
-    }
-
     /// Sets the `CUstream` device steps are launched on (0: the legacy default stream).
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
         gpu::stream_support()?;
@@ -144,7 +129,7 @@ impl Optimizer {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
                     let layout = StateLayout::of(cfg, p.tensor.dtype());
-                    let st = gpu::new_device_state(p.device, layout, n, self.stream)?;
+                    let st = DeviceState::zeroed(p.device, layout, n, self.stream)?;
                     let ptrs = st.ptrs();
                     s.fresh.push((i, st));
                     (false, ptrs)

@@ -2,7 +2,6 @@
 //! through `register` (as `add_param_on` does once the device opens) over host memory the
 //! step never reaches, since every case here fails before a launch.
 use super::*;
-use crate::ckpt::optim::{pack, Mode, SaveOptions};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
@@ -77,37 +76,6 @@ fn device_grads_of_host_params_are_refused_and_nothing_changes() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("0 devices given for 1 gradients"), "{e}");
-}
-
-#[test]
-fn device_param_state_stays_off_the_host_paths() {
-    let (mut h, mut d) = (vec![1f32; 40], vec![2f32; 40]);
-    let opt = hybrid(adamw(StateFormat::Fp32), &mut h, &mut d);
-    assert_eq!(opt.param_device(1), 0);
-    assert!(opt.host_only(0, "x").is_ok());
-    let e = opt.get_state(1, "master").unwrap_err().to_string();
-    assert!(
-        e.contains("get_state: parameter d is on CUDA device 0"),
-        "{e}"
-    );
-    let mut opt = opt;
-    let e = opt.set_states(1, &[]).unwrap_err().to_string();
-    assert!(
-        e.contains("set_state: parameter d is on CUDA device 0"),
-        "{e}"
-    );
-    let e = pack(&opt, &SaveOptions::new(0, 1, Mode::Compressed))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        e.contains("checkpoint: parameter d is on CUDA device 0"),
-        "{e}"
-    );
-    assert!(
-        opt.get_state(0, "master").is_ok(),
-        "host params keep every path"
-    );
 }
 
 #[test]

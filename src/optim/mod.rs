@@ -10,6 +10,7 @@
 //!   `fused`: its step, one quantization group at a time in registers;
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
+//!   `staging`: device parameters and state seen from the host, for state_io and checkpoints;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
 //!   `threads`: fo's thread pool;
 //! - `gpu`: the GPU kernels' source (proven on the host), the launch table, and with
@@ -31,6 +32,7 @@ pub mod threads;
 
 mod groups_json;
 mod kernel;
+mod staging;
 mod state_io;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};

@@ -59,7 +59,16 @@ impl Optimizer {
     /// before its first step). `step` is listed for Adam/AdamW, as torch stores it.
     pub fn state_keys(&self, i: usize) -> Vec<String> {
         let p = &self.params[i];
-        let Some(st) = &p.state else { return vec![] };
+        // A device state's keys follow from its layout: nothing is read back for them.
+        let empty;
+        let st = match (&p.state, &p.gpu) {
+            (Some(st), _) => st,
+            (None, Some(g)) => {
+                empty = g.layout.zeroed(0);
+                &empty
+            }
+            (None, None) => return vec![],
+        };
         let a = self.groups[p.group].algorithm;
         let mut out = Vec::new();
         if a.is_adam() {
@@ -78,48 +87,50 @@ impl Optimizer {
     }
 
     /// The f32 master weights of parameter `i` (error bits applied when present).
-    pub fn master(&self, i: usize) -> Vec<f32> {
-        let p = &self.params[i];
-        // SAFETY: registered params stay valid for the optimizer's lifetime.
-        let t = unsafe { p.tensor.to_tensor() };
-        match (
-            Half::from_dtype(t.dtype),
-            p.state.as_ref().and_then(|s| s.error_bits.as_ref()),
-        ) {
-            (Ok(h), Some(e)) => {
-                let bits: Vec<u16> = t
-                    .data
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect();
-                match e {
-                    ErrorBits::I8(e) => bits
-                        .iter()
-                        .zip(e)
-                        .map(|(&b, &c)| reconstruct_one(h, b, c))
-                        .collect(),
-                    ErrorBits::I16(e) => bits
-                        .iter()
-                        .zip(e)
-                        .map(|(&b, &c)| reconstruct_one(h, b, c))
-                        .collect(),
+    pub fn master(&self, i: usize) -> Result<Vec<f32>> {
+        self.check_index(i)?;
+        let t = self.param_tensor(i)?;
+        let st = self.staged_state(i)?;
+        Ok(
+            match (
+                Half::from_dtype(t.dtype),
+                st.as_ref().and_then(|s| s.error_bits.as_ref()),
+            ) {
+                (Ok(h), Some(e)) => {
+                    let bits: Vec<u16> = t
+                        .data
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect();
+                    match e {
+                        ErrorBits::I8(e) => bits
+                            .iter()
+                            .zip(e)
+                            .map(|(&b, &c)| reconstruct_one(h, b, c))
+                            .collect(),
+                        ErrorBits::I16(e) => bits
+                            .iter()
+                            .zip(e)
+                            .map(|(&b, &c)| reconstruct_one(h, b, c))
+                            .collect(),
+                    }
                 }
-            }
-            _ => t.to_f32().expect("param dtypes are float"),
-        }
+                _ => t.to_f32()?,
+            },
+        )
     }
 
     /// One state entry of parameter `i`: raw keys as stored, moment names decoded to f32,
     /// `step` as an f32 0-dim tensor, `master` as f32.
     pub fn get_state(&self, i: usize, key: &str) -> Result<Tensor> {
         self.check_index(i)?;
-        self.host_only(i, "get_state")?;
         let p = &self.params[i];
         let shape = p.tensor.shape().to_vec();
         if key == "master" {
-            return Ok(f32_tensor(&shape, &self.master(i)));
+            return Ok(f32_tensor(&shape, &self.master(i)?));
         }
-        let st = p.state.as_ref().ok_or_else(|| {
+        let st = self.staged_state(i)?;
+        let st = st.as_deref().ok_or_else(|| {
             Error::NotFound(format!(
                 "parameter {} has no optimizer state yet (no step taken, nothing loaded)",
                 p.fqn
@@ -221,11 +232,10 @@ impl Optimizer {
     /// anything changes; on error nothing is modified.
     pub fn set_states(&mut self, i: usize, entries: &[(String, Tensor)]) -> Result<()> {
         self.check_index(i)?;
-        self.host_only(i, "set_state")?;
-        let mut st: ParamState = self.params[i]
-            .state
-            .clone()
-            .unwrap_or_else(|| self.new_state(i));
+        let mut st: ParamState = match self.staged_state(i)? {
+            Some(s) => s.into_owned(),
+            None => self.new_state(i),
+        };
         let p = &self.params[i];
         let fqn = p.fqn.clone();
         let shape = p.tensor.shape().to_vec();
@@ -375,11 +385,9 @@ impl Optimizer {
         }
         // All checked: apply.
         if let Some(data) = param_bytes {
-            // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-            unsafe { self.params[i].tensor.write_bytes(&data)? };
+            self.write_param(i, &data)?;
         }
-        self.params[i].state = Some(st);
-        Ok(())
+        self.store_state(i, st)
     }
 }
 

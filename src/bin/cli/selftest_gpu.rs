@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use cudarc::driver::{result as cu, sys as cusys};
+use fo::ckpt::optim::{pack, Mode, ParamsAs, SaveOptions};
 use fo::optim::gpu::table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, HostTensor};
@@ -79,17 +80,8 @@ impl Drop for Buf {
 }
 
 fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => v
-            .iter()
-            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+    let f32s = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    fo::cast::cast(f32s, DType::F32, dtype, "selftest values").expect("floats cast to floats")
 }
 
 /// Inputs spanning small and large magnitudes, with exact zeros.
@@ -109,8 +101,9 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 const SIZES: [usize; 4] = [1000, 33, 4097, 65543];
 const STEPS: usize = 3;
 
-/// One rule x format x dtype on both sides from the same inputs; mismatching elements.
-fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<usize, String> {
+/// One rule x format x dtype on both sides from the same inputs: mismatching elements
+/// (params and state), and mismatching entries of their checkpoints (`fo_state_pack`).
+fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usize), String> {
     let err = |e: fo::Error| e.to_string();
     let (mut cpu, mut gpu) = (
         Optimizer::new(cfg.clone()).map_err(err)?,
@@ -176,8 +169,18 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<usize, Strin
         let want = cpu.param_state(i).ok_or("the CPU step created no state")?;
         bad += state_mismatches(&gpu.device_state(i).map_err(err)?, want);
     }
+    // The GPU state's checkpoint, staged through the host, is the CPU state's.
+    let mut o = SaveOptions::new(0, 1, Mode::Compressed);
+    o.params = Some(ParamsAs::Stored);
+    let (a, b) = (pack(&cpu, &o).map_err(err)?, pack(&gpu, &o).map_err(err)?);
+    let ckpt = a.entries.len().abs_diff(b.entries.len())
+        + a.entries
+            .iter()
+            .zip(&b.entries)
+            .filter(|(x, y)| x != y)
+            .count();
     drop((cpu, gpu));
-    Ok(bad)
+    Ok((bad, ckpt))
 }
 
 /// Seconds of the best of `iters` GPU steps over `n` parameters in 64 tensors, and the
@@ -276,25 +279,26 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
         cuda("cuCtxSetCurrent", cu::ctx::set_current(ctx))?;
     }
     println!("fo selftest on CUDA device {ordinal} ({name}): GPU vs CPU, bit for bit");
-    let (mut combos, mut bad) = (0, 0);
+    let (mut combos, mut bad, mut bad_ckpt) = (0, 0, 0);
     for (rule, base) in rules() {
         for format in FORMATS {
             for (dtype, mw) in [(DType::F32, 0), (DType::BF16, 24), (DType::F16, 32)] {
                 let mut cfg = base.clone();
                 (cfg.state_format, cfg.master_weight_bits) = (format, mw);
-                let m = compare(ordinal, &cfg, dtype)?;
-                if m > 0 {
+                let (m, c) = compare(ordinal, &cfg, dtype)?;
+                if m + c > 0 {
                     println!(
-                        "  {rule} {} {dtype} mw{mw}: {m} mismatching elements",
+                        "  {rule} {} {dtype} mw{mw}: {m} mismatching elements, {c} mismatching checkpoint entries",
                         format.name()
                     );
                 }
-                (combos, bad) = (combos + 1, bad + m);
+                (combos, bad, bad_ckpt) = (combos + 1, bad + m, bad_ckpt + c);
             }
         }
     }
     println!(
-        "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements"
+        "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
+         {bad_ckpt} mismatching checkpoint entries"
     );
     let n = a.size.0.max(64);
     let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
@@ -320,9 +324,9 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
             bytes / tc / 1e9
         );
     }
-    if bad > 0 {
+    if bad + bad_ckpt > 0 {
         return Err(format!(
-            "{bad} elements differ between the GPU and the CPU step"
+            "{bad} elements and {bad_ckpt} checkpoint entries differ between the GPU and the CPU step"
         ));
     }
     Ok(())

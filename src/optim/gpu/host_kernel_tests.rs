@@ -5,11 +5,7 @@
 //! CPU step's, bit for bit. This proves the Rust side of a launch (rule scalars, moment
 //! kinds, state addresses, group prefix sums, SGD's first step) against the kernel
 //! without a GPU; skipped, with the reason printed, where g++ is absent.
-use std::ffi::CString;
-use std::path::PathBuf;
-use std::process::Command;
-
-use super::table::{build_table, FoStepTensor, StatePtrs, TableEntry};
+use super::table::{build_table, StatePtrs, TableEntry};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::rule::Rule;
@@ -17,65 +13,11 @@ use crate::optim::state::ParamState;
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 
-type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
-
-/// Builds the host kernel into a shared object and loads `fo_test_run`.
-fn host_kernel() -> Result<RunTable, String> {
-    let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let src = dir.join("run.cpp");
-    // A small grid, so the grid-stride loop and the table search both get exercised.
-    std::fs::write(
-        &src,
-        "#include \"fo_step.cuh\"\n\
-         extern \"C\" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {\n\
-           fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });\n\
-         }\n",
-    )
-    .map_err(|e| e.to_string())?;
-    let so = dir.join("run.so");
-    let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
-    let out = Command::new("g++")
-        .args([
-            "-std=c++17",
-            "-O1",
-            "-ffp-contract=off",
-            "-shared",
-            "-fPIC",
-            "-I",
-        ])
-        .arg(&kernels)
-        .arg(&src)
-        .arg("-o")
-        .arg(&so)
-        .output()
-        .map_err(|e| format!("g++ not runnable: {e}"))?;
-    if !out.status.success() {
-        panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: a library built just above; the symbol has the declared C signature.
-    unsafe {
-        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
-        assert!(!h.is_null(), "dlopen {so:?}");
-        let f = libc::dlsym(h, c"fo_test_run".as_ptr());
-        assert!(!f.is_null(), "dlsym fo_test_run");
-        Ok(std::mem::transmute::<*mut libc::c_void, RunTable>(f))
-    }
-}
+use super::emulated::{host_kernel, RunTable};
 
 fn encode(dt: DType, v: &[f32]) -> Vec<u8> {
-    match dt {
-        DType::BF16 => v
-            .iter()
-            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
-            .collect(),
-        _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+    let f32s = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    crate::cast::cast(f32s, DType::F32, dt, "test values").unwrap()
 }
 
 /// Values over many magnitudes with zeros, deterministic.

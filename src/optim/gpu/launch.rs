@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
+use super::backend::Backend;
 use super::table::StepTable;
 use super::KERNEL_SOURCES;
 use crate::error::{Error, Result};
@@ -207,7 +208,7 @@ impl Device {
     /// `stream` must be a valid stream of this device (or null), and every address in
     /// the table must be device memory of this device that stays valid until the kernel
     /// has run.
-    pub unsafe fn launch(&self, table: &StepTable, stream: cusys::CUstream) -> Result<()> {
+    pub unsafe fn launch_table(&self, table: &StepTable, stream: cusys::CUstream) -> Result<()> {
         if table.tensors.is_empty() {
             return Ok(());
         }
@@ -239,66 +240,51 @@ impl Device {
     }
 }
 
-impl Device {
-    /// Copies `dst.len()` bytes from device address `src` into `dst` after the work
-    /// queued on `stream`, and waits for it (the one place fo waits: reading state back).
-    ///
-    /// # Safety
-    /// `src` must be `dst.len()` readable bytes of this device; `stream` valid or null.
-    pub unsafe fn download(&self, src: u64, dst: &mut [u8], stream: cusys::CUstream) -> Result<()> {
+fn stream_of(s: usize) -> cusys::CUstream {
+    s as cusys::CUstream
+}
+
+impl Backend for Device {
+    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx)?;
+        let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
+        if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
+            let _ = cu::free_sync(ptr);
+            return Err(cuda_err("cuMemsetD8Async", e));
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        // cuMemFree waits for the work still using the memory.
+        if let Ok(_cur) = Current::push(self.ctx) {
+            let _ = cu::free_sync(ptr);
+        }
+    }
+
+    unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
         if dst.is_empty() {
             return Ok(());
         }
         let _cur = Current::push(self.ctx)?;
-        cu::memcpy_dtoh_async(dst, src, stream).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-        cu::stream::synchronize(stream).map_err(|e| cuda_err("cuStreamSynchronize", e))
+        let s = stream_of(stream);
+        cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
-}
 
-/// Device memory owned by fo (a parameter's optimizer state), freed on drop.
-pub struct DeviceBuffer {
-    dev: Arc<Device>,
-    pub ptr: u64,
-    pub bytes: usize,
-}
-
-// SAFETY: a device address; freeing it makes the owning context current first.
-unsafe impl Send for DeviceBuffer {}
-unsafe impl Sync for DeviceBuffer {}
-
-impl DeviceBuffer {
-    /// `bytes` of device memory, zeroed in stream order on `stream` (so a kernel later
-    /// on the same stream sees zeros).
-    ///
-    /// # Safety
-    /// `stream` must be a valid stream of `dev` (or null).
-    pub unsafe fn zeroed(
-        dev: &Arc<Device>,
-        bytes: usize,
-        stream: cusys::CUstream,
-    ) -> Result<DeviceBuffer> {
-        let _cur = Current::push(dev.ctx)?;
-        let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
-        let buf = DeviceBuffer {
-            dev: dev.clone(),
-            ptr,
-            bytes,
-        };
-        cu::memset_d8_async(ptr, 0, bytes.max(1), stream)
-            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
-        Ok(buf)
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from cuMemAlloc in this context; cuMemFree waits for work
-        // still using it.
-        unsafe {
-            if let Ok(_cur) = Current::push(self.dev.ctx) {
-                let _ = cu::free_sync(self.ptr);
-            }
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
         }
+        let _cur = Current::push(self.ctx)?;
+        let s = stream_of(stream);
+        cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
+        // A pageable source may be staged lazily: wait, so `src` may be reused at once.
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()> {
+        self.launch_table(table, stream_of(stream))
     }
 }
 

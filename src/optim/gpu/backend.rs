@@ -1,0 +1,59 @@
+//! What the device half needs from a device: memory, copies ordered on a stream, and a
+//! launch of the step kernel. CUDA provides it (feature `cuda`: `launch::Device`); the
+//! unit tests provide a host emulation (`emulated`: host memory, the host build of the
+//! same kernel text), so device state, staging and the hybrid step above this trait run
+//! in CI without a GPU. Only the CUDA implementation of these five calls is left to a GPU.
+use std::sync::Arc;
+
+use super::table::StepTable;
+use crate::error::Result;
+
+/// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
+pub trait Backend: Send + Sync {
+    /// `bytes` (at least 1) of device memory, zeroed in order on `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a valid stream of this device.
+    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64>;
+
+    /// Frees memory from `alloc_zeroed` once the work queued on it is done.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_zeroed` of this backend and is not used afterwards.
+    unsafe fn free(&self, ptr: u64);
+
+    /// Copies `dst.len()` bytes at `src` into `dst` after the work queued on `stream`,
+    /// and waits for the copy.
+    ///
+    /// # Safety
+    /// `src` must be `dst.len()` readable bytes of this device; `stream` valid or 0.
+    unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()>;
+
+    /// Copies `src` to `dst` in order on `stream`, after the work queued there; `src`
+    /// may be reused when this returns.
+    ///
+    /// # Safety
+    /// `dst` must be `src.len()` writable bytes of this device; `stream` valid or 0.
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
+
+    /// Launches one param group's table on `stream` without waiting for it.
+    ///
+    /// # Safety
+    /// Every address in the table must be memory of this device that stays valid until
+    /// the kernel has run; `stream` valid or 0.
+    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()>;
+}
+
+/// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.
+pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
+    #[cfg(test)]
+    if let Some(b) = super::emulated::backend(ordinal) {
+        return Ok(b);
+    }
+    #[cfg(feature = "cuda")]
+    return Ok(super::launch::device(ordinal)? as Arc<dyn Backend>);
+    #[cfg(not(feature = "cuda"))]
+    Err(crate::error::Error::Unsupported(super::device_refusal(
+        ordinal,
+    )))
+}

@@ -1,0 +1,164 @@
+//! A device emulated in host memory, for the unit tests (compiled under `cfg(test)` only):
+//! "device memory" is host memory and a launch runs the kernel text built for the host by
+//! g++ (`-ffp-contract=off`, through the shim header, as ctest builds it). Device
+//! `EMULATED` resolves to it in `backend::backend`, so registration, device state, the
+//! hybrid step and state staging run end to end in CI; only the CUDA calls behind
+//! `launch::Device` are left to a GPU. Unavailable (tests skip, saying why) without g++.
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::backend::Backend;
+use super::table::{FoStepTensor, StepTable};
+use crate::error::{Error, Result};
+
+/// The ordinal tests register emulated device parameters on (far above any real GPU's).
+pub const EMULATED: i32 = 77;
+
+/// The host build of `fo_step_kernel` over a table, on a small grid.
+pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
+
+/// Builds the host kernel into a shared object and loads `fo_test_run` (once per process).
+pub fn host_kernel() -> std::result::Result<RunTable, String> {
+    static K: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let f = K.get_or_init(|| build().map(|f| f as usize)).clone()?;
+    // SAFETY: the address of `fo_test_run`, which has the RunTable signature.
+    Ok(unsafe { std::mem::transmute::<usize, RunTable>(f) })
+}
+
+fn build() -> std::result::Result<RunTable, String> {
+    let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let src = dir.join("run.cpp");
+    // A small grid, so the grid-stride loop and the table search both get exercised.
+    std::fs::write(
+        &src,
+        "#include \"fo_step.cuh\"\n\
+         extern \"C\" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {\n\
+           fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });\n\
+         }\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let so = dir.join("run.so");
+    let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
+    let out = Command::new("g++")
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-ffp-contract=off",
+            "-shared",
+            "-fPIC",
+            "-I",
+        ])
+        .arg(&kernels)
+        .arg(&src)
+        .arg("-o")
+        .arg(&so)
+        .output()
+        .map_err(|e| format!("g++ not runnable: {e}"))?;
+    if !out.status.success() {
+        panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let path = CString::new(so.to_str().unwrap()).unwrap();
+    // SAFETY: a library built just above; the symbol has the declared C signature.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+        assert!(!h.is_null(), "dlopen {so:?}");
+        let f = libc::dlsym(h, c"fo_test_run".as_ptr());
+        assert!(!f.is_null(), "dlsym fo_test_run");
+        Ok(std::mem::transmute::<*mut libc::c_void, RunTable>(f))
+    }
+}
+
+/// Host memory posing as one device's, with the host kernel as its launcher.
+pub struct Emulated {
+    run: RunTable,
+    /// Live allocations and their sizes; tests check that every one is freed.
+    live: Mutex<HashMap<u64, usize>>,
+}
+
+const ALIGN: usize = 256;
+
+impl Emulated {
+    pub fn live_allocations(&self) -> usize {
+        self.live.lock().unwrap().len()
+    }
+}
+
+/// The emulated device for `ordinal == EMULATED` (None for any other ordinal, or where
+/// g++ cannot build the kernel).
+pub fn backend(ordinal: i32) -> Option<Arc<dyn Backend>> {
+    (ordinal == EMULATED)
+        .then(device)
+        .flatten()
+        .map(|d| d as Arc<dyn Backend>)
+}
+
+/// The emulated device, or None where the host kernel cannot be built.
+pub fn device() -> Option<Arc<Emulated>> {
+    static D: OnceLock<Option<Arc<Emulated>>> = OnceLock::new();
+    D.get_or_init(|| {
+        host_kernel().ok().map(|run| {
+            Arc::new(Emulated {
+                run,
+                live: Mutex::new(HashMap::new()),
+            })
+        })
+    })
+    .clone()
+}
+
+/// Why emulated-device tests skip here, or None when they can run.
+pub fn unavailable() -> Option<String> {
+    host_kernel().err()
+}
+
+impl Backend for Emulated {
+    unsafe fn alloc_zeroed(&self, bytes: usize, _stream: usize) -> Result<u64> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let p = alloc_zeroed(layout);
+        if p.is_null() {
+            return Err(Error::Internal(format!("emulated device: {bytes} bytes")));
+        }
+        self.live.lock().unwrap().insert(p as u64, bytes.max(1));
+        Ok(p as u64)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        let bytes = self
+            .live
+            .lock()
+            .unwrap()
+            .remove(&ptr)
+            .expect("freeing memory the emulated device did not allocate");
+        dealloc(
+            ptr as *mut u8,
+            Layout::from_size_align(bytes, ALIGN).unwrap(),
+        );
+    }
+
+    unsafe fn download(&self, src: u64, dst: &mut [u8], _stream: usize) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len());
+        Ok(())
+    }
+
+    unsafe fn upload(&self, dst: u64, src: &[u8], _stream: usize) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len());
+        Ok(())
+    }
+
+    unsafe fn launch(&self, table: &StepTable, _stream: usize) -> Result<()> {
+        if !table.tensors.is_empty() {
+            (self.run)(
+                table.tensors.as_ptr(),
+                table.tensors.len() as i32,
+                table.total_groups,
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,128 @@
+//! Parameters and state wherever they live, seen from the host: the entry points that
+//! read or write state and parameter bytes (state by key, checkpoints) go through these,
+//! so a device parameter's state is staged through host memory (read after the work on
+//! the optimizer's stream, written back in order on it) and everything above sees the
+//! same `ParamState` and bytes a host parameter has. A checkpoint of device state is
+//! therefore the bytes of one written from the same state on the host.
+use std::borrow::Cow;
+
+use super::gpu::backend::backend;
+use super::gpu::table::StateLayout;
+use super::gpu::DeviceState;
+use super::optimizer::Optimizer;
+use super::state::ParamState;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// What `snapshot` saves of a parameter, for `restore` after a failed load.
+pub(crate) struct Snapshot {
+    state: Option<ParamState>,
+    param: Tensor,
+}
+
+impl Optimizer {
+    /// Parameter `i`'s state in host memory: borrowed for a host parameter, read back for
+    /// a device one (this waits for the work queued on the optimizer's stream). None
+    /// before its first step.
+    pub(crate) fn staged_state(&self, i: usize) -> Result<Option<Cow<'_, ParamState>>> {
+        let p = &self.params[i];
+        if p.device < 0 {
+            return Ok(p.state.as_ref().map(Cow::Borrowed));
+        }
+        match &p.gpu {
+            None => Ok(None),
+            // SAFETY: the optimizer's stream is the one the caller gave for its devices.
+            Some(st) => Ok(Some(Cow::Owned(unsafe { st.to_host(self.stream)? }))),
+        }
+    }
+
+    /// Parameter `i`'s elements as stored (read back from its device for a device one).
+    pub(crate) fn param_tensor(&self, i: usize) -> Result<Tensor> {
+        let p = &self.params[i];
+        // SAFETY: registered params stay valid for the optimizer's lifetime.
+        if p.device < 0 {
+            return Ok(unsafe { p.tensor.to_tensor() });
+        }
+        let mut data = crate::tensor::try_zeroed(p.tensor.nbytes(), &p.fqn)?;
+        // SAFETY: a registered device param is `nbytes` of contiguous memory of its
+        // device; the optimizer's stream is one of that device.
+        unsafe { backend(p.device)?.download(p.tensor.as_ptr() as u64, &mut data, self.stream)? };
+        Ok(Tensor {
+            dtype: p.tensor.dtype(),
+            shape: p.tensor.shape().to_vec(),
+            data,
+        })
+    }
+
+    /// Overwrites parameter `i`'s elements with `bytes` (its whole contiguous storage).
+    pub(crate) fn write_param(&self, i: usize, bytes: &[u8]) -> Result<()> {
+        let p = &self.params[i];
+        // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
+        unsafe {
+            if p.device < 0 {
+                return p.tensor.write_bytes(bytes);
+            }
+            if bytes.len() != p.tensor.nbytes() {
+                return Err(crate::error::Error::Shape(format!(
+                    "parameter {}: {} bytes given for {} stored",
+                    p.fqn,
+                    bytes.len(),
+                    p.tensor.nbytes()
+                )));
+            }
+            backend(p.device)?.upload(p.tensor.as_ptr() as u64, bytes, self.stream)
+        }
+    }
+
+    /// Makes `st` (laid out as `new_state(i)`) parameter `i`'s state: kept as is for a
+    /// host parameter, written to the device for a device one (allocated there first if
+    /// the parameter had no state).
+    pub(crate) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
+        let stream = self.stream;
+        let layout = StateLayout::of(
+            &self.groups[self.params[i].group],
+            self.params[i].tensor.dtype(),
+        );
+        let p = &mut self.params[i];
+        if p.device < 0 {
+            p.state = Some(st);
+            return Ok(());
+        }
+        let numel = p.tensor.numel();
+        // SAFETY: the optimizer's stream is one of the parameter's device.
+        unsafe {
+            let mut g = match p.gpu.take() {
+                Some(g) => g,
+                None => DeviceState::zeroed(p.device, layout, numel, stream)?,
+            };
+            let r = g.upload(st, stream);
+            p.gpu = Some(g);
+            r
+        }
+    }
+
+    /// Parameter `i`'s state and bytes, for `restore`.
+    pub(crate) fn snapshot(&self, i: usize) -> Result<Snapshot> {
+        Ok(Snapshot {
+            state: self.staged_state(i)?.map(Cow::into_owned),
+            param: self.param_tensor(i)?,
+        })
+    }
+
+    /// Puts parameter `i` back as `snapshot` found it.
+    pub(crate) fn restore(&mut self, i: usize, s: Snapshot) -> Result<()> {
+        self.write_param(i, &s.param.data)?;
+        match s.state {
+            Some(st) => self.store_state(i, st),
+            None => {
+                let p = &mut self.params[i];
+                (p.state, p.gpu) = (None, None);
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "staging_tests.rs"]
+mod tests;
