@@ -591,6 +591,8 @@ std::vector<Case> cases() {
   E("fo_optimizer_state_bytes", "index 99", [](Fx& f) { uint64_t n; return fo_optimizer_state_bytes(f.opt, 99, &n); });
   E("fo_optimizer_state_bytes", "out NULL", [](Fx& f) { return fo_optimizer_state_bytes(f.opt, 0, nullptr); });
   E("fo_optimizer_set_stream", "opt NULL", [](Fx&) { return fo_optimizer_set_stream(nullptr, nullptr); });
+  E("fo_optimizer_set_mirror", "opt NULL", [](Fx&) { return fo_optimizer_set_mirror(nullptr, 0, nullptr); });
+  E("fo_optimizer_set_mirror", "index 99", [](Fx& f) { return fo_optimizer_set_mirror(f.opt, 99, nullptr); });
   E("fo_optimizer_state_keys", "opt NULL", [](Fx&) { char b[64]; size_t n; return fo_optimizer_state_keys(nullptr, 0, b, 64, &n); });
   E("fo_optimizer_state_keys", "index 99", [](Fx& f) { char b[64]; size_t n; return fo_optimizer_state_keys(f.opt, 99, b, 64, &n); });
   E("fo_optimizer_state_keys", "out_len NULL", [](Fx& f) { char b[64]; return fo_optimizer_state_keys(f.opt, 0, b, 64, nullptr); });

@@ -552,6 +552,23 @@ fo_status fo_clip_grad_norm(struct fo_comm *comm,
 fo_status fo_optimizer_set_stream(struct fo_optimizer *opt, void *stream);
 
 /*
+ Gives host parameter `index` a device mirror: `mirror` is device memory (`device` >= 0)
+ of the parameter's dtype and shape, contiguous, valid until it is replaced or the
+ optimizer is destroyed. fo writes the parameter into it now and after every change:
+ each `fo_optimizer_step` that steps the parameter, and `fo_optimizer_set_state` or a
+ checkpoint load that writes it. Copies are ordered on the optimizer's stream (see
+ `fo_optimizer_set_stream`). With the mirror's gradient given on the device to
+ `fo_optimizer_step` (the offload case: state and master weights on the host, the
+ model on the GPU), the step brings each gradient down through a pinned buffer kept
+ per parameter while the CPU steps those already down, and writes each mirror back as
+ soon as its parameter is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
+ the `cuda` build feature or libcuda.
+ */
+fo_status fo_optimizer_set_mirror(struct fo_optimizer *opt,
+                                  int32_t index,
+                                  const struct fo_tensor *mirror);
+
+/*
  Fills `out` with FlashOptim 0.1.4's defaults for `algorithm` (quant8 state, 24-bit
  master weights; AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8, wd 1e-2; Adam the same with
  wd 0; SGD/SGDW lr 1e-3, no momentum; Lion lr 1e-3, betas 0.9/0.99). An unknown
@@ -581,11 +598,11 @@ fo_status fo_optimizer_add_param(struct fo_optimizer *opt,
 /*
  Registers a parameter: contiguous memory of dtype F32, BF16 or F16, updated in place
  by every step and borrowed until `fo_optimizer_destroy`; host memory (`device` -1),
- or with a `cuda` build device memory (`device` >= 0: its state lives on that device;
- state get/set and checkpoints refuse it for now; see `fo_optimizer_set_stream`).
- `shard` (NULL: not
- sharded) is where this local tensor lies in its DTensor; its local shape must equal
- the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
+ or with a `cuda` build device memory (`device` >= 0: its state lives on that device,
+ and state get/set, state keys and checkpoints stage it through host memory, waiting
+ for the work queued on the optimizer's stream; see `fo_optimizer_set_stream`).
+ `shard` (NULL: not sharded) is where this local tensor lies in its DTensor; its local
+ shape must equal the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
  */
 fo_status fo_optimizer_add_param_to_group(struct fo_optimizer *opt,
                                           const char *fqn,
@@ -597,8 +614,9 @@ fo_status fo_optimizer_add_param_to_group(struct fo_optimizer *opt,
 /*
  One step over all registered parameters: `grads[i]` (n == number of parameters) is
  parameter i's gradient, F32/BF16/F16, any strides (contiguous on a device), on its
- parameter's device; `data == NULL` means no gradient (the parameter is skipped and
- gets no state). Device parameters step on their GPU while host ones step on the CPU.
+ parameter's device, or on a device for a host parameter (the offload case: see
+ `fo_optimizer_set_mirror`); `data == NULL` means no gradient (the parameter is skipped
+ and gets no state). Device parameters step on their GPU while host ones step on the CPU.
  Everything is validated first: on any error no parameter and no state has changed.
  */
 fo_status fo_optimizer_step(struct fo_optimizer *opt, const struct fo_tensor *grads, size_t n);

@@ -88,7 +88,8 @@ fn device_params_and_grads_are_refused_clearly_and_change_nothing() {
     let host = tensor(&mut p, &shape, -1);
     let s = unsafe { fo_optimizer_add_param(opt, c"h".as_ptr(), &host, null(), &mut idx) };
     assert_eq!(s, FO_OK, "{}", msg());
-    // The offload case (device grads of a host param) is refused, not read on the host.
+    // The offload case (device grads of a host param) needs device 1: refused here, and
+    // never read on the host.
     let gdev = tensor(&mut g, &shape, 1);
     assert_eq!(
         unsafe { fo_optimizer_step(opt, &gdev, 1) },
@@ -96,5 +97,44 @@ fn device_params_and_grads_are_refused_clearly_and_change_nothing() {
     );
     assert!(msg().contains("gradient of h: device = 1"), "{}", msg());
     assert_eq!(p, [0x3f80u16; 4]);
+    unsafe { fo_optimizer_destroy(opt) };
+}
+
+#[test]
+fn a_mirror_is_device_memory_of_a_host_param_and_needs_a_usable_device() {
+    let mut p = [0x3f80u16; 4];
+    let mut m = [0u16; 4];
+    let shape = [4i64];
+    let opt = create();
+    let mut idx = -1;
+    let host = tensor(&mut p, &shape, -1);
+    let s = unsafe { fo_optimizer_add_param(opt, c"h".as_ptr(), &host, null(), &mut idx) };
+    assert_eq!(s, FO_OK, "{}", msg());
+    let on_host = tensor(&mut m, &shape, -1);
+    assert_eq!(
+        unsafe { fo_optimizer_set_mirror(opt, idx, &on_host) },
+        FO_ERR_INVALID_ARGUMENT
+    );
+    assert!(
+        msg().contains("a mirror is device memory (device >= 0), got -1"),
+        "{}",
+        msg()
+    );
+    if gpu_usable() {
+        eprintln!("skipped the refusal: device 0 can take a mirror here");
+    } else {
+        let dev = tensor(&mut m, &shape, 0);
+        assert_eq!(
+            unsafe { fo_optimizer_set_mirror(opt, idx, &dev) },
+            FO_ERR_UNSUPPORTED
+        );
+        assert!(msg().contains("device = 0: "), "{}", msg());
+    }
+    assert_eq!(m, [0u16; 4], "nothing was written");
+    assert_eq!(unsafe { fo_optimizer_set_mirror(opt, idx, null()) }, FO_OK);
+    assert_eq!(
+        unsafe { fo_optimizer_set_mirror(opt, 5, null()) },
+        FO_ERR_INVALID_ARGUMENT
+    );
     unsafe { fo_optimizer_destroy(opt) };
 }

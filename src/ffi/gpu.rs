@@ -1,8 +1,9 @@
 //! The C ABI of the GPU half of the step (feature `cuda`).
 use std::ffi::c_void;
 
-use super::optim::{fo_optimizer, opt_mut};
+use super::optim::{fo_optimizer, index, opt_mut};
 use super::status::{fo_status, guard};
+use super::types::fo_tensor;
 
 /// Sets the CUDA stream (`cudaStream_t` / `CUstream`, of the parameters' device) that
 /// `fo_optimizer_step` launches device parameters' kernels on; NULL (the default) is the
@@ -24,4 +25,32 @@ pub unsafe extern "C" fn fo_optimizer_set_stream(
     stream: *mut c_void,
 ) -> fo_status {
     guard(|| opt_mut(opt)?.set_stream(stream as usize))
+}
+
+/// Gives host parameter `index` a device mirror: `mirror` is device memory (`device` >= 0)
+/// of the parameter's dtype and shape, contiguous, valid until it is replaced or the
+/// optimizer is destroyed. fo writes the parameter into it now and after every change:
+/// each `fo_optimizer_step` that steps the parameter, and `fo_optimizer_set_state` or a
+/// checkpoint load that writes it. Copies are ordered on the optimizer's stream (see
+/// `fo_optimizer_set_stream`). With the mirror's gradient given on the device to
+/// `fo_optimizer_step` (the offload case: state and master weights on the host, the
+/// model on the GPU), the step brings each gradient down through a pinned buffer kept
+/// per parameter while the CPU steps those already down, and writes each mirror back as
+/// soon as its parameter is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
+/// the `cuda` build feature or libcuda.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_set_mirror(
+    opt: *mut fo_optimizer,
+    index: i32,
+    mirror: *const fo_tensor,
+) -> fo_status {
+    guard(|| {
+        let opt = opt_mut(opt)?;
+        let i = self::index(index, "index")?;
+        let m = match mirror.as_ref() {
+            None => None,
+            Some(t) => Some(t.to_view("mirror")?),
+        };
+        opt.set_mirror(i, m)
+    })
 }

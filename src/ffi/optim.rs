@@ -106,7 +106,7 @@ pub(super) unsafe fn opt_mut<'a>(p: *mut fo_optimizer) -> Result<&'a mut Optimiz
     Ok(&mut arg_mut(p, "opt")?.inner)
 }
 
-fn index(i: i32, what: &str) -> Result<usize> {
+pub(super) fn index(i: i32, what: &str) -> Result<usize> {
     usize::try_from(i).map_err(|_| Error::invalid(what, format!("negative index {i}")))
 }
 
@@ -184,11 +184,11 @@ pub unsafe extern "C" fn fo_optimizer_add_param(
 
 /// Registers a parameter: contiguous memory of dtype F32, BF16 or F16, updated in place
 /// by every step and borrowed until `fo_optimizer_destroy`; host memory (`device` -1),
-/// or with a `cuda` build device memory (`device` >= 0: its state lives on that device;
-/// state get/set and checkpoints refuse it for now; see `fo_optimizer_set_stream`).
-/// `shard` (NULL: not
-/// sharded) is where this local tensor lies in its DTensor; its local shape must equal
-/// the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
+/// or with a `cuda` build device memory (`device` >= 0: its state lives on that device,
+/// and state get/set, state keys and checkpoints stage it through host memory, waiting
+/// for the work queued on the optimizer's stream; see `fo_optimizer_set_stream`).
+/// `shard` (NULL: not sharded) is where this local tensor lies in its DTensor; its local
+/// shape must equal the tensor's. `fqn` must be unique. `*out_index` is the index grads and state use.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
     opt: *mut fo_optimizer,
@@ -213,8 +213,9 @@ pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
 
 /// One step over all registered parameters: `grads[i]` (n == number of parameters) is
 /// parameter i's gradient, F32/BF16/F16, any strides (contiguous on a device), on its
-/// parameter's device; `data == NULL` means no gradient (the parameter is skipped and
-/// gets no state). Device parameters step on their GPU while host ones step on the CPU.
+/// parameter's device, or on a device for a host parameter (the offload case: see
+/// `fo_optimizer_set_mirror`); `data == NULL` means no gradient (the parameter is skipped
+/// and gets no state). Device parameters step on their GPU while host ones step on the CPU.
 /// Everything is validated first: on any error no parameter and no state has changed.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_step(

@@ -59,12 +59,23 @@ impl Optimizer {
     /// Checks that gradient `g` (on `device`) may step parameter `i`.
     pub(crate) fn check_grad_device(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
         let p = &self.params[i];
-        if p.device == -1 && device != -1 {
-            return Err(Error::Unsupported(format!(
-                "gradient of {}: device = {device} but the parameter is in host memory; copying device gradients to the host (the offload case) is not \
-                 available yet: pass a host gradient",
-                p.fqn
-            )));
+        if p.device == -1 && device >= 0 {
+            // The offload case: the gradient comes down to the host (`offload_step`).
+            if !g.is_contiguous() {
+                return Err(Error::invalid(
+                    "grads",
+                    format!(
+                        "gradient of {}: a device gradient must be contiguous (strides {:?} for shape {:?})",
+                        p.fqn,
+                        g.strides(),
+                        g.shape()
+                    ),
+                ));
+            }
+            return gpu::open_device(device).map_err(|e| match e {
+                Error::Unsupported(m) => Error::Unsupported(format!("gradient of {}: {m}", p.fqn)),
+                e => e,
+            });
         }
         if p.device != device {
             return Err(Error::invalid(

@@ -57,7 +57,7 @@ fn device_param_registration_says_what_is_missing() {
 }
 
 #[test]
-fn device_grads_of_host_params_are_refused_and_nothing_changes() {
+fn device_grads_of_host_params_need_a_usable_device_and_nothing_changes() {
     let mut opt = Optimizer::new(adamw(StateFormat::Quant8)).unwrap();
     let (mut w, mut g) = (vec![1f32; 40], vec![0.5f32; 40]);
     unsafe {
@@ -66,10 +66,7 @@ fn device_grads_of_host_params_are_refused_and_nothing_changes() {
     };
     let e = unsafe { opt.step_on(&[Some(view(&mut g, &[40], None))], &[1]) }.unwrap_err();
     let m = e.to_string();
-    assert!(
-        m.contains("gradient of w: device = 1") && m.contains("host memory"),
-        "{m}"
-    );
+    assert!(m.contains("gradient of w: device = 1: "), "{m}");
     assert!(matches!(e, Error::Unsupported(_)));
     assert!(w.iter().all(|&x| x == 1.0) && !opt.has_state(0));
     let e = unsafe { opt.step_on(&[None], &[]) }

@@ -11,7 +11,8 @@
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
 //! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
 //!   `staging`: device parameters and state seen from the host, for state_io and checkpoints;
-//!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan;
+//!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan; `offload_step`:
+//!   host parameters with device gradients and device mirrors;
 //!   `threads`: fo's thread pool;
 //! - `gpu`: the GPU kernels' source (proven on the host), the launch table, and with
 //!   feature `cuda` the launch path and device state; `device_step`: the device half of
@@ -24,6 +25,7 @@ pub mod gpu;
 pub mod master_split;
 pub mod numerics;
 pub mod offload;
+mod offload_step;
 pub mod optimizer;
 pub mod quant8;
 pub mod rule;

@@ -9,6 +9,7 @@ use super::gpu::{self, DeviceState};
 use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
+use super::offload_step::{Mirror, Pinned};
 use super::rule::Rule;
 use super::state::ParamState;
 use super::threads;
@@ -27,6 +28,8 @@ pub(crate) struct Param {
     pub device: i32,
     /// The state of a device parameter (`state` stays None for it).
     pub gpu: Option<DeviceState>,
+    /// A device copy of a host parameter, rewritten after each change (`set_mirror`).
+    pub mirror: Option<Mirror>,
 }
 
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
@@ -37,6 +40,8 @@ pub struct Optimizer {
     ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
     pub(crate) stream: usize,
+    /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
+    pub(crate) pinned: Vec<Option<Pinned>>,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -67,6 +72,7 @@ impl Optimizer {
             params: Vec::new(),
             ranges: Vec::new(),
             stream: 0,
+            pinned: Vec::new(),
         })
     }
 
@@ -237,7 +243,9 @@ impl Optimizer {
             state: None,
             device,
             gpu: None,
+            mirror: None,
         });
+        self.pinned.push(None);
         Ok(self.params.len() - 1)
     }
 
@@ -381,33 +389,49 @@ impl Optimizer {
                     ),
                 ));
             }
-            // A device gradient is read by the kernel only, never on the host.
-            gathered.push(if g.is_contiguous() || p.device >= 0 {
+            gathered.push(if g.is_contiguous() || devices[i] >= 0 {
                 None
             } else {
                 Some(g.try_to_tensor("grads")?.data)
             });
         }
-        let grad_bytes: Vec<Option<&[u8]>> = grads
+        // Device gradients are never read on the host: the kernel reads them, or they
+        // come down to pinned buffers first (the offload case).
+        let mut grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
             .zip(&gathered)
-            .zip(&self.params)
-            .map(|((g, own), p)| match (g, own) {
+            .zip(devices)
+            .map(|((g, own), &device)| match (g, own) {
                 (None, _) => None,
-                (Some(_), _) if p.device >= 0 => None,
+                (Some(_), _) if device >= 0 => None,
                 (Some(_), Some(v)) => Some(&v[..]),
                 (Some(g), None) => g.contiguous_bytes(),
             })
             .collect();
         let pool = threads::pool()?;
+        // Host parameters with device gradients (the offload case): pinned buffers now;
+        // the gradients come down all at once where check_numerics must read them first,
+        // else one by one while the CPU steps (`offload_step`).
+        let offloaded = self.prepare_offload(grads, devices)?;
+        let mut pipelined = offloaded.clone();
+        if offloaded
+            .iter()
+            .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
+        {
+            for (i, b) in self.download_all(grads, &offloaded)? {
+                grad_bytes[i] = Some(b);
+            }
+            pipelined.clear();
+        }
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
         let device_step = self.prepare_device_step(grads)?;
 
-        // From here on nothing can fail but a CUDA launch (see `step_on`). The GPU half
-        // is launched first, so it runs while the CPU steps the host parameters.
+        // From here on nothing can fail but a CUDA launch or copy (see `step_on`). The GPU
+        // half is launched first, so it runs while the CPU steps the host parameters.
         self.run_device_step(device_step)?;
         for (i, g) in grad_bytes.iter().enumerate() {
-            if g.is_some() && self.params[i].state.is_none() {
+            let offload = pipelined.iter().any(|&(j, _)| j == i);
+            if (g.is_some() || offload) && self.params[i].state.is_none() {
                 self.params[i].state = Some(self.new_state(i));
             }
         }
@@ -427,6 +451,11 @@ impl Optimizer {
             }
         }
         pool.install(|| jobs.into_par_iter().for_each(kernel::run));
-        Ok(())
+        for (i, g) in grad_bytes.iter().enumerate() {
+            if g.is_some() {
+                self.refresh_mirror(i)?;
+            }
+        }
+        self.step_offloaded(grads, &pipelined)
     }
 }

@@ -60,7 +60,8 @@ impl Optimizer {
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
         unsafe {
             if p.device < 0 {
-                return p.tensor.write_bytes(bytes);
+                p.tensor.write_bytes(bytes)?;
+                return self.refresh_mirror(i);
             }
             if bytes.len() != p.tensor.nbytes() {
                 return Err(crate::error::Error::Shape(format!(

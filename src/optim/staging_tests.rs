@@ -17,16 +17,6 @@ use crate::tensor::{HostTensor, Tensor};
 /// turns.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn skip() -> bool {
-    match emulated::unavailable() {
-        Some(why) => {
-            eprintln!("skipped: {why}");
-            true
-        }
-        None => false,
-    }
-}
-
 /// Values over many magnitudes with zeros, deterministic.
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -137,7 +127,7 @@ fn configs() -> Vec<([OptimConfig; 2], DType)> {
 
 #[test]
 fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
-    if skip() {
+    if emulated::skip() {
         return;
     }
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -175,7 +165,7 @@ fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
 
 #[test]
 fn device_state_is_written_by_key_as_host_state_is() {
-    if skip() {
+    if emulated::skip() {
         return;
     }
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -247,7 +237,7 @@ fn files(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn a_checkpoint_of_device_state_is_the_host_checkpoint_and_loads_back_onto_the_device() {
-    if skip() {
+    if emulated::skip() {
         return;
     }
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());

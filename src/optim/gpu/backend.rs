@@ -36,6 +36,18 @@ pub trait Backend: Send + Sync {
     /// `dst` must be `src.len()` writable bytes of this device; `stream` valid or 0.
     unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
 
+    /// `bytes` (at least 1) of page-locked host memory, for copies that overlap work.
+    ///
+    /// # Safety
+    /// None beyond the backend's own; the memory is freed with `free_pinned`.
+    unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64>;
+
+    /// Frees memory from `alloc_pinned` (no copy into or out of it may be in flight).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_pinned` of this backend and is not used afterwards.
+    unsafe fn free_pinned(&self, ptr: u64);
+
     /// Launches one param group's table on `stream` without waiting for it.
     ///
     /// # Safety

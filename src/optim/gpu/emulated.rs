@@ -116,6 +116,17 @@ pub fn unavailable() -> Option<String> {
     host_kernel().err()
 }
 
+/// For a test: true (after printing why) where the emulated device cannot run.
+pub fn skip() -> bool {
+    match unavailable() {
+        Some(why) => {
+            eprintln!("skipped: {why}");
+            true
+        }
+        None => false,
+    }
+}
+
 impl Backend for Emulated {
     unsafe fn alloc_zeroed(&self, bytes: usize, _stream: usize) -> Result<u64> {
         let layout = Layout::from_size_align(bytes.max(1), ALIGN)
@@ -139,6 +150,14 @@ impl Backend for Emulated {
             ptr as *mut u8,
             Layout::from_size_align(bytes, ALIGN).unwrap(),
         );
+    }
+
+    unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
+        self.alloc_zeroed(bytes, 0)
+    }
+
+    unsafe fn free_pinned(&self, ptr: u64) {
+        self.free(ptr)
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], _stream: usize) -> Result<()> {

@@ -262,6 +262,19 @@ impl Backend for Device {
         }
     }
 
+    unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx)?;
+        cu::malloc_host(bytes.max(1), 0)
+            .map(|p| p as u64)
+            .map_err(|e| cuda_err("cuMemHostAlloc", e))
+    }
+
+    unsafe fn free_pinned(&self, ptr: u64) {
+        if let Ok(_cur) = Current::push(self.ctx) {
+            let _ = cu::free_host(ptr as *mut c_void);
+        }
+    }
+
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
         if dst.is_empty() {
             return Ok(());

@@ -1,0 +1,180 @@
+//! The offload case on the emulated device (`gpu::emulated`): host parameters stepped
+//! from gradients given on the device, mirrored back to device copies, give the bits of
+//! an all-host step; mirrors follow every change; refusals change nothing.
+use crate::cast::cast;
+use crate::dtype::DType;
+use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::gpu::emulated::{self, EMULATED};
+use crate::optim::Optimizer;
+use crate::tensor::{HostTensor, Tensor};
+
+fn bytes_of(dt: DType, v: &[f32]) -> Vec<u8> {
+    let f: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    cast(f, DType::F32, dt, "test values").unwrap()
+}
+
+fn ramp(n: usize, seed: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
+    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+}
+
+const SIZES: [usize; 3] = [100, 0, 67];
+const DT: DType = DType::BF16;
+
+fn cfg(check_numerics: bool) -> OptimConfig {
+    let mut c = OptimConfig::default_for(Algorithm::AdamW);
+    (c.lr, c.state_format, c.master_weight_bits) = (1e-2, StateFormat::Quant8, 24);
+    c.check_numerics = check_numerics;
+    c
+}
+
+fn build(c: &OptimConfig, mem: &mut [Vec<u8>]) -> Optimizer {
+    let mut opt = Optimizer::new(c.clone()).unwrap();
+    for (i, b) in mem.iter_mut().enumerate() {
+        unsafe { opt.add_param(&format!("p{i}"), view(b, DT, SIZES[i]), None, 0) }.unwrap();
+    }
+    opt
+}
+
+fn params() -> Vec<Vec<u8>> {
+    SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes_of(DT, &ramp(n, i as u64)))
+        .collect()
+}
+
+fn grads(s: u64) -> Vec<Vec<u8>> {
+    SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| bytes_of(DT, &ramp(n, 40 + s * 3 + i as u64)))
+        .collect()
+}
+
+fn state(opt: &Optimizer) -> String {
+    let mut out = String::new();
+    for i in 0..opt.num_params() {
+        for k in opt.state_keys(i) {
+            out += &format!("{k}={:?};", opt.get_state(i, &k).unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
+    if emulated::skip() {
+        return;
+    }
+    for numerics in [false, true] {
+        let c = cfg(numerics);
+        let (mut ha, mut oa) = (params(), params());
+        let mut host = build(&c, &mut ha);
+        let mut off = build(&c, &mut oa);
+        // Device copies of the params, stale until set_mirror writes them.
+        let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
+        for (i, m) in mirrors.iter_mut().enumerate() {
+            unsafe { off.set_mirror(i, Some((view(m, DT, SIZES[i]), EMULATED))) }.unwrap();
+        }
+        assert_eq!(mirrors, oa, "set_mirror writes the param");
+        for s in 0..3 {
+            let mut g = grads(s);
+            let mut skip1 = |i: usize| s == 1 && i == 2;
+            let v: Vec<Option<HostTensor>> = g
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| (!skip1(i)).then(|| view(b, DT, SIZES[i])))
+                .collect();
+            unsafe { host.step(&v) }.unwrap();
+            unsafe { off.step_on(&v, &[EMULATED; 3]) }.unwrap();
+            assert_eq!(ha, oa, "step {s}, check_numerics {numerics}");
+            assert_eq!(mirrors, oa, "step {s}: mirrors follow");
+            let _ = &mut skip1;
+        }
+        assert_eq!(state(&off), state(&host));
+        // A state write into the param reaches the mirror too.
+        let master = Tensor::from_f32(vec![SIZES[0]], &ramp(SIZES[0], 9)).unwrap();
+        off.set_states(0, &[("master".into(), master)]).unwrap();
+        assert_eq!(mirrors[0], oa[0]);
+        assert_ne!(oa[0], ha[0]);
+    }
+}
+
+#[test]
+fn a_non_finite_offloaded_gradient_is_caught_before_anything_changes() {
+    if emulated::skip() {
+        return;
+    }
+    let mut oa = params();
+    let before = oa.clone();
+    let mut off = build(&cfg(true), &mut oa);
+    let mut g = grads(0);
+    g[2][10..12].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    let v: Vec<Option<HostTensor>> = g
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| Some(view(b, DT, SIZES[i])))
+        .collect();
+    let e = unsafe { off.step_on(&v, &[-1, EMULATED, EMULATED]) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("gradient of p2 holds a non-finite value at flat index 5"),
+        "{e}"
+    );
+    assert!((0..3).all(|i| !off.has_state(i)));
+    drop(off);
+    assert_eq!(oa, before);
+}
+
+#[test]
+fn mirrors_are_checked_before_they_are_kept() {
+    if emulated::skip() {
+        return;
+    }
+    let mut oa = params();
+    let mut opt = build(&cfg(false), &mut oa);
+    let mut wrong = vec![0u8; SIZES[0] * 4];
+    let e = unsafe {
+        opt.set_mirror(
+            0,
+            Some((
+                HostTensor::new(wrong.as_mut_ptr(), DType::F32, &[100], None, "m").unwrap(),
+                EMULATED,
+            )),
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("mirror of parameter p0: F32 [100]")
+            && e.contains("contiguous BF16 [100] expected"),
+        "{e}"
+    );
+    let mut m = vec![0u8; SIZES[0] * 2];
+    let e = unsafe { opt.set_mirror(0, Some((view(&mut m, DT, SIZES[0]), -1))) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a mirror is device memory (device >= 0), got -1"),
+        "{e}"
+    );
+    assert!(unsafe { opt.set_mirror(7, None) }.is_err());
+    assert!(m.iter().all(|&b| b == 0), "nothing was written");
+    unsafe { opt.set_mirror(0, Some((view(&mut m, DT, SIZES[0]), EMULATED))) }.unwrap();
+    unsafe { opt.set_mirror(0, None) }.unwrap();
+    m.fill(0);
+    let mut g = grads(0);
+    let v: Vec<Option<HostTensor>> = g
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| Some(view(b, DT, SIZES[i])))
+        .collect();
+    unsafe { opt.step(&v) }.unwrap();
+    assert!(m.iter().all(|&b| b == 0), "a removed mirror is left alone");
+}
