@@ -523,7 +523,10 @@ fo_status fo_broadcast_state_dict(struct fo_comm *comm,
  the total to `*total_norm` and, when it exceeds `max_norm`, scales every gradient in
  place by `max_norm / (total + 1e-6)`. With `error_if_nonfinite`, a NaN/inf total is
  FO_ERR_NUMERICS on every rank and nothing is scaled. F32, BF16, F16 (and F64)
- gradients; f64 accumulation. Collective: every rank calls it, with or without gradients.
+ gradients; f64 accumulation. A gradient on a CUDA device (`device` >= 0, contiguous,
+ `cuda` build) is copied to host memory after the work on the legacy default stream,
+ and back when scaled: the result is the host computation's, bit for bit. Collective:
+ every rank calls it, with or without gradients.
  */
 fo_status fo_clip_grad_norm(struct fo_comm *comm,
                             const struct fo_clip_grad *grads,

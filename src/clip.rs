@@ -9,15 +9,47 @@ use half::{bf16, f16};
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::gpu::backend::backend;
 use crate::tensor::HostTensor;
 
 /// torch's `clip_grad_norm_` epsilon: `clip_coef = max_norm / (total_norm + 1e-6)`.
 pub const EPS: f64 = 1e-6;
 
-fn values(t: &HostTensor) -> Vec<f64> {
-    // SAFETY: the caller of clip_grad_norm promised the memory is valid.
-    let b = unsafe { t.to_tensor() }.data;
-    match t.dtype() {
+/// One local gradient for `clip_grad_norm_checked`.
+#[derive(Clone)]
+pub struct ClipGrad {
+    pub tensor: HostTensor,
+    /// This rank's shard of a sharded gradient (summed across ranks), else replicated
+    /// or plain (identical on every rank: counted once).
+    pub is_shard: bool,
+    /// -1: host memory. >= 0: contiguous memory of that CUDA device, read and written
+    /// through host memory in order on the legacy default stream (the norm is then the
+    /// host's, bit for bit, at the cost of copying the gradient down, and up when scaled).
+    pub device: i32,
+}
+
+/// The gradient's bytes, read back from its device for a device gradient.
+unsafe fn read(g: &ClipGrad) -> Result<Vec<u8>> {
+    if g.device < 0 {
+        return Ok(g.tensor.to_tensor().data);
+    }
+    let mut b = crate::tensor::try_zeroed(g.tensor.nbytes(), "gradient")?;
+    backend(g.device)?.download(g.tensor.as_ptr() as u64, &mut b, 0)?;
+    Ok(b)
+}
+
+unsafe fn write(g: &ClipGrad, b: &[u8]) -> Result<()> {
+    if g.device < 0 {
+        return g.tensor.write_bytes(b);
+    }
+    backend(g.device)?.upload(g.tensor.as_ptr() as u64, b, 0)
+}
+
+/// # Safety
+/// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
+unsafe fn values(g: &ClipGrad) -> Result<Vec<f64>> {
+    let b = read(g)?;
+    Ok(match g.tensor.dtype() {
         DType::F32 => b
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
@@ -35,7 +67,7 @@ fn values(t: &HostTensor) -> Vec<f64> {
             .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
             .collect(),
         _ => unreachable!("dtype checked"),
-    }
+    })
 }
 
 /// Per-rank partial results: (shard max |g|, shard sum |g|^p, replicated part, non-finite flag).
@@ -47,7 +79,7 @@ struct Partial {
     nonfinite: f64,
 }
 
-fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<Partial> {
+unsafe fn local_partial(grads: &[ClipGrad], max_norm: f64, p: f64) -> Result<Partial> {
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::invalid(
             "max_norm",
@@ -60,7 +92,8 @@ fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<
             format!("must be > 0 or infinity, got {p}"),
         ));
     }
-    for (i, (g, _)) in grads.iter().enumerate() {
+    for (i, c) in grads.iter().enumerate() {
+        let g = &c.tensor;
         if !matches!(
             g.dtype(),
             DType::F32 | DType::BF16 | DType::F16 | DType::F64
@@ -70,6 +103,22 @@ fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<
                 g.dtype()
             )));
         }
+        if c.device >= 0 {
+            if !g.is_contiguous() {
+                return Err(Error::invalid(
+                    format!("grads[{i}]"),
+                    format!(
+                        "a device gradient must be contiguous (strides {:?} for shape {:?})",
+                        g.strides(),
+                        g.shape()
+                    ),
+                ));
+            }
+            crate::optim::gpu::open_device(c.device).map_err(|e| match e {
+                Error::Unsupported(m) => Error::Unsupported(format!("grads[{i}].{m}")),
+                e => e,
+            })?;
+        }
     }
     let mut part = Partial {
         shard_max: 0.0,
@@ -77,9 +126,9 @@ fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<
         replicated: 0.0,
         nonfinite: 0.0,
     };
-    for (g, is_shard) in grads {
+    for g in grads {
         let (mut mx, mut sum) = (0f64, 0f64);
-        for v in values(g) {
+        for v in values(g)? {
             let a = v.abs();
             if a.is_nan() {
                 part.nonfinite = 2.0;
@@ -95,7 +144,7 @@ fn local_partial(grads: &[(HostTensor, bool)], max_norm: f64, p: f64) -> Result<
                 a.powf(p)
             };
         }
-        if *is_shard {
+        if g.is_shard {
             part.shard_max = part.shard_max.max(mx);
             part.shard_sum += sum;
         } else if p.is_infinite() {
@@ -122,13 +171,15 @@ pub unsafe fn clip_grad_norm(
     norm_type: f64,
     error_if_nonfinite: bool,
 ) -> Result<f64> {
-    clip_grad_norm_checked(
-        comm,
-        Ok(grads.to_vec()),
-        max_norm,
-        norm_type,
-        error_if_nonfinite,
-    )
+    let grads = grads
+        .iter()
+        .map(|(tensor, is_shard)| ClipGrad {
+            tensor: tensor.clone(),
+            is_shard: *is_shard,
+            device: -1,
+        })
+        .collect();
+    clip_grad_norm_checked(comm, Ok(grads), max_norm, norm_type, error_if_nonfinite)
 }
 
 /// `clip_grad_norm` for callers whose arguments may have failed to convert on this rank
@@ -138,7 +189,7 @@ pub unsafe fn clip_grad_norm(
 /// As `clip_grad_norm`.
 pub unsafe fn clip_grad_norm_checked(
     comm: &Comm,
-    grads: Result<Vec<(HostTensor, bool)>>,
+    grads: Result<Vec<ClipGrad>>,
     max_norm: f64,
     norm_type: f64,
     error_if_nonfinite: bool,
@@ -187,17 +238,17 @@ pub unsafe fn clip_grad_norm_checked(
     }
     let coef = max_norm / (total + EPS);
     if coef < 1.0 || coef.is_nan() {
-        for (g, _) in &grads {
+        for g in &grads {
             scale(g, coef)?;
         }
     }
     Ok(total)
 }
 
-unsafe fn scale(g: &HostTensor, coef: f64) -> Result<()> {
+unsafe fn scale(g: &ClipGrad, coef: f64) -> Result<()> {
     let c = coef as f32;
-    let mut b = g.to_tensor().data;
-    match g.dtype() {
+    let mut b = read(g)?;
+    match g.tensor.dtype() {
         DType::F32 => b.chunks_exact_mut(4).for_each(|x| {
             let v = f32::from_le_bytes((&*x).try_into().unwrap()) * c;
             x.copy_from_slice(&v.to_le_bytes())
@@ -216,5 +267,78 @@ unsafe fn scale(g: &HostTensor, coef: f64) -> Result<()> {
         }),
         _ => unreachable!("dtype checked"),
     }
-    g.write_bytes(&b)
+    write(g, &b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Comm;
+    use crate::optim::gpu::emulated::{self, EMULATED};
+
+    fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
+        unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
+    }
+
+    /// Device gradients (on the emulated device) give the host norm and clip, bit for bit.
+    #[test]
+    fn device_gradients_clip_as_host_ones() {
+        if emulated::skip() {
+            return;
+        }
+        let vals: Vec<f32> = (0..77).map(|i| (i as f32 - 30.0) * 0.731).collect();
+        let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let src = crate::cast::cast(f32s.clone(), DType::F32, dtype, "g").unwrap();
+            for p in [2.0, 1.0, 3.0, f64::INFINITY] {
+                let comm = Comm::local_group(1).pop().unwrap();
+                let (mut h0, mut h1, mut d0, mut d1) =
+                    (src.clone(), src.clone(), src.clone(), src.clone());
+                let host = vec![
+                    (grad(&mut h0, dtype, 77), true),
+                    (grad(&mut h1, dtype, 77), false),
+                ];
+                let want = unsafe { clip_grad_norm(&comm, &host, 1.5, p, true) }.unwrap();
+                let dev = vec![
+                    ClipGrad {
+                        tensor: grad(&mut d0, dtype, 77),
+                        is_shard: true,
+                        device: EMULATED,
+                    },
+                    ClipGrad {
+                        tensor: grad(&mut d1, dtype, 77),
+                        is_shard: false,
+                        device: -1,
+                    },
+                ];
+                let got = unsafe { clip_grad_norm_checked(&comm, Ok(dev), 1.5, p, true) }.unwrap();
+                assert_eq!(got.to_bits(), want.to_bits(), "{dtype} p={p}");
+                assert_eq!((&d0, &d1), (&h0, &h1), "{dtype} p={p}");
+                assert_ne!(d0, src, "clipped");
+            }
+        }
+        let comm = Comm::local_group(1).pop().unwrap();
+        let mut b = vec![0u8; 8 * 4];
+        let strided =
+            unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
+        let e = unsafe {
+            clip_grad_norm_checked(
+                &comm,
+                Ok(vec![ClipGrad {
+                    tensor: strided,
+                    is_shard: true,
+                    device: EMULATED,
+                }]),
+                1.0,
+                2.0,
+                false,
+            )
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("grads[0]") && e.contains("a device gradient must be contiguous"),
+            "{e}"
+        );
+    }
 }

@@ -138,3 +138,28 @@ fn a_mirror_is_device_memory_of_a_host_param_and_needs_a_usable_device() {
     );
     unsafe { fo_optimizer_destroy(opt) };
 }
+
+#[test]
+fn a_device_gradient_to_clip_needs_a_usable_device_and_changes_nothing() {
+    if gpu_usable() {
+        eprintln!("skipped: device 0 can be used here");
+        return;
+    }
+    let mut comm = null_mut();
+    assert_eq!(
+        unsafe { fo_comm_create_local_group(1, 5.0, &mut comm) },
+        FO_OK
+    );
+    let mut g = [0x4000u16; 4];
+    let shape = [4i64];
+    let grad = fo_clip_grad {
+        tensor: tensor(&mut g, &shape, 0),
+        is_shard: 1,
+    };
+    let mut total = -1.0;
+    let s = unsafe { fo_clip_grad_norm(comm, &grad, 1, 0.5, 2.0, 0, &mut total) };
+    assert_eq!(s, FO_ERR_UNSUPPORTED, "{}", msg());
+    assert!(msg().contains("grads[0].device = 0: "), "{}", msg());
+    assert_eq!((g, total), ([0x4000u16; 4], -1.0));
+    unsafe { fo_comm_destroy(comm) };
+}

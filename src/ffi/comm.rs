@@ -9,7 +9,7 @@ use super::types::{fo_shard_spec, fo_tensor};
 use crate::broadcast::{
     broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy,
 };
-use crate::clip::clip_grad_norm_checked;
+use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
@@ -329,7 +329,10 @@ pub unsafe extern "C" fn fo_broadcast_state_dict(
 /// the total to `*total_norm` and, when it exceeds `max_norm`, scales every gradient in
 /// place by `max_norm / (total + 1e-6)`. With `error_if_nonfinite`, a NaN/inf total is
 /// FO_ERR_NUMERICS on every rank and nothing is scaled. F32, BF16, F16 (and F64)
-/// gradients; f64 accumulation. Collective: every rank calls it, with or without gradients.
+/// gradients; f64 accumulation. A gradient on a CUDA device (`device` >= 0, contiguous,
+/// `cuda` build) is copied to host memory after the work on the legacy default stream,
+/// and back when scaled: the result is the host computation's, bit for bit. Collective:
+/// every rank calls it, with or without gradients.
 #[no_mangle]
 pub unsafe extern "C" fn fo_clip_grad_norm(
     comm: *mut fo_comm,
@@ -348,10 +351,12 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
             arg_flag(error_if_nonfinite, "error_if_nonfinite")?;
             let g = arg_slice(grads, arg_count(n_grads, "n_grads")?, "grads")?;
             let g = g.iter().enumerate().map(|(i, g)| {
-                Ok((
-                    g.tensor.to_host(&format!("grads[{i}]"))?,
-                    arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
-                ))
+                let (tensor, device) = g.tensor.to_view(&format!("grads[{i}]"))?;
+                Ok(ClipGrad {
+                    tensor,
+                    is_shard: arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
+                    device,
+                })
             });
             Ok((out, g.collect::<Result<Vec<_>>>()?))
         });
