@@ -507,7 +507,10 @@ fo_status fo_comm_info(const struct fo_comm *comm, int32_t *rank, int32_t *world
  (round to nearest even); float8 never converts; integer/bool conversions need
  `opts->allow_int_float_cast`. Every rank names the same keys, sharded alike (a mesh
  spanning the group, the same placements); keys of rank 0 that no rank names are not
- sent. `opts` and `stats` may be NULL. Collective: every rank calls it.
+ sent. A destination may be CUDA device memory (`device` >= 0, contiguous, `cuda`
+ build): it is written from host memory, in order on the legacy default stream, once
+ every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
+ calls it.
  */
 fo_status fo_broadcast_state_dict(struct fo_comm *comm,
                                   const struct fo_broadcast_source *full,

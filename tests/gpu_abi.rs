@@ -141,15 +141,9 @@ fn a_mirror_is_device_memory_of_a_host_param_and_needs_a_usable_device() {
 
 #[test]
 fn a_device_gradient_to_clip_needs_a_usable_device_and_changes_nothing() {
-    if gpu_usable() {
-        eprintln!("skipped: device 0 can be used here");
+    let Some(comm) = comm_without_gpu() else {
         return;
-    }
-    let mut comm = null_mut();
-    assert_eq!(
-        unsafe { fo_comm_create_local_group(1, 5.0, &mut comm) },
-        FO_OK
-    );
+    };
     let mut g = [0x4000u16; 4];
     let shape = [4i64];
     let grad = fo_clip_grad {
@@ -162,4 +156,41 @@ fn a_device_gradient_to_clip_needs_a_usable_device_and_changes_nothing() {
     assert!(msg().contains("grads[0].device = 0: "), "{}", msg());
     assert_eq!((g, total), ([0x4000u16; 4], -1.0));
     unsafe { fo_comm_destroy(comm) };
+}
+
+#[test]
+fn a_device_destination_needs_a_usable_device_and_nothing_is_written() {
+    let Some(comm) = comm_without_gpu() else {
+        return;
+    };
+    let (mut src, mut dst) = ([0x4000u16; 4], [0u16; 4]);
+    let shape = [4i64];
+    let full = fo_broadcast_source {
+        key: c"w".as_ptr(),
+        tensor: tensor(&mut src, &shape, -1),
+    };
+    let dest = fo_broadcast_dest {
+        key: c"w".as_ptr(),
+        tensor: tensor(&mut dst, &shape, 0),
+        spec: null(),
+    };
+    let s = unsafe { fo_broadcast_state_dict(comm, &full, 1, &dest, 1, null(), null_mut()) };
+    assert_eq!(s, FO_ERR_UNSUPPORTED, "{}", msg());
+    assert!(msg().contains("dests[0].tensor.device = 0: "), "{}", msg());
+    assert_eq!(dst, [0u16; 4]);
+    unsafe { fo_comm_destroy(comm) };
+}
+
+/// A one-rank communicator, or None (printed) where device 0 can be used.
+fn comm_without_gpu() -> Option<*mut fo_comm> {
+    if gpu_usable() {
+        eprintln!("skipped: device 0 can be used here");
+        return None;
+    }
+    let mut comm = null_mut();
+    assert_eq!(
+        unsafe { fo_comm_create_local_group(1, 5.0, &mut comm) },
+        FO_OK
+    );
+    Some(comm)
 }

@@ -34,6 +34,39 @@ pub struct BroadcastDest {
     pub key: String,
     pub tensor: HostTensor,
     pub spec: Option<ShardSpec>,
+    /// -1: host memory. >= 0: contiguous memory of that CUDA device, written from host
+    /// memory in order on the legacy default stream once every rank has everything.
+    pub device: i32,
+}
+
+/// Device destinations are written from host memory: contiguous, on a usable device.
+fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
+    for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0) {
+        if !d.tensor.is_contiguous() {
+            return Err(Error::invalid(
+                format!("dests[{i}].tensor"),
+                format!(
+                    "key {:?}: a device destination must be contiguous (strides {:?} for shape {:?})",
+                    d.key,
+                    d.tensor.strides(),
+                    d.tensor.shape()
+                ),
+            ));
+        }
+        crate::optim::gpu::open_device(d.device).map_err(|e| match e {
+            Error::Unsupported(m) => Error::Unsupported(format!("dests[{i}].tensor.{m}")),
+            e => e,
+        })?;
+    }
+    Ok(())
+}
+
+/// Writes a received destination (uploaded for a device one).
+unsafe fn write_dest(d: &BroadcastDest, b: &[u8]) -> Result<()> {
+    if d.device < 0 {
+        return d.tensor.write_bytes(b);
+    }
+    crate::optim::gpu::backend::backend(d.device)?.upload(d.tensor.as_ptr() as u64, b, 0)
 }
 
 /// How sharded entries travel.
@@ -132,7 +165,11 @@ pub unsafe fn broadcast_state_dict_checked(
     };
     // 3. this rank's destinations against the table.
     let checked = table
-        .and_then(|t| dests.and_then(|d| plan::plan(rank, world, &t, &d, opts).map(|p| (t, d, p))));
+        .and_then(|t| dests.map(|d| (t, d)))
+        .and_then(|(t, d)| {
+            check_device_dests(&d)?;
+            plan::plan(rank, world, &t, &d, opts).map(|p| (t, d, p))
+        });
     stats.control_bytes += 8;
     let (table, dests, plans) = agree(comm, checked)?;
     // 4. agreement on which keys move, and how.
@@ -184,7 +221,7 @@ pub unsafe fn broadcast_state_dict_checked(
     stats.control_bytes += 8;
     agree(comm, cast_err.map_or(Ok(()), Err))?;
     for (d, b) in received {
-        dests[d].tensor.write_bytes(&b)?;
+        write_dest(&dests[d], &b)?;
     }
     Ok(stats)
 }
@@ -253,4 +290,71 @@ fn move_one(
     comm.scatter(parts, &mut recv, 0)?;
     stats.bytes_received += recv.len() as u64;
     Ok(recv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::optim::gpu::emulated::{self, EMULATED};
+
+    fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
+        unsafe {
+            HostTensor::new(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
+        }
+    }
+
+    /// A device destination (the emulated device) receives what a host one does; a
+    /// strided one is refused before anything moves.
+    #[test]
+    fn device_destinations_receive_what_host_ones_do() {
+        if emulated::skip() {
+            return;
+        }
+        let comm = Comm::local_group(1).pop().unwrap();
+        let mut src: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
+        let (mut host, mut dev) = (vec![0f32; 12], vec![0f32; 12]);
+        let dest = |t: HostTensor, device: i32| BroadcastDest {
+            key: "w".into(),
+            tensor: t,
+            spec: None,
+            device,
+        };
+        let opts = BroadcastOptions::default();
+        unsafe {
+            broadcast_state_dict(
+                &comm,
+                Some(&full),
+                &[dest(view(&mut host, &[3, 4], None), -1)],
+                &opts,
+            )
+            .unwrap();
+            broadcast_state_dict(
+                &comm,
+                Some(&full),
+                &[dest(view(&mut dev, &[3, 4], None), EMULATED)],
+                &opts,
+            )
+            .unwrap();
+        }
+        assert_eq!(host, src);
+        assert_eq!(dev, host);
+        let mut wide = vec![0f32; 24];
+        let e = unsafe {
+            broadcast_state_dict(
+                &comm,
+                Some(&full),
+                &[dest(view(&mut wide, &[3, 4], Some(&[8, 1])), EMULATED)],
+                &opts,
+            )
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("dests[0].tensor") && e.contains("a device destination must be contiguous"),
+            "{e}"
+        );
+        assert!(wide.iter().all(|&x| x == 0.0));
+    }
 }

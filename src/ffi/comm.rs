@@ -178,9 +178,11 @@ unsafe fn dest_list(p: *const fo_broadcast_dest, n: i64) -> Result<Vec<Broadcast
     let s = arg_slice(p, arg_count(n, "n_dests")?, "dests")?;
     let one =
         |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
+            let (tensor, device) = e.tensor.to_view(&format!("dests[{i}].tensor"))?;
             Ok(BroadcastDest {
                 key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
-                tensor: e.tensor.to_host(&format!("dests[{i}].tensor"))?,
+                tensor,
+                device,
                 spec: match e.spec.as_ref() {
                     None => None,
                     Some(s) => Some(s.to_spec().map_err(|err| {
@@ -293,7 +295,10 @@ pub unsafe extern "C" fn fo_comm_info(
 /// (round to nearest even); float8 never converts; integer/bool conversions need
 /// `opts->allow_int_float_cast`. Every rank names the same keys, sharded alike (a mesh
 /// spanning the group, the same placements); keys of rank 0 that no rank names are not
-/// sent. `opts` and `stats` may be NULL. Collective: every rank calls it.
+/// sent. A destination may be CUDA device memory (`device` >= 0, contiguous, `cuda`
+/// build): it is written from host memory, in order on the legacy default stream, once
+/// every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
+/// calls it.
 #[no_mangle]
 pub unsafe extern "C" fn fo_broadcast_state_dict(
     comm: *mut fo_comm,

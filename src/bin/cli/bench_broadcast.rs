@@ -74,6 +74,7 @@ fn run_once(
                         key: format!("layers.{t}.weight"),
                         tensor: view(b, &s.local_shape()),
                         spec: Some(s.clone()),
+                        device: -1,
                     })
                     .collect();
                 let opts = BroadcastOptions {

@@ -53,8 +53,8 @@ fn missing() -> String {
 fn missing() -> String {
     match launch::missing_library() {
         Some(m) => m.into(),
-        None => "device tensors are taken as parameters, gradients and mirrors (fo_optimizer_add_param, \
-                 fo_optimizer_step, fo_optimizer_set_mirror, fo_clip_grad_norm); broadcast takes host tensors only"
+        None => "device tensors are taken by fo_optimizer_add_param, fo_optimizer_step, \
+                 fo_optimizer_set_mirror, fo_clip_grad_norm and fo_broadcast_state_dict, not here"
             .into(),
     }
 }

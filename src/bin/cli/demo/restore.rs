@@ -155,6 +155,7 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
                 key,
                 tensor,
                 spec: spec.clone(),
+                device: -1,
             });
         }
         let step = host_view(&mut b.step as *mut f32 as *mut u8, DType::F32, &[])?;
@@ -163,6 +164,7 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
             key: format!("state.{name}.step"),
             tensor: step,
             spec: None,
+            device: -1,
         });
     }
     let full_bytes = {
