@@ -227,6 +227,9 @@ impl Optimizer {
         grads: &[Option<HostTensor>],
         which: &[(usize, i32)],
     ) -> Result<()> {
+        if which.is_empty() {
+            return Ok(());
+        }
         let downloads = self.downloads(grads, which);
         let stream = self.stream;
         std::thread::scope(|s| {
