@@ -1,23 +1,11 @@
 //! The offload case on the emulated device (`gpu::emulated`): host parameters stepped
 //! from gradients given on the device, mirrored back to device copies, give the bits of
 //! an all-host step; mirrors follow every change; refusals change nothing.
-use crate::cast::cast;
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, EMULATED};
+use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
-
-fn bytes_of(dt: DType, v: &[f32]) -> Vec<u8> {
-    let f: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    cast(f, DType::F32, dt, "test values").unwrap()
-}
-
-fn ramp(n: usize, seed: u64) -> Vec<f32> {
-    (0..n)
-        .map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0)
-        .collect()
-}
 
 fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
@@ -45,7 +33,7 @@ fn params() -> Vec<Vec<u8>> {
     SIZES
         .iter()
         .enumerate()
-        .map(|(i, &n)| bytes_of(DT, &ramp(n, i as u64)))
+        .map(|(i, &n)| encode(DT, &values(n, i as u64)))
         .collect()
 }
 
@@ -53,7 +41,7 @@ fn grads(s: u64) -> Vec<Vec<u8>> {
     SIZES
         .iter()
         .enumerate()
-        .map(|(i, &n)| bytes_of(DT, &ramp(n, 40 + s * 3 + i as u64)))
+        .map(|(i, &n)| encode(DT, &values(n, 40 + s * 3 + i as u64)))
         .collect()
 }
 
@@ -99,7 +87,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         }
         assert_eq!(state(&off), state(&host));
         // A state write into the param reaches the mirror too.
-        let master = Tensor::from_f32(vec![SIZES[0]], &ramp(SIZES[0], 9)).unwrap();
+        let master = Tensor::from_f32(vec![SIZES[0]], &values(SIZES[0], 9)).unwrap();
         off.set_states(0, &[("master".into(), master)]).unwrap();
         assert_eq!(mirrors[0], oa[0]);
         assert_ne!(oa[0], ha[0]);

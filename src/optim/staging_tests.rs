@@ -5,40 +5,16 @@
 //! saying why, where g++ cannot build the host kernel.
 use std::sync::Mutex;
 
-use crate::cast::cast;
 use crate::ckpt::optim::{load, save, LoadOptions, Mode, ParamsAs, SaveOptions};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, EMULATED};
+use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 
 /// The emulated device's live-allocation count is per process: tests reading it take
 /// turns.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-/// Values over many magnitudes with zeros, deterministic.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|i| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            match i % 5 {
-                0 => 0.0,
-                1 => u * 1e-4,
-                _ => u,
-            }
-        })
-        .collect()
-}
-
-fn bytes_of(dt: DType, v: &[f32]) -> Vec<u8> {
-    let f: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    cast(f, DType::F32, dt, "test values").unwrap()
-}
 
 fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
@@ -62,14 +38,14 @@ fn build(cfgs: &[OptimConfig; 2], dt: DType, mem: &mut [Vec<u8>], device: i32) -
 
 fn params(dt: DType) -> Vec<Vec<u8>> {
     (0..SIZES.len())
-        .map(|i| bytes_of(dt, &values(SIZES[i], i as u64 + 1)))
+        .map(|i| encode(dt, &values(SIZES[i], i as u64 + 1)))
         .collect()
 }
 
 /// Steps `opt` with gradients seeded by `s` (skipping param 1 on odd steps).
 fn step(opt: &mut Optimizer, dt: DType, s: u64, device: i32) {
     let mut grads: Vec<Vec<u8>> = (0..SIZES.len())
-        .map(|i| bytes_of(dt, &values(SIZES[i], 100 + 10 * s + i as u64)))
+        .map(|i| encode(dt, &values(SIZES[i], 100 + 10 * s + i as u64)))
         .collect();
     let views: Vec<Option<HostTensor>> = grads
         .iter_mut()

@@ -181,3 +181,28 @@ impl Backend for Emulated {
         Ok(())
     }
 }
+
+/// Test inputs: values over many magnitudes with exact zeros, deterministic in `seed`.
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            match i % 7 {
+                0 => 0.0,
+                1 => u * 1e-5,
+                2 => u * 300.0,
+                _ => u,
+            }
+        })
+        .collect()
+}
+
+/// `v` as little-endian `dt` elements (rounded to nearest even), as tests store them.
+pub fn encode(dt: crate::dtype::DType, v: &[f32]) -> Vec<u8> {
+    let f32s = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    crate::cast::cast(f32s, crate::dtype::DType::F32, dt, "test values").unwrap()
+}

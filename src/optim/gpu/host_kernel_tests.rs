@@ -13,31 +13,7 @@ use crate::optim::state::ParamState;
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 
-use super::emulated::{host_kernel, RunTable};
-
-fn encode(dt: DType, v: &[f32]) -> Vec<u8> {
-    let f32s = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    crate::cast::cast(f32s, DType::F32, dt, "test values").unwrap()
-}
-
-/// Values over many magnitudes with zeros, deterministic.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|i| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            match i % 7 {
-                0 => 0.0,
-                1 => u * 1e-5,
-                2 => u * 300.0,
-                _ => u,
-            }
-        })
-        .collect()
-}
+use super::emulated::{encode, host_kernel, values, RunTable};
 
 fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
