@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::gpu::backend::backend;
+use crate::optim::gpu::backend::{read_tensor, write_tensor};
 use crate::tensor::HostTensor;
 
 /// torch's `clip_grad_norm_` epsilon: `clip_coef = max_norm / (total_norm + 1e-6)`.
@@ -28,27 +28,10 @@ pub struct ClipGrad {
     pub device: i32,
 }
 
-/// The gradient's bytes, read back from its device for a device gradient.
-unsafe fn read(g: &ClipGrad) -> Result<Vec<u8>> {
-    if g.device < 0 {
-        return Ok(g.tensor.to_tensor().data);
-    }
-    let mut b = crate::tensor::try_zeroed(g.tensor.nbytes(), "gradient")?;
-    backend(g.device)?.download(g.tensor.as_ptr() as u64, &mut b, 0)?;
-    Ok(b)
-}
-
-unsafe fn write(g: &ClipGrad, b: &[u8]) -> Result<()> {
-    if g.device < 0 {
-        return g.tensor.write_bytes(b);
-    }
-    backend(g.device)?.upload(g.tensor.as_ptr() as u64, b, 0)
-}
-
 /// # Safety
 /// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
 unsafe fn values(g: &ClipGrad) -> Result<Vec<f64>> {
-    let b = read(g)?;
+    let b = read_tensor(&g.tensor, g.device, 0)?;
     Ok(match g.tensor.dtype() {
         DType::F32 => b
             .chunks_exact(4)
@@ -247,7 +230,7 @@ pub unsafe fn clip_grad_norm_checked(
 
 unsafe fn scale(g: &ClipGrad, coef: f64) -> Result<()> {
     let c = coef as f32;
-    let mut b = read(g)?;
+    let mut b = read_tensor(&g.tensor, g.device, 0)?;
     match g.tensor.dtype() {
         DType::F32 => b.chunks_exact_mut(4).for_each(|x| {
             let v = f32::from_le_bytes((&*x).try_into().unwrap()) * c;
@@ -267,7 +250,7 @@ unsafe fn scale(g: &ClipGrad, coef: f64) -> Result<()> {
         }),
         _ => unreachable!("dtype checked"),
     }
-    write(g, &b)
+    write_tensor(&g.tensor, g.device, &b, 0)
 }
 
 #[cfg(test)]

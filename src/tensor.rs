@@ -378,11 +378,8 @@ impl HostTensor {
         })
     }
 
-    /// Writes row-major `bytes` (exactly `nbytes()` of them) into the viewed memory.
-    ///
-    /// # Safety
-    /// The memory must be valid for writes and not accessed by anyone else meanwhile.
-    pub unsafe fn write_bytes(&self, bytes: &[u8]) -> Result<()> {
+    /// An error unless `bytes` holds exactly the view's `nbytes()`.
+    pub fn check_len(&self, bytes: &[u8]) -> Result<()> {
         if bytes.len() != self.nbytes() {
             return Err(Error::Shape(format!(
                 "{} bytes for a {} tensor of shape {:?} ({} bytes expected)",
@@ -392,6 +389,15 @@ impl HostTensor {
                 self.nbytes()
             )));
         }
+        Ok(())
+    }
+
+    /// Writes row-major `bytes` (exactly `nbytes()` of them) into the viewed memory.
+    ///
+    /// # Safety
+    /// The memory must be valid for writes and not accessed by anyone else meanwhile.
+    pub unsafe fn write_bytes(&self, bytes: &[u8]) -> Result<()> {
+        self.check_len(bytes)?;
         match self.contiguous_bytes_mut() {
             Some(dst) => dst.copy_from_slice(bytes),
             None => {

@@ -61,14 +61,6 @@ fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
     Ok(())
 }
 
-/// Writes a received destination (uploaded for a device one).
-unsafe fn write_dest(d: &BroadcastDest, b: &[u8]) -> Result<()> {
-    if d.device < 0 {
-        return d.tensor.write_bytes(b);
-    }
-    crate::optim::gpu::backend::backend(d.device)?.upload(d.tensor.as_ptr() as u64, b, 0)
-}
-
 /// How sharded entries travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Strategy {
@@ -221,7 +213,7 @@ pub unsafe fn broadcast_state_dict_checked(
     stats.control_bytes += 8;
     agree(comm, cast_err.map_or(Ok(()), Err))?;
     for (d, b) in received {
-        write_dest(&dests[d], &b)?;
+        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, 0)?;
     }
     Ok(stats)
 }

@@ -49,11 +49,11 @@ impl Optimizer {
                 format!("parameter {} is in host memory (see param_state)", p.fqn),
             ));
         }
-        let st = p.gpu.as_ref().ok_or_else(|| {
-            Error::NotFound(format!("parameter {} has no optimizer state yet", p.fqn))
-        })?;
-        // SAFETY: the optimizer's stream is the one the caller gave for this device.
-        unsafe { st.to_host(self.stream) }
+        self.staged_state(i)?
+            .map(std::borrow::Cow::into_owned)
+            .ok_or_else(|| {
+                Error::NotFound(format!("parameter {} has no optimizer state yet", p.fqn))
+            })
     }
 
     /// Checks that gradient `g` (on `device`) may step parameter `i`.

@@ -11,10 +11,9 @@ use std::sync::{mpsc, Arc};
 
 use rayon::prelude::*;
 
-use super::gpu::backend::{backend, Backend};
-use super::kernel::{self, push_jobs, Job};
-use super::optimizer::Optimizer;
-use super::rule::Rule;
+use super::gpu::backend::{backend, write_tensor, Backend};
+use super::kernel::{self, Job};
+use super::optimizer::{push_param_jobs, Optimizer};
 use super::threads;
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
@@ -96,12 +95,10 @@ impl Optimizer {
                 p.tensor.shape()
             )));
         }
-        let b = backend(device)?;
-        // SAFETY: registered params stay valid; the mirror is the caller's device memory.
-        let bytes = p.tensor.to_tensor().data;
-        b.upload(t.as_ptr() as u64, &bytes, self.stream)?;
-        self.params[i].mirror = Some(Mirror { tensor: t, device });
-        Ok(())
+        // Kept only once written: a mirror that cannot be written leaves the old one.
+        let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
+        self.refresh_mirror(i)
+            .inspect_err(|_| self.params[i].mirror = old)
     }
 
     /// Writes parameter `i`'s bytes to its mirror, if it has one.
@@ -112,7 +109,7 @@ impl Optimizer {
         // `set_mirror` and is the caller's to keep valid.
         unsafe {
             let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
-            backend(m.device)?.upload(m.tensor.as_ptr() as u64, bytes, self.stream)
+            write_tensor(&m.tensor, m.device, bytes, self.stream)
         }
     }
 
@@ -200,20 +197,10 @@ impl Optimizer {
     /// As `step_on`; `g` holds the gradient's contiguous bytes.
     unsafe fn step_host_param(&mut self, i: usize, g: &[u8], gt: &HostTensor) -> Result<()> {
         let pool = threads::pool()?;
+        let mut jobs: Vec<Job<'_>> = Vec::new();
         let p = &mut self.params[i];
-        let Some(st) = p.state.as_mut() else {
-            return Ok(());
-        };
-        st.step += 1;
-        // torch's SGD copies the first gradient into a buffer that did not exist yet.
-        let first = !st.m_valid;
-        st.m_valid = true;
-        if p.tensor.numel() > 0 {
-            let rule = Rule::new(&self.groups[p.group], st.step);
-            let mut jobs: Vec<Job<'_>> = Vec::new();
-            push_jobs(&mut jobs, &p.tensor, g, gt.dtype(), st, rule, first);
-            pool.install(|| jobs.into_par_iter().for_each(kernel::run));
-        }
+        push_param_jobs(&mut jobs, p, &self.groups[p.group], g, gt.dtype());
+        pool.install(|| jobs.into_par_iter().for_each(kernel::run));
         Ok(())
     }
 

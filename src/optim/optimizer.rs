@@ -32,6 +32,29 @@ pub(crate) struct Param {
     pub mirror: Option<Mirror>,
 }
 
+/// Advances host parameter `p`'s step (when it has state) and pushes the jobs that step
+/// it with gradient bytes `g` of `grad_dtype`.
+///
+/// # Safety
+/// `p`'s memory must be valid for the jobs' lifetime.
+pub(crate) unsafe fn push_param_jobs<'a>(
+    jobs: &mut Vec<Job<'a>>,
+    p: &'a mut Param,
+    cfg: &OptimConfig,
+    g: &'a [u8],
+    grad_dtype: DType,
+) {
+    let Some(st) = p.state.as_mut() else { return };
+    st.step += 1;
+    // torch's SGD copies the first gradient into a buffer that did not exist yet.
+    let first = !st.m_valid;
+    st.m_valid = true;
+    if p.tensor.numel() > 0 {
+        let rule = Rule::new(cfg, st.step);
+        push_jobs(jobs, &p.tensor, g, grad_dtype, st, rule, first);
+    }
+}
+
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
 pub struct Optimizer {
     pub(crate) groups: Vec<OptimConfig>,
@@ -438,16 +461,8 @@ impl Optimizer {
         let mut jobs: Vec<Job<'_>> = Vec::new();
         let groups = &self.groups;
         for ((p, g), gt) in self.params.iter_mut().zip(&grad_bytes).zip(grads) {
-            let (Some(gb), Some(st), Some(gt)) = (g, p.state.as_mut(), gt) else {
-                continue;
-            };
-            st.step += 1;
-            // torch's SGD copies the first gradient into a buffer that did not exist yet.
-            let first = !st.m_valid;
-            st.m_valid = true;
-            if p.tensor.numel() > 0 {
-                let rule = Rule::new(&groups[p.group], st.step);
-                push_jobs(&mut jobs, &p.tensor, gb, gt.dtype(), st, rule, first);
+            if let (Some(gb), Some(gt)) = (g, gt) {
+                push_param_jobs(&mut jobs, p, &groups[p.group], gb, gt.dtype());
             }
         }
         pool.install(|| jobs.into_par_iter().for_each(kernel::run));

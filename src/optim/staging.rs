@@ -6,7 +6,7 @@
 //! therefore the bytes of one written from the same state on the host.
 use std::borrow::Cow;
 
-use super::gpu::backend::backend;
+use super::gpu::backend::{read_tensor, write_tensor};
 use super::gpu::table::StateLayout;
 use super::gpu::DeviceState;
 use super::optimizer::Optimizer;
@@ -39,14 +39,9 @@ impl Optimizer {
     /// Parameter `i`'s elements as stored (read back from its device for a device one).
     pub(crate) fn param_tensor(&self, i: usize) -> Result<Tensor> {
         let p = &self.params[i];
-        // SAFETY: registered params stay valid for the optimizer's lifetime.
-        if p.device < 0 {
-            return Ok(unsafe { p.tensor.to_tensor() });
-        }
-        let mut data = crate::tensor::try_zeroed(p.tensor.nbytes(), &p.fqn)?;
-        // SAFETY: a registered device param is `nbytes` of contiguous memory of its
+        // SAFETY: registered params stay valid for the optimizer's lifetime, on their
         // device; the optimizer's stream is one of that device.
-        unsafe { backend(p.device)?.download(p.tensor.as_ptr() as u64, &mut data, self.stream)? };
+        let data = unsafe { read_tensor(&p.tensor, p.device, self.stream)? };
         Ok(Tensor {
             dtype: p.tensor.dtype(),
             shape: p.tensor.shape().to_vec(),
@@ -54,25 +49,13 @@ impl Optimizer {
         })
     }
 
-    /// Overwrites parameter `i`'s elements with `bytes` (its whole contiguous storage).
+    /// Overwrites parameter `i`'s elements with `bytes` (its whole contiguous storage),
+    /// and its mirror if it has one.
     pub(crate) fn write_param(&self, i: usize, bytes: &[u8]) -> Result<()> {
         let p = &self.params[i];
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-        unsafe {
-            if p.device < 0 {
-                p.tensor.write_bytes(bytes)?;
-                return self.refresh_mirror(i);
-            }
-            if bytes.len() != p.tensor.nbytes() {
-                return Err(crate::error::Error::Shape(format!(
-                    "parameter {}: {} bytes given for {} stored",
-                    p.fqn,
-                    bytes.len(),
-                    p.tensor.nbytes()
-                )));
-            }
-            backend(p.device)?.upload(p.tensor.as_ptr() as u64, bytes, self.stream)
-        }
+        unsafe { write_tensor(&p.tensor, p.device, bytes, self.stream)? };
+        self.refresh_mirror(i)
     }
 
     /// Makes `st` (laid out as `new_state(i)`) parameter `i`'s state: kept as is for a
