@@ -527,8 +527,10 @@ fo_status fo_broadcast_state_dict(struct fo_comm *comm,
  place by `max_norm / (total + 1e-6)`. With `error_if_nonfinite`, a NaN/inf total is
  FO_ERR_NUMERICS on every rank and nothing is scaled. F32, BF16, F16 (and F64)
  gradients; f64 accumulation. A gradient on a CUDA device (`device` >= 0, contiguous,
- `cuda` build) is copied to host memory after the work on the legacy default stream,
- and back when scaled: the result is the host computation's, bit for bit. Collective:
+ `cuda` build) is summed and scaled by fo's kernels on the legacy default stream, after
+ the work queued there, and is scaled when the call returns; only per-chunk partial
+ sums come to the host (for `norm_type` other than 1, 2 and INFINITY the gradient is
+ copied down to sum it). The total is the host computation's, bit for bit. Collective:
  every rank calls it, with or without gradients.
  */
 fo_status fo_clip_grad_norm(struct fo_comm *comm,

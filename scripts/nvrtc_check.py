@@ -13,6 +13,8 @@ import time
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "optim" / "gpu" / "kernels"
 ARCHS = ["compute_80", "compute_90"]
 ENTRY = "fo_step_kernel"
+# The clip's device norm and scaling (fo_norm.cuh).
+NORM_ENTRIES = ["fo_norm_lanes_kernel", "fo_norm_chunks_kernel", "fo_scale_kernel"]
 WRITTEN_FMAS = (KERNELS / "fo_rules.cuh").read_text().count("fo_fma(")
 
 
@@ -57,8 +59,12 @@ def main():
         t = time.perf_counter()
         ptx = compile_ptx(nvrtc, arch)
         dt = time.perf_counter() - t
-        if f".entry {ENTRY}" not in ptx:
-            sys.exit(f"NVRTC {arch}: the PTX has no entry {ENTRY}")
+        for entry in [ENTRY] + NORM_ENTRIES:
+            if f".entry {entry}" not in ptx:
+                sys.exit(f"NVRTC {arch}: the PTX has no entry {entry}")
+        # --fmad=false holds for f64 too: the norm's sums must not be contracted.
+        if "fma.rn.f64" in ptx:
+            sys.exit(f"NVRTC {arch}: fma.rn.f64 in the PTX")
         # --fmad=false: the only fused multiply-adds are the ones written as fo_fma (the
         # torch contract's add(alpha=) and lerp), each inlined once into the one kernel.
         if ptx.count("fma.rn.f32") != WRITTEN_FMAS:
@@ -66,7 +72,7 @@ def main():
         if out:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"fo_kernels_{arch}.ptx").write_text(ptx)
-        print(f"NVRTC {major.value}.{minor.value} {arch}: {len(ptx)} bytes of PTX, entry {ENTRY}, "
+        print(f"NVRTC {major.value}.{minor.value} {arch}: {len(ptx)} bytes of PTX, entries {ENTRY} + {len(NORM_ENTRIES)} norm, "
               f"no warnings, {WRITTEN_FMAS} fma (all written), {dt:.2f} s")
 
 

@@ -1,10 +1,12 @@
 //! What the device half needs from a device: memory, copies ordered on a stream, and a
 //! launch of the step kernel. CUDA provides it (feature `cuda`: `launch::Device`); the
 //! unit tests provide a host emulation (`emulated`: host memory, the host build of the
-//! same kernel text), so device state, staging and the hybrid step above this trait run
-//! in CI without a GPU. Only the CUDA implementation of these five calls is left to a GPU.
+//! same kernel text), so device state, staging, the hybrid step and the clip's device norm
+//! above this trait run in CI without a GPU. Only the CUDA implementation of these calls
+//! is left to a GPU.
 use std::sync::Arc;
 
+use super::norm_table::NormTable;
 use super::table::StepTable;
 use crate::error::Result;
 use crate::tensor::HostTensor;
@@ -55,6 +57,20 @@ pub trait Backend: Send + Sync {
     /// Every address in the table must be memory of this device that stays valid until
     /// the kernel has run; `stream` valid or 0.
     unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()>;
+
+    /// The norm kernels over `table` (`power` 1: sum of |x|, 2: of x*x) after the work
+    /// queued on `stream`: `[sum, largest |x|]` per global chunk, waited for.
+    ///
+    /// # Safety
+    /// Every tensor in the table must be readable memory of this device; `stream` valid or 0.
+    unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>>;
+
+    /// Multiplies every element of `table`'s tensors by `coef` (in f32 for 32- and 16-bit
+    /// tensors, f64 for f64 ones) in order on `stream`, and waits for it.
+    ///
+    /// # Safety
+    /// Every tensor in the table must be writable memory of this device; `stream` valid or 0.
+    unsafe fn scale(&self, table: &NormTable, coef: f64, stream: usize) -> Result<()>;
 }
 
 /// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.

@@ -12,6 +12,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::backend::Backend;
+use super::norm_table::{FoNormTensor, NormTable};
 use super::table::{FoStepTensor, StepTable};
 use crate::error::{Error, Result};
 
@@ -20,28 +21,62 @@ pub const EMULATED: i32 = 77;
 
 /// The host build of `fo_step_kernel` over a table, on a small grid.
 pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
+/// The host build of the two norm kernels: (table, rows, chunks, power, out).
+pub type RunNorm = unsafe extern "C" fn(*const FoNormTensor, i32, u64, i32, *mut f64);
+/// The host build of `fo_scale_kernel`: (table, rows, chunks, coef, coef64).
+pub type RunScale = unsafe extern "C" fn(*const FoNormTensor, i32, u64, f32, f64);
 
-/// Builds the host kernel into a shared object and loads `fo_test_run` (once per process).
-pub fn host_kernel() -> std::result::Result<RunTable, String> {
-    static K: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let f = K.get_or_init(|| build().map(|f| f as usize)).clone()?;
-    // SAFETY: the address of `fo_test_run`, which has the RunTable signature.
-    Ok(unsafe { std::mem::transmute::<usize, RunTable>(f) })
+/// The kernels' host build, loaded from one shared object.
+#[derive(Clone, Copy)]
+pub struct HostKernels {
+    pub step: RunTable,
+    pub norm: RunNorm,
+    pub scale: RunScale,
 }
 
-fn build() -> std::result::Result<RunTable, String> {
+/// Builds the host kernels into a shared object and loads them (once per process).
+pub fn host_kernels() -> std::result::Result<HostKernels, String> {
+    static K: OnceLock<std::result::Result<[usize; 3], String>> = OnceLock::new();
+    let f = K.get_or_init(build).clone()?;
+    // SAFETY: the addresses of the functions `build` defines, with these signatures.
+    Ok(unsafe {
+        HostKernels {
+            step: std::mem::transmute::<usize, RunTable>(f[0]),
+            norm: std::mem::transmute::<usize, RunNorm>(f[1]),
+            scale: std::mem::transmute::<usize, RunScale>(f[2]),
+        }
+    })
+}
+
+/// The host build of `fo_step_kernel` (see `host_kernels`).
+pub fn host_kernel() -> std::result::Result<RunTable, String> {
+    host_kernels().map(|k| k.step)
+}
+
+/// A small grid, so the grid-stride loops and the table searches all get exercised.
+const HOST_RUNNERS: &str = r#"#include "fo_step.cuh"
+#include "fo_norm.cuh"
+#include <vector>
+extern "C" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {
+  fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });
+}
+extern "C" void fo_test_norm(const fo_norm_tensor* t, int n, unsigned long long chunks, int power,
+                             double* out) {
+  std::vector<double> s(chunks * FO_NORM_LANES), m(chunks * FO_NORM_LANES);
+  fo_host_launch(3, 4, [&] { fo_norm_lanes_kernel(t, n, chunks, power, s.data(), m.data()); });
+  fo_host_launch(2, 3, [&] { fo_norm_chunks_kernel(s.data(), m.data(), chunks, out); });
+}
+extern "C" void fo_test_scale(const fo_norm_tensor* t, int n, unsigned long long chunks, float c,
+                              double c64) {
+  fo_host_launch(3, 4, [&] { fo_scale_kernel(t, n, chunks, c, c64); });
+}
+"#;
+
+fn build() -> std::result::Result<[usize; 3], String> {
     let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let src = dir.join("run.cpp");
-    // A small grid, so the grid-stride loop and the table search both get exercised.
-    std::fs::write(
-        &src,
-        "#include \"fo_step.cuh\"\n\
-         extern \"C\" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {\n\
-           fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });\n\
-         }\n",
-    )
-    .map_err(|e| e.to_string())?;
+    std::fs::write(&src, HOST_RUNNERS).map_err(|e| e.to_string())?;
     let so = dir.join("run.so");
     let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
     let out = Command::new("g++")
@@ -63,19 +98,26 @@ fn build() -> std::result::Result<RunTable, String> {
         panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: a library built just above; the symbol has the declared C signature.
+    // SAFETY: a library built just above, defining the three C functions looked up.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
         assert!(!h.is_null(), "dlopen {so:?}");
-        let f = libc::dlsym(h, c"fo_test_run".as_ptr());
-        assert!(!f.is_null(), "dlsym fo_test_run");
-        Ok(std::mem::transmute::<*mut libc::c_void, RunTable>(f))
+        let sym = |name: &std::ffi::CStr| {
+            let f = libc::dlsym(h, name.as_ptr());
+            assert!(!f.is_null(), "dlsym {name:?}");
+            f as usize
+        };
+        Ok([
+            sym(c"fo_test_run"),
+            sym(c"fo_test_norm"),
+            sym(c"fo_test_scale"),
+        ])
     }
 }
 
 /// Host memory posing as one device's, with the host kernel as its launcher.
 pub struct Emulated {
-    run: RunTable,
+    run: HostKernels,
     /// Live allocations and their sizes; tests check that every one is freed.
     live: Mutex<HashMap<u64, usize>>,
 }
@@ -101,7 +143,7 @@ pub fn backend(ordinal: i32) -> Option<Arc<dyn Backend>> {
 pub fn device() -> Option<Arc<Emulated>> {
     static D: OnceLock<Option<Arc<Emulated>>> = OnceLock::new();
     D.get_or_init(|| {
-        host_kernel().ok().map(|run| {
+        host_kernels().ok().map(|run| {
             Arc::new(Emulated {
                 run,
                 live: Mutex::new(HashMap::new()),
@@ -172,10 +214,42 @@ impl Backend for Emulated {
 
     unsafe fn launch(&self, table: &StepTable, _stream: usize) -> Result<()> {
         if !table.tensors.is_empty() {
-            (self.run)(
+            (self.run.step)(
                 table.tensors.as_ptr(),
                 table.tensors.len() as i32,
                 table.total_groups,
+            );
+        }
+        Ok(())
+    }
+
+    unsafe fn norm_chunks(
+        &self,
+        table: &NormTable,
+        power: u32,
+        _stream: usize,
+    ) -> Result<Vec<f64>> {
+        let mut out = vec![0f64; 2 * table.total_chunks as usize];
+        if !table.tensors.is_empty() {
+            (self.run.norm)(
+                table.tensors.as_ptr(),
+                table.tensors.len() as i32,
+                table.total_chunks,
+                power as i32,
+                out.as_mut_ptr(),
+            );
+        }
+        Ok(out)
+    }
+
+    unsafe fn scale(&self, table: &NormTable, coef: f64, _stream: usize) -> Result<()> {
+        if !table.tensors.is_empty() {
+            (self.run.scale)(
+                table.tensors.as_ptr(),
+                table.tensors.len() as i32,
+                table.total_chunks,
+                coef as f32,
+                coef,
             );
         }
         Ok(())

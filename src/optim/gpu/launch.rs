@@ -16,12 +16,19 @@ use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
 use super::backend::Backend;
+use super::norm_table::{NormTable, LANES};
 use super::table::StepTable;
 use super::KERNEL_SOURCES;
 use crate::error::{Error, Result};
 
-/// The kernel's entry point (`extern "C"` in fo_step.cuh).
+/// The step kernel's entry point (`extern "C"` in fo_step.cuh).
 pub const ENTRY: &str = "fo_step_kernel";
+/// The clip's kernels (fo_norm.cuh): lane partials, chunk folds, scaling.
+pub const NORM_ENTRIES: [&str; 3] = [
+    "fo_norm_lanes_kernel",
+    "fo_norm_chunks_kernel",
+    "fo_scale_kernel",
+];
 /// NVRTC options besides `--gpu-architecture`: the same as scripts/nvrtc_check.py, which
 /// compiles the kernels in CI. `--fmad=false`: only the multiply-adds written as `fo_fma`
 /// fuse, as on the CPU path.
@@ -72,7 +79,7 @@ pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
     let texts: Vec<CString> = KERNEL_SOURCES.iter().map(|(_, t)| cstr(t)).collect();
     let name_ptrs: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
     let text_ptrs: Vec<*const c_char> = texts.iter().map(|c| c.as_ptr()).collect();
-    let main = cstr("#include \"fo_step.cuh\"\n");
+    let main = cstr("#include \"fo_step.cuh\"\n#include \"fo_norm.cuh\"\n");
     let mut opts: Vec<String> = vec![arch.to_string()];
     opts.extend(NVRTC_OPTIONS.iter().map(|s| s.to_string()));
     let nv = |what: &str, e: nvr::NvrtcError| Error::Unsupported(format!("NVRTC {what}: {e:?}"));
@@ -134,6 +141,8 @@ pub struct Device {
     pub arch: String,
     ctx: cusys::CUcontext,
     func: cusys::CUfunction,
+    /// `NORM_ENTRIES`, in order.
+    norm: [cusys::CUfunction; 3],
     max_blocks: u32,
 }
 
@@ -188,14 +197,22 @@ impl Device {
         let _cur = Current::push(ctx)?;
         let module = cu::module::load_data(ptx.as_ptr() as *const c_void)
             .map_err(|e| cuda_err("cuModuleLoadData", e))?;
-        let entry = CString::new(ENTRY).expect("no NUL");
-        let func = cu::module::get_function(module, entry)
-            .map_err(|e| cuda_err("cuModuleGetFunction", e))?;
+        let get = |name: &str| {
+            cu::module::get_function(module, CString::new(name).expect("no NUL"))
+                .map_err(|e| cuda_err("cuModuleGetFunction", e))
+        };
+        let func = get(ENTRY)?;
+        let norm = [
+            get(NORM_ENTRIES[0])?,
+            get(NORM_ENTRIES[1])?,
+            get(NORM_ENTRIES[2])?,
+        ];
         Ok(Device {
             ordinal,
             arch,
             ctx,
             func,
+            norm,
             max_blocks: sms * BLOCKS_PER_SM,
         })
     }
@@ -224,19 +241,57 @@ impl Device {
         let launched = cu::memcpy_htod_async(d, bytes, stream)
             .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
             .and_then(|()| {
-                let blocks = table.total_groups.div_ceil(BLOCK as u64);
-                let grid = blocks.min(self.max_blocks as u64) as u32;
                 let (mut t, mut n, mut total) = (d, count, table.total_groups);
                 let mut args = [
                     &mut t as *mut _ as *mut c_void,
                     &mut n as *mut _ as *mut c_void,
                     &mut total as *mut _ as *mut c_void,
                 ];
-                cu::launch_kernel(self.func, (grid, 1, 1), (BLOCK, 1, 1), 0, stream, &mut args)
-                    .map_err(|e| cuda_err("cuLaunchKernel", e))
+                self.run(self.func, table.total_groups, stream, &mut args)
             });
         let freed = cu::free_async(d, stream).map_err(|e| cuda_err("cuMemFreeAsync", e));
         launched.and(freed)
+    }
+}
+
+impl Device {
+    /// Launches `func` on a grid-stride grid for `threads` threads (capped at the
+    /// resident blocks; the kernels loop over the rest).
+    unsafe fn run(
+        &self,
+        func: cusys::CUfunction,
+        threads: u64,
+        stream: cusys::CUstream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let grid = threads
+            .div_ceil(BLOCK as u64)
+            .clamp(1, self.max_blocks as u64) as u32;
+        cu::launch_kernel(func, (grid, 1, 1), (BLOCK, 1, 1), 0, stream, args)
+            .map_err(|e| cuda_err("cuLaunchKernel", e))
+    }
+
+    /// Copies `table` into stream-ordered device memory with `extra` more bytes after it
+    /// (8-byte aligned), runs `body` with its address, then frees it in stream order.
+    unsafe fn with_norm_table<T>(
+        &self,
+        table: &NormTable,
+        extra: usize,
+        stream: cusys::CUstream,
+        body: impl FnOnce(u64, i32) -> Result<T>,
+    ) -> Result<T> {
+        let count = i32::try_from(table.tensors.len())
+            .map_err(|_| Error::invalid("grads", "more than 2^31 device gradients"))?;
+        let bytes = table.as_bytes();
+        let d = cu::malloc_async(stream, bytes.len() + extra)
+            .map_err(|e| cuda_err("cuMemAllocAsync", e))?;
+        let out = cu::memcpy_htod_async(d, bytes, stream)
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+            .and_then(|()| body(d, count));
+        let freed = cu::free_async(d, stream).map_err(|e| cuda_err("cuMemFreeAsync", e));
+        let out = out?;
+        freed?;
+        Ok(out)
     }
 }
 
@@ -299,6 +354,72 @@ impl Backend for Device {
     unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()> {
         self.launch_table(table, stream_of(stream))
     }
+
+    unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {
+        let chunks = table.total_chunks;
+        let mut out = vec![0u8; 16 * chunks as usize];
+        if table.tensors.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _cur = Current::push(self.ctx)?;
+        let s = stream_of(stream);
+        let lanes = chunks * LANES as u64;
+        // After the table: lane sums, lane maxima, then [sum, max] per chunk.
+        let extra = 16 * lanes as usize + out.len();
+        self.with_norm_table(table, extra, s, |d, count| {
+            let at = d + table.as_bytes().len() as u64;
+            let (mut t, mut n, mut total, mut p) = (d, count, chunks, power as i32);
+            let (mut ls, mut lm, mut o) = (at, at + 8 * lanes, at + 16 * lanes);
+            let mut args = [
+                &mut t as *mut _ as *mut c_void,
+                &mut n as *mut _ as *mut c_void,
+                &mut total as *mut _ as *mut c_void,
+                &mut p as *mut _ as *mut c_void,
+                &mut ls as *mut _ as *mut c_void,
+                &mut lm as *mut _ as *mut c_void,
+            ];
+            self.run(self.norm[0], lanes, s, &mut args)?;
+            let mut args = [
+                &mut ls as *mut _ as *mut c_void,
+                &mut lm as *mut _ as *mut c_void,
+                &mut total as *mut _ as *mut c_void,
+                &mut o as *mut _ as *mut c_void,
+            ];
+            self.run(self.norm[1], chunks, s, &mut args)?;
+            cu::memcpy_dtoh_async(&mut out[..], o, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))
+        })?;
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))?;
+        Ok(out
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect())
+    }
+
+    unsafe fn scale(&self, table: &NormTable, coef: f64, stream: usize) -> Result<()> {
+        if table.tensors.is_empty() {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx)?;
+        let s = stream_of(stream);
+        self.with_norm_table(table, 0, s, |d, count| {
+            let (mut t, mut n, mut total) = (d, count, table.total_chunks);
+            let (mut c, mut c64) = (coef as f32, coef);
+            let mut args = [
+                &mut t as *mut _ as *mut c_void,
+                &mut n as *mut _ as *mut c_void,
+                &mut total as *mut _ as *mut c_void,
+                &mut c as *mut _ as *mut c_void,
+                &mut c64 as *mut _ as *mut c_void,
+            ];
+            self.run(
+                self.norm[2],
+                table.total_chunks * LANES as u64,
+                s,
+                &mut args,
+            )
+        })?;
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
 }
 
 #[cfg(test)]
@@ -319,6 +440,12 @@ mod tests {
             );
         }
         assert!(script.contains(&format!("ENTRY = \"{ENTRY}\"")));
+        for e in NORM_ENTRIES {
+            assert!(
+                script.contains(&format!("\"{e}\"")),
+                "{e} not in nvrtc_check.py"
+            );
+        }
         assert_eq!(arch_option(9, 0), "--gpu-architecture=compute_90");
         assert_eq!(arch_option(8, 6), "--gpu-architecture=compute_86");
     }
@@ -341,10 +468,14 @@ mod tests {
                 .unwrap()
                 .to_str()
                 .unwrap();
-            assert!(
-                text.contains(&format!(".entry {ENTRY}")),
-                "sm_{major}{minor}"
-            );
+            for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
+                assert!(
+                    text.contains(&format!(".entry {entry}")),
+                    "sm_{major}{minor}: {entry}"
+                );
+            }
+            // --fmad=false holds for f64 too: the norm's sums are not contracted.
+            assert!(!text.contains("fma.rn.f64"), "sm_{major}{minor}");
             assert!(
                 text.contains(&format!(".target sm_{major}{minor}")),
                 "sm_{major}{minor}"

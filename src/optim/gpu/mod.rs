@@ -15,6 +15,7 @@ pub mod backend;
 mod device_state;
 #[cfg(test)]
 pub mod emulated;
+pub mod norm_table;
 pub mod table;
 
 #[cfg(feature = "cuda")]
@@ -33,6 +34,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fo_quant8.cuh", include_str!("kernels/fo_quant8.cuh")),
     ("fo_rules.cuh", include_str!("kernels/fo_rules.cuh")),
     ("fo_step.cuh", include_str!("kernels/fo_step.cuh")),
+    ("fo_norm.cuh", include_str!("kernels/fo_norm.cuh")),
 ];
 
 /// Why an entry point that takes host memory only cannot use a tensor on CUDA device

@@ -1,0 +1,147 @@
+//! Each local gradient's share of the norm, and its scaling, wherever it lives. For
+//! p = 1, 2 and infinity, device gradients are summed and scaled by the device kernels
+//! (one launch per device, only per-chunk partials come back) and host gradients by the
+//! host's copy of the same order (`norm_table::host_partial`), so a gradient gives the
+//! same bits on either side. Other p use `powf`, which the GPU does not round as the host
+//! does: those device gradients are copied down and summed on the host.
+use std::collections::BTreeMap;
+
+use half::{bf16, f16};
+
+use super::ClipGrad;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::optim::gpu::backend::{backend, read_tensor, write_tensor};
+use crate::optim::gpu::norm_table::{host_partial, NormTable};
+
+/// Which sum the kernels do for norm type `p` (1: |x|, 2: x*x), None where they cannot.
+fn power(p: f64) -> Option<u32> {
+    if p == 2.0 {
+        Some(2)
+    } else if p == 1.0 || p.is_infinite() {
+        Some(1)
+    } else {
+        None
+    }
+}
+
+/// The indices of `grads` on each device, in order.
+fn by_device(grads: &[ClipGrad]) -> BTreeMap<i32, Vec<usize>> {
+    let mut m: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
+    for (i, g) in grads.iter().enumerate().filter(|(_, g)| g.device >= 0) {
+        m.entry(g.device).or_default().push(i);
+    }
+    m
+}
+
+fn table(grads: &[ClipGrad], idx: &[usize]) -> Result<NormTable> {
+    let rows: Vec<(u64, usize, DType)> = idx
+        .iter()
+        .map(|&i| {
+            let t = &grads[i].tensor;
+            (t.as_ptr() as u64, t.numel(), t.dtype())
+        })
+        .collect();
+    NormTable::new(&rows)
+}
+
+/// Each gradient's (largest |g|, sum of |g|^p), in order. The largest is NaN when the
+/// gradient holds a NaN, else infinite when it holds an infinity.
+///
+/// # Safety
+/// Every gradient's memory must be valid for reads (checked: dtype, device, contiguity).
+pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64) -> Result<Vec<(f64, f64)>> {
+    let mut out = vec![(0.0, 0.0); grads.len()];
+    let power = power(p);
+    if let Some(power) = power {
+        for (device, idx) in by_device(grads) {
+            let t = table(grads, &idx)?;
+            let chunks = backend(device)?.norm_chunks(&t, power, 0)?;
+            for (&i, (sum, max)) in idx.iter().zip(t.fold(&chunks)) {
+                out[i] = (max, sum);
+            }
+        }
+    }
+    for (i, g) in grads.iter().enumerate() {
+        if g.device >= 0 && power.is_some() {
+            continue;
+        }
+        let v = values(g)?;
+        out[i] = match power {
+            Some(power) => {
+                let (sum, max) = host_partial(&v, power);
+                (max, sum)
+            }
+            None => v.iter().fold((0.0, 0.0), |(mx, sum), x| {
+                let a = x.abs();
+                (if a > mx || a.is_nan() { a } else { mx }, sum + a.powf(p))
+            }),
+        };
+    }
+    Ok(out)
+}
+
+/// Multiplies every gradient by `coef` (in f32 for f32/bf16/f16 gradients, as torch
+/// does): device gradients by the scale kernel, host ones in place.
+///
+/// # Safety
+/// Every gradient's memory must be valid for writes.
+pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64) -> Result<()> {
+    for (device, idx) in by_device(grads) {
+        backend(device)?.scale(&table(grads, &idx)?, coef, 0)?;
+    }
+    for g in grads.iter().filter(|g| g.device < 0) {
+        scale_host(g, coef)?;
+    }
+    Ok(())
+}
+
+/// # Safety
+/// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
+unsafe fn values(g: &ClipGrad) -> Result<Vec<f64>> {
+    let b = read_tensor(&g.tensor, g.device, 0)?;
+    Ok(match g.tensor.dtype() {
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DType::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        _ => unreachable!("dtype checked"),
+    })
+}
+
+unsafe fn scale_host(g: &ClipGrad, coef: f64) -> Result<()> {
+    let c = coef as f32;
+    let mut b = read_tensor(&g.tensor, -1, 0)?;
+    match g.tensor.dtype() {
+        DType::F32 => b.chunks_exact_mut(4).for_each(|x| {
+            let v = f32::from_le_bytes((&*x).try_into().unwrap()) * c;
+            x.copy_from_slice(&v.to_le_bytes())
+        }),
+        DType::F64 => b.chunks_exact_mut(8).for_each(|x| {
+            let v = f64::from_le_bytes((&*x).try_into().unwrap()) * coef;
+            x.copy_from_slice(&v.to_le_bytes())
+        }),
+        DType::BF16 => b.chunks_exact_mut(2).for_each(|x| {
+            let v = bf16::from_f32(bf16::from_le_bytes([x[0], x[1]]).to_f32() * c);
+            x.copy_from_slice(&v.to_le_bytes())
+        }),
+        DType::F16 => b.chunks_exact_mut(2).for_each(|x| {
+            let v = f16::from_f32(f16::from_le_bytes([x[0], x[1]]).to_f32() * c);
+            x.copy_from_slice(&v.to_le_bytes())
+        }),
+        _ => unreachable!("dtype checked"),
+    }
+    write_tensor(&g.tensor, -1, &b, 0)
+}

@@ -1,0 +1,133 @@
+use super::*;
+use crate::comm::Comm;
+use crate::optim::gpu::emulated::{self, EMULATED};
+
+fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
+    unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
+}
+
+/// Device gradients (on the emulated device) give the host norm and clip, bit for bit.
+#[test]
+fn device_gradients_clip_as_host_ones() {
+    if emulated::skip() {
+        return;
+    }
+    let vals: Vec<f32> = (0..77).map(|i| (i as f32 - 30.0) * 0.731).collect();
+    let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let src = crate::cast::cast(f32s.clone(), DType::F32, dtype, "g").unwrap();
+        for p in [2.0, 1.0, 3.0, f64::INFINITY] {
+            let comm = Comm::local_group(1).pop().unwrap();
+            let (mut h0, mut h1, mut d0, mut d1) =
+                (src.clone(), src.clone(), src.clone(), src.clone());
+            let host = vec![
+                (grad(&mut h0, dtype, 77), true),
+                (grad(&mut h1, dtype, 77), false),
+            ];
+            let want = unsafe { clip_grad_norm(&comm, &host, 1.5, p, true) }.unwrap();
+            let dev = vec![
+                ClipGrad {
+                    tensor: grad(&mut d0, dtype, 77),
+                    is_shard: true,
+                    device: EMULATED,
+                },
+                ClipGrad {
+                    tensor: grad(&mut d1, dtype, 77),
+                    is_shard: false,
+                    device: -1,
+                },
+            ];
+            let got = unsafe { clip_grad_norm_checked(&comm, Ok(dev), 1.5, p, true) }.unwrap();
+            assert_eq!(got.to_bits(), want.to_bits(), "{dtype} p={p}");
+            assert_eq!((&d0, &d1), (&h0, &h1), "{dtype} p={p}");
+            assert_ne!(d0, src, "clipped");
+        }
+    }
+    let comm = Comm::local_group(1).pop().unwrap();
+    let mut b = vec![0u8; 8 * 4];
+    let strided =
+        unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
+    let e = unsafe {
+        clip_grad_norm_checked(
+            &comm,
+            Ok(vec![ClipGrad {
+                tensor: strided,
+                is_shard: true,
+                device: EMULATED,
+            }]),
+            1.0,
+            2.0,
+            false,
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("grads[0]") && e.contains("a device gradient must be contiguous"),
+        "{e}"
+    );
+}
+
+/// The device kernels' sums, maxima and scaling equal the host's bit for bit for every
+/// dtype, across chunk boundaries, with several gradients in one launch (an empty one
+/// among them), and NaN and infinity are seen wherever they sit.
+#[test]
+fn device_norms_and_scaling_are_the_hosts_across_chunks() {
+    if emulated::skip() {
+        return;
+    }
+    let sizes = [0usize, 1, 8191, 8192, 8193, 20000];
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let srcs: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let f32s = emulated::encode(DType::F32, &emulated::values(n, 7 + k as u64));
+                crate::cast::cast(f32s, DType::F32, dtype, "g").unwrap()
+            })
+            .collect();
+        for poison in [None, Some(f64::INFINITY), Some(f64::NAN)] {
+            let mut srcs = srcs.clone();
+            if let Some(x) = poison {
+                // One element deep in the last chunk of the largest gradient.
+                let w = dtype.size();
+                let at = 19_000 * w;
+                let bytes =
+                    crate::cast::cast(x.to_le_bytes().to_vec(), DType::F64, dtype, "x").unwrap();
+                srcs[5][at..at + w].copy_from_slice(&bytes);
+            }
+            for p in [2.0, 1.0, f64::INFINITY, 3.0] {
+                let mut host = srcs.clone();
+                let mut dev = srcs.clone();
+                let mk = |bufs: &mut Vec<Vec<u8>>, device: i32| -> Vec<ClipGrad> {
+                    bufs.iter_mut()
+                        .zip(sizes)
+                        .map(|(b, n)| ClipGrad {
+                            tensor: grad(b, dtype, n),
+                            is_shard: true,
+                            device,
+                        })
+                        .collect()
+                };
+                let (h, d) = (mk(&mut host, -1), mk(&mut dev, EMULATED));
+                let want = unsafe { norms::norms(&h, p) }.unwrap();
+                let got = unsafe { norms::norms(&d, p) }.unwrap();
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    let ctx = format!("{dtype} p={p} poison {poison:?} grad {i}");
+                    assert_eq!(
+                        (w.0.to_bits(), w.1.to_bits()),
+                        (g.0.to_bits(), g.1.to_bits()),
+                        "{ctx}"
+                    );
+                }
+                assert_eq!(want[5].0.is_nan(), poison.is_some_and(|x| x.is_nan()));
+                if poison.is_none() {
+                    unsafe { norms::scale_all(&h, 0.37) }.unwrap();
+                    unsafe { norms::scale_all(&d, 0.37) }.unwrap();
+                    assert_eq!(host, dev, "{dtype} p={p} scaled");
+                    assert_ne!(host, srcs, "{dtype} scaled");
+                }
+            }
+        }
+    }
+}
