@@ -7,6 +7,7 @@ mod callbacks;
 mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod scratch;
 
 pub use agree::agree;
 pub use callbacks::{AllReduceF64Fn, BarrierFn, BroadcastFn, Callbacks, ScatterFn};

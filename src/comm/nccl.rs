@@ -1,22 +1,56 @@
 //! A communicator over the host's `ncclComm_t` and CUDA stream (feature `cuda`). fo's
 //! buffers are host memory, so each collective stages through a device buffer on the
-//! stream: copy in, NCCL collective, copy out, synchronize. NCCL and CUDA are loaded at
+//! stream: copy in, NCCL collective, copy out, synchronize. The buffer is kept with the
+//! communicator (`Scratch`), so a collective allocates nothing once it has grown to
+//! the largest payload seen. NCCL and CUDA are loaded at
 //! run time through cudarc; their absence is a clear `Unsupported` error, checked before
 //! any call (cudarc panics when a library is missing).
 use std::ffi::c_void;
+use std::sync::Mutex;
 
 use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nccl::{result as nc, sys as ncsys};
 
+use super::scratch::{DeviceAlloc, Scratch};
 use super::{Backend, ReduceOp};
 use crate::error::{Error, Result};
 
 pub(super) struct NcclBackend {
     comm: ncsys::ncclComm_t,
     stream: cusys::CUstream,
+    /// The staging buffer, and the retained primary context it lives in (released
+    /// after the buffer is freed).
+    scratch: Mutex<Scratch<CudaAlloc>>,
+    rank: usize,
+}
+
+/// Device memory of one device's primary context (retained for the allocator's life).
+struct CudaAlloc {
     ctx: cusys::CUcontext,
     dev: cusys::CUdevice,
-    rank: usize,
+}
+
+impl DeviceAlloc for CudaAlloc {
+    unsafe fn alloc(&self, bytes: usize) -> Result<u64> {
+        cu::ctx::set_current(self.ctx).map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        cu::malloc_sync(bytes).map_err(|e| cuda_err("cuMemAlloc", e))
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        if cu::ctx::set_current(self.ctx).is_ok() {
+            let _ = cu::free_sync(ptr);
+        }
+    }
+}
+
+impl Drop for CudaAlloc {
+    fn drop(&mut self) {
+        // SAFETY: the retain in `NcclBackend::new`; the scratch buffer is freed already
+        // (Scratch's drop runs before its allocator's).
+        unsafe {
+            let _ = cu::primary_ctx::release(self.dev);
+        }
+    }
 }
 
 // SAFETY: the handles are plain pointers the host promised stay valid; one thread uses
@@ -70,26 +104,26 @@ impl NcclBackend {
         Ok(NcclBackend {
             comm,
             stream: stream as cusys::CUstream,
-            ctx,
-            dev,
+            scratch: Mutex::new(Scratch::new(CudaAlloc { ctx, dev })),
             rank,
         })
     }
 
-    /// Runs `f` with a device buffer of `n` bytes (at least 1) current on this device,
-    /// then synchronizes the stream and frees the buffer.
+    /// Runs `f` with the communicator's device buffer (at least `n` bytes) with this
+    /// device current, then synchronizes the stream, so the buffer is free again.
     fn staged<T>(
         &self,
         what: &str,
         n: usize,
         f: impl FnOnce(cusys::CUdeviceptr) -> Result<T>,
     ) -> Result<T> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         unsafe {
-            cu::ctx::set_current(self.ctx).map_err(|e| cuda_err(what, e))?;
-            let d = cu::malloc_sync(n.max(1)).map_err(|e| cuda_err(what, e))?;
+            // SAFETY: every collective synchronizes before releasing the lock.
+            let d = scratch.get(n)?;
+            cu::ctx::set_current(scratch.allocator().ctx).map_err(|e| cuda_err(what, e))?;
             let out = f(d);
             let synced = cu::stream::synchronize(self.stream).map_err(|e| cuda_err(what, e));
-            let _ = cu::free_sync(d);
             let out = out?;
             synced?;
             Ok(out)
@@ -98,14 +132,6 @@ impl NcclBackend {
 
     fn s(&self) -> ncsys::cudaStream_t {
         self.stream as ncsys::cudaStream_t
-    }
-}
-
-impl Drop for NcclBackend {
-    fn drop(&mut self) {
-        unsafe {
-            let _ = cu::primary_ctx::release(self.dev);
-        }
     }
 }
 
