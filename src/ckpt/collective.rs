@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use super::commit::{mark_done, try_commit};
-use super::optim::{fetch, pack_options, plan_entries, SaveOptions};
+use super::optim::{pack_options, plan_entries, Fetcher, SaveOptions};
 use super::writer::{generated_save_id, publish, stage_rank_file};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
@@ -85,9 +85,8 @@ pub fn save_optimizer_comm(
         let mut popts = pack_options(opt, o);
         popts.save_id = save_id.clone();
         let plan = super::pack::plan(&metas, &popts)?;
-        let staged = stage_rank_file(dir, &plan, &popts, &mut |e| {
-            fetch(opt, &srcs[e]).map(Cow::Owned)
-        })?;
+        let mut fetcher = Fetcher::new(opt, &srcs);
+        let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetcher.get(e).map(Cow::Owned))?;
         let parts = staged.num_parts();
         let digest = publish(dir, staged)?;
         mark_done(dir, &save_id, o.rank, o.world_size, &digest, parts)

@@ -12,6 +12,7 @@ use super::reader::Checkpoint;
 use super::writer::{finish, resolve_save_id, stage_rank_file};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::staging::StagedParam;
 use crate::optim::{Optimizer, StateFormat};
 use crate::shard::ShardSpec;
 use crate::tensor::Tensor;
@@ -235,23 +236,55 @@ pub(super) fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
     }
 }
 
-pub(super) fn fetch(opt: &Optimizer, s: &Source) -> Result<Tensor> {
-    match s {
-        Source::State { i, key, dtype } => opt.get_state_as(*i, key, *dtype),
-        Source::Param(i) => opt.param_tensor(*i),
+/// Reads planned entries, staging each parameter once for a run of its entries: a
+/// device parameter's state is read back once for all its keys, not once per key (peak
+/// extra memory: one parameter's state and the entry being written).
+pub(super) struct Fetcher<'a> {
+    opt: &'a Optimizer,
+    srcs: &'a [Source],
+    cur: Option<StagedParam<'a>>,
+}
+
+impl<'a> Fetcher<'a> {
+    pub(super) fn new(opt: &'a Optimizer, srcs: &'a [Source]) -> Fetcher<'a> {
+        Fetcher {
+            opt,
+            srcs,
+            cur: None,
+        }
+    }
+
+    /// Entry `e`'s tensor.
+    pub(super) fn get(&mut self, e: usize) -> Result<Tensor> {
+        let s = &self.srcs[e];
+        let i = match s {
+            Source::State { i, .. } | Source::Param(i) => *i,
+        };
+        let sp = match &mut self.cur {
+            Some(sp) if sp.i == i => sp,
+            cur => cur.insert(self.opt.stage(i)?),
+        };
+        match s {
+            Source::State { key, dtype, .. } => self.opt.get_state_as_staged(sp, key, *dtype),
+            Source::Param(_) => match sp.param.take() {
+                Some(t) => Ok(t),
+                None => self.opt.param_tensor(i),
+            },
+        }
     }
 }
 
 /// The optimizer's local state as named chunks, data included (`fo_state_pack`).
 pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
     let (metas, srcs) = plan_entries(opt, o)?;
+    let mut fetcher = Fetcher::new(opt, &srcs);
     let entries = metas
         .into_iter()
-        .zip(&srcs)
-        .map(|(meta, s)| {
+        .enumerate()
+        .map(|(e, meta)| {
             Ok(super::pack::StateEntry {
                 meta,
-                tensor: fetch(opt, s)?,
+                tensor: fetcher.get(e)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -265,9 +298,8 @@ pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
     let mut popts = pack_options(opt, o);
     popts.save_id = resolve_save_id(&o.save_id, o.world_size)?;
     let plan = super::pack::plan(&metas, &popts)?;
-    let staged = stage_rank_file(dir, &plan, &popts, &mut |e| {
-        fetch(opt, &srcs[e]).map(Cow::Owned)
-    })?;
+    let mut fetcher = Fetcher::new(opt, &srcs);
+    let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetcher.get(e).map(Cow::Owned))?;
     finish(dir, staged)
 }
 

@@ -34,7 +34,7 @@ pub mod threads;
 
 mod groups_json;
 mod kernel;
-mod staging;
+pub(crate) mod staging;
 mod state_io;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};

@@ -14,6 +14,25 @@ use super::state::ParamState;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// One parameter read once for several of its state entries (a checkpoint's keys): its
+/// state staged once (borrowed for a host parameter, read back once for a device one),
+/// its elements read on first use.
+pub(crate) struct StagedParam<'a> {
+    pub(crate) i: usize,
+    pub(crate) state: Option<Cow<'a, ParamState>>,
+    pub(crate) param: Option<Tensor>,
+}
+
+impl StagedParam<'_> {
+    /// The parameter's elements as stored, read on the first call (kept in `param`).
+    pub(crate) fn param(&mut self, opt: &Optimizer) -> Result<&Tensor> {
+        if self.param.is_none() {
+            self.param = Some(opt.param_tensor(self.i)?);
+        }
+        Ok(self.param.as_ref().expect("read above"))
+    }
+}
+
 /// What `snapshot` saves of a parameter, for `restore` after a failed load.
 pub(crate) struct Snapshot {
     state: Option<ParamState>,
@@ -34,6 +53,16 @@ impl Optimizer {
             // SAFETY: the optimizer's stream is the one the caller gave for its devices.
             Some(st) => Ok(Some(Cow::Owned(unsafe { st.to_host(self.stream)? }))),
         }
+    }
+
+    /// Parameter `i` staged for reading several entries (see `StagedParam`).
+    pub(crate) fn stage(&self, i: usize) -> Result<StagedParam<'_>> {
+        self.check_index(i)?;
+        Ok(StagedParam {
+            i,
+            state: self.staged_state(i)?,
+            param: None,
+        })
     }
 
     /// Parameter `i`'s elements as stored (read back from its device for a device one).

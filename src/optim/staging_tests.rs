@@ -234,7 +234,17 @@ fn a_checkpoint_of_device_state_is_the_host_checkpoint_and_loads_back_onto_the_d
                 root.join(format!("{c}-{mode:?}-dev")),
             );
             save(&host, &a, &o).unwrap();
+            let before = emulated::downloads_on_this_thread();
             save(&dev, &b, &o).unwrap();
+            let used = emulated::downloads_on_this_thread() - before;
+            // Each device parameter's state is read back once for all its keys, and its
+            // elements at most twice (the plain-FQN entry and `master`), not per key.
+            let before = emulated::downloads_on_this_thread();
+            for i in 1..SIZES.len() {
+                dev.stage(i).unwrap();
+            }
+            let once = emulated::downloads_on_this_thread() - before + 2 * (SIZES.len() - 1);
+            assert!(used <= once, "{used} copies down for {once}");
             assert_eq!(
                 files(&a),
                 files(&b),

@@ -8,6 +8,7 @@ use super::config::Algorithm;
 use super::master_split::{encode_one, reconstruct_one, Half};
 use super::optimizer::Optimizer;
 use super::quant8;
+use super::staging::StagedParam;
 use super::state::{ErrorBits, Moment, ParamState};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -88,13 +89,16 @@ impl Optimizer {
 
     /// The f32 master weights of parameter `i` (error bits applied when present).
     pub fn master(&self, i: usize) -> Result<Vec<f32>> {
-        self.check_index(i)?;
-        let t = self.param_tensor(i)?;
-        let st = self.staged_state(i)?;
+        self.master_staged(&mut self.stage(i)?)
+    }
+
+    fn master_staged(&self, sp: &mut StagedParam<'_>) -> Result<Vec<f32>> {
+        sp.param(self)?;
+        let (t, st) = (sp.param.as_ref().expect("read above"), sp.state.as_deref());
         Ok(
             match (
                 Half::from_dtype(t.dtype),
-                st.as_ref().and_then(|s| s.error_bits.as_ref()),
+                st.and_then(|s| s.error_bits.as_ref()),
             ) {
                 (Ok(h), Some(e)) => {
                     let bits: Vec<u16> = t
@@ -123,14 +127,18 @@ impl Optimizer {
     /// One state entry of parameter `i`: raw keys as stored, moment names decoded to f32,
     /// `step` as an f32 0-dim tensor, `master` as f32.
     pub fn get_state(&self, i: usize, key: &str) -> Result<Tensor> {
-        self.check_index(i)?;
+        self.get_state_staged(&mut self.stage(i)?, key)
+    }
+
+    /// `get_state` of a staged parameter.
+    pub(crate) fn get_state_staged(&self, sp: &mut StagedParam<'_>, key: &str) -> Result<Tensor> {
+        let i = sp.i;
         let p = &self.params[i];
         let shape = p.tensor.shape().to_vec();
         if key == "master" {
-            return Ok(f32_tensor(&shape, &self.master(i)?));
+            return Ok(f32_tensor(&shape, &self.master_staged(sp)?));
         }
-        let st = self.staged_state(i)?;
-        let st = st.as_deref().ok_or_else(|| {
+        let st = sp.state.as_deref().ok_or_else(|| {
             Error::NotFound(format!(
                 "parameter {} has no optimizer state yet (no step taken, nothing loaded)",
                 p.fqn
@@ -198,7 +206,17 @@ impl Optimizer {
     /// `get_state` converted to `dtype`: float values convert to any float dtype (bf16
     /// state read as bf16 is exact); integer keys must be asked for in their own dtype.
     pub fn get_state_as(&self, i: usize, key: &str, dtype: DType) -> Result<Tensor> {
-        let t = self.get_state(i, key)?;
+        self.get_state_as_staged(&mut self.stage(i)?, key, dtype)
+    }
+
+    /// `get_state_as` of a staged parameter.
+    pub(crate) fn get_state_as_staged(
+        &self,
+        sp: &mut StagedParam<'_>,
+        key: &str,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let t = self.get_state_staged(sp, key)?;
         if t.dtype == dtype {
             return Ok(t);
         }

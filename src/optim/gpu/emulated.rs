@@ -124,6 +124,15 @@ pub struct Emulated {
 
 const ALIGN: usize = 256;
 
+thread_local! {
+    static DOWNLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Copies down made by this thread so far (a test counts a call's PCIe transfers).
+pub fn downloads_on_this_thread() -> usize {
+    DOWNLOADS.with(|d| d.get())
+}
+
 impl Emulated {
     pub fn live_allocations(&self) -> usize {
         self.live.lock().unwrap().len()
@@ -203,6 +212,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], _stream: usize) -> Result<()> {
+        DOWNLOADS.with(|d| d.set(d.get() + 1));
         std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len());
         Ok(())
     }
