@@ -267,6 +267,77 @@ fn copy_time(bytes: usize, iters: usize) -> Result<f64, String> {
     }
 }
 
+/// `fo_clip_grad_norm` over device gradients against the same gradients in host memory:
+/// (cases, mismatching totals, mismatching gradient elements after the clip).
+fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
+    use fo::clip::{clip_grad_norm_checked, ClipGrad};
+    let err = |e: fo::Error| e.to_string();
+    let (mut cases, mut totals, mut elems) = (0, 0, 0);
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        for p in [2.0, 1.0, f64::INFINITY, 3.0] {
+            let srcs: Vec<Vec<u8>> = SIZES
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| {
+                    let f32s = encode(DType::F32, &values(n, 50 + k as u64, 1.0));
+                    fo::cast::cast(f32s, DType::F32, dtype, "clip values").expect("floats")
+                })
+                .collect();
+            let mut host = srcs.clone();
+            let dev: Vec<Buf> = srcs
+                .iter()
+                .map(|b| Buf::upload(b))
+                .collect::<Result<_, _>>()?;
+            let grads = |on_device: bool, host: &mut [Vec<u8>]| -> Result<Vec<ClipGrad>, String> {
+                (0..SIZES.len())
+                    .map(|k| {
+                        let tensor = if on_device {
+                            dev[k].view(dtype, SIZES[k])?
+                        } else {
+                            // SAFETY: a view of a live host buffer of this size.
+                            unsafe {
+                                HostTensor::new(
+                                    host[k].as_mut_ptr(),
+                                    dtype,
+                                    &[SIZES[k] as i64],
+                                    None,
+                                    "g",
+                                )
+                            }
+                            .map_err(err)?
+                        };
+                        Ok(ClipGrad {
+                            tensor,
+                            is_shard: k % 2 == 0,
+                            device: if on_device { ordinal } else { -1 },
+                        })
+                    })
+                    .collect()
+            };
+            let comm = fo::comm::Comm::local_group(1).pop().expect("one rank");
+            let h = grads(false, &mut host)?;
+            let d = grads(true, &mut host)?;
+            // SAFETY: every gradient is live memory of its side for the calls.
+            let want =
+                unsafe { clip_grad_norm_checked(&comm, Ok(h), 0.5, p, false) }.map_err(err)?;
+            let got =
+                unsafe { clip_grad_norm_checked(&comm, Ok(d), 0.5, p, false) }.map_err(err)?;
+            cases += 1;
+            totals += usize::from(want.to_bits() != got.to_bits());
+            for (b, hb) in dev.iter().zip(&host) {
+                let w = dtype.size();
+                let db = b.download()?;
+                elems += db
+                    .chunks(w)
+                    .zip(hb.chunks(w))
+                    .filter(|(x, y)| x != y)
+                    .count();
+            }
+        }
+    }
+    Ok((cases, totals, elems))
+}
+
 pub fn run(a: &SelftestArgs) -> Result<(), String> {
     let ordinal = a.device;
     // fo compiles its kernels here (NVRTC), so a GPU it cannot use fails now, clearly.
@@ -300,6 +371,11 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
         "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
          {bad_ckpt} mismatching checkpoint entries"
     );
+    let (cases, bad_totals, bad_clip) = clip_compare(ordinal)?;
+    println!(
+        "fo_clip_grad_norm, {cases} cases (f32/bf16/f16/f64 x p = 2, 1, inf, 3) on device vs host gradients: \
+         {bad_totals} mismatching totals, {bad_clip} mismatching elements after the clip"
+    );
     let n = a.size.0.max(64);
     let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
     (fp32.state_format, fp32.master_weight_bits) = (StateFormat::Fp32, 0);
@@ -327,6 +403,11 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
     if bad + bad_ckpt > 0 {
         return Err(format!(
             "{bad} elements and {bad_ckpt} checkpoint entries differ between the GPU and the CPU step"
+        ));
+    }
+    if bad_totals + bad_clip > 0 {
+        return Err(format!(
+            "fo_clip_grad_norm: {bad_totals} totals and {bad_clip} elements differ between device and host gradients"
         ));
     }
     Ok(())
