@@ -12,7 +12,7 @@ use super::ClipGrad;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::optim::gpu::backend::{backend, read_tensor, write_tensor};
-use crate::optim::gpu::norm_table::{host_partial, NormTable};
+use crate::optim::gpu::norm_table::{HostNorm, NormTable, CHUNK};
 
 /// Which sum the kernels do for norm type `p` (1: |x|, 2: x*x), None where they cannot.
 fn power(p: f64) -> Option<u32> {
@@ -63,20 +63,9 @@ pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64) -> Result<Vec<(f64, f64)>
         }
     }
     for (i, g) in grads.iter().enumerate() {
-        if g.device >= 0 && power.is_some() {
-            continue;
+        if g.device < 0 || power.is_none() {
+            out[i] = host_norm(g, p, power)?;
         }
-        let v = values(g)?;
-        out[i] = match power {
-            Some(power) => {
-                let (sum, max) = host_partial(&v, power);
-                (max, sum)
-            }
-            None => v.iter().fold((0.0, 0.0), |(mx, sum), x| {
-                let a = x.abs();
-                (if a > mx || a.is_nan() { a } else { mx }, sum + a.powf(p))
-            }),
-        };
     }
     Ok(out)
 }
@@ -96,35 +85,78 @@ pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64) -> Result<()> {
     Ok(())
 }
 
+/// One gradient's (largest |g|, sum of |g|^p) on the host, read in place when it is a
+/// contiguous host tensor (copied otherwise) and decoded one chunk at a time, so no
+/// f64 copy of the gradient is made.
+///
 /// # Safety
 /// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
-unsafe fn values(g: &ClipGrad) -> Result<Vec<f64>> {
-    let b = read_tensor(&g.tensor, g.device, 0)?;
-    Ok(match g.tensor.dtype() {
-        DType::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect(),
-        DType::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        DType::BF16 => b
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        DType::F16 => b
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        _ => unreachable!("dtype checked"),
+unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>) -> Result<(f64, f64)> {
+    let copied;
+    let bytes = match (g.device < 0)
+        .then(|| g.tensor.contiguous_bytes())
+        .flatten()
+    {
+        Some(b) => b,
+        None => {
+            copied = read_tensor(&g.tensor, g.device, 0)?;
+            &copied[..]
+        }
+    };
+    let dtype = g.tensor.dtype();
+    let mut buf = vec![0f64; CHUNK.min(g.tensor.numel())];
+    let (mut acc, mut mx, mut sum) = (HostNorm::default(), 0f64, 0f64);
+    for c in bytes.chunks(CHUNK * dtype.size()) {
+        let vals = &mut buf[..c.len() / dtype.size()];
+        decode(c, dtype, vals);
+        match power {
+            Some(power) => acc.chunk(vals, power),
+            None => {
+                for x in vals.iter() {
+                    let a = x.abs();
+                    mx = if a > mx || a.is_nan() { a } else { mx };
+                    sum += a.powf(p);
+                }
+            }
+        }
+    }
+    Ok(match power {
+        Some(_) => (acc.max, acc.sum),
+        None => (mx, sum),
     })
 }
 
+fn decode(b: &[u8], dtype: DType, out: &mut [f64]) {
+    match dtype {
+        DType::F32 => (out.iter_mut().zip(b.chunks_exact(4)))
+            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap()) as f64),
+        DType::F64 => (out.iter_mut().zip(b.chunks_exact(8)))
+            .for_each(|(o, c)| *o = f64::from_le_bytes(c.try_into().unwrap())),
+        DType::BF16 => (out.iter_mut().zip(b.chunks_exact(2)))
+            .for_each(|(o, c)| *o = bf16::from_le_bytes([c[0], c[1]]).to_f64()),
+        DType::F16 => (out.iter_mut().zip(b.chunks_exact(2)))
+            .for_each(|(o, c)| *o = f16::from_le_bytes([c[0], c[1]]).to_f64()),
+        _ => unreachable!("dtype checked"),
+    }
+}
+
+/// Scales a host gradient in place (through a copy when it is strided).
+///
+/// # Safety
+/// The gradient's memory must be valid for writes and not used by anyone else.
 unsafe fn scale_host(g: &ClipGrad, coef: f64) -> Result<()> {
-    let c = coef as f32;
+    if let Some(b) = g.tensor.contiguous_bytes_mut() {
+        scale_bytes(b, g.tensor.dtype(), coef);
+        return Ok(());
+    }
     let mut b = read_tensor(&g.tensor, -1, 0)?;
-    match g.tensor.dtype() {
+    scale_bytes(&mut b, g.tensor.dtype(), coef);
+    write_tensor(&g.tensor, -1, &b, 0)
+}
+
+fn scale_bytes(b: &mut [u8], dtype: DType, coef: f64) {
+    let c = coef as f32;
+    match dtype {
         DType::F32 => b.chunks_exact_mut(4).for_each(|x| {
             let v = f32::from_le_bytes((&*x).try_into().unwrap()) * c;
             x.copy_from_slice(&v.to_le_bytes())
@@ -143,5 +175,4 @@ unsafe fn scale_host(g: &ClipGrad, coef: f64) -> Result<()> {
         }),
         _ => unreachable!("dtype checked"),
     }
-    write_tensor(&g.tensor, -1, &b, 0)
 }

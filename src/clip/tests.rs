@@ -131,3 +131,47 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
         }
     }
 }
+
+/// A strided host gradient (read through a copy) gives the norm of its elements and is
+/// scaled in place without touching the gaps; a contiguous one is read in place.
+#[test]
+fn strided_host_gradients_clip_their_elements_only() {
+    let n = 9000; // two chunks
+    let vals: Vec<f32> = emulated::values(n, 3);
+    for p in [2.0, 1.0, 3.0, f64::INFINITY] {
+        let comm = Comm::local_group(1).pop().unwrap();
+        let mut dense = emulated::encode(DType::F32, &vals);
+        let mut gapped: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| [x.to_le_bytes(), 7f32.to_le_bytes()])
+            .flatten()
+            .collect();
+        let strided = unsafe {
+            HostTensor::new(
+                gapped.as_mut_ptr(),
+                DType::F32,
+                &[n as i64],
+                Some(&[2]),
+                "g",
+            )
+        }
+        .unwrap();
+        let want = unsafe {
+            clip_grad_norm(
+                &comm,
+                &[(grad(&mut dense, DType::F32, n), true)],
+                0.5,
+                p,
+                true,
+            )
+        }
+        .unwrap();
+        let got = unsafe { clip_grad_norm(&comm, &[(strided, true)], 0.5, p, true) }.unwrap();
+        assert_eq!(got.to_bits(), want.to_bits(), "p={p}");
+        for (i, c) in gapped.chunks(8).enumerate() {
+            assert_eq!(&c[..4], &dense[4 * i..4 * i + 4], "p={p} element {i}");
+            assert_eq!(&c[4..], &7f32.to_le_bytes(), "p={p} gap {i}");
+        }
+        assert_ne!(dense, emulated::encode(DType::F32, &vals), "scaled");
+    }
+}

@@ -96,12 +96,19 @@ fn nan_max(a: f64, b: f64) -> f64 {
     }
 }
 
-/// (sum of `|x|^power`, largest `|x|`) of `values` in the device kernels' order, on the
-/// host: `power` 1 or 2. The lanes are also what lets the compiler vectorize the sum.
-pub fn host_partial(values: &[f64], power: u32) -> (f64, f64) {
-    debug_assert!(power == 1 || power == 2);
-    let (mut sum, mut max) = (0.0, 0.0);
-    for chunk in values.chunks(CHUNK) {
+/// The device kernels' order on the host: feed a tensor's values one chunk (`CHUNK`
+/// values, fewer for the last) at a time, in order; `sum` and `max` are then the
+/// kernels' (sum of `|x|^power`, largest `|x|`) after `NormTable::fold`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostNorm {
+    pub sum: f64,
+    pub max: f64,
+}
+
+impl HostNorm {
+    /// Adds one chunk; `power` 1 or 2. The 32 lanes also let the compiler vectorize.
+    pub fn chunk(&mut self, chunk: &[f64], power: u32) {
+        debug_assert!(chunk.len() <= CHUNK && (power == 1 || power == 2));
         let (mut s, mut m) = ([0f64; LANES], [0f64; LANES]);
         for row in chunk.chunks(LANES) {
             for (l, &x) in row.iter().enumerate() {
@@ -118,10 +125,19 @@ pub fn host_partial(values: &[f64], power: u32) -> (f64, f64) {
             }
             off /= 2;
         }
-        sum += s[0];
-        max = nan_max(m[0], max);
+        self.sum += s[0];
+        self.max = nan_max(m[0], self.max);
     }
-    (sum, max)
+}
+
+/// (sum of `|x|^power`, largest `|x|`) of `values` in the device kernels' order.
+#[cfg(test)]
+pub fn host_partial(values: &[f64], power: u32) -> (f64, f64) {
+    let mut acc = HostNorm::default();
+    for chunk in values.chunks(CHUNK) {
+        acc.chunk(chunk, power);
+    }
+    (acc.sum, acc.max)
 }
 
 #[cfg(test)]
