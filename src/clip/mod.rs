@@ -144,25 +144,12 @@ pub unsafe fn clip_grad_norm_checked(
 ) -> Result<f64> {
     let local = grads.and_then(|g| local_partial(&g, max_norm, norm_type).map(|p| (g, p)));
     let (grads, part) = agree(comm, local)?;
-    let mut mx = [
-        part.shard_max,
-        if norm_type.is_infinite() {
-            part.replicated
-        } else {
-            0.0
-        },
-        part.nonfinite,
-    ];
-    let mut rep = [if norm_type.is_infinite() {
-        0.0
-    } else {
-        part.replicated
-    }];
+    // Replicated gradients are identical on every rank: counted once, and made
+    // bit-identical by the max (their |g|^p sum for finite p, their max for infinity).
+    let mut mx = [part.shard_max, part.replicated, part.nonfinite];
     comm.all_reduce_f64(&mut mx, ReduceOp::Max)?;
     let mut sum = [part.shard_sum];
     comm.all_reduce_f64(&mut sum, ReduceOp::Sum)?;
-    // Replicated gradients are identical on every rank: counted once, made bit-identical.
-    comm.all_reduce_f64(&mut rep, ReduceOp::Max)?;
     let total = if mx[2] >= 2.0 {
         f64::NAN
     } else if mx[2] >= 1.0 {
@@ -170,7 +157,7 @@ pub unsafe fn clip_grad_norm_checked(
     } else if norm_type.is_infinite() {
         mx[0].max(mx[1])
     } else {
-        let s = sum[0] + rep[0];
+        let s = sum[0] + mx[1];
         if norm_type == 2.0 {
             s.sqrt()
         } else if norm_type == 1.0 {

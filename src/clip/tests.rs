@@ -175,3 +175,61 @@ fn strided_host_gradients_clip_their_elements_only() {
         assert_ne!(dense, emulated::encode(DType::F32, &vals), "scaled");
     }
 }
+
+/// A one-rank backend that records the collectives it is asked for.
+struct Recording(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl crate::comm::Backend for Recording {
+    fn broadcast(&self, buf: &mut [u8], _root: usize) -> Result<()> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("broadcast {}", buf.len()));
+        Ok(())
+    }
+    fn all_reduce_f64(&self, vals: &mut [f64], op: ReduceOp) -> Result<()> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{op:?} {}", vals.len()));
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        self.0.lock().unwrap().push("barrier".into());
+        Ok(())
+    }
+    fn supports_scatter(&self) -> bool {
+        false
+    }
+    fn scatter(&self, _: Option<Vec<Vec<u8>>>, _: &mut [u8], _: usize) -> Result<()> {
+        unreachable!("no scatter")
+    }
+}
+
+/// The clip is three collectives whatever the norm: the agreement on local checks, one
+/// max (shard max, replicated part, non-finite flag), one sum.
+#[test]
+fn a_clip_is_one_agreement_one_max_and_one_sum() {
+    for p in [2.0, f64::INFINITY, 3.0] {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let comm = Comm::from_backend(0, 1, Box::new(Recording(log.clone()))).unwrap();
+        let (mut a, mut b) = (
+            emulated::encode(DType::F32, &[3.0, -4.0]),
+            emulated::encode(DType::F32, &[12.0]),
+        );
+        let grads = [
+            (grad(&mut a, DType::F32, 2), true),
+            (grad(&mut b, DType::F32, 1), false),
+        ];
+        let total = unsafe { clip_grad_norm(&comm, &grads, 100.0, p, true) }.unwrap();
+        let want = if p == 2.0 {
+            13.0
+        } else if p.is_infinite() {
+            12.0
+        } else {
+            (27.0f64 + 64.0 + 1728.0).powf(1.0 / 3.0)
+        };
+        assert_eq!(total, want, "p={p}");
+        assert_eq!(*log.lock().unwrap(), ["Max 1", "Max 3", "Sum 1"], "p={p}");
+    }
+}
