@@ -1,7 +1,8 @@
 // Multi-tensor apply: one launch steps every device tensor of a param group. The launch
-// gets a table of tensors in device memory; each tensor is cut into groups of 32
-// elements (the quant8 scale group) and one thread updates one group: decode to f32,
-// apply the rule, encode back, exactly as fo's CPU kernel does per chunk.
+// gets a table of tensors in device memory; each tensor is cut into ceil(numel / 32)
+// work items of up to 32 elements and one thread updates one item: decode to f32, apply
+// the rule, encode back, exactly as fo's CPU kernel does per chunk. An item is a quant8
+// scale group where a moment is quantized, else a strided set (see fo_step_group).
 #pragma once
 #include "fo_halfconv.cuh"
 #include "fo_master.cuh"
@@ -108,23 +109,51 @@ FO_HD void fo_param_store(const fo_step_tensor& t, uint64_t i, float x) {
     ((int16_t*)t.error_bits)[i] = (int16_t)fo_error_encode(t.param_dtype, x, b, 32767.0f);
 }
 
-// Steps group `group` (32 elements, fewer at the end) of tensor t.
-FO_HD void fo_step_group(const fo_step_tensor& t, uint64_t group) {
-  uint64_t lo = group * FO_GROUP;
-  int n = t.numel - lo < FO_GROUP ? (int)(t.numel - lo) : FO_GROUP;
+// Stores element i of an unquantized moment.
+FO_HD void fo_moment_store_one(int32_t kind, void* s, uint64_t i, float x) {
+  if (kind == FO_MOMENT_F32) ((float*)s)[i] = x;
+  if (kind == FO_MOMENT_F16) ((uint16_t*)s)[i] = fo_f32_to_f16(x);
+  if (kind == FO_MOMENT_BF16) ((uint16_t*)s)[i] = fo_f32_to_bf16(x);
+}
+
+// Steps work item j of tensor t, which has `items` = ceil(numel / 32) of them, each of up
+// to 32 elements. A tensor with a quantized moment needs a scale group's 32 elements in
+// one thread: item j is elements 32j .. 32j+31. Any other tensor is element-wise, so
+// item j takes elements j, j + items, j + 2 items, ...: neighbouring threads touch
+// neighbouring elements (coalesced loads), and the bits are the same, element by element.
+FO_HD void fo_step_group(const fo_step_tensor& t, uint64_t j, uint64_t items) {
+  bool grouped = t.m_kind >= FO_MOMENT_Q8_SIGNED || t.v_kind >= FO_MOMENT_Q8_SIGNED;
+  uint64_t first = grouped ? j * FO_GROUP : j, stride = grouped ? 1 : items;
+  uint64_t left = (t.numel - first + stride - 1) / stride;
+  int n = left < FO_GROUP ? (int)left : FO_GROUP;
+  // A scale group is decoded whole first (its codes share one scale); element-wise
+  // moments are read and written next to their element, so they need no array.
   float m[FO_GROUP], v[FO_GROUP];
+  if (grouped)
+    for (int i = 0; i < n; ++i) {
+      m[i] = fo_moment_load(t.m_kind, t.m, t.m_scales, first + i);
+      v[i] = fo_moment_load(t.v_kind, t.v, t.v_scales, first + i);
+    }
   for (int i = 0; i < n; ++i) {
-    m[i] = fo_moment_load(t.m_kind, t.m, t.m_scales, lo + i);
-    v[i] = fo_moment_load(t.v_kind, t.v, t.v_scales, lo + i);
+    uint64_t e = first + i * stride;
+    float mi = grouped ? m[i] : fo_moment_load(t.m_kind, t.m, t.m_scales, e);
+    float vi = grouped ? v[i] : fo_moment_load(t.v_kind, t.v, t.v_scales, e);
+    float p = fo_param_load(t, e);
+    float g = fo_load_any(t.grad, t.grad_dtype, e);
+    fo_rule_apply(t.rule, &p, g, &mi, &vi, t.first != 0);
+    fo_param_store(t, e, p);
+    if (grouped) {
+      m[i] = mi;
+      v[i] = vi;
+    } else {
+      fo_moment_store_one(t.m_kind, t.m, e, mi);
+      fo_moment_store_one(t.v_kind, t.v, e, vi);
+    }
   }
-  for (int i = 0; i < n; ++i) {
-    float p = fo_param_load(t, lo + i);
-    float g = fo_load_any(t.grad, t.grad_dtype, lo + i);
-    fo_rule_apply(t.rule, &p, g, &m[i], &v[i], t.first != 0);
-    fo_param_store(t, lo + i, p);
+  if (grouped) {
+    fo_moment_store(t.m_kind, t.m, t.m_scales, first, n, m);
+    fo_moment_store(t.v_kind, t.v, t.v_scales, first, n, v);
   }
-  fo_moment_store(t.m_kind, t.m, t.m_scales, lo, n, m);
-  fo_moment_store(t.v_kind, t.v, t.v_scales, lo, n, v);
 }
 
 // The tensor holding global group `gi`: the last entry with group_begin <= gi.
@@ -145,6 +174,7 @@ FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int coun
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t gi = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; gi < total_groups; gi += stride) {
     int k = fo_find_tensor(table, count, gi);
-    fo_step_group(table[k], gi - table[k].group_begin);
+    const fo_step_tensor& t = table[k];
+    fo_step_group(t, gi - t.group_begin, (t.numel + FO_GROUP - 1) / FO_GROUP);
   }
 }
