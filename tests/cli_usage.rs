@@ -24,6 +24,7 @@ fn every_command_has_its_own_help_with_examples() {
         &["bench", "step"],
         &["bench", "broadcast"],
         &["bench", "ckpt"],
+        &["bench", "clip"],
         &["selftest"],
         &["completions"],
     ] {

@@ -132,10 +132,13 @@ fn decode(b: &[u8], dtype: DType, out: &mut [f64]) {
             .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap()) as f64),
         DType::F64 => (out.iter_mut().zip(b.chunks_exact(8)))
             .for_each(|(o, c)| *o = f64::from_le_bytes(c.try_into().unwrap())),
-        DType::BF16 => (out.iter_mut().zip(b.chunks_exact(2)))
-            .for_each(|(o, c)| *o = bf16::from_le_bytes([c[0], c[1]]).to_f64()),
+        // bf16 is the top half of an f32: exact, and vectorizes (NaN payloads may differ
+        // from `half`'s, which nothing here can see: a NaN only makes the total NaN).
+        DType::BF16 => (out.iter_mut().zip(b.chunks_exact(2))).for_each(|(o, c)| {
+            *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) as f64
+        }),
         DType::F16 => (out.iter_mut().zip(b.chunks_exact(2)))
-            .for_each(|(o, c)| *o = f16::from_le_bytes([c[0], c[1]]).to_f64()),
+            .for_each(|(o, c)| *o = f16::from_le_bytes([c[0], c[1]]).to_f32() as f64),
         _ => unreachable!("dtype checked"),
     }
 }

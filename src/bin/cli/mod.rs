@@ -4,6 +4,7 @@ mod args;
 mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
+mod bench_clip;
 mod bench_step;
 mod ckpt;
 mod ckpt_convert;
@@ -83,6 +84,8 @@ pub enum BenchCommand {
     /// Checkpoint save/load GB/s vs a plain sequential write/read (interleaved rounds, medians,
     /// cold reads); compressed vs portable size.
     Ckpt(bench_ckpt::BenchCkptArgs),
+    /// fo_clip_grad_norm on host gradients (norm, norm + scale) vs a copy of the same bytes.
+    Clip(bench_clip::ClipArgs),
 }
 
 pub fn run(cli: Cli) -> Result<(), String> {
@@ -96,6 +99,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
             BenchCommand::Step(a) => bench_step::run(&a),
             BenchCommand::Broadcast(a) => bench_broadcast::run(&a),
             BenchCommand::Ckpt(a) => bench_ckpt::run(&a),
+            BenchCommand::Clip(a) => bench_clip::run(&a),
         },
         Command::Completions { shell } => {
             // Generated into memory first: clap_complete panics on a write error, and a

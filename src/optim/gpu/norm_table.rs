@@ -106,28 +106,47 @@ pub struct HostNorm {
 }
 
 impl HostNorm {
-    /// Adds one chunk; `power` 1 or 2. The 32 lanes also let the compiler vectorize.
+    /// Adds one chunk; `power` 1 or 2.
     pub fn chunk(&mut self, chunk: &[f64], power: u32) {
         debug_assert!(chunk.len() <= CHUNK && (power == 1 || power == 2));
-        let (mut s, mut m) = ([0f64; LANES], [0f64; LANES]);
-        for row in chunk.chunks(LANES) {
-            for (l, &x) in row.iter().enumerate() {
-                let a = x.abs();
-                s[l] += if power == 2 { a * a } else { a };
-                m[l] = nan_max(a, m[l]);
-            }
-        }
+        let (mut s, mut m, nan) = if power == 2 {
+            lanes::<true>(chunk)
+        } else {
+            lanes::<false>(chunk)
+        };
         let mut off = LANES / 2;
         while off > 0 {
             for l in 0..off {
                 s[l] += s[l + off];
-                m[l] = nan_max(m[l], m[l + off]);
+                m[l] = if m[l + off] > m[l] { m[l + off] } else { m[l] };
             }
             off /= 2;
         }
         self.sum += s[0];
-        self.max = nan_max(m[0], self.max);
+        // The largest |x| is order-free; NaN is tracked apart so the lanes vectorize.
+        self.max = nan_max(if nan { f64::NAN } else { m[0] }, self.max);
     }
+}
+
+/// The 32 lanes of one chunk: (sums, maxima of the non-NaN values, whether a NaN was seen).
+fn lanes<const SQUARE: bool>(chunk: &[f64]) -> ([f64; LANES], [f64; LANES], bool) {
+    let (mut s, mut m, mut nan) = ([0f64; LANES], [0f64; LANES], false);
+    let mut add = |l: usize, x: f64| {
+        let a = x.abs();
+        s[l] += if SQUARE { a * a } else { a };
+        m[l] = if a > m[l] { a } else { m[l] };
+        nan |= a.is_nan();
+    };
+    let mut rows = chunk.chunks_exact(LANES);
+    for row in &mut rows {
+        for (l, &x) in row.iter().enumerate() {
+            add(l, x);
+        }
+    }
+    for (l, &x) in rows.remainder().iter().enumerate() {
+        add(l, x);
+    }
+    (s, m, nan)
 }
 
 /// (sum of `|x|^power`, largest `|x|`) of `values` in the device kernels' order.

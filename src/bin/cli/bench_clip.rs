@@ -1,0 +1,79 @@
+//! `fo bench clip`: `fo_clip_grad_norm` on host gradients (one rank), the norm alone and
+//! norm + scale, against a copy of the same bytes measured in the same run (best of the
+//! timed calls), so the ratio says how close the clip is to reading memory.
+use std::time::Instant;
+
+use fo::clip::clip_grad_norm;
+use fo::comm::Comm;
+use fo::{DType, HostTensor};
+
+use super::args::Count;
+use super::bench_step::{best, fill};
+
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench clip
+  fo bench clip --size 64M --iters 5")]
+pub struct ClipArgs {
+    /// Gradient elements (K and M suffixes: 16M = 16 * 2^20).
+    #[arg(long, default_value = "16M")]
+    pub size: Count,
+    /// Timed calls per case; the best is reported.
+    #[arg(long, default_value_t = 7)]
+    pub iters: usize,
+}
+
+fn time(iters: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let mut t = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    Ok(best(t))
+}
+
+pub fn run(a: &ClipArgs) -> Result<(), String> {
+    let n = a.size.0.max(1);
+    let comm = Comm::local_group(1).pop().expect("one rank");
+    println!(
+        "fo_clip_grad_norm on one rank, {n} elements, best of {} calls:",
+        a.iters
+    );
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let vals = fill(n, 3, 1.0);
+        let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut g = fo::cast::cast(f32s, DType::F32, dtype, "bench").map_err(|e| e.to_string())?;
+        let bytes = g.len();
+        let mut dst = vec![0u8; bytes];
+        let copy = time(a.iters, || {
+            dst.copy_from_slice(std::hint::black_box(&g));
+            Ok(())
+        })?;
+        // SAFETY: a view of `g`, alive and not otherwise used during the calls.
+        let t = unsafe { HostTensor::new(g.as_mut_ptr(), dtype, &[n as i64], None, "g") }
+            .map_err(|e| e.to_string())?;
+        let grads = [(t, true)];
+        for (label, p, max_norm) in [
+            ("norm p=2", 2.0, f64::MAX),
+            ("norm p=1", 1.0, f64::MAX),
+            ("norm p=inf", f64::INFINITY, f64::MAX),
+            ("norm p=2 + scale", 2.0, 0.0),
+        ] {
+            let secs = time(a.iters, || {
+                // SAFETY: the gradient's memory is `g` (see above).
+                unsafe { clip_grad_norm(&comm, &grads, max_norm, p, false) }
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })?;
+            println!(
+                "  {dtype} {label:<17} {:8.2} ms  {:6.2} GB/s read  = {:.2}x a copy of the same bytes ({:.2} GB/s)",
+                secs * 1e3,
+                bytes as f64 / secs / 1e9,
+                copy / secs,
+                bytes as f64 / copy / 1e9
+            );
+        }
+    }
+    Ok(())
+}
