@@ -41,14 +41,13 @@ FO_HD double fo_nanmax(double a, double b) {
   return a > b ? a : b;
 }
 
-FO_HD int fo_norm_find(const fo_norm_tensor* t, int n, uint64_t chunk) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (t[mid].chunk_begin <= chunk) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
+// The tensor that thread i of the lane and scale kernels walks, and in *at its first
+// element: lane i % 32 of global chunk i / 32 takes elements at, at+32, ... of its chunk.
+FO_HD const fo_norm_tensor& fo_norm_lane(const fo_norm_tensor* t, int n, uint64_t i, uint64_t* at) {
+  uint64_t chunk = i / FO_NORM_LANES;
+  const fo_norm_tensor& g = t[fo_find_row<fo_norm_tensor, &fo_norm_tensor::chunk_begin>(t, n, chunk)];
+  *at = (chunk - g.chunk_begin) * FO_NORM_CHUNK + i % FO_NORM_LANES;
+  return g;
 }
 
 // Lane partials: thread i is lane i % 32 of global chunk i / 32. `power` 1: sum |x|,
@@ -59,9 +58,8 @@ FO_GLOBAL void fo_norm_lanes_kernel(const fo_norm_tensor* __restrict__ t, int n,
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total_chunks * FO_NORM_LANES;
        i += stride) {
-    uint64_t chunk = i / FO_NORM_LANES;
-    const fo_norm_tensor& g = t[fo_norm_find(t, n, chunk)];
-    uint64_t at = (chunk - g.chunk_begin) * FO_NORM_CHUNK + i % FO_NORM_LANES;
+    uint64_t at;
+    const fo_norm_tensor& g = fo_norm_lane(t, n, i, &at);
     double s = 0.0, m = 0.0;
     for (int k = 0; k < FO_NORM_PER_LANE && at < g.numel; ++k, at += FO_NORM_LANES) {
       double a = fabs(fo_norm_load(g.data, g.dtype, at));
@@ -96,15 +94,14 @@ FO_GLOBAL void fo_norm_chunks_kernel(const double* __restrict__ lane_sum, const 
 
 // The clip: every element times the coefficient, in f32 for f32/bf16/f16 gradients (as
 // torch does, rounding 16-bit results to nearest even) and in f64 for f64 ones. Threads
-// walk the tensors as fo_norm_lanes_kernel does.
+// walk the tensors as fo_norm_lanes_kernel does (fo_norm_lane).
 FO_GLOBAL void fo_scale_kernel(const fo_norm_tensor* __restrict__ t, int n, uint64_t total_chunks, float coef,
                                double coef64) {
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total_chunks * FO_NORM_LANES;
        i += stride) {
-    uint64_t chunk = i / FO_NORM_LANES;
-    const fo_norm_tensor& g = t[fo_norm_find(t, n, chunk)];
-    uint64_t at = (chunk - g.chunk_begin) * FO_NORM_CHUNK + i % FO_NORM_LANES;
+    uint64_t at;
+    const fo_norm_tensor& g = fo_norm_lane(t, n, i, &at);
     for (int k = 0; k < FO_NORM_PER_LANE && at < g.numel; ++k, at += FO_NORM_LANES) {
       switch (g.dtype) {
         case 0:

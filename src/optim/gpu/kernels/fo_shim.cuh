@@ -79,3 +79,18 @@ inline void fo_host_launch(unsigned grid, unsigned block, F&& kernel) {
 FO_HD bool fo_isnan(float x) { return (fo_bits(x) & 0x7fffffffu) > 0x7f800000u; }
 // floor(a / 2) for any sign (Rust's div_euclid by 2).
 FO_HD int32_t fo_floor_half(int32_t a) { return a >= 0 ? a / 2 : -((1 - a) / 2); }
+
+// Multi-tensor apply: the row of a launch table that holds global work item i, the last
+// row whose `Begin` field (a running sum over the rows, in order) is <= i.
+template <class Row, uint64_t Row::*Begin>
+FO_HD int fo_find_row(const Row* table, int count, uint64_t i) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (table[mid].*Begin <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}

@@ -156,25 +156,11 @@ FO_HD void fo_step_group(const fo_step_tensor& t, uint64_t j, uint64_t items) {
   }
 }
 
-// The tensor holding global group `gi`: the last entry with group_begin <= gi.
-FO_HD int fo_find_tensor(const fo_step_tensor* table, int count, uint64_t gi) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (table[mid].group_begin <= gi)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // One launch for a whole table: a grid-stride loop over all groups of all tensors.
 FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups) {
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t gi = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; gi < total_groups; gi += stride) {
-    int k = fo_find_tensor(table, count, gi);
-    const fo_step_tensor& t = table[k];
+    const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
     fo_step_group(t, gi - t.group_begin, (t.numel + FO_GROUP - 1) / FO_GROUP);
   }
 }
