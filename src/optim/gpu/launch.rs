@@ -233,28 +233,17 @@ impl Device {
             Error::invalid("params", "more than 2^31 device tensors in one param group")
         })?;
         let _cur = Current::push(self.ctx)?;
-        let bytes = table.as_bytes();
-        let d =
-            cu::malloc_async(stream, bytes.len()).map_err(|e| cuda_err("cuMemAllocAsync", e))?;
-        // A pageable source: the copy returns once the bytes are staged, so `table` may
-        // be dropped when this returns.
-        let launched = cu::memcpy_htod_async(d, bytes, stream)
-            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
-            .and_then(|()| {
-                let (mut t, mut n, mut total) = (d, count, table.total_groups);
-                let mut args = [
-                    &mut t as *mut _ as *mut c_void,
-                    &mut n as *mut _ as *mut c_void,
-                    &mut total as *mut _ as *mut c_void,
-                ];
-                self.run(self.func, table.total_groups, stream, &mut args)
-            });
-        let freed = cu::free_async(d, stream).map_err(|e| cuda_err("cuMemFreeAsync", e));
-        launched.and(freed)
+        self.with_device_copy(table.as_bytes(), 0, stream, |d| {
+            let (mut t, mut n, mut total) = (d, count, table.total_groups);
+            let mut args = [
+                &mut t as *mut _ as *mut c_void,
+                &mut n as *mut _ as *mut c_void,
+                &mut total as *mut _ as *mut c_void,
+            ];
+            self.run(self.func, table.total_groups, stream, &mut args)
+        })
     }
-}
 
-impl Device {
     /// Launches `func` on a grid-stride grid for `threads` threads (capped at the
     /// resident blocks; the kernels loop over the rest).
     unsafe fn run(
@@ -271,27 +260,32 @@ impl Device {
             .map_err(|e| cuda_err("cuLaunchKernel", e))
     }
 
-    /// Copies `table` into stream-ordered device memory with `extra` more bytes after it
-    /// (8-byte aligned), runs `body` with its address, then frees it in stream order.
-    unsafe fn with_norm_table<T>(
+    /// Copies `bytes` (a launch table) into stream-ordered device memory with `extra`
+    /// more bytes after it, runs `body` with its address, then frees it in stream order.
+    /// The source is pageable: the copy returns once the bytes are staged, so `bytes`
+    /// may be dropped when this returns.
+    unsafe fn with_device_copy<T>(
         &self,
-        table: &NormTable,
+        bytes: &[u8],
         extra: usize,
         stream: cusys::CUstream,
-        body: impl FnOnce(u64, i32) -> Result<T>,
+        body: impl FnOnce(u64) -> Result<T>,
     ) -> Result<T> {
-        let count = i32::try_from(table.tensors.len())
-            .map_err(|_| Error::invalid("grads", "more than 2^31 device gradients"))?;
-        let bytes = table.as_bytes();
         let d = cu::malloc_async(stream, bytes.len() + extra)
             .map_err(|e| cuda_err("cuMemAllocAsync", e))?;
         let out = cu::memcpy_htod_async(d, bytes, stream)
             .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
-            .and_then(|()| body(d, count));
+            .and_then(|()| body(d));
         let freed = cu::free_async(d, stream).map_err(|e| cuda_err("cuMemFreeAsync", e));
         let out = out?;
         freed?;
         Ok(out)
+    }
+
+    /// `table`'s row count as the norm kernels take it.
+    fn norm_rows(table: &NormTable) -> Result<i32> {
+        i32::try_from(table.tensors.len())
+            .map_err(|_| Error::invalid("grads", "more than 2^31 device gradients"))
     }
 }
 
@@ -356,17 +350,17 @@ impl Backend for Device {
     }
 
     unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {
-        let chunks = table.total_chunks;
-        let mut out = vec![0u8; 16 * chunks as usize];
         if table.tensors.is_empty() {
             return Ok(Vec::new());
         }
+        let (chunks, count) = (table.total_chunks, Self::norm_rows(table)?);
+        let mut out = vec![0u8; 16 * chunks as usize];
         let _cur = Current::push(self.ctx)?;
         let s = stream_of(stream);
         let lanes = chunks * LANES as u64;
         // After the table: lane sums, lane maxima, then [sum, max] per chunk.
         let extra = 16 * lanes as usize + out.len();
-        self.with_norm_table(table, extra, s, |d, count| {
+        self.with_device_copy(table.as_bytes(), extra, s, |d| {
             let at = d + table.as_bytes().len() as u64;
             let (mut t, mut n, mut total, mut p) = (d, count, chunks, power as i32);
             let (mut ls, mut lm, mut o) = (at, at + 8 * lanes, at + 16 * lanes);
@@ -399,9 +393,10 @@ impl Backend for Device {
         if table.tensors.is_empty() {
             return Ok(());
         }
+        let count = Self::norm_rows(table)?;
         let _cur = Current::push(self.ctx)?;
         let s = stream_of(stream);
-        self.with_norm_table(table, 0, s, |d, count| {
+        self.with_device_copy(table.as_bytes(), 0, s, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_chunks);
             let (mut c, mut c64) = (coef as f32, coef);
             let mut args = [
