@@ -1,7 +1,7 @@
 //! Each local gradient's share of the norm, and its scaling, wherever it lives. For
 //! p = 1, 2 and infinity, device gradients are summed and scaled by the device kernels
 //! (one launch per device, only per-chunk partials come back) and host gradients by the
-//! host's copy of the same order (`norm_table::host_partial`), so a gradient gives the
+//! host's copy of the same order (`norm_table::HostNorm`), so a gradient gives the
 //! same bits on either side. Other p use `powf`, which the GPU does not round as the host
 //! does: those device gradients are copied down and summed on the host.
 use std::collections::BTreeMap;
@@ -105,11 +105,10 @@ unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>) -> Result<(f64, f6
         }
     };
     let dtype = g.tensor.dtype();
-    let mut buf = vec![0f64; CHUNK.min(g.tensor.numel())];
+    let mut buf = Decoded::new(CHUNK.min(g.tensor.numel()));
     let (mut acc, mut mx, mut sum) = (HostNorm::default(), 0f64, 0f64);
     for c in bytes.chunks(CHUNK * dtype.size()) {
-        let vals = &mut buf[..c.len() / dtype.size()];
-        decode(c, dtype, vals);
+        let vals = buf.decode(c, dtype);
         match power {
             Some(power) => acc.chunk(vals, power),
             None => {
@@ -127,27 +126,49 @@ unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>) -> Result<(f64, f6
     })
 }
 
-fn decode(b: &[u8], dtype: DType, out: &mut [f64]) {
-    match dtype {
-        DType::F32 => (out.iter_mut().zip(b.chunks_exact(4)))
-            .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap()) as f64),
-        DType::F64 => (out.iter_mut().zip(b.chunks_exact(8)))
-            .for_each(|(o, c)| *o = f64::from_le_bytes(c.try_into().unwrap())),
-        // bf16 is the top half of an f32: exact, and vectorizes (NaN payloads may differ
-        // from `half`'s, which nothing here can see: a NaN only makes the total NaN).
-        DType::BF16 => (out.iter_mut().zip(b.chunks_exact(2))).for_each(|(o, c)| {
-            *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) as f64
-        }),
-        // `half`'s slice conversion uses the CPU's F16C instructions where it has them.
-        DType::F16 => {
-            let bits: Vec<u16> = (b.chunks_exact(2))
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            let mut f = vec![0f32; bits.len()];
-            bits.reinterpret_cast::<f16>().convert_to_f32_slice(&mut f);
-            out.iter_mut().zip(f).for_each(|(o, x)| *o = x as f64);
+/// One chunk of a gradient as f64, with the f16 path's scratch kept across chunks.
+struct Decoded {
+    out: Vec<f64>,
+    bits: Vec<u16>,
+    f32s: Vec<f32>,
+}
+
+impl Decoded {
+    fn new(n: usize) -> Decoded {
+        Decoded {
+            out: vec![0.0; n],
+            bits: Vec::new(),
+            f32s: Vec::new(),
         }
-        _ => unreachable!("dtype checked"),
+    }
+
+    /// `b` (whole elements of `dtype`, at most `n` of them) as f64.
+    fn decode(&mut self, b: &[u8], dtype: DType) -> &[f64] {
+        let out = &mut self.out[..b.len() / dtype.size()];
+        match dtype {
+            DType::F32 => (out.iter_mut().zip(b.chunks_exact(4)))
+                .for_each(|(o, c)| *o = f32::from_le_bytes(c.try_into().unwrap()) as f64),
+            DType::F64 => (out.iter_mut().zip(b.chunks_exact(8)))
+                .for_each(|(o, c)| *o = f64::from_le_bytes(c.try_into().unwrap())),
+            // bf16 is the top half of an f32: exact, and vectorizes (NaN payloads may
+            // differ from `half`'s, which nothing here can see: a NaN makes the total NaN).
+            DType::BF16 => (out.iter_mut().zip(b.chunks_exact(2))).for_each(|(o, c)| {
+                *o = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) as f64
+            }),
+            // `half`'s slice conversion uses the CPU's F16C instructions where it has them.
+            DType::F16 => {
+                self.bits.clear();
+                (self.bits).extend(b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+                self.f32s.resize(self.bits.len(), 0.0);
+                let bits: &[f16] = self.bits.reinterpret_cast();
+                bits.convert_to_f32_slice(&mut self.f32s);
+                out.iter_mut()
+                    .zip(&self.f32s)
+                    .for_each(|(o, &x)| *o = x as f64);
+            }
+            _ => unreachable!("dtype checked"),
+        }
+        out
     }
 }
 
