@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 /// Everything that can go wrong in fo. Each variant carries what a user needs to act:
 /// the argument, key, shape or file at fault. Variants map one-to-one onto the C status
-/// codes (`Error::status`).
+/// codes (`ffi::status::status_of`, the one place that maps them).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A caller-supplied value is out of range, NULL, or inconsistent with another.
