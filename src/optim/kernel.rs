@@ -14,7 +14,7 @@
 //! These run vectorized (AVX-512 or AVX2, picked at run time); the stage timings in
 //! `optim_stages` show where the remaining time goes. Groups with `Arithmetic::Fast`
 //! (`fast.rs`) skip the chunk buffers: `fused` steps them one block of quantization groups
-//! at a time in registers (2.2-3x faster than exact on the compressed step, README).
+//! at a time in registers (measured against exact in docs/performance.md).
 use std::cell::RefCell;
 
 use super::fast::FastRule;
