@@ -181,6 +181,14 @@ def test_documented_fo_commands_and_flags_exist():
         for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(words)):
             if not re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text, re.M):
                 problems.append(f"{path.name}:{line}: `fo {' '.join(cmd)}` has no {flag}")
+        # Inside [...], a concrete value after a flag is its default (docs/cli.md's table).
+        for optional in re.findall(r"\[([^\]]*)\]", " ".join(words)):
+            for flag, value in re.findall(r"(--[a-z][a-z0-9-]*) ([^\s\]]+)", optional):
+                if re.fullmatch(r"[A-Z]+", value):
+                    continue  # a placeholder (N, DIR), not a default
+                opt = re.search(rf"^\s+(?:-\w, )?{re.escape(flag)} <.*$", help_text, re.M)
+                if not opt or f"[default: {value}]" not in opt.group(0):
+                    problems.append(f"{path.name}:{line}: `fo {' '.join(cmd)} {flag}` does not default to {value}")
     assert not problems, "\n".join(problems)
 
 
