@@ -308,3 +308,62 @@ def test_fo_threads_are_its_own_pool_apart_from_torchs():
         fo.set_num_threads(0)
         torch.set_num_threads(torch_before)
     assert fo.get_num_threads() == before
+
+
+# -- torch's companions ---------------------------------------------------------------------
+def test_swa_utils_schedule_and_average_with_an_fo_optimizer():
+    from torch.optim.swa_utils import SWALR, AveragedModel
+    model = make_model()
+    opt = fo.torch.SGD(model.parameters(), lr=0.1, momentum=0.9, state_format="fp32")
+    swa, sched = AveragedModel(model), SWALR(opt, swa_lr=0.05, anneal_epochs=2)
+    snapshots = []
+    for s in range(5):
+        train(model, opt, 1, start=s)
+        if s >= 2:
+            swa.update_parameters(model)
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05) and swa.n_averaged.item() == 3
+    for avg, ps in zip(swa.module.parameters(), zip(*snapshots)):
+        torch.testing.assert_close(avg, sum(ps) / 3)
+
+
+def test_grad_scaler_skips_the_overflowing_step_and_unscales_like_for_torch_optim():
+    out = {}
+    for kind in ("torch", "fo"):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4)
+        opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) if kind == "torch"
+               else fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32"))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for s in range(4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(4, 8)).float().pow(2).sum()
+            scaler.scale(loss).backward()
+            if s == 2:
+                m.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        out[kind] = (m.weight.detach(), scaler.get_scale(), opt.state_dict()["state"][0]["step"].item())
+    assert out["fo"][1:] == out["torch"][1:] == (512.0, 3)  # the inf step skipped, the scale halved
+    torch.testing.assert_close(out["fo"][0], out["torch"][0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("options", [{"full_state_dict": True, "cpu_offload": True},
+                                     {"flatten_optimizer_state_dict": True}, {}], ids=["full_cpu", "flat", "plain"])
+def test_distributed_state_dict_options_round_trip(options):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    o = StateDictOptions(**options)
+    a = make_model()
+    oa = fo.torch.AdamW(a.parameters(), lr=1e-2)
+    train(a, oa, 2)
+    sd = get_optimizer_state_dict(a, oa, options=o)
+    b = make_model()
+    b.load_state_dict(a.state_dict())
+    ob = fo.torch.AdamW(b.parameters(), lr=1e-2)
+    set_optimizer_state_dict(b, ob, sd, options=o)
+    train(a, oa, 2, start=2)
+    train(b, ob, 2, start=2)
+    assert params_equal(a, b)
