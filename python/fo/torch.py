@@ -376,8 +376,8 @@ class Adam(AdamW):
     with `decoupled_weight_decay=True`; fo's arguments as AdamW's."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC,
-                 **flags):
+                 decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0,
+                 arithmetic=DEFAULT_ARITHMETIC, **flags):
         _FoOptimizer.__init__(self, params, dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **_torch_flags(**flags),
             decoupled_weight_decay=decoupled_weight_decay, **_fo_args(state_format, master_weight_bits, arithmetic)))
