@@ -7,6 +7,11 @@ per optimizer, and the table shows the median over rounds with the spread (min-m
 round medians) and the ratio to torch's fused AdamW measured in the same rounds.
 
     FO_LIBRARY=target/release/libfo.so python scripts/bench_torch_step.py --threads 1,2
+
+On a machine shared with other work, run with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
+otherwise spin-wait for each other, and with more runnable threads than cores torch's
+multi-threaded step collapses (measured: 57-344 ms per step instead of 7-35 ms at 2 threads on
+a 2-core machine running ~8 other jobs), which says nothing about either optimizer.
 """
 import argparse
 import statistics

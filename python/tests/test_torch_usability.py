@@ -42,8 +42,13 @@ def test_default_is_quant8_with_fast_arithmetic_and_exact_is_one_argument_away()
     assert (g["state_format"], g["arithmetic"]) == ("quant8", fo.torch.DEFAULT_ARITHMETIC)
     if fo.torch.HAS_ARITHMETIC:
         assert g["arithmetic"] == "fast"
-    for cls in (fo.torch.Adam, fo.torch.SGD, fo.torch.Lion):
-        assert cls(ps).param_groups[0]["arithmetic"] == fo.torch.DEFAULT_ARITHMETIC
+    for make in (lambda ps: fo.torch.Adam(ps, weight_decay=0.1), lambda ps: fo.torch.SGD(ps, lr=0.1, momentum=0.9),
+                 lambda ps: fo.torch.Lion(ps, weight_decay=0.1)):
+        model = make_model()
+        opt = make(model.parameters())
+        assert opt.param_groups[0]["arithmetic"] == fo.torch.DEFAULT_ARITHMETIC
+        train(model, opt, 2)  # every algorithm steps under the default
+        assert len(opt.state) == 4
     a, b = make_model(), make_model()
     oa, ob = fo.torch.AdamW(a.parameters(), lr=1e-2), fo.torch.AdamW(b.parameters(), lr=1e-2, arithmetic="exact")
     train(a, oa, 3)
