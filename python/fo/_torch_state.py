@@ -4,7 +4,7 @@ holds (possibly quantized), with torch's semantics for edits.
 fo keeps the real state in its own (compressed) buffers, so the tensors handed out are
 decoded float32 copies. To behave like torch's live state tensors:
 - an in-place edit (`opt.state[p]["exp_avg"].zero_()`) or an assignment into the dict
-  (`opt.state[p]["step"] = torch.tensor(0.)`) reaches fo before the next step, `state_dict()`
+  (`opt.state[p]["step"] = torch.tensor(0.)`, `opt.state[p] = {...}`) reaches fo before the next step, `state_dict()`
   or checkpoint save, encoded into the group's state format (exact for fp32 state;
   requantized, i.e. rounded to the stored resolution, for quant8 and param_dtype);
 - a tensor still held after a step is refreshed in place with the new state, so it follows
@@ -69,6 +69,12 @@ class State(Mapping):
                     entries[k] = t
         st = self.handed[p] = ParamState(entries)
         return st
+
+    def __setitem__(self, p, entries):
+        """`opt.state[p] = {...}` (what ZeroRedundancyOptimizer.load_state_dict does): every
+        entry reaches fo before the next step, like an edit."""
+        st = self.handed[p] = ParamState(dict(entries))
+        st.seen = {}
 
     def __contains__(self, p):
         return self._opt._has_state(p) or bool(self.handed.get(p))

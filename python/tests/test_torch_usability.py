@@ -373,3 +373,31 @@ def test_distributed_state_dict_options_round_trip(options):
     train(a, oa, 2, start=2)
     train(b, ob, 2, start=2)
     assert params_equal(a, b)
+
+
+def test_zero_redundancy_optimizer_wraps_fo_and_loads_its_consolidated_state(tmp_path):
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of another test")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        a, b = make_model(), make_model()
+        za = ZeroRedundancyOptimizer(a.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+        zb = ZeroRedundancyOptimizer(b.parameters(), optimizer_class=fo.torch.AdamW, lr=1e-2, state_format="fp32")
+        train(a, za, 3)
+        train(b, zb, 3)
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+        zb.consolidate_state_dict(to=0)
+        sd = zb.state_dict()
+        assert sd["state"][0]["step"].item() == 3
+        c = make_model()
+        c.load_state_dict(b.state_dict())
+        zc = ZeroRedundancyOptimizer(c.parameters(), optimizer_class=fo.torch.AdamW, lr=1e-2, state_format="fp32")
+        zc.load_state_dict(sd)  # assigns zc.optim.state[p] = {...}
+        train(b, zb, 2, start=3)
+        train(c, zc, 2, start=3)
+        assert params_equal(b, c)
+    finally:
+        dist.destroy_process_group()
