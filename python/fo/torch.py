@@ -27,7 +27,7 @@ import torch
 from . import _torch_compile as _compile
 from . import optim as _optim
 from ._ffi import check, tensor_array
-from ._torch_args import UNSUPPORTED, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
 from ._torch_state import State
 from ._torch_storage import FO_KEYS, Storage
 
@@ -87,6 +87,7 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
         self._keep = {}  # param -> what fo borrows (the local tensor, its shard spec)
         self._name = {}  # param -> the name fo knows it by (for error messages)
         self._pushed = []  # the hyper-parameters last pushed to each fo group
+        self._grads = None  # the step's gradient array (GradArray), kept across steps
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
@@ -199,14 +200,22 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
     def _step(self):
         self._flush()
         self._sync()
-        grads = [None] * len(self._index)
-        for p, i in self._index.items():
-            g = p.grad
-            if g is not None:
-                if g.layout != torch.strided:
+        n = len(self._index)
+        if self._grads is None or self._grads.n != n:
+            self._grads = GradArray(n)
+        grads = self._grads
+        try:
+            for p, i in self._index.items():
+                g = p.grad
+                if g is None:
+                    grads.clear(i)
+                elif g.layout != torch.strided:
                     raise RuntimeError(_sparse_message(self, self._name[p]))
-                grads[i] = TorchArg(g, f"gradient of parameter {self._name[p]}", empty_non_null=True)
-        check(_optim._step(self._fo._handle, tensor_array(grads), len(grads)))
+                else:
+                    grads.set(i, g, f"gradient of parameter {self._name[p]}")
+            check(_optim._step(self._fo._handle, grads.array, n))
+        finally:
+            grads.release()
         self.state.after_step()
 
     # -- state ------------------------------------------------------------------------

@@ -401,3 +401,23 @@ def test_zero_redundancy_optimizer_wraps_fo_and_loads_its_consolidated_state(tmp
         assert params_equal(b, c)
     finally:
         dist.destroy_process_group()
+
+
+def test_gradient_slots_kept_across_steps_follow_new_strides_and_none():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(3, 4))
+    c, d = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    with torch.no_grad():
+        b.copy_(a)
+        d.copy_(c)
+    ta, fb = torch.optim.AdamW([a, c], lr=1e-2), fo.torch.AdamW([b, d], lr=1e-2, state_format="fp32")
+    for s in range(4):
+        g = torch.randn(4, 3)
+        a.grad, b.grad = g.t().contiguous(), (g.t() if s % 2 == 0 else g.t().contiguous())  # strides change
+        gc = torch.randn(5)
+        c.grad, d.grad = (None, None) if s == 2 else (gc, gc.clone())  # no gradient at step 2
+        ta.step()
+        fb.step()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-7)
+    assert fb.state[d]["step"].item() == 3
