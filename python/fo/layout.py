@@ -157,7 +157,9 @@ def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "i
         groups, state = _optimizer_state(source)
     if framework == "pt":
         import torch
-        state = {f: {n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in s.items()} for f, s in state.items()}
+        # np.ascontiguousarray makes a 0-dim array 1-dim: reshape keeps `step` 0-dim, as torch's
+        state = {f: {n: torch.from_numpy(np.ascontiguousarray(v).reshape(v.shape)) for n, v in s.items()}
+                 for f, s in state.items()}
     torch_groups = [torch_param_group(g) for g in groups]
     if key_by == "index":
         index: dict[str, int] = {}

@@ -10,30 +10,41 @@ lr scheduler writes there is pushed to fo before every step. `state_dict()` has 
 layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params),
 decoded to float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
 torch.optim checkpoint loads into any fo state format.
+
+Defaults: `state_format="quant8"` (FlashOptim's 8-bit state: 2.125 B/param for AdamW instead
+of torch's 8) with `arithmetic="fast"` (within fo's stated bound of FlashOptim's bits per step,
+about as fast as torch's fused AdamW); pass `arithmetic="exact"` for bit-parity with FlashOptim
+and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e-5).
+`opt.state[p]` tensors are decoded copies whose edits reach fo before the next step
+(`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
+writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
+handle from the decoded state. Under `torch.compile` the step is one opaque op (`fo::step`).
 """
 import ctypes
-from collections.abc import Mapping
 
 import torch
 
+from . import _torch_compile as _compile
 from . import optim as _optim
 from ._ffi import check, tensor_array
-from ._torch_args import UNSUPPORTED, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_state import State
+from ._torch_storage import FO_KEYS, Storage
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
-# fo's own knobs, kept in each param group beside torch's. They describe how state is
-# stored, so loading a checkpoint keeps the optimizer's own values (any format loads).
-FO_KEYS = ("state_format", "master_weight_bits", "arithmetic")
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 ARITHMETIC = {"exact": 0, "fast": 1}
 HAS_ARITHMETIC = "arithmetic" in dict(_optim.OptimConfig._fields_)
+# fo.torch steps host tensors, where the fast arithmetic runs: it is the default wherever the
+# library has it (within fo's stated bound of exact per step; "exact" = FlashOptim's bits).
+DEFAULT_ARITHMETIC = "fast" if HAS_ARITHMETIC else "exact"
 
 
 def _create(cfg):
     """An fo.optim.Optimizer whose group 0 is the OptimConfig `cfg`."""
     opt = _optim.Optimizer.__new__(_optim.Optimizer)
-    opt._handle, opt._params = None, []
+    opt._handle, opt._params, opt._fqns = None, [], []
     h = _optim._P()
     check(_optim._create(ctypes.byref(cfg), ctypes.byref(h)))
     opt._handle = h
@@ -49,60 +60,61 @@ def _arithmetic_code(value):
     return code
 
 
-class _State(Mapping):
-    """`optimizer.state` as torch code reads it: param -> {key: tensor}, only for params
-    that have fo state, decoded on access (fo holds the real, possibly quantized, state)."""
-
-    def __init__(self, opt):
-        self._opt = opt
-
-    def __getitem__(self, p):
-        return self._opt._export(p) if self._opt._has_state(p) else {}
-
-    def __contains__(self, p):
-        return self._opt._has_state(p)
-
-    def __iter__(self):
-        return iter([p for p in list(self._opt._index) if self._opt._has_state(p)])
-
-    def __len__(self):
-        return sum(1 for _ in self)
+def _arithmetic_name(value):
+    """The name param_groups show ("exact"/"fast") for a name or fo code."""
+    code = _arithmetic_code(value)
+    return next(k for k, v in ARITHMETIC.items() if v == code)
 
 
-class _FoOptimizer(torch.optim.Optimizer):
+class _FoOptimizer(Storage, torch.optim.Optimizer):
     algorithm = "adamw"
 
     def __init__(self, params, defaults):
         for flag in ("amsgrad", "maximize", "differentiable"):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        defaults["arithmetic"] = _arithmetic_code(defaults.get("arithmetic", 0))
+        defaults["arithmetic"] = _arithmetic_name(defaults.get("arithmetic", DEFAULT_ARITHMETIC))
         _optim.STATE_FORMATS[defaults["state_format"]]  # KeyError names a bad format early
-        self._fo = None  # fo.optim.Optimizer, built at the first step or load
+        self._fresh()
+        super().__init__(params, defaults)
+        self.state = State(self)  # torch's __init__ set a defaultdict
+
+    def _fresh(self):
+        """The fo side, empty: built at the first step or load."""
+        self._fo = None  # fo.optim.Optimizer
         self._index = {}  # param -> fo index
         self._where = {}  # param -> (data_ptr, shape, dtype) registered with fo
         self._keep = {}  # param -> what fo borrows (the local tensor, its shard spec)
-        self._pushed = []  # the config last pushed for each fo group
-        super().__init__(params, defaults)
-        self.state = _State(self)
+        self._name = {}  # param -> the name fo knows it by (for error messages)
+        self._pushed = []  # the hyper-parameters last pushed to each fo group
+        self._grads = None  # the step's gradient array (GradArray), kept across steps
+        self.state = State(self)
+        self._compile_key = _compile.register(self)
+
+    def add_param_group(self, param_group):
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if param_group.get(flag):
+                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
+        if "arithmetic" in param_group:
+            param_group["arithmetic"] = _arithmetic_name(param_group["arithmetic"])
+        super().add_param_group(param_group)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _hp(self, group):
         """fo's hyper-parameters for a torch param group (subclasses map torch's names)."""
         raise NotImplementedError
 
-    def _config(self, group):
+    def _group_hp(self, group):
         hp = self._hp(group)
         hp["lr"] = float(group["lr"])
         hp["weight_decay"] = float(group["weight_decay"])
         hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
         hp["state_format"] = group["state_format"]
         hp["master_weight_bits"] = int(group["master_weight_bits"])
+        code = _arithmetic_code(group["arithmetic"])
         if HAS_ARITHMETIC:
-            hp["arithmetic"] = _arithmetic_code(group["arithmetic"])
-        else:
-            _arithmetic_code(group["arithmetic"])
-        return _optim.config(self.algorithm, **hp)
+            hp["arithmetic"] = code
+        return hp
 
     # -- registration -----------------------------------------------------------------
     def _names(self):
@@ -123,31 +135,35 @@ class _FoOptimizer(torch.optim.Optimizer):
         check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
                                 ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
         self._index[p] = idx.value
+        self._fo._fqns.append(name)  # fo.optim's view: fo.ckpt.torch_state_dict(opt._fo) names them
         self._where[p] = self._placed(p)
         self._keep[p] = (arg, spec)
+        self._name[p] = name
 
     def _sync(self, also=()):
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
-        one fo group per torch group with its current hyper-parameters, and every parameter
-        that has a gradient (or is in `also`) registered."""
+        one fo group per torch group with its current hyper-parameters (pushed only when
+        they changed), and every parameter that has a gradient (or is in `also`) registered."""
         if self._fo is not None and any(self._placed(p) != w for p, w in self._where.items()):
             self._rebuild()
         if self._fo is None:
-            first = self._config(self.param_groups[0])
-            self._fo = _create(first)
-            self._pushed = [first]
+            hp = self._group_hp(self.param_groups[0])
+            self._fo = _create(_optim.config(self.algorithm, **hp))
+            self._pushed = [hp]
         for gi, g in enumerate(self.param_groups):
-            cfg = self._config(g)
+            hp = self._group_hp(g)
             if gi == len(self._pushed):
                 g_idx = ctypes.c_int32(-1)
-                check(_optim._add_group(self._fo._handle, ctypes.byref(cfg), ctypes.byref(g_idx)))
-                self._pushed.append(cfg)
-            if bytes(cfg) != bytes(self._pushed[gi]):
-                self._fo.set_group_config(gi, cfg)
-                self._pushed[gi] = cfg
-        for gi, p, name in self._names():
-            if p not in self._index and (p.grad is not None or p in also):
-                self._register(p, gi, name)
+                check(_optim._add_group(self._fo._handle, ctypes.byref(_optim.config(self.algorithm, **hp)),
+                                        ctypes.byref(g_idx)))
+                self._pushed.append(hp)
+            if hp != self._pushed[gi]:
+                self._fo.set_group_config(gi, _optim.config(self.algorithm, **hp))
+                self._pushed[gi] = hp
+        if len(self._index) < sum(len(g["params"]) for g in self.param_groups):
+            for gi, p, name in self._names():
+                if p not in self._index and (p.grad is not None or p in also):
+                    self._register(p, gi, name)
 
     def _rebuild(self):
         """A parameter's storage moved (its module reloaded or re-sharded): register the
@@ -161,27 +177,46 @@ class _FoOptimizer(torch.optim.Optimizer):
             st.pop("master", None)
             self._load_param(p, st)
 
+    def _flush(self):
+        """Edits made through `opt.state` reach fo (see fo._torch_state)."""
+        edits = self.state.edits()
+        if edits:
+            self._sync(also=set(edits))
+            for p, entries in edits.items():
+                self._load_param(p, entries)
+
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        if _compile.is_compiling():  # one opaque op for Dynamo (fo._torch_compile)
+            return _compile.step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync()
-        grads = [None] * len(self._index)
-        names = {p: n for _, p, n in self._names()}
-        for p, i in self._index.items():
-            if p.grad is not None:
-                grads[i] = TorchArg(p.grad, f"gradient of parameter {names.get(p, i)}", empty_non_null=True)
-        check(_optim._step(self._fo._handle, tensor_array(grads), len(grads)))
+        self._step()
         return loss
 
-    def add_param_group(self, param_group):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if param_group.get(flag):
-                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        super().add_param_group(param_group)
+    def _step(self):
+        self._flush()
+        self._sync()
+        n = len(self._index)
+        if self._grads is None or self._grads.n != n:
+            self._grads = GradArray(n)
+        grads = self._grads
+        try:
+            for p, i in self._index.items():
+                g = p.grad
+                if g is None:
+                    grads.clear(i)
+                elif g.layout != torch.strided:
+                    raise RuntimeError(_sparse_message(self, self._name[p]))
+                else:
+                    grads.set(i, g, f"gradient of parameter {self._name[p]}")
+            check(_optim._step(self._fo._handle, grads.array, n))
+        finally:
+            grads.release()
+        self.state.after_step()
 
     # -- state ------------------------------------------------------------------------
     def _has_state(self, p):
@@ -196,16 +231,17 @@ class _FoOptimizer(torch.optim.Optimizer):
         out = {}
         for key in PORTABLE:
             if key in native or key + "::quantized" in native:
-                out[key] = self._get(i, key)
+                out[key] = self._get(i, key, p)
         if "error_bits" in native:
-            out["master"] = self._get(i, "master")
+            out["master"] = self._get(i, "master", p)
         if not local_only:
             out = {k: (v if k == "step" else like_param(v, p)) for k, v in out.items()}
         return out
 
-    def _get(self, i, key):
-        _, shape = self._fo.state_info(i, key)
-        t = torch.empty(shape, dtype=torch.float32)
+    def _get(self, i, key, p):
+        # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
+        # would decode the whole tensor once more to say so
+        t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
         arg = TorchArg(t, f"state {key}")
         check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
         return t
@@ -231,6 +267,7 @@ class _FoOptimizer(torch.optim.Optimizer):
         counted across groups in order, as `torch.optim.Optimizer.state_dict` numbers them."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._flush()
         state, groups, start = {}, [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -268,17 +305,50 @@ class _FoOptimizer(torch.optim.Optimizer):
             for k, v in s.items():
                 if k not in ("params", "param_names") and k not in FO_KEYS:
                     g[k] = v
+        self._flush()
         self._sync(also={by_id[k] for k in state_dict["state"]})
         for k, entries in state_dict["state"].items():
             self._load_param(by_id[k], entries)
+        self.state.after_step()  # tensors handed out before the load now show it
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    # -- copies -----------------------------------------------------------------------
+    def __getstate__(self):
+        """torch's pickled form (defaults, param_groups, state keyed by parameter), with the
+        state decoded; `__setstate__` builds a new fo handle from it, so a deep copy or an
+        unpickled optimizer steps on its own parameters and state."""
+        self._flush()
+        state = {p: self._export(p) for p in self._index if self._has_state(p)}
+        return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups}
+
+    def __setstate__(self, saved):
+        saved = dict(saved)
+        state = saved.pop("state", {})
+        self._fresh()
+        super().__setstate__(saved)  # torch's: hooks, the patched step
+        if state:
+            self._sync(also=set(state))
+            for p, entries in state.items():
+                self._load_param(p, entries)
+
+
+def _sparse_message(opt, name):
+    kind = type(opt).__name__
+    if kind == "SGD":
+        return (f"fo.torch.SGD does not support sparse gradients (parameter {name}); torch.optim.SGD "
+                "does, or densify the gradient (grad.to_dense())")
+    return (f"{kind} does not support sparse gradients (parameter {name}), please consider SparseAdam "
+            "instead")
+
 
 def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None):
-    if capturable or fused:
-        raise error(UNSUPPORTED, "capturable/fused are CUDA-graph and fused-kernel options of torch.optim; "
-                                 "fo steps host tensors with its own kernels")
+    """torch's implementation flags. fo's step is always one fused kernel per parameter, so
+    `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
+    them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors."""
+    if capturable:
+        raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
+                                 "fo.torch steps host tensors: drop capturable (fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                 fused=fused)
 
@@ -288,14 +358,19 @@ def _fo_args(state_format, master_weight_bits, arithmetic):
 
 
 class AdamW(_FoOptimizer):
-    """torch.optim.AdamW's arguments, plus fo's `state_format` ("fp32": torch's arithmetic;
-    "quant8", "quant8_wide", "param_dtype"), `master_weight_bits` (0, or 24/32 for bf16/f16
-    params) and `arithmetic` ("exact", "fast")."""
+    """torch.optim.AdamW's arguments, plus fo's:
+    - `state_format="quant8"` (default: 2.125 B/param of state vs torch's 8; "fp32": torch's
+      arithmetic and trajectories, 8 B/param; "quant8_wide"; "param_dtype");
+    - `master_weight_bits=0` (24/32 keep int8/int16 error bits for bf16/f16 params: +1/+2 B/param);
+    - `arithmetic="fast"` (default: within fo's stated bound of exact per step, a quant8 step
+      ~3.5x faster than "exact" (scripts/bench_torch_step.py); "exact": FlashOptim's bits, as
+      fo's device kernels; fp32 state steps the same under both).
+    `fused`/`foreach` are accepted and change nothing (fo's step is fused)."""
 
     algorithm = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic="exact", **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                                       **_torch_flags(**flags), decoupled_weight_decay=True,
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))
@@ -309,8 +384,8 @@ class Adam(AdamW):
     with `decoupled_weight_decay=True`; fo's arguments as AdamW's."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0, arithmetic="exact",
-                 **flags):
+                 decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0,
+                 arithmetic=DEFAULT_ARITHMETIC, **flags):
         _FoOptimizer.__init__(self, params, dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **_torch_flags(**flags),
             decoupled_weight_decay=decoupled_weight_decay, **_fo_args(state_format, master_weight_bits, arithmetic)))
@@ -327,7 +402,7 @@ class SGD(_FoOptimizer):
     algorithm = "sgd"
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic="exact", **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=nesterov, **_torch_flags(**flags),
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))
@@ -343,7 +418,7 @@ class Lion(_FoOptimizer):
     algorithm = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format="quant8",
-                 master_weight_bits=0, arithmetic="exact", **flags):
+                 master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       **_torch_flags(**flags),
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))

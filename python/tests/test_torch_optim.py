@@ -255,8 +255,8 @@ def test_unsupported_options_are_refused():
         fo.torch.AdamW(ps, amsgrad=True)
     with pytest.raises(ValueError, match="maximize"):
         fo.torch.SGD(ps, maximize=True)
-    with pytest.raises(fo.FoError, match="fused"):
-        fo.torch.AdamW(ps, fused=True)
+    with pytest.raises(fo.FoError, match="capturable"):  # fused/foreach are accepted (fo's step is fused)
+        fo.torch.AdamW(ps, capturable=True)
     with pytest.raises(KeyError):
         fo.torch.AdamW(ps, state_format="fp8")
     with pytest.raises(fo.FoError, match="lr"):  # fo validates what torch would
