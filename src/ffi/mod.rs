@@ -5,6 +5,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod args;
+mod codes;
 mod status;
 mod types;
 
@@ -15,6 +16,7 @@ mod optim;
 mod shard;
 
 pub use ckpt::*;
+pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;
