@@ -625,6 +625,17 @@ fo_status fo_checkpoint_consolidate(const char *dir, const char *out_dir);
 fo_status fo_checkpoint_verify(const char *dir);
 
 /*
+ The table of contents of checkpoint `dir` (fo's or PyTorch DCP HuggingFace files,
+ validated as `fo_state_load` validates them) as JSON into `buf` (`capacity` bytes;
+ `*out_len` is always the size needed, NUL included; when it exceeds `capacity` nothing
+ is written and FO_ERR_INVALID_ARGUMENT is returned): `{"mode", "param_groups"` (null in
+ files fo did not write), `"keys": {key: {"dtype", "shape", "compressed"}}}`. A quant8
+ pair `K::quantized` + `K::scales` is listed as the one key `K`, `compressed` true,
+ dtype `"F32"` (what it decodes to), shape the global shape.
+ */
+fo_status fo_checkpoint_info_json(const char *dir, char *buf, size_t capacity, size_t *out_len);
+
+/*
  A communicator whose collectives are the host's callbacks (`*cb` is copied; `user`
  must stay valid until `fo_comm_destroy`). The callbacks run on the calling thread.
  */

@@ -10,12 +10,14 @@ mod status;
 mod types;
 
 mod ckpt;
+mod ckpt_info;
 mod comm;
 mod gpu;
 mod optim;
 mod shard;
 
 pub use ckpt::*;
+pub use ckpt_info::*;
 pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
