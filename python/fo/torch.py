@@ -26,7 +26,7 @@ __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 # stored, so loading a checkpoint keeps the optimizer's own values (any format loads).
 FO_KEYS = ("state_format", "master_weight_bits", "arithmetic")
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
-ARITHMETIC = {"exact": 0, "fast": 1}
+ARITHMETIC = _optim.ARITHMETIC
 HAS_ARITHMETIC = "arithmetic" in dict(_optim.OptimConfig._fields_)
 
 
@@ -44,7 +44,7 @@ def _arithmetic_code(value):
     code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
     if code not in ARITHMETIC.values():
         raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
-    if code != 0 and not HAS_ARITHMETIC:
+    if code != ARITHMETIC["exact"] and not HAS_ARITHMETIC:
         raise error(UNSUPPORTED, f"arithmetic={value!r}: this libfo's fo_optim_config has no arithmetic field")
     return code
 
