@@ -109,6 +109,15 @@ static void save_on_three_ranks_load_on_two() {
     CHECK_OK(fo_state_save(src.opt, dir.c_str(), &o));
   }
   CHECK_OK(fo_checkpoint_verify(dir.c_str()));
+  // Its table of contents: asking with no room reports the size needed, then the JSON.
+  size_t need = 0;
+  CHECK_ERR(fo_checkpoint_info_json(dir.c_str(), nullptr, 0, &need), FO_ERR_INVALID_ARGUMENT, "capacity");
+  std::vector<char> toc(need);
+  CHECK_OK(fo_checkpoint_info_json(dir.c_str(), toc.data(), toc.size(), &need));
+  json info = json::parse(toc.data());
+  CHECK(info["mode"] == "compressed" && info["param_groups"][0]["params"][0] == "w");
+  CHECK(info["keys"]["state.w.exp_avg"] == json({{"dtype", "F32"}, {"shape", {ROWS, COLS}}, {"compressed", false}}));
+  CHECK(info["keys"]["state.w.step"]["shape"].empty());
   for (int r = 0; r < 2; ++r) {
     Rank dst(2, r);
     std::vector<char> js(4096);

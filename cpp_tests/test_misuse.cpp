@@ -269,6 +269,12 @@ std::vector<Case> cases() {
   E("fo_checkpoint_consolidate", "out_dir under /proc", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), "/proc/fo-no/such"); });
   E("fo_checkpoint_verify", "dir NULL", [](Fx&) { return fo_checkpoint_verify(nullptr); });
   E("fo_checkpoint_verify", "dir missing", [](Fx&) { return fo_checkpoint_verify("/tmp/fo-no-such-dir-x"); });
+  E("fo_checkpoint_info_json", "dir NULL", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json(nullptr, b, 64, &n); });
+  E("fo_checkpoint_info_json", "dir missing", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json("/tmp/fo-no-such-dir-x", b, 64, &n); });
+  E("fo_checkpoint_info_json", "dir empty", [](Fx& f) { char b[64]; size_t n; return fo_checkpoint_info_json(f.empty.c_str(), b, 64, &n); });
+  E("fo_checkpoint_info_json", "out_len NULL", [](Fx& f) { char b[64]; return fo_checkpoint_info_json(f.dir.c_str(), b, 64, nullptr); });
+  E("fo_checkpoint_info_json", "capacity 1", [](Fx& f) { char b[1]; size_t n; return fo_checkpoint_info_json(f.dir.c_str(), b, 1, &n); });
+  E("fo_checkpoint_info_json", "buf NULL, capacity 1<<20", [](Fx& f) { size_t n; return fo_checkpoint_info_json(f.dir.c_str(), nullptr, 1 << 20, &n); });
   E("fo_checkpoint_verify", "dir empty", [](Fx& f) { return fo_checkpoint_verify(f.empty.c_str()); });
   E("fo_checkpoint_verify", "dir not UTF-8", [](Fx&) { return fo_checkpoint_verify("/tmp/\xff"); });
 
