@@ -33,13 +33,13 @@ struct Rank {
     row0 = info.global_offset[0];
     for (int64_t i = 0; i < rows * COLS; ++i) param.push_back(std::sin(0.3f * float(row0 * COLS + i)));
     fo_optim_config cfg;
-    fo_optim_config_default(0, &cfg);
-    cfg.state_format = 0;
+    fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
+    cfg.state_format = FO_STATE_FORMAT_FP32;
     cfg.master_weight_bits = 0;
     cfg.lr = 1e-2;
     CHECK_OK(fo_optimizer_create(&cfg, &opt));
     int64_t shape[2] = {rows, COLS};
-    fo_tensor t{param.data(), 0, 2, shape, nullptr, -1};
+    fo_tensor t{param.data(), FO_DTYPE_F32, 2, shape, nullptr, FO_DEVICE_HOST};
     fo_shard_spec spec{2, gshape, 1, &mesh, &coord, &pl};
     int32_t idx = -1;
     CHECK_OK(fo_optimizer_add_param(opt, "w", &t, &spec, &idx));
@@ -50,14 +50,14 @@ struct Rank {
     std::vector<float> g(rows * COLS);
     for (int64_t i = 0; i < rows * COLS; ++i) g[i] = std::cos(0.7f * float(row0 * COLS + i) + float(s));
     int64_t shape[2] = {rows, COLS};
-    fo_tensor t{g.data(), 0, 2, shape, nullptr, -1};
+    fo_tensor t{g.data(), FO_DTYPE_F32, 2, shape, nullptr, FO_DEVICE_HOST};
     CHECK_OK(fo_optimizer_step(opt, &t, 1));
   }
 
   std::vector<float> state(const char* key) {
     std::vector<float> out(rows * COLS);
     int64_t shape[2] = {rows, COLS};
-    fo_tensor t{out.data(), 0, 2, shape, nullptr, -1};
+    fo_tensor t{out.data(), FO_DTYPE_F32, 2, shape, nullptr, FO_DEVICE_HOST};
     CHECK_OK(fo_optimizer_get_state(opt, 0, key, &t));
     return out;
   }
@@ -66,7 +66,7 @@ struct Rank {
 static void packed_view_lists_chunks_with_global_offsets() {
   Rank r(3, 2);  // rows 8..10
   r.step(0);
-  fo_pack_options o{2, 3, 1, 0, -1, "c++"};
+  fo_pack_options o{2, 3, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, "c++"};
   fo_packed* p = nullptr;
   CHECK_OK(fo_state_pack(r.opt, &o, &p));
   size_t n = 0;
@@ -80,7 +80,7 @@ static void packed_view_lists_chunks_with_global_offsets() {
   CHECK(by_key.count("state.w.exp_avg") == 1 && by_key.count("state.w.exp_avg_sq") == 1);
   CHECK(by_key.count("state.w.step") == 0);  // unsharded entries: rank 0 writes them
   fo_packed_entry e = by_key["state.w.exp_avg"];
-  CHECK(e.dtype == 0 && e.ndim == 2 && e.shape[0] == 2 && e.global_shape[0] == ROWS && e.global_offset[0] == 8);
+  CHECK(e.dtype == FO_DTYPE_F32 && e.ndim == 2 && e.shape[0] == 2 && e.global_shape[0] == ROWS && e.global_offset[0] == 8);
   CHECK(e.nbytes == 2 * COLS * 4);
   std::vector<float> m = r.state("exp_avg");
   CHECK(std::memcmp(e.data, m.data(), e.nbytes) == 0);
@@ -105,10 +105,19 @@ static void save_on_three_ranks_load_on_two() {
     auto m = src.state("exp_avg"), v = src.state("exp_avg_sq");
     std::copy(m.begin(), m.end(), m_global.begin() + src.row0 * COLS);
     std::copy(v.begin(), v.end(), v_global.begin() + src.row0 * COLS);
-    fo_pack_options o{r, 3, 0, 0, -1, "s"};
+    fo_pack_options o{r, 3, FO_PACK_MODE_COMPRESSED, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, "s"};
     CHECK_OK(fo_state_save(src.opt, dir.c_str(), &o));
   }
   CHECK_OK(fo_checkpoint_verify(dir.c_str()));
+  // Its table of contents: asking with no room reports the size needed, then the JSON.
+  size_t need = 0;
+  CHECK_ERR(fo_checkpoint_info_json(dir.c_str(), nullptr, 0, &need), FO_ERR_INVALID_ARGUMENT, "capacity");
+  std::vector<char> toc(need);
+  CHECK_OK(fo_checkpoint_info_json(dir.c_str(), toc.data(), toc.size(), &need));
+  json info = json::parse(toc.data());
+  CHECK(info["mode"] == "compressed" && info["param_groups"][0]["params"][0] == "w");
+  CHECK(info["keys"]["state.w.exp_avg"] == json({{"dtype", "F32"}, {"shape", {ROWS, COLS}}, {"compressed", false}}));
+  CHECK(info["keys"]["state.w.step"]["shape"].empty());
   for (int r = 0; r < 2; ++r) {
     Rank dst(2, r);
     std::vector<char> js(4096);
@@ -130,7 +139,7 @@ static void save_on_three_ranks_load_on_two() {
   CHECK_ERR(fo_checkpoint_verify(dir.c_str()), FO_ERR_CORRUPT, "checksum mismatch");
   CHECK_ERR(fo_state_load(dst.opt, (dir / "nope").c_str(), nullptr, nullptr), FO_ERR_NOT_FOUND, "nope");
   CHECK_ERR(fo_state_load(dst.opt, nullptr, nullptr, nullptr), FO_ERR_INVALID_ARGUMENT, "dir");
-  fo_pack_options bad{3, 3, 0, 0, -1, nullptr};
+  fo_pack_options bad{3, 3, FO_PACK_MODE_COMPRESSED, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, nullptr};
   CHECK_ERR(fo_state_save(dst.opt, dir.c_str(), &bad), FO_ERR_INVALID_ARGUMENT, "options.rank");
   fs::remove_all(dir);
 }
@@ -176,13 +185,13 @@ void saves_need_an_id_or_a_communicator() {
   Rank a(2, 0), b(2, 1);
   a.step(0);
   b.step(0);
-  fo_pack_options o{0, 2, 1, 0, -1, nullptr};
+  fo_pack_options o{0, 2, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, nullptr};
   CHECK_ERR(fo_state_save(a.opt, dir.c_str(), &o), FO_ERR_INVALID_ARGUMENT, "save_id");
   fo_comm* comms[2] = {nullptr, nullptr};
   CHECK_OK(fo_comm_create_local_group(2, 60.0, comms));
   fo_status st[2];
   std::thread t([&] {
-    fo_pack_options o1{1, 2, 1, 0, -1, nullptr};
+    fo_pack_options o1{1, 2, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, nullptr};
     st[1] = fo_state_save_comm(b.opt, dir.c_str(), &o1, comms[1]);
   });
   st[0] = fo_state_save_comm(a.opt, dir.c_str(), &o, comms[0]);

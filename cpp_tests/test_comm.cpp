@@ -61,9 +61,9 @@ static void four_ranks_receive_their_shards() {
   run_group(world, [&](int rank, fo_comm* comm) {
     const int64_t w_shape[2] = {10, 3}, s_shape[2] = {7, 2}, b_shape[1] = {5};
     fo_broadcast_source full[3] = {
-        {"model.b", {b.data(), 8, 1, b_shape, nullptr, -1}},
-        {"model.w", {w.data(), 0, 2, w_shape, nullptr, -1}},
-        {"model.s", {s.data(), 0, 2, s_shape, nullptr, -1}},
+        {"model.b", {b.data(), FO_DTYPE_I64, 1, b_shape, nullptr, FO_DEVICE_HOST}},
+        {"model.w", {w.data(), FO_DTYPE_F32, 2, w_shape, nullptr, FO_DEVICE_HOST}},
+        {"model.s", {s.data(), FO_DTYPE_F32, 2, s_shape, nullptr, FO_DEVICE_HOST}},
     };
     Spec ws{{10, 3}, {4}, {rank}, {{FO_PLACEMENT_SHARD, 0, 0}}};
     Spec ss{{7, 2}, {4}, {rank}, {{FO_PLACEMENT_STRIDED_SHARD, 0, 2}}};
@@ -75,9 +75,9 @@ static void four_ranks_receive_their_shards() {
     fo_shard_spec wv = ws.view(), sv = ss.view();
     // Destinations in another order than rank 0's: pairing is by name.
     fo_broadcast_dest dests[3] = {
-        {"model.w", {wd.data(), 0, 2, wl, nullptr, -1}, &wv},
-        {"model.s", {sd.data(), 2, 2, sl, nullptr, -1}, &sv},
-        {"model.b", {bd.data(), 8, 1, b_shape, nullptr, -1}, nullptr},
+        {"model.w", {wd.data(), FO_DTYPE_F32, 2, wl, nullptr, FO_DEVICE_HOST}, &wv},
+        {"model.s", {sd.data(), FO_DTYPE_BF16, 2, sl, nullptr, FO_DEVICE_HOST}, &sv},
+        {"model.b", {bd.data(), FO_DTYPE_I64, 1, b_shape, nullptr, FO_DEVICE_HOST}, nullptr},
     };
     fo_broadcast_stats st{};
     fo_status rc = fo_broadcast_state_dict(comm, rank == 0 ? full : nullptr, rank == 0 ? 3 : 0, dests, 3, nullptr, &st);
@@ -106,9 +106,9 @@ static void a_key_missing_on_rank_0_fails_every_rank() {
   run_group(4, [&](int rank, fo_comm* comm) {
     const int64_t shape[1] = {4};
     std::vector<float> dst(4, 7.f);
-    fo_broadcast_source full[1] = {{"a", {src.data(), 0, 1, shape, nullptr, -1}}};
-    fo_broadcast_dest dests[2] = {{"a", {dst.data(), 0, 1, shape, nullptr, -1}, nullptr},
-                                  {"missing.weight", {dst.data(), 0, 1, shape, nullptr, -1}, nullptr}};
+    fo_broadcast_source full[1] = {{"a", {src.data(), FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}}};
+    fo_broadcast_dest dests[2] = {{"a", {dst.data(), FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}, nullptr},
+                                  {"missing.weight", {dst.data(), FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}, nullptr}};
     codes[rank] = fo_broadcast_state_dict(comm, full, 1, dests, 2, nullptr, nullptr);
     msgs[rank] = fo_last_error_message();
     std::lock_guard<std::mutex> g(mu);
@@ -128,8 +128,8 @@ static void an_unknown_dtype_on_one_rank_fails_every_rank_alike() {
   run_group(4, [&](int rank, fo_comm* comm) {
     const int64_t shape[1] = {4};
     std::vector<float> dst(4, 7.f);
-    fo_broadcast_source full[1] = {{"a", {src.data(), 0, 1, shape, nullptr, -1}}};
-    fo_broadcast_dest dests[1] = {{"a", {dst.data(), rank == 2 ? 42 : 0, 1, shape, nullptr, -1}, nullptr}};
+    fo_broadcast_source full[1] = {{"a", {src.data(), FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}}};
+    fo_broadcast_dest dests[1] = {{"a", {dst.data(), rank == 2 ? 42 : FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}, nullptr}};
     codes[rank] = fo_broadcast_state_dict(comm, full, 1, dests, 1, nullptr, nullptr);
     msgs[rank] = fo_last_error_message();
   });
@@ -147,7 +147,7 @@ static void clip_scales_every_rank_by_the_global_norm() {
   run_group(4, [&](int rank, fo_comm* comm) {
     std::vector<float> shard(2, (float)(rank + 1)), rep(1, 1.f);
     const int64_t s2[1] = {2}, s1[1] = {1};
-    fo_clip_grad grads[2] = {{{shard.data(), 0, 1, s2, nullptr, -1}, 1}, {{rep.data(), 0, 1, s1, nullptr, -1}, 0}};
+    fo_clip_grad grads[2] = {{{shard.data(), FO_DTYPE_F32, 1, s2, nullptr, FO_DEVICE_HOST}, 1}, {{rep.data(), FO_DTYPE_F32, 1, s1, nullptr, FO_DEVICE_HOST}, 0}};
     double total = 0;
     fo_status rc = fo_clip_grad_norm(comm, grads, 2, 1.0, 2.0, 1, &total);
     std::lock_guard<std::mutex> g(mu);
@@ -161,7 +161,7 @@ static void clip_scales_every_rank_by_the_global_norm() {
   run_group(2, [&](int rank, fo_comm* comm) {
     std::vector<float> g1(1, 3.f);
     const int64_t s1[1] = {1};
-    fo_clip_grad grads[1] = {{{g1.data(), 0, 1, s1, nullptr, -1}, 1}};
+    fo_clip_grad grads[1] = {{{g1.data(), FO_DTYPE_F32, 1, s1, nullptr, FO_DEVICE_HOST}, 1}};
     double total = 0;
     fo_status rc = fo_clip_grad_norm(comm, rank == 0 ? grads : nullptr, rank == 0 ? 1 : 0, 10.0, INFINITY, 0, &total);
     std::lock_guard<std::mutex> g(mu);
@@ -260,13 +260,13 @@ static void callback_group(int failing, int at, std::vector<fo_status>& codes, s
       fo_comm* comm = nullptr;
       fo_comm_create_callbacks(rank, world, &cb, &comm);
       const int64_t shape[1] = {10};
-      fo_broadcast_source full[1] = {{"w", {w.data(), 0, 1, shape, nullptr, -1}}};
+      fo_broadcast_source full[1] = {{"w", {w.data(), FO_DTYPE_F32, 1, shape, nullptr, FO_DEVICE_HOST}}};
       Spec ws{{10}, {4}, {rank}, {{FO_PLACEMENT_SHARD, 0, 0}}};
       std::vector<int64_t> rows = indices(ws, 0);
       const int64_t local[1] = {(int64_t)rows.size()};
       got[rank].assign(rows.size(), -1.f);
       fo_shard_spec wv = ws.view();
-      fo_broadcast_dest dests[1] = {{"w", {got[rank].data(), 0, 1, local, nullptr, -1}, &wv}};
+      fo_broadcast_dest dests[1] = {{"w", {got[rank].data(), FO_DTYPE_F32, 1, local, nullptr, FO_DEVICE_HOST}, &wv}};
       codes[rank] = fo_broadcast_state_dict(comm, full, 1, dests, 1, nullptr, nullptr);
       msgs[rank] = fo_last_error_message();
       if (codes[rank] != FO_OK) hub.leave();  // a failed rank leaves; the others stop waiting

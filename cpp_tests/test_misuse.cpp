@@ -59,11 +59,11 @@ struct Fx {
   std::string dir;       // a valid one-rank checkpoint
   std::string empty;     // an empty directory
   std::string outdir;    // where consolidate may write
-  fo_pack_options pack{0, 1, 0, 0, -1, nullptr};
+  fo_pack_options pack{0, 1, FO_PACK_MODE_COMPRESSED, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, nullptr};
   fo_load_options load{1, 0, 1};
-  fo_tensor param() { return fo_tensor{w, 0, 1, shape4, nullptr, -1}; }
-  fo_tensor grad() { return fo_tensor{g, 0, 1, shape4, nullptr, -1}; }
-  fo_tensor out4() { return fo_tensor{scratch, 0, 1, shape4, nullptr, -1}; }
+  fo_tensor param() { return fo_tensor{w, FO_DTYPE_F32, 1, shape4, nullptr, FO_DEVICE_HOST}; }
+  fo_tensor grad() { return fo_tensor{g, FO_DTYPE_F32, 1, shape4, nullptr, FO_DEVICE_HOST}; }
+  fo_tensor out4() { return fo_tensor{scratch, FO_DTYPE_F32, 1, shape4, nullptr, FO_DEVICE_HOST}; }
   fo_optimizer* fresh() {
     fo_optimizer* o = nullptr;
     must(fo_optimizer_create(&cfg, &o), "create");
@@ -77,7 +77,7 @@ struct Fx {
     }
   }
   Fx() {
-    fo_optim_config_default(0, &cfg);
+    fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
     cfg.master_weight_bits = 0;  // f32 params hold their own master
     must(fo_optimizer_create(&cfg, &opt), "create");
     int32_t idx = -1;
@@ -256,7 +256,7 @@ std::vector<Case> cases() {
     fo_optimizer* o = f.fresh();
     float w2[3] = {1, 2, 3};
     int64_t s3[1] = {3};
-    fo_tensor p{w2, 0, 1, s3, nullptr, -1};
+    fo_tensor p{w2, FO_DTYPE_F32, 1, s3, nullptr, FO_DEVICE_HOST};
     int32_t i;
     Fx::must(fo_optimizer_add_param(o, "w", &p, nullptr, &i), "add_param [3]");
     return fo_state_load(o, f.dir.c_str(), nullptr, nullptr);
@@ -269,6 +269,12 @@ std::vector<Case> cases() {
   E("fo_checkpoint_consolidate", "out_dir under /proc", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), "/proc/fo-no/such"); });
   E("fo_checkpoint_verify", "dir NULL", [](Fx&) { return fo_checkpoint_verify(nullptr); });
   E("fo_checkpoint_verify", "dir missing", [](Fx&) { return fo_checkpoint_verify("/tmp/fo-no-such-dir-x"); });
+  E("fo_checkpoint_info_json", "dir NULL", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json(nullptr, b, 64, &n); });
+  E("fo_checkpoint_info_json", "dir missing", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json("/tmp/fo-no-such-dir-x", b, 64, &n); });
+  E("fo_checkpoint_info_json", "dir empty", [](Fx& f) { char b[64]; size_t n; return fo_checkpoint_info_json(f.empty.c_str(), b, 64, &n); });
+  E("fo_checkpoint_info_json", "out_len NULL", [](Fx& f) { char b[64]; return fo_checkpoint_info_json(f.dir.c_str(), b, 64, nullptr); });
+  E("fo_checkpoint_info_json", "capacity 1", [](Fx& f) { char b[1]; size_t n; return fo_checkpoint_info_json(f.dir.c_str(), b, 1, &n); });
+  E("fo_checkpoint_info_json", "buf NULL, capacity 1<<20", [](Fx& f) { size_t n; return fo_checkpoint_info_json(f.dir.c_str(), nullptr, 1 << 20, &n); });
   E("fo_checkpoint_verify", "dir empty", [](Fx& f) { return fo_checkpoint_verify(f.empty.c_str()); });
   E("fo_checkpoint_verify", "dir not UTF-8", [](Fx&) { return fo_checkpoint_verify("/tmp/\xff"); });
 
@@ -313,7 +319,7 @@ std::vector<Case> cases() {
     return [edit](Fx& f) {
       Src s{"w", f.param()};
       Dst d{"w", f.out4(), nullptr};
-      fo_broadcast_options o{0, 0};
+      fo_broadcast_options o{0, FO_BROADCAST_STRATEGY_SCATTER};
       int64_t ns = 1, nd = 1;
       edit(s, d, o, ns, nd);
       return fo_broadcast_state_dict(f.comm, &s, ns, &d, nd, &o, nullptr);
@@ -380,7 +386,7 @@ std::vector<Case> cases() {
   E("fo_clip_grad_norm", "max_norm -1", clip([](CG&, double& m, double&, int32_t&, int64_t&) { m = -1; }));
   E("fo_clip_grad_norm", "error_if_nonfinite 2", clip([](CG&, double&, double&, int32_t& e, int64_t&) { e = 2; }));
   E("fo_clip_grad_norm", "is_shard 3", clip([](CG& g, double&, double&, int32_t&, int64_t&) { g.is_shard = 3; }));
-  E("fo_clip_grad_norm", "grad dtype I32", clip([](CG& g, double&, double&, int32_t&, int64_t&) { g.tensor.dtype = 7; }));
+  E("fo_clip_grad_norm", "grad dtype I32", clip([](CG& g, double&, double&, int32_t&, int64_t&) { g.tensor.dtype = FO_DTYPE_I32; }));
   E("fo_clip_grad_norm", "grad dtype -1", clip([](CG& g, double&, double&, int32_t&, int64_t&) { g.tensor.dtype = -1; }));
   E("fo_clip_grad_norm", "grad data NULL", clip([](CG& g, double&, double&, int32_t&, int64_t&) { g.tensor.data = nullptr; }));
   E("fo_clip_grad_norm", "grad huge shape", clip([](CG& g, double&, double&, int32_t&, int64_t&) {
@@ -390,7 +396,7 @@ std::vector<Case> cases() {
 
   // ---- optimizer
   R("fo_optim_config_default", "unknown algorithm 99", [](Fx&) { fo_optim_config c; fo_optim_config_default(99, &c); });
-  R("fo_optim_config_default", "out NULL", [](Fx&) { fo_optim_config_default(0, nullptr); });
+  R("fo_optim_config_default", "out NULL", [](Fx&) { fo_optim_config_default(FO_ALGORITHM_ADAMW, nullptr); });
   using OC = fo_optim_config;
   auto create = [](std::function<void(OC&)> edit) {
     return [edit](Fx& f) {
@@ -434,9 +440,9 @@ std::vector<Case> cases() {
   E("fo_optimizer_add_param", "fqn not UTF-8", [](Fx& f) { T p = f.param(); int32_t i; return fo_optimizer_add_param(f.fresh(), "\xff", &p, nullptr, &i); });
   E("fo_optimizer_add_param", "param NULL", [](Fx& f) { int32_t i; return fo_optimizer_add_param(f.fresh(), "x", nullptr, nullptr, &i); });
   E("fo_optimizer_add_param", "out_index NULL", [](Fx& f) { T p = f.param(); return fo_optimizer_add_param(f.fresh(), "x", &p, nullptr, nullptr); });
-  E("fo_optimizer_add_param", "duplicate fqn", [](Fx& f) { float w2[4]; T p{w2, 0, 1, f.shape4, nullptr, -1}; int32_t i; return fo_optimizer_add_param(f.opt, "w", &p, nullptr, &i); });
+  E("fo_optimizer_add_param", "duplicate fqn", [](Fx& f) { float w2[4]; T p{w2, FO_DTYPE_F32, 1, f.shape4, nullptr, FO_DEVICE_HOST}; int32_t i; return fo_optimizer_add_param(f.opt, "w", &p, nullptr, &i); });
   E("fo_optimizer_add_param", "dtype 99", add([](T& p) { p.dtype = 99; }));
-  E("fo_optimizer_add_param", "dtype I32", add([](T& p) { p.dtype = 7; }));
+  E("fo_optimizer_add_param", "dtype I32", add([](T& p) { p.dtype = FO_DTYPE_I32; }));
   E("fo_optimizer_add_param", "ndim -1", add([](T& p) { p.ndim = -1; }));
   E("fo_optimizer_add_param", "ndim 9", add([](T& p) { p.ndim = 9; }));
   E("fo_optimizer_add_param", "shape NULL", add([](T& p) { p.shape = nullptr; }));
@@ -456,7 +462,7 @@ std::vector<Case> cases() {
   auto add_sharded = [](std::function<void(SP&, fo_placement&)> edit) {
     return [edit](Fx& f) {
       static int64_t gshape[1] = {8}, mesh[1] = {2}, coord[1] = {0};
-      fo_placement pl{1, 0, 0};
+      fo_placement pl{FO_PLACEMENT_SHARD, 0, 0};
       SP s{1, gshape, 1, mesh, coord, &pl};
       edit(s, pl);
       T p = f.param();
@@ -477,7 +483,7 @@ std::vector<Case> cases() {
   E("fo_optimizer_add_param", "placement kind 9", add_sharded([](SP&, fo_placement& p) { p.kind = 9; }));
   E("fo_optimizer_add_param", "placement dim 3", add_sharded([](SP&, fo_placement& p) { p.dim = 3; }));
   E("fo_optimizer_add_param", "placement dim -1", add_sharded([](SP&, fo_placement& p) { p.dim = -1; }));
-  E("fo_optimizer_add_param", "split_factor 0", add_sharded([](SP&, fo_placement& p) { p = {2, 0, 0}; }));
+  E("fo_optimizer_add_param", "split_factor 0", add_sharded([](SP&, fo_placement& p) { p = {FO_PLACEMENT_STRIDED_SHARD, 0, 0}; }));
   E("fo_optimizer_add_param", "split_factor INT32_MAX on 2^40 rows", add_sharded([](SP& s, fo_placement& p) {
     p = {2, 0, kI32Max};
     s.global_shape = huge_dim;
@@ -502,7 +508,7 @@ std::vector<Case> cases() {
   E("fo_optimizer_step", "n 0 for 1 param", step([](T&, size_t& n) { n = 0; }));
   E("fo_optimizer_step", "n SIZE_MAX", step([](T&, size_t& n) { n = SIZE_MAX; }));
   E("fo_optimizer_step", "n 2 for 1 param", [](Fx& f) { T g[2] = {f.grad(), f.grad()}; return fo_optimizer_step(f.opt, g, 2); });
-  E("fo_optimizer_step", "grad dtype I8", step([](T& g, size_t&) { g.dtype = 4; }));
+  E("fo_optimizer_step", "grad dtype I8", step([](T& g, size_t&) { g.dtype = FO_DTYPE_I8; }));
   E("fo_optimizer_step", "grad dtype 1000", step([](T& g, size_t&) { g.dtype = 1000; }));
   E("fo_optimizer_step", "grad shape differs", step([](T& g, size_t&) { g.shape = shape5; }));
   E("fo_optimizer_step", "grad negative stride", step([](T& g, size_t&) { g.strides = fx().neg_stride; }));
@@ -579,7 +585,7 @@ std::vector<Case> cases() {
   E("fo_optimizer_set_group_config", "opt NULL", [](Fx& f) { return fo_optimizer_set_group_config(nullptr, 0, &f.cfg); });
   E("fo_optimizer_set_group_config", "cfg NULL", [](Fx& f) { return fo_optimizer_set_group_config(f.opt, 0, nullptr); });
   E("fo_optimizer_set_group_config", "group 5", [](Fx& f) { return fo_optimizer_set_group_config(f.opt, 5, &f.cfg); });
-  E("fo_optimizer_set_group_config", "algorithm changed", [](Fx& f) { OC c = f.cfg; c.algorithm = 4; return fo_optimizer_set_group_config(f.opt, 0, &c); });
+  E("fo_optimizer_set_group_config", "algorithm changed", [](Fx& f) { OC c = f.cfg; c.algorithm = FO_ALGORITHM_LION; return fo_optimizer_set_group_config(f.opt, 0, &c); });
   E("fo_optimizer_set_group_config", "check_numerics 9", [](Fx& f) { OC c = f.cfg; c.check_numerics = 9; return fo_optimizer_set_group_config(f.opt, 0, &c); });
   E("fo_optimizer_get_group_config", "opt NULL", [](Fx&) { OC c; return fo_optimizer_get_group_config(nullptr, 0, &c); });
   E("fo_optimizer_get_group_config", "group -1", [](Fx& f) { OC c; return fo_optimizer_get_group_config(f.opt, -1, &c); });
@@ -621,7 +627,7 @@ std::vector<Case> cases() {
   struct Shard {
     int32_t ndim = 2, mesh_ndim = 1;
     int64_t shape[2] = {10, 6}, mesh[1] = {2}, coord[1] = {0};
-    fo_placement pl[1] = {{1, 0, 0}};
+    fo_placement pl[1] = {{FO_PLACEMENT_SHARD, 0, 0}};
     const int64_t *shape_p = shape, *mesh_p = mesh, *coord_p = coord;
     const fo_placement* pl_p = pl;
   };
@@ -710,7 +716,7 @@ std::vector<Case> cases() {
   E("fo_grouped_placements", "dim 7 (stacked dim 8)", grouped(1, {2, 7, 2}, false, false));
   E("fo_grouped_placements", "dim -1", grouped(1, {1, -1, 0}, false, false));
   E("fo_grouped_placements", "kind 4", grouped(1, {4, 0, 0}, false, false));
-  E("fo_grouped_placements", "split_factor -1", grouped(1, {2, 0, -1}, false, false));
+  E("fo_grouped_placements", "split_factor -1", grouped(1, {FO_PLACEMENT_STRIDED_SHARD, 0, -1}, false, false));
   return v;
 }
 

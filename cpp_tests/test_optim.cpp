@@ -42,7 +42,7 @@ static std::vector<float> as_f32(const std::string& b) {
 }
 
 static fo_tensor view(void* data, int32_t dtype, const std::vector<int64_t>& shape) {
-  return fo_tensor{data, dtype, (int32_t)shape.size(), shape.data(), nullptr, -1};
+  return fo_tensor{data, dtype, (int32_t)shape.size(), shape.data(), nullptr, FO_DEVICE_HOST};
 }
 
 // Registers p0..p{n-1} from `init` buffers; returns the optimizer.
@@ -78,7 +78,7 @@ static void torch_case(const std::string& name, int32_t algorithm, double lr, do
   cfg.lr = cfg.initial_lr = lr;
   cfg.beta1 = b1, cfg.beta2 = b2, cfg.eps = eps, cfg.weight_decay = wd, cfg.momentum = momentum,
   cfg.dampening = dampening, cfg.decouple_lr = decoupled;
-  cfg.state_format = 0, cfg.master_weight_bits = 0;
+  cfg.state_format = FO_STATE_FORMAT_FP32, cfg.master_weight_bits = 0;
   size_t n = 3;
   std::vector<std::string> bufs;
   std::vector<std::vector<int64_t>> shapes;
@@ -104,7 +104,7 @@ static void torch_case(const std::string& name, int32_t algorithm, double lr, do
 static void flash_adamw_mw24_is_bit_exact() {
   Safetensors st(fo_test::oracle_path("optim/flash_traj_flash_adamw_mw24.safetensors"));
   fo_optim_config cfg;
-  fo_optim_config_default(0, &cfg);  // AdamW, quant8, 24-bit masters
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);  // AdamW, quant8, 24-bit masters
   cfg.lr = cfg.initial_lr = 1e-2;
   size_t n = 3;
   std::vector<std::string> bufs;
@@ -149,12 +149,12 @@ static void flash_adamw_mw24_is_bit_exact() {
 
 static void errors_change_nothing_and_say_why() {
   fo_optim_config cfg;
-  fo_optim_config_default(0, &cfg);
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
   fo_optimizer* opt = nullptr;
   cfg.beta1 = 1.5;
   CHECK_ERR(fo_optimizer_create(&cfg, &opt), FO_ERR_INVALID_ARGUMENT, "beta1");
   CHECK(opt == nullptr);
-  fo_optim_config_default(0, &cfg);
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
   cfg.check_numerics = 1;
   CHECK_ERR(fo_optimizer_create(nullptr, &opt), FO_ERR_INVALID_ARGUMENT, "cfg");
   CHECK_OK(fo_optimizer_create(&cfg, &opt));
@@ -171,7 +171,7 @@ static void errors_change_nothing_and_say_why() {
   fo_tensor gt = view(g.data(), 0, shape);
   CHECK_ERR(fo_optimizer_step(opt, &gt, 1), FO_ERR_NUMERICS, "non-finite");
   CHECK(p == before);
-  fo_tensor two[2] = {gt, fo_tensor{nullptr, 0, 0, nullptr, nullptr, -1}};
+  fo_tensor two[2] = {gt, fo_tensor{nullptr, FO_DTYPE_F32, 0, nullptr, nullptr, FO_DEVICE_HOST}};
   CHECK_ERR(fo_optimizer_step(opt, two, 2), FO_ERR_INVALID_ARGUMENT, "2 gradients given for 1 parameters");
   std::vector<int64_t> bad_shape = {3};
   fo_tensor gs = view(g.data(), 0, bad_shape);
@@ -207,8 +207,8 @@ static void errors_change_nothing_and_say_why() {
 
 static void groups_offload_and_threads() {
   fo_optim_config cfg;
-  fo_optim_config_default(3, &cfg);  // SGDW
-  cfg.state_format = 0, cfg.master_weight_bits = 0, cfg.lr = 0.5;
+  fo_optim_config_default(FO_ALGORITHM_SGDW, &cfg);
+  cfg.state_format = FO_STATE_FORMAT_FP32, cfg.master_weight_bits = 0, cfg.lr = 0.5;
   fo_optimizer* opt = nullptr;
   CHECK_OK(fo_optimizer_create(&cfg, &opt));
   int32_t g1 = -1, i0 = -1, i1 = -1;
@@ -225,8 +225,8 @@ static void groups_offload_and_threads() {
   CHECK(a[0] == 0.5f && b[0] == 1.0f);
   fo_optim_config got;
   CHECK_OK(fo_optimizer_get_group_config(opt, 1, &got));
-  CHECK(got.lr == 0.0 && got.algorithm == 3);
-  got.state_format = 2;
+  CHECK(got.lr == 0.0 && got.algorithm == FO_ALGORITHM_SGDW);
+  got.state_format = FO_STATE_FORMAT_QUANT8;
   CHECK_ERR(fo_optimizer_set_group_config(opt, 1, &got), FO_ERR_INVALID_ARGUMENT, "state_format");
   char js[1024];
   size_t len = 0;
@@ -254,8 +254,8 @@ static void groups_offload_and_threads() {
 static void fast_arithmetic_stays_within_the_bound() {
   Safetensors st(fo_test::oracle_path("optim/flash_traj_flash_adamw_mw24.safetensors"));
   fo_optim_config cfg;
-  fo_optim_config_default(0, &cfg);
-  CHECK(cfg.arithmetic == 0);
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
+  CHECK(cfg.arithmetic == FO_ARITHMETIC_EXACT);
   cfg.lr = cfg.initial_lr = 1e-2;
   size_t n = 3;
   std::vector<std::string> be, bf;
@@ -266,11 +266,11 @@ static void fast_arithmetic_stays_within_the_bound() {
   }
   bf = be;
   fo_optimizer* exact = make(cfg, be, shapes, 2);
-  cfg.arithmetic = 1;
+  cfg.arithmetic = FO_ARITHMETIC_FAST;
   fo_optimizer* fast = make(cfg, bf, shapes, 2);
   fo_optim_config got;
   CHECK_OK(fo_optimizer_get_group_config(fast, 0, &got));
-  CHECK(got.arithmetic == 1);
+  CHECK(got.arithmetic == FO_ARITHMETIC_FAST);
   const char* keys[] = {"step", "exp_avg::quantized", "exp_avg::scales", "exp_avg_sq::quantized",
                         "exp_avg_sq::scales", "error_bits"};
   int bad = 0, differ = 0;
@@ -317,7 +317,7 @@ static void fast_arithmetic_stays_within_the_bound() {
         b.data = qf.data();
         CHECK_OK(fo_optimizer_get_state(exact, (int32_t)i, q, &a));
         CHECK_OK(fo_optimizer_get_state(fast, (int32_t)i, q, &b));
-        bool sgn = a.dtype == 4;
+        bool sgn = a.dtype == FO_DTYPE_I8;
         for (size_t j = 0; j < numel; ++j) {
           int x = sgn ? (int)(int8_t)qe[j] : (int)qe[j], y = sgn ? (int)(int8_t)qf[j] : (int)qf[j];
           if (std::abs(x - y) > 1) ++bad;

@@ -12,6 +12,167 @@
 #include <stdint.h>
 
 /*
+ `fo_tensor.dtype`: 32-bit float.
+ */
+#define FO_DTYPE_F32 0
+
+/*
+ `fo_tensor.dtype`: IEEE half.
+ */
+#define FO_DTYPE_F16 1
+
+/*
+ `fo_tensor.dtype`: bfloat16.
+ */
+#define FO_DTYPE_BF16 2
+
+/*
+ `fo_tensor.dtype`: 64-bit float.
+ */
+#define FO_DTYPE_F64 3
+
+/*
+ `fo_tensor.dtype`: signed 8-bit integer.
+ */
+#define FO_DTYPE_I8 4
+
+/*
+ `fo_tensor.dtype`: unsigned 8-bit integer.
+ */
+#define FO_DTYPE_U8 5
+
+/*
+ `fo_tensor.dtype`: signed 16-bit integer.
+ */
+#define FO_DTYPE_I16 6
+
+/*
+ `fo_tensor.dtype`: signed 32-bit integer.
+ */
+#define FO_DTYPE_I32 7
+
+/*
+ `fo_tensor.dtype`: signed 64-bit integer.
+ */
+#define FO_DTYPE_I64 8
+
+/*
+ `fo_tensor.dtype`: bool, one byte (0 or 1).
+ */
+#define FO_DTYPE_BOOL 9
+
+/*
+ `fo_tensor.dtype`: float8 e4m3 (torch `float8_e4m3fn`).
+ */
+#define FO_DTYPE_F8_E4M3 10
+
+/*
+ `fo_tensor.dtype`: float8 e5m2 (torch `float8_e5m2`).
+ */
+#define FO_DTYPE_F8_E5M2 11
+
+/*
+ `fo_tensor.device` for host memory (a value >= 0 is a CUDA ordinal).
+ */
+#define FO_DEVICE_HOST -1
+
+/*
+ `fo_optim_config.algorithm`: Adam with decoupled weight decay.
+ */
+#define FO_ALGORITHM_ADAMW 0
+
+/*
+ `fo_optim_config.algorithm`: Adam with L2 weight decay (torch `Adam(weight_decay=)`).
+ */
+#define FO_ALGORITHM_ADAM 1
+
+/*
+ `fo_optim_config.algorithm`: SGD with momentum, dampening, Nesterov; L2 weight decay.
+ */
+#define FO_ALGORITHM_SGD 2
+
+/*
+ `fo_optim_config.algorithm`: SGD with decoupled weight decay.
+ */
+#define FO_ALGORITHM_SGDW 3
+
+/*
+ `fo_optim_config.algorithm`: Lion, decoupled weight decay.
+ */
+#define FO_ALGORITHM_LION 4
+
+/*
+ `fo_optim_config.state_format`: f32 state, torch.optim's arithmetic.
+ */
+#define FO_STATE_FORMAT_FP32 0
+
+/*
+ `fo_optim_config.state_format`: state in the parameter's dtype.
+ */
+#define FO_STATE_FORMAT_PARAM_DTYPE 1
+
+/*
+ `fo_optim_config.state_format`: FlashOptim 0.1.4's 8-bit grouped state, bit-exact.
+ */
+#define FO_STATE_FORMAT_QUANT8 2
+
+/*
+ `fo_optim_config.state_format`: fo's 8-bit variant (variance by its fourth root).
+ */
+#define FO_STATE_FORMAT_QUANT8_WIDE 3
+
+/*
+ `fo_optim_config.arithmetic`: FlashOptim's operations, bit-exact (the default).
+ */
+#define FO_ARITHMETIC_EXACT 0
+
+/*
+ `fo_optim_config.arithmetic`: reformulated for speed, within a stated bound of exact.
+ */
+#define FO_ARITHMETIC_FAST 1
+
+/*
+ `fo_pack_options.mode`: FlashOptim's layout (int8/uint8 codes, fp16 scales, error bits).
+ */
+#define FO_PACK_MODE_COMPRESSED 0
+
+/*
+ `fo_pack_options.mode`: dequantized f32 state (what torch loads).
+ */
+#define FO_PACK_MODE_PORTABLE 1
+
+/*
+ `fo_pack_options.params`: optimizer state only.
+ */
+#define FO_PACK_PARAMS_NONE 0
+
+/*
+ `fo_pack_options.params`: also the params under their plain FQN, as stored.
+ */
+#define FO_PACK_PARAMS_STORED 1
+
+/*
+ `fo_pack_options.params`: also the params as f32 masters (param + error bits).
+ */
+#define FO_PACK_PARAMS_MASTER 2
+
+/*
+ `fo_pack_options.write_unsharded`: rank 0 writes the unsharded entries (0 or 1 say
+ whether this rank does).
+ */
+#define FO_WRITE_UNSHARDED_RANK0 -1
+
+/*
+ `fo_broadcast_options.strategy`: each rank receives only its shard.
+ */
+#define FO_BROADCAST_STRATEGY_SCATTER 0
+
+/*
+ `fo_broadcast_options.strategy`: every rank receives every full tensor.
+ */
+#define FO_BROADCAST_STRATEGY_FULL_BROADCAST 1
+
+/*
  Most tensor or mesh dims fo accepts.
  */
 #define FO_MAX_DIMS 8
@@ -73,11 +234,12 @@ typedef struct fo_packed fo_packed;
 typedef int32_t fo_status;
 
 /*
- How to pack or save. `mode`: 0 compressed (int8/uint8 codes + fp16 scales + error
- bits), 1 portable (dequantized f32 state). `params`: 0 state only, 1 also the params
- under their plain FQN as stored, 2 also as f32 masters (param + error bits).
- `write_unsharded`: -1 rank 0 writes unsharded entries, 0 this rank does not, 1 it
- does. `save_id`: the same string on every rank of one save; required when
+ How to pack or save. `mode`: `FO_PACK_MODE_COMPRESSED` (int8/uint8 codes + fp16
+ scales + error bits) or `FO_PACK_MODE_PORTABLE` (dequantized f32 state). `params`:
+ `FO_PACK_PARAMS_NONE` (state only), `_STORED` (also the params under their plain FQN as
+ stored) or `_MASTER` (also as f32 masters: param + error bits). `write_unsharded`:
+ `FO_WRITE_UNSHARDED_RANK0` (-1) rank 0 writes unsharded entries, 0 this rank does not,
+ 1 it does. `save_id`: the same string on every rank of one save; required when
  `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
  for one rank generates one. The save becomes visible when the last rank finishes.
  */
@@ -160,9 +322,9 @@ typedef struct fo_comm_callbacks {
 } fo_comm_callbacks;
 
 /*
- A tensor in caller memory. `dtype` codes: 0 F32, 1 F16, 2 BF16, 3 F64, 4 I8, 5 U8,
- 6 I16, 7 I32, 8 I64, 9 BOOL, 10 F8_E4M3, 11 F8_E5M2. `strides` are in elements
- (NULL = contiguous row-major). `device` is -1 for host memory, >= 0 a CUDA ordinal.
+ A tensor in caller memory. `dtype`: a `FO_DTYPE_*` code (`FO_DTYPE_F32`, ...).
+ `strides` are in elements (NULL = contiguous row-major). `device` is `FO_DEVICE_HOST`
+ (-1) for host memory, >= 0 a CUDA ordinal.
  */
 typedef struct fo_tensor {
   void *data;
@@ -182,9 +344,10 @@ typedef struct fo_broadcast_source {
 } fo_broadcast_source;
 
 /*
- One mesh dim's placement. `kind`: 0 Replicate, 1 Shard, 2 StridedShard
- (torch `_StridedShard`), 3 Partial. `dim` is the tensor dim for kinds 1 and 2;
- `split_factor` (>= 1) is read for kind 2 only.
+ One mesh dim's placement. `kind`: `FO_PLACEMENT_REPLICATE`, `FO_PLACEMENT_SHARD`,
+ `FO_PLACEMENT_STRIDED_SHARD` (torch `_StridedShard`) or `FO_PLACEMENT_PARTIAL`. `dim`
+ is the tensor dim for the two shard kinds; `split_factor` (>= 1) is read for
+ `FO_PLACEMENT_STRIDED_SHARD` only.
  */
 typedef struct fo_placement {
   int32_t kind;
@@ -218,9 +381,10 @@ typedef struct fo_broadcast_dest {
 } fo_broadcast_dest;
 
 /*
- `strategy`: 0 scatter (each rank receives only its shard), 1 full broadcast (every
- rank receives every full tensor; for comparison). `allow_int_float_cast`: 1
- allows conversions involving integer or bool dtypes.
+ `strategy`: `FO_BROADCAST_STRATEGY_SCATTER` (each rank receives only its shard) or
+ `FO_BROADCAST_STRATEGY_FULL_BROADCAST` (every rank receives every full tensor; for
+ comparison). `allow_int_float_cast`: 1 allows conversions involving integer or bool
+ dtypes.
  */
 typedef struct fo_broadcast_options {
   int32_t allow_int_float_cast;
@@ -251,19 +415,20 @@ typedef struct fo_clip_grad {
 
 /*
  One param group's hyper-parameters (doubles, as host frameworks hold them).
- `algorithm`: 0 AdamW, 1 Adam (L2 decay), 2 SGD (L2 decay), 3 SGDW (decoupled), 4 Lion.
- `state_format`: 0 fp32 (torch.optim's arithmetic), 1 param dtype, 2 quant8
- (FlashOptim 0.1.4's format and arithmetic, bit-exact), 3 quant8_wide (fo's opt-in
- variant: variance stored by its fourth root, same 8 bits + fp16 scale per 32; stays on
- the fp32 trajectory where quant8's 255:1 variance range makes FlashOptim diverge).
+ `algorithm`: `FO_ALGORITHM_ADAMW`, `_ADAM` (L2 decay), `_SGD` (L2 decay), `_SGDW`
+ (decoupled), `_LION`. `state_format`: `FO_STATE_FORMAT_FP32` (torch.optim's
+ arithmetic), `_PARAM_DTYPE`, `_QUANT8` (FlashOptim 0.1.4's format and arithmetic,
+ bit-exact), `_QUANT8_WIDE` (fo's opt-in variant: variance stored by its fourth root,
+ same 8 bits + fp16 scale per 32; stays on the fp32 trajectory where quant8's 255:1
+ variance range makes FlashOptim diverge).
  `master_weight_bits`: 0, 24 (int8 error bits) or 32 (int16) for bf16/f16 params.
  `decouple_lr`: decay by `wd·lr/initial_lr` (AdamW, SGDW, Lion). SGD dampening follows
  torch: the first step copies the gradient undampened (FlashOptim dampens it).
  `check_numerics`: a non-finite gradient, or a learning rate too small to move the
  largest weight at its precision, fails the step with FO_ERR_NUMERICS, changing nothing.
- `arithmetic`: 0 exact (FlashOptim's bits), 1 fast (reformulated, within a stated bound
- of exact per step); only non-fp32 state formats differ. Last, so older layouts keep
- their offsets.
+ `arithmetic`: `FO_ARITHMETIC_EXACT` (FlashOptim's bits), `FO_ARITHMETIC_FAST`
+ (reformulated, within a stated bound of exact per step); only non-fp32 state formats
+ differ. Last, so older layouts keep their offsets.
  */
 typedef struct fo_optim_config {
   int32_t algorithm;
@@ -458,6 +623,17 @@ fo_status fo_checkpoint_consolidate(const char *dir, const char *out_dir);
  Checks every checksum and that every global element of every key is saved exactly once.
  */
 fo_status fo_checkpoint_verify(const char *dir);
+
+/*
+ The table of contents of checkpoint `dir` (fo's or PyTorch DCP HuggingFace files,
+ validated as `fo_state_load` validates them) as JSON into `buf` (`capacity` bytes;
+ `*out_len` is always the size needed, NUL included; when it exceeds `capacity` nothing
+ is written and FO_ERR_INVALID_ARGUMENT is returned): `{"mode", "param_groups"` (null in
+ files fo did not write), `"keys": {key: {"dtype", "shape", "compressed"}}}`. A quant8
+ pair `K::quantized` + `K::scales` is listed as the one key `K`, `compressed` true,
+ dtype `"F32"` (what it decodes to), shape the global shape.
+ */
+fo_status fo_checkpoint_info_json(const char *dir, char *buf, size_t capacity, size_t *out_len);
 
 /*
  A communicator whose collectives are the host's callbacks (`*cb` is copied; `user`

@@ -71,8 +71,8 @@ struct Model {
   }
 };
 
-fo_tensor bf16_tensor(void* data, const Param& p, int32_t device = -1) {
-  return fo_tensor{data, 2 /* BF16 */, static_cast<int32_t>(p.shape.size()), p.shape.data(), nullptr, device};
+fo_tensor bf16_tensor(void* data, const Param& p, int32_t device = FO_DEVICE_HOST) {
+  return fo_tensor{data, FO_DTYPE_BF16, static_cast<int32_t>(p.shape.size()), p.shape.data(), nullptr, device};
 }
 
 void init(Model& m) {
@@ -93,9 +93,9 @@ struct OnDevice {
 fo_optimizer* make_optimizer(Model& m, const std::vector<int32_t>& offloaded, const OnDevice* dev = nullptr,
                              std::string* refused = nullptr) {
   fo_optim_config cfg;
-  fo_optim_config_default(0 /* AdamW */, &cfg);
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
   cfg.lr = 1e-2;
-  cfg.state_format = 2;  // quant8
+  cfg.state_format = FO_STATE_FORMAT_QUANT8;
   cfg.master_weight_bits = 24;
   fo_optimizer* opt = nullptr;
   check(fo_optimizer_create(&cfg, &opt), "fo_optimizer_create");
@@ -268,11 +268,12 @@ std::vector<unsigned char> raw_state(const fo_optimizer* opt, int32_t i, const s
   int32_t dtype = 0, ndim = 0;
   int64_t shape[FO_MAX_DIMS];
   check(fo_optimizer_state_info(opt, i, key.c_str(), &dtype, &ndim, shape), "fo_optimizer_state_info");
+  // Bytes per element, indexed by FO_DTYPE_* code (FO_DTYPE_F32 = 0 .. FO_DTYPE_F8_E5M2 = 11).
   static const size_t kSize[] = {4, 2, 2, 8, 1, 1, 2, 4, 8, 1, 1, 1};
   size_t n = kSize[dtype];
   for (int d = 0; d < ndim; ++d) n *= static_cast<size_t>(shape[d]);
   std::vector<unsigned char> out(n);
-  fo_tensor t{out.data(), dtype, ndim, shape, nullptr, -1};
+  fo_tensor t{out.data(), dtype, ndim, shape, nullptr, FO_DEVICE_HOST};
   check(fo_optimizer_get_state(opt, i, key.c_str(), &t), "fo_optimizer_get_state");
   return out;
 }
@@ -301,7 +302,7 @@ int main(int argc, char** argv) {
               static_cast<double>(state_bytes) / static_cast<double>(total));
 
   // The packed view a host could hand to its own writer.
-  fo_pack_options po{0, 1, 0 /* compressed */, 1 /* params as stored (bf16) */, -1, "hybrid-offload-example"};
+  fo_pack_options po{0, 1, FO_PACK_MODE_COMPRESSED, FO_PACK_PARAMS_STORED /* bf16 */, FO_WRITE_UNSHARDED_RANK0, "hybrid-offload-example"};
   fo_packed* packed = nullptr;
   check(fo_state_pack(opt, &po, &packed), "fo_state_pack");
   size_t entries = 0;

@@ -17,35 +17,46 @@ namespace {
 
 // Raises (RuntimeError in Python) unless `status` is FO_OK.
 void check(fo_status status, const std::string& what) {
-  TORCH_CHECK(status == 0, what, ": ", fo_status_name(status), ": ", fo_last_error_message());
+  TORCH_CHECK(status == FO_OK, what, ": ", fo_status_name(status), ": ", fo_last_error_message());
 }
 
 // fo's dtype code (fo.h, fo_tensor) for a torch scalar type.
 int32_t fo_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    case at::kBFloat16: return 2;
-    case at::kDouble: return 3;
-    case at::kChar: return 4;
-    case at::kByte: return 5;
-    case at::kShort: return 6;
-    case at::kInt: return 7;
-    case at::kLong: return 8;
-    case at::kBool: return 9;
-    case at::kFloat8_e4m3fn: return 10;
-    case at::kFloat8_e5m2: return 11;
+    case at::kFloat: return FO_DTYPE_F32;
+    case at::kHalf: return FO_DTYPE_F16;
+    case at::kBFloat16: return FO_DTYPE_BF16;
+    case at::kDouble: return FO_DTYPE_F64;
+    case at::kChar: return FO_DTYPE_I8;
+    case at::kByte: return FO_DTYPE_U8;
+    case at::kShort: return FO_DTYPE_I16;
+    case at::kInt: return FO_DTYPE_I32;
+    case at::kLong: return FO_DTYPE_I64;
+    case at::kBool: return FO_DTYPE_BOOL;
+    case at::kFloat8_e4m3fn: return FO_DTYPE_F8_E4M3;
+    case at::kFloat8_e5m2: return FO_DTYPE_F8_E5M2;
     default: TORCH_CHECK(false, "fo has no dtype for ", t);
   }
   return -1;
 }
 
 at::ScalarType torch_dtype(int32_t code) {
-  static const at::ScalarType table[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kChar, at::kByte,
-                                         at::kShort, at::kInt, at::kLong, at::kBool, at::kFloat8_e4m3fn,
-                                         at::kFloat8_e5m2};
-  TORCH_CHECK(code >= 0 && code < 12, "fo returned unknown dtype code ", code);
-  return table[code];
+  switch (code) {
+    case FO_DTYPE_F32: return at::kFloat;
+    case FO_DTYPE_F16: return at::kHalf;
+    case FO_DTYPE_BF16: return at::kBFloat16;
+    case FO_DTYPE_F64: return at::kDouble;
+    case FO_DTYPE_I8: return at::kChar;
+    case FO_DTYPE_U8: return at::kByte;
+    case FO_DTYPE_I16: return at::kShort;
+    case FO_DTYPE_I32: return at::kInt;
+    case FO_DTYPE_I64: return at::kLong;
+    case FO_DTYPE_BOOL: return at::kBool;
+    case FO_DTYPE_F8_E4M3: return at::kFloat8_e4m3fn;
+    case FO_DTYPE_F8_E5M2: return at::kFloat8_e5m2;
+    default: TORCH_CHECK(false, "fo returned unknown dtype code ", code);
+  }
+  return at::kFloat;
 }
 
 int32_t lookup(const std::map<std::string, int32_t>& names, const std::string& name, const char* what) {
@@ -72,7 +83,7 @@ struct View {
   fo_tensor t{};
   explicit View(const at::Tensor& x) : shape(x.sizes().vec()), strides(x.strides().vec()) {
     t = fo_tensor{x.data_ptr(), fo_dtype(x.scalar_type()), static_cast<int32_t>(x.dim()), shape.data(),
-                  strides.data(), -1};
+                  strides.data(), FO_DEVICE_HOST};
   }
   View(const View&) = delete;
   View& operator=(const View&) = delete;
@@ -82,10 +93,15 @@ class Optimizer {
  public:
   Optimizer(const std::string& algorithm, double lr, std::tuple<double, double> betas, double eps,
             double weight_decay, double momentum, const std::string& state_format, int64_t master_weight_bits) {
-    static const std::map<std::string, int32_t> algorithms{{"adamw", 0}, {"adam", 1}, {"sgd", 2}, {"sgdw", 3},
-                                                           {"lion", 4}};
-    static const std::map<std::string, int32_t> formats{{"fp32", 0}, {"param_dtype", 1}, {"quant8", 2},
-                                                        {"quant8_wide", 3}};
+    static const std::map<std::string, int32_t> algorithms{{"adamw", FO_ALGORITHM_ADAMW},
+                                                           {"adam", FO_ALGORITHM_ADAM},
+                                                           {"sgd", FO_ALGORITHM_SGD},
+                                                           {"sgdw", FO_ALGORITHM_SGDW},
+                                                           {"lion", FO_ALGORITHM_LION}};
+    static const std::map<std::string, int32_t> formats{{"fp32", FO_STATE_FORMAT_FP32},
+                                                        {"param_dtype", FO_STATE_FORMAT_PARAM_DTYPE},
+                                                        {"quant8", FO_STATE_FORMAT_QUANT8},
+                                                        {"quant8_wide", FO_STATE_FORMAT_QUANT8_WIDE}};
     fo_optim_config cfg;
     fo_optim_config_default(lookup(algorithms, algorithm, "algorithm"), &cfg);
     cfg.lr = cfg.initial_lr = lr;
@@ -120,7 +136,7 @@ class Optimizer {
     TORCH_CHECK(grads.size() == params_.size(), "step got ", grads.size(), " grads for ", params_.size(),
                 " parameters");
     std::vector<std::unique_ptr<View>> views;
-    std::vector<fo_tensor> ts(grads.size(), fo_tensor{nullptr, 0, 0, nullptr, nullptr, -1});
+    std::vector<fo_tensor> ts(grads.size(), fo_tensor{nullptr, FO_DTYPE_F32, 0, nullptr, nullptr, FO_DEVICE_HOST});
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].has_value() || !grads[i]->defined()) continue;
       const at::Tensor& g = *grads[i];
@@ -161,7 +177,8 @@ class Optimizer {
 
   // fo_state_pack: this rank's state as {name: tensor} (copies of fo's chunks).
   std::map<std::string, at::Tensor> pack(int64_t rank, int64_t world_size, const std::string& mode) const {
-    fo_pack_options o{static_cast<int32_t>(rank), static_cast<int32_t>(world_size), mode_code(mode), 0, -1, nullptr};
+    fo_pack_options o{static_cast<int32_t>(rank), static_cast<int32_t>(world_size), mode_code(mode),
+                      FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, nullptr};
     fo_packed* packed = nullptr;
     check(fo_state_pack(opt_, &o, &packed), "fo_state_pack");
     std::unique_ptr<fo_packed, void (*)(fo_packed*)> guard(packed, fo_packed_destroy);
@@ -184,8 +201,8 @@ class Optimizer {
   // fo_state_save: this rank's safetensors file in `dir` (loadable by fo.ckpt.load on any sharding).
   void save(const std::string& dir, int64_t rank, int64_t world_size, const std::string& mode,
             const std::string& save_id) const {
-    fo_pack_options o{static_cast<int32_t>(rank), static_cast<int32_t>(world_size), mode_code(mode), 0, -1,
-                      save_id.empty() ? nullptr : save_id.c_str()};
+    fo_pack_options o{static_cast<int32_t>(rank), static_cast<int32_t>(world_size), mode_code(mode),
+                      FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, save_id.empty() ? nullptr : save_id.c_str()};
     check(fo_state_save(opt_, dir.c_str(), &o), "fo_state_save(" + dir + ")");
   }
 
@@ -193,7 +210,8 @@ class Optimizer {
 
  private:
   static int32_t mode_code(const std::string& mode) {
-    static const std::map<std::string, int32_t> modes{{"compressed", 0}, {"portable", 1}};
+    static const std::map<std::string, int32_t> modes{{"compressed", FO_PACK_MODE_COMPRESSED},
+                                                      {"portable", FO_PACK_MODE_PORTABLE}};
     return lookup(modes, mode, "mode");
   }
 

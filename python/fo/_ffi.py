@@ -1,7 +1,9 @@
 """Loading libfo and the ctypes mirror of the C ABI's plain structs.
 
-Every binding module declares the argtypes of the functions it calls and routes their
-status through `check`, which raises `FoError` carrying `fo_last_error_message()`.
+Every binding module declares the argtypes of the functions it calls through `declare`
+(which records them in `DECLARED`; python/tests/test_abi.py checks each against fo.h) and
+routes their status through `check`, which raises `FoError` carrying
+`fo_last_error_message()`. Codes come from `_codes`, generated from fo.h.
 """
 import ctypes
 import os
@@ -9,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-ABI_VERSION = 2
-MAX_DIMS = 8
+from ._codes import FO_ABI_VERSION, FO_DEVICE_HOST, FO_DTYPE_F32, FO_MAX_DIMS, FO_OK, codes
+
+ABI_VERSION = FO_ABI_VERSION
+MAX_DIMS = FO_MAX_DIMS
 
 
 class FoError(RuntimeError):
@@ -52,31 +56,37 @@ def _load():
     got = lib.fo_abi_version()
     if got != ABI_VERSION:
         raise ImportError(f"{path} has ABI version {got}, this binding needs {ABI_VERSION}")
-    lib.fo_last_error_message.restype = ctypes.c_char_p
-    lib.fo_last_error_message.argtypes = []
-    lib.fo_status_name.restype = ctypes.c_char_p
-    lib.fo_status_name.argtypes = [ctypes.c_int32]
-    lib.fo_version.restype = ctypes.c_char_p
-    lib.fo_version.argtypes = []
     return lib, path
 
 
 lib, library_path = _load()
-
-
-def check(status):
-    """Raise FoError for a non-zero fo_status."""
-    if status != 0:
-        name = lib.fo_status_name(status).decode()
-        raise FoError(status, name, lib.fo_last_error_message().decode(errors="replace"))
+# Every binding: C name -> (argtypes, restype), as `declare` set them.
+DECLARED = {}
 
 
 def declare(name, argtypes, restype=ctypes.c_int32):
-    """Set a function's signature once; returns the function."""
+    """Set a function's signature once; returns the function. A second declaration of
+    the same function must agree (ctypes keeps one signature per library function)."""
+    sig = (list(argtypes), restype)
+    if DECLARED.setdefault(name, sig) != sig:
+        raise TypeError(f"{name} declared twice with different signatures: {DECLARED[name]} and {sig}")
     fn = getattr(lib, name)
     fn.argtypes = argtypes
     fn.restype = restype
     return fn
+
+
+declare("fo_abi_version", [], ctypes.c_uint32)
+declare("fo_last_error_message", [], ctypes.c_char_p)
+declare("fo_status_name", [ctypes.c_int32], ctypes.c_char_p)
+declare("fo_version", [], ctypes.c_char_p)
+
+
+def check(status):
+    """Raise FoError for a non-zero fo_status."""
+    if status != FO_OK:
+        name = lib.fo_status_name(status).decode()
+        raise FoError(status, name, lib.fo_last_error_message().decode(errors="replace"))
 
 
 i64p = ctypes.POINTER(ctypes.c_int64)
@@ -119,8 +129,7 @@ class ShardInfo(ctypes.Structure):
     ]
 
 
-DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2, "f64": 3, "i8": 4, "u8": 5, "i16": 6, "i32": 7, "i64": 8,
-               "bool": 9, "f8_e4m3": 10, "f8_e5m2": 11}
+DTYPE_CODES = codes("FO_DTYPE_")  # {"f32": FO_DTYPE_F32, "bf16": FO_DTYPE_BF16, ...}
 _NUMPY_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int8": "i8",
                 "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "bool",
                 "float8_e4m3fn": "f8_e4m3", "float8_e5m2": "f8_e5m2"}
@@ -164,7 +173,7 @@ class TensorArg:
             nd,
             ctypes.cast(self._shape, i64p),
             ctypes.cast(self._strides, i64p),
-            -1,
+            FO_DEVICE_HOST,
         )
 
 
@@ -174,7 +183,7 @@ def tensor_array(args):
     arr = (Tensor * max(len(args), 1))()
     for i, a in enumerate(args):
         if a is None:
-            arr[i] = Tensor(None, 0, 0, None, None, -1)
+            arr[i] = Tensor(None, FO_DTYPE_F32, 0, None, None, FO_DEVICE_HOST)
         else:
             arr[i] = a.struct
     return arr

@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+from ._codes import FO_DEVICE_HOST, FO_ERR_DTYPE, FO_ERR_INVALID_ARGUMENT, FO_ERR_UNSUPPORTED
 from ._ffi import DTYPE_CODES, FoError, Tensor, i64p
 from .shard import Partial, Replicate, Shard, ShardSpec, StridedShard
 
@@ -21,7 +22,7 @@ _CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", to
 # empty local shard (a rank past the end of an uneven dim) points here instead.
 _EMPTY = ctypes.create_string_buffer(16)
 
-INVALID_ARGUMENT, DTYPE, UNSUPPORTED = 1, 2, 9
+INVALID_ARGUMENT, DTYPE, UNSUPPORTED = FO_ERR_INVALID_ARGUMENT, FO_ERR_DTYPE, FO_ERR_UNSUPPORTED
 
 
 def error(status, message):
@@ -56,7 +57,7 @@ class TorchArg:
         self._strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())
         ptr = t.data_ptr() if t.numel() else (ctypes.addressof(_EMPTY) if empty_non_null else None)
         self.struct = Tensor(ptr, DTYPE_CODES[code], nd, ctypes.cast(self._shape, i64p),
-                             ctypes.cast(self._strides, i64p), -1)
+                             ctypes.cast(self._strides, i64p), FO_DEVICE_HOST)
 
 
 def _placement(pl):

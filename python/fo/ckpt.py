@@ -16,14 +16,15 @@ from typing import Any, Union
 
 import numpy as np
 
+from . import _codes as C
 from ._ffi import MAX_DIMS, check, declare
 from .layout import torch_param_group, torch_state_dict
-from .optim import Optimizer, numpy_dtype
+from .optim import Optimizer, _string, numpy_dtype
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-MODES = {"compressed": 0, "portable": 1}
-PARAMS = {None: 0, "stored": 1, "master": 2}
+MODES = C.codes("FO_PACK_MODE_")  # {"compressed": ..., "portable": ...}
+PARAMS = {None: C.FO_PACK_PARAMS_NONE, "stored": C.FO_PACK_PARAMS_STORED, "master": C.FO_PACK_PARAMS_MASTER}
 
 
 class PackOptions(ctypes.Structure):
@@ -60,6 +61,7 @@ _save_comm = declare("fo_state_save_comm", [_P, ctypes.c_char_p, ctypes.POINTER(
 _load = declare("fo_state_load", [_P, ctypes.c_char_p, ctypes.POINTER(LoadOptions), ctypes.POINTER(LoadReport)])
 _consolidate = declare("fo_checkpoint_consolidate", [ctypes.c_char_p, ctypes.c_char_p])
 _verify = declare("fo_checkpoint_verify", [ctypes.c_char_p])
+_info = declare("fo_checkpoint_info_json", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, _szp])
 
 
 def _options(rank, world_size, mode, params, write_unsharded, save_id):
@@ -67,8 +69,9 @@ def _options(rank, world_size, mode, params, write_unsharded, save_id):
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if params not in PARAMS:
         raise ValueError(f"params must be None, 'stored' or 'master', got {params!r}")
-    # Passed through as given: the library accepts only -1 (None), 0 and 1, so write_unsharded=5 is an error.
-    w = -1 if write_unsharded is None else int(write_unsharded)
+    # Passed through as given: the library accepts only FO_WRITE_UNSHARDED_RANK0 (None), 0 and 1,
+    # so write_unsharded=5 is an error.
+    w = C.FO_WRITE_UNSHARDED_RANK0 if write_unsharded is None else int(write_unsharded)
     return PackOptions(rank, world_size, MODES[mode], PARAMS[params], w, None if save_id is None else save_id.encode())
 
 
@@ -168,3 +171,11 @@ def consolidate(directory: PathLike, out_dir: PathLike) -> None:
 def verify(directory: PathLike) -> None:
     """Raises FoError unless every checksum matches and every element is saved once."""
     check(_verify(str(directory).encode()))
+
+
+def info(directory: PathLike) -> dict[str, Any]:
+    """The table of contents of a checkpoint (fo's, or torch DCP HuggingFace files),
+    validated as `load` validates it: {"mode", "param_groups" (both None for files fo did
+    not write), "keys": {key: {"dtype", "shape", "compressed"}}}, a quant8 pair
+    `K::quantized` + `K::scales` listed as the one key `K` (dtype "F32", what it decodes to)."""
+    return json.loads(_string(_info, str(directory).encode()))

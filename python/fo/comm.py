@@ -12,10 +12,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ._codes import FO_MAX_LOCAL_WORLD, FO_REDUCE_MAX, FO_REDUCE_SUM, codes
 from ._ffi import Tensor, TensorArg, check, declare
 from .shard import ShardSpec
 
-SUM, MAX = 0, 1
+SUM, MAX = FO_REDUCE_SUM, FO_REDUCE_MAX
+STRATEGIES = codes("FO_BROADCAST_STRATEGY_")  # {"scatter": ..., "full_broadcast": ...}
 
 _BCAST = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32)
 _REDUCE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_size_t,
@@ -53,7 +55,7 @@ class _Grad(ctypes.Structure):
 
 _pp = ctypes.POINTER(ctypes.c_void_p)
 _create_cb = declare("fo_comm_create_callbacks", [ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_Callbacks), _pp])
-MAX_LOCAL_WORLD = 1024  # FO_MAX_LOCAL_WORLD in fo.h
+MAX_LOCAL_WORLD = FO_MAX_LOCAL_WORLD
 _create_local = declare("fo_comm_create_local_group", [ctypes.c_int32, ctypes.c_double, _pp])
 _create_nccl = declare("fo_comm_create_nccl", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, _pp])
 _destroy = declare("fo_comm_destroy", [ctypes.c_void_p], None)
@@ -189,7 +191,7 @@ def broadcast_state_dict(comm: Comm, full: Mapping[str, Any] | None, dests: Mapp
         keep.append((t, spec))
         dst.append(_Dest(k.encode(), t.struct, ctypes.cast(ctypes.byref(spec.struct), ctypes.c_void_p) if spec else None))
     dst_arr = (_Dest * max(len(dst), 1))(*dst)
-    opts = _Options(int(bool(allow_int_float_cast)), {"scatter": 0, "full_broadcast": 1}[strategy])
+    opts = _Options(int(bool(allow_int_float_cast)), STRATEGIES[strategy])
     stats = _Stats()
     check(_broadcast_sd(comm._h, src_arr, n_full, dst_arr, len(dst), ctypes.byref(opts), ctypes.byref(stats)))
     return {f[0]: getattr(stats, f[0]) for f in _Stats._fields_}

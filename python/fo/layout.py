@@ -17,10 +17,7 @@ Compressed state (quant8, bf16/fp16 `param_dtype`) is decoded to float32; fo's e
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
-from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
@@ -74,32 +71,28 @@ def _optimizer_state(opt):
     return groups, out
 
 
-def _read_header(path):
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
 def _checkpoint_state(directory):
     """Every rank's state of an fo checkpoint directory, assembled to full tensors and
     decoded to float32 by fo's loader (exact: dequantized with the groups it was saved with,
     whatever the saved sharding), then read back as from an optimizer."""
     from . import ckpt
+    from ._codes import FO_ERR_NOT_FOUND
+    from ._ffi import FoError
     from .optim import Optimizer
 
-    files = sorted(Path(directory).glob("shard-*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{directory}: no fo checkpoint files (shard-*.safetensors)")
-    groups, shapes = None, {}
-    for path in files:
-        meta = _read_header(path).get("__metadata__", {})
-        if "fo" not in meta:
-            raise ValueError(f"{path}: not written by fo (no `fo` metadata); torch's own files "
-                             "already load with torch.distributed.checkpoint")
-        fo_meta = json.loads(meta["fo"])
-        groups = groups or fo_meta["param_groups"]
-        for t in fo_meta["tensors"].values():
-            shapes[t["key"]] = tuple(t["global_shape"])
+    # The library reads the committed save's files (validated) and names its keys: a
+    # compressed pair is listed as its logical key, with the codes' global shape.
+    try:
+        toc = ckpt.info(directory)
+    except FoError as e:
+        if e.status == FO_ERR_NOT_FOUND:
+            raise FileNotFoundError(f"{directory}: no fo checkpoint files ({e.message})") from e
+        raise
+    if toc["mode"] is None:
+        raise ValueError(f"{directory}: not written by fo (no `fo` metadata); torch's own files "
+                         "already load with torch.distributed.checkpoint")
+    groups = toc["param_groups"] or []
+    shapes = {k: tuple(v["shape"]) for k, v in toc["keys"].items()}
     # A throwaway fp32 optimizer over zero params of the global shapes: loading into it runs
     # fo's resharding and dequantization, so the numbers are exactly what a load would give.
     opt = None
@@ -130,7 +123,6 @@ def _shape_keys(fqn, alg):
     for name in _STATE_NAMES[alg]:
         if name != "step":
             yield f"state.{fqn}.{name}"
-            yield f"state.{fqn}.{name}::quantized"
 
 
 def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "index", flatten: bool = False,

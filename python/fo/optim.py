@@ -14,22 +14,24 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from ._ffi import ShardSpecStruct, Tensor, TensorArg, check, declare, lib, tensor_array
+from . import _codes as C
+from ._ffi import MAX_DIMS, ShardSpecStruct, Tensor, TensorArg, check, declare, lib, tensor_array
 
 if TYPE_CHECKING:
     from .shard import ShardSpec
 
-ALGORITHMS = {"adamw": 0, "adam": 1, "sgd": 2, "sgdw": 3, "lion": 4}
-STATE_FORMATS = {"fp32": 0, "param_dtype": 1, "quant8": 2, "quant8_wide": 3}
-ARITHMETIC = {"exact": 0, "fast": 1}
-_NUMPY_OF_CODE = {0: np.float32, 1: np.float16, 3: np.float64, 4: np.int8, 5: np.uint8,
-                  6: np.int16, 7: np.int32, 8: np.int64}
+ALGORITHMS = C.codes("FO_ALGORITHM_")  # {"adamw": FO_ALGORITHM_ADAMW, ...}
+STATE_FORMATS = C.codes("FO_STATE_FORMAT_")  # {"fp32": ..., "quant8_wide": ...}
+ARITHMETIC = C.codes("FO_ARITHMETIC_")  # {"exact": ..., "fast": ...}
+_NUMPY_OF_CODE = {C.FO_DTYPE_F32: np.float32, C.FO_DTYPE_F16: np.float16, C.FO_DTYPE_F64: np.float64,
+                  C.FO_DTYPE_I8: np.int8, C.FO_DTYPE_U8: np.uint8, C.FO_DTYPE_I16: np.int16,
+                  C.FO_DTYPE_I32: np.int32, C.FO_DTYPE_I64: np.int64}
 
 
 def numpy_dtype(code: int) -> Any:
     """The numpy dtype for an fo dtype code. bfloat16 needs the `ml_dtypes` package, imported
     only here, so `import fo` works without it (torch users, f32/f16-only users)."""
-    if code == 2:
+    if code == C.FO_DTYPE_BF16:
         try:
             import ml_dtypes
         except ImportError as e:
@@ -58,6 +60,10 @@ _i32p = ctypes.POINTER(ctypes.c_int32)
 _default = declare("fo_optim_config_default", [ctypes.c_int32, _cfgp], None)
 _create = declare("fo_optimizer_create", [_cfgp, ctypes.POINTER(_P)])
 _destroy = declare("fo_optimizer_destroy", [_P], None)
+# fo_optimizer_add_param is the group-0 form of the next one; bound so every exported
+# function is reachable from Python (python/tests/test_abi.py).
+_add_param_group0 = declare("fo_optimizer_add_param",
+                            [_P, ctypes.c_char_p, _tp, ctypes.POINTER(ShardSpecStruct), _i32p])
 _add_param = declare("fo_optimizer_add_param_to_group",
                      [_P, ctypes.c_char_p, _tp, ctypes.POINTER(ShardSpecStruct), ctypes.c_int32, _i32p])
 _step = declare("fo_optimizer_step", [_P, _tp, ctypes.c_size_t])
@@ -79,6 +85,8 @@ _groups_json = declare("fo_optimizer_param_groups_json", [_P, ctypes.c_char_p, c
 _offload = declare("fo_offload_plan", [ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_double, _i32p])
 _set_threads = declare("fo_set_num_threads", [ctypes.c_int32])
 _get_threads = declare("fo_get_num_threads", [_i32p])
+_set_stream = declare("fo_optimizer_set_stream", [_P, ctypes.c_void_p])
+_set_mirror = declare("fo_optimizer_set_mirror", [_P, ctypes.c_int32, _tp])
 
 
 def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
@@ -177,7 +185,7 @@ class Optimizer:
 
     def state_info(self, index: int, key: str) -> tuple[int, tuple[int, ...]]:
         dt, nd = ctypes.c_int32(0), ctypes.c_int32(0)
-        shape = (ctypes.c_int64 * 8)()
+        shape = (ctypes.c_int64 * MAX_DIMS)()
         check(_state_info(self._handle, index, key.encode(), ctypes.byref(dt), ctypes.byref(nd), shape))
         return dt.value, tuple(shape[:nd.value])
 
@@ -221,6 +229,31 @@ class Optimizer:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return json.loads(_string(_groups_json, self._handle))
+
+    def set_stream(self, stream: int | None) -> None:
+        """The CUDA stream (a `cudaStream_t` as an int, e.g. torch's
+        `Stream.cuda_stream`; None: the legacy default stream) that steps launch device
+        parameters' kernels on, and that mirror copies are ordered on. fo never
+        synchronizes: see `fo_optimizer_set_stream` in fo.h. FoError
+        FO_ERR_UNSUPPORTED without a CUDA build of libfo."""
+        check(_set_stream(self._handle, stream))
+
+    def set_mirror(self, index: int, mirror: Any) -> None:
+        """Gives host parameter `index` a device mirror that fo keeps equal to it (written
+        now and after every step, set_state or load that changes it): `mirror` is an
+        fo_tensor over contiguous device memory of the parameter's dtype and shape
+        (`fo._ffi.Tensor`, or an object holding one in `.struct`), kept referenced here;
+        None removes it. See `fo_optimizer_set_mirror` in fo.h."""
+        struct = None if mirror is None else getattr(mirror, "struct", mirror)
+        if struct is not None and not isinstance(struct, Tensor):
+            raise TypeError(f"mirror must be an fo_tensor (fo._ffi.Tensor) or None, got {type(mirror).__name__}")
+        check(_set_mirror(self._handle, index, None if struct is None else ctypes.byref(struct)))
+        # fo borrows the mirror's memory until it is replaced: keep its owner alive.
+        mirrors = self.__dict__.setdefault("_mirrors", {})
+        if mirror is None:
+            mirrors.pop(index, None)
+        else:
+            mirrors[index] = mirror
 
 
 def offload_plan(numels: Sequence[int], fraction: float) -> list[bool]:

@@ -5,9 +5,11 @@ import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import _codes as C
 from ._ffi import Placement as _Placement, ShardInfo as _ShardInfo, ShardSpecStruct, check, declare, i64p
 
-REPLICATE, SHARD, STRIDED_SHARD, PARTIAL = 0, 1, 2, 3
+REPLICATE, SHARD = C.FO_PLACEMENT_REPLICATE, C.FO_PLACEMENT_SHARD
+STRIDED_SHARD, PARTIAL = C.FO_PLACEMENT_STRIDED_SHARD, C.FO_PLACEMENT_PARTIAL
 
 _wrap_uneven = declare("fo_wrap_uneven", [ctypes.c_int32, i64p, ctypes.c_int32, i64p, i64p,
                                           ctypes.POINTER(_Placement), ctypes.POINTER(_ShardInfo)])

@@ -34,7 +34,7 @@ from ._torch_storage import FO_KEYS, Storage
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
-ARITHMETIC = {"exact": 0, "fast": 1}
+ARITHMETIC = _optim.ARITHMETIC
 HAS_ARITHMETIC = "arithmetic" in dict(_optim.OptimConfig._fields_)
 # fo.torch steps host tensors, where the fast arithmetic runs: it is the default wherever the
 # library has it (within fo's stated bound of exact per step; "exact" = FlashOptim's bits).
@@ -55,7 +55,7 @@ def _arithmetic_code(value):
     code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
     if code not in ARITHMETIC.values():
         raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
-    if code != 0 and not HAS_ARITHMETIC:
+    if code != ARITHMETIC["exact"] and not HAS_ARITHMETIC:
         raise error(UNSUPPORTED, f"arithmetic={value!r}: this libfo's fo_optim_config has no arithmetic field")
     return code
 

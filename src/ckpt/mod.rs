@@ -32,6 +32,7 @@ pub mod collective;
 pub mod commit;
 pub mod consolidate;
 pub mod format;
+pub mod info;
 pub mod optim;
 pub mod pack;
 pub mod quant;
@@ -43,6 +44,7 @@ pub mod writer;
 
 pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
+pub use info::{info_json, LogicalKey};
 pub use optim::{
     load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions,
 };

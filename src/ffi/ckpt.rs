@@ -4,16 +4,21 @@ use std::ffi::{c_char, c_void, CString};
 use std::path::Path;
 
 use super::args::{arg_flag, arg_mut, arg_ref, arg_str};
+use super::codes::{
+    FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER, FO_PACK_PARAMS_NONE,
+    FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
+};
 use super::optim::{fo_optimizer, opt_mut, opt_ref, write_string};
 use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
 use crate::error::{Error, Result};
 
-/// How to pack or save. `mode`: 0 compressed (int8/uint8 codes + fp16 scales + error
-/// bits), 1 portable (dequantized f32 state). `params`: 0 state only, 1 also the params
-/// under their plain FQN as stored, 2 also as f32 masters (param + error bits).
-/// `write_unsharded`: -1 rank 0 writes unsharded entries, 0 this rank does not, 1 it
-/// does. `save_id`: the same string on every rank of one save; required when
+/// How to pack or save. `mode`: `FO_PACK_MODE_COMPRESSED` (int8/uint8 codes + fp16
+/// scales + error bits) or `FO_PACK_MODE_PORTABLE` (dequantized f32 state). `params`:
+/// `FO_PACK_PARAMS_NONE` (state only), `_STORED` (also the params under their plain FQN as
+/// stored) or `_MASTER` (also as f32 masters: param + error bits). `write_unsharded`:
+/// `FO_WRITE_UNSHARDED_RANK0` (-1) rank 0 writes unsharded entries, 0 this rank does not,
+/// 1 it does. `save_id`: the same string on every rank of one save; required when
 /// `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
 /// for one rank generates one. The save becomes visible when the last rank finishes.
 #[repr(C)]
@@ -33,8 +38,8 @@ impl fo_pack_options {
             usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
         };
         let mode = match self.mode {
-            0 => Mode::Compressed,
-            1 => Mode::Portable,
+            FO_PACK_MODE_COMPRESSED => Mode::Compressed,
+            FO_PACK_MODE_PORTABLE => Mode::Portable,
             m => {
                 return Err(Error::invalid(
                     "options.mode",
@@ -48,9 +53,9 @@ impl fo_pack_options {
             mode,
         );
         o.params = match self.params {
-            0 => None,
-            1 => Some(ParamsAs::Stored),
-            2 => Some(ParamsAs::Master),
+            FO_PACK_PARAMS_NONE => None,
+            FO_PACK_PARAMS_STORED => Some(ParamsAs::Stored),
+            FO_PACK_PARAMS_MASTER => Some(ParamsAs::Master),
             p => {
                 return Err(Error::invalid(
                     "options.params",
@@ -59,7 +64,7 @@ impl fo_pack_options {
             }
         };
         o.write_unsharded = match self.write_unsharded {
-            -1 => None,
+            FO_WRITE_UNSHARDED_RANK0 => None,
             w => Some(arg_flag(w, "options.write_unsharded").map_err(|_| {
                 Error::invalid(
                     "options.write_unsharded",

@@ -4,6 +4,7 @@
 use std::ffi::c_void;
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
+use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::broadcast::{
@@ -75,9 +76,10 @@ pub struct fo_broadcast_dest {
     pub spec: *const fo_shard_spec,
 }
 
-/// `strategy`: 0 scatter (each rank receives only its shard), 1 full broadcast (every
-/// rank receives every full tensor; for comparison). `allow_int_float_cast`: 1
-/// allows conversions involving integer or bool dtypes.
+/// `strategy`: `FO_BROADCAST_STRATEGY_SCATTER` (each rank receives only its shard) or
+/// `FO_BROADCAST_STRATEGY_FULL_BROADCAST` (every rank receives every full tensor; for
+/// comparison). `allow_int_float_cast`: 1 allows conversions involving integer or bool
+/// dtypes.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct fo_broadcast_options {
@@ -135,8 +137,8 @@ impl fo_comm_callbacks {
 impl fo_broadcast_options {
     fn to_options(self) -> Result<BroadcastOptions> {
         let strategy = match self.strategy {
-            0 => Strategy::Scatter,
-            1 => Strategy::FullBroadcast,
+            FO_BROADCAST_STRATEGY_SCATTER => Strategy::Scatter,
+            FO_BROADCAST_STRATEGY_FULL_BROADCAST => Strategy::FullBroadcast,
             s => {
                 return Err(Error::invalid(
                     "opts.strategy",

@@ -5,16 +5,20 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod args;
+mod codes;
 mod status;
 mod types;
 
 mod ckpt;
+mod ckpt_info;
 mod comm;
 mod gpu;
 mod optim;
 mod shard;
 
 pub use ckpt::*;
+pub use ckpt_info::*;
+pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;

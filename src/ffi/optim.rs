@@ -17,19 +17,20 @@ pub struct fo_optimizer {
 }
 
 /// One param group's hyper-parameters (doubles, as host frameworks hold them).
-/// `algorithm`: 0 AdamW, 1 Adam (L2 decay), 2 SGD (L2 decay), 3 SGDW (decoupled), 4 Lion.
-/// `state_format`: 0 fp32 (torch.optim's arithmetic), 1 param dtype, 2 quant8
-/// (FlashOptim 0.1.4's format and arithmetic, bit-exact), 3 quant8_wide (fo's opt-in
-/// variant: variance stored by its fourth root, same 8 bits + fp16 scale per 32; stays on
-/// the fp32 trajectory where quant8's 255:1 variance range makes FlashOptim diverge).
+/// `algorithm`: `FO_ALGORITHM_ADAMW`, `_ADAM` (L2 decay), `_SGD` (L2 decay), `_SGDW`
+/// (decoupled), `_LION`. `state_format`: `FO_STATE_FORMAT_FP32` (torch.optim's
+/// arithmetic), `_PARAM_DTYPE`, `_QUANT8` (FlashOptim 0.1.4's format and arithmetic,
+/// bit-exact), `_QUANT8_WIDE` (fo's opt-in variant: variance stored by its fourth root,
+/// same 8 bits + fp16 scale per 32; stays on the fp32 trajectory where quant8's 255:1
+/// variance range makes FlashOptim diverge).
 /// `master_weight_bits`: 0, 24 (int8 error bits) or 32 (int16) for bf16/f16 params.
 /// `decouple_lr`: decay by `wd·lr/initial_lr` (AdamW, SGDW, Lion). SGD dampening follows
 /// torch: the first step copies the gradient undampened (FlashOptim dampens it).
 /// `check_numerics`: a non-finite gradient, or a learning rate too small to move the
 /// largest weight at its precision, fails the step with FO_ERR_NUMERICS, changing nothing.
-/// `arithmetic`: 0 exact (FlashOptim's bits), 1 fast (reformulated, within a stated bound
-/// of exact per step); only non-fp32 state formats differ. Last, so older layouts keep
-/// their offsets.
+/// `arithmetic`: `FO_ARITHMETIC_EXACT` (FlashOptim's bits), `FO_ARITHMETIC_FAST`
+/// (reformulated, within a stated bound of exact per step); only non-fp32 state formats
+/// differ. Last, so older layouts keep their offsets.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_optim_config {

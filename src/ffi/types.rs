@@ -2,15 +2,16 @@
 use std::ffi::c_void;
 
 use super::args::{arg_count, arg_dims, arg_ndim, arg_slice};
+use super::codes::FO_DEVICE_HOST;
 use super::status::FO_MAX_DIMS;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ShardInfo, ShardSpec};
 use crate::tensor::HostTensor;
 
-/// A tensor in caller memory. `dtype` codes: 0 F32, 1 F16, 2 BF16, 3 F64, 4 I8, 5 U8,
-/// 6 I16, 7 I32, 8 I64, 9 BOOL, 10 F8_E4M3, 11 F8_E5M2. `strides` are in elements
-/// (NULL = contiguous row-major). `device` is -1 for host memory, >= 0 a CUDA ordinal.
+/// A tensor in caller memory. `dtype`: a `FO_DTYPE_*` code (`FO_DTYPE_F32`, ...).
+/// `strides` are in elements (NULL = contiguous row-major). `device` is `FO_DEVICE_HOST`
+/// (-1) for host memory, >= 0 a CUDA ordinal.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_tensor {
@@ -25,7 +26,7 @@ pub struct fo_tensor {
 impl fo_tensor {
     /// A checked view of host memory; `what` names the argument in errors.
     pub(crate) unsafe fn to_host(self, what: &str) -> Result<HostTensor> {
-        if self.device != -1 {
+        if self.device != FO_DEVICE_HOST {
             let why = crate::optim::gpu::device_refusal(self.device);
             return Err(Error::Unsupported(format!("{what}.{why}")));
         }
@@ -47,20 +48,25 @@ impl fo_tensor {
     /// the entry points taking it (`fo_optimizer_add_param`, `fo_optimizer_step`) hand it
     /// to the GPU only.
     pub(crate) unsafe fn to_view(self, what: &str) -> Result<(HostTensor, i32)> {
-        if self.device < -1 {
+        if self.device < FO_DEVICE_HOST {
             return Err(Error::invalid(
                 format!("{what}.device"),
                 format!("{} is neither -1 (host) nor a CUDA ordinal", self.device),
             ));
         }
-        let host = fo_tensor { device: -1, ..self }.to_host(what)?;
+        let host = fo_tensor {
+            device: FO_DEVICE_HOST,
+            ..self
+        }
+        .to_host(what)?;
         Ok((host, self.device))
     }
 }
 
-/// One mesh dim's placement. `kind`: 0 Replicate, 1 Shard, 2 StridedShard
-/// (torch `_StridedShard`), 3 Partial. `dim` is the tensor dim for kinds 1 and 2;
-/// `split_factor` (>= 1) is read for kind 2 only.
+/// One mesh dim's placement. `kind`: `FO_PLACEMENT_REPLICATE`, `FO_PLACEMENT_SHARD`,
+/// `FO_PLACEMENT_STRIDED_SHARD` (torch `_StridedShard`) or `FO_PLACEMENT_PARTIAL`. `dim`
+/// is the tensor dim for the two shard kinds; `split_factor` (>= 1) is read for
+/// `FO_PLACEMENT_STRIDED_SHARD` only.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct fo_placement {

@@ -10,21 +10,15 @@ use std::path::{Path, PathBuf};
 
 use fo::ckpt::consolidate::CONSOLIDATED_FILE;
 use fo::ckpt::format::{read_header, TensorEntry};
+use fo::ckpt::info::logical_keys;
 use fo::ckpt::Checkpoint;
+pub use fo::ckpt::LogicalKey;
 use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
 
 /// Elements per slab read (64 MiB of f64 values per side at most, rows permitting).
 pub const SLAB_ELEMS: usize = 1 << 23;
-
-/// One logical key: its element type and global shape; `compressed` when stored as quant8.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LogicalKey {
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub compressed: bool,
-}
 
 pub enum Source {
     Sharded(Box<Checkpoint>),
@@ -38,11 +32,6 @@ pub enum Source {
 
 fn err(e: fo::Error) -> String {
     e.to_string()
-}
-
-fn base_of_pair(k: &str) -> Option<&str> {
-    k.strip_suffix("::quantized")
-        .or_else(|| k.strip_suffix("::scales"))
 }
 
 impl Source {
@@ -94,37 +83,7 @@ impl Source {
 
     /// Every logical key (compressed pairs folded into their base, as f32 values).
     pub fn keys(&self) -> BTreeMap<String, LogicalKey> {
-        let mut out = BTreeMap::new();
-        for (k, dtype, shape) in self.raw_keys() {
-            match base_of_pair(&k) {
-                Some(b)
-                    if self.has(&format!("{b}::quantized"))
-                        && self.has(&format!("{b}::scales")) =>
-                {
-                    if k.ends_with("::quantized") {
-                        out.insert(
-                            b.to_string(),
-                            LogicalKey {
-                                dtype: DType::F32,
-                                shape,
-                                compressed: true,
-                            },
-                        );
-                    }
-                }
-                _ => {
-                    out.insert(
-                        k,
-                        LogicalKey {
-                            dtype,
-                            shape,
-                            compressed: false,
-                        },
-                    );
-                }
-            }
-        }
-        out
+        logical_keys(self.raw_keys(), |k| self.has(k))
     }
 
     /// The slabs `shape` is read in: Shard(0) over as many ranks as it takes to keep each
