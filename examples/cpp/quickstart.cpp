@@ -18,24 +18,24 @@ int rank_main(fo_comm* comm, int64_t rank) {
   std::vector<float> full(15), local(info.local_shape[0] * 3), grad(local.size(), 0.5f);
   for (int i = 0; i < 15; ++i) full[i] = 0.1f * i;
   fo_shard_spec spec{2, shape, 1, mesh, coord, shard0};
-  fo_broadcast_source src{"fc.weight", {full.data(), 0, 2, shape, nullptr, -1}};
-  fo_broadcast_dest dst{"fc.weight", {local.data(), 0, 2, info.local_shape, nullptr, -1}, &spec};
+  fo_broadcast_source src{"fc.weight", {full.data(), FO_DTYPE_F32, 2, shape, nullptr, FO_DEVICE_HOST}};
+  fo_broadcast_dest dst{"fc.weight", {local.data(), FO_DTYPE_F32, 2, info.local_shape, nullptr, FO_DEVICE_HOST}, &spec};
   fo_broadcast_stats stats;  // 2. fo_broadcast_state_dict: each rank receives only its rows
   CHECK(fo_broadcast_state_dict(comm, rank == 0 ? &src : nullptr, rank == 0, &dst, 1, nullptr, &stats));
 
   fo_optim_config cfg;  // 3. fo_optimizer_step: AdamW, FlashOptim's quant8 state
-  fo_optim_config_default(0, &cfg);
-  cfg.state_format = 2;       // quant8
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
+  cfg.state_format = FO_STATE_FORMAT_QUANT8;
   cfg.master_weight_bits = 0;  // f32 params are their own master
   fo_optimizer* opt = nullptr;
   int32_t index = 0;
-  fo_tensor param{local.data(), 0, 2, info.local_shape, nullptr, -1};
-  fo_tensor g{grad.data(), 0, 2, info.local_shape, nullptr, -1};
+  fo_tensor param{local.data(), FO_DTYPE_F32, 2, info.local_shape, nullptr, FO_DEVICE_HOST};
+  fo_tensor g{grad.data(), FO_DTYPE_F32, 2, info.local_shape, nullptr, FO_DEVICE_HOST};
   CHECK(fo_optimizer_create(&cfg, &opt));
   CHECK(fo_optimizer_add_param(opt, "fc.weight", &param, &spec, &index));
   CHECK(fo_optimizer_step(opt, &g, 1));
 
-  fo_pack_options po{(int32_t)rank, 2, 0 /* compressed */, 0, -1, "step-1"};
+  fo_pack_options po{(int32_t)rank, 2, FO_PACK_MODE_COMPRESSED, FO_PACK_PARAMS_NONE, FO_WRITE_UNSHARDED_RANK0, "step-1"};
   CHECK(fo_state_save(opt, "quickstart_ckpt", &po));  // 4. fo_state_pack + save
   std::printf("rank %lld: rows %lld..%lld, received %llu bytes, w[0] = %.4f\n", (long long)rank,
               (long long)info.global_offset[0], (long long)(info.global_offset[0] + info.local_shape[0]),
