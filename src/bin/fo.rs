@@ -12,12 +12,36 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any thread exists: an interrupted command removes its partial output.
+    cli::cleanup::install();
     // clap prints usage errors itself and exits 2 (help and --version exit 0).
     let args = cli::Cli::parse();
-    match cli::run(args) {
+    // A panic is a bug, but still one line and exit 1, never an abort with a stack trace
+    // (RUST_BACKTRACE=1 keeps the default report for debugging).
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            let at = info
+                .location()
+                .map(|l| format!(" at {}:{}", l.file(), l.line()));
+            eprintln!(
+                "fo: internal error (a bug, please report it): {msg}{}",
+                at.unwrap_or_default()
+            );
+        }));
+    }
+    let result = std::panic::catch_unwind(|| cli::run(args)).unwrap_or(Err(cli::REPORTED.into()));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fo: {e}");
+            if e != cli::REPORTED {
+                eprintln!("fo: {e}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -11,7 +11,115 @@ use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
 
+use super::cleanup;
 use super::progress;
+
+/// Left in DIR while the benchmark owns it: a DIR holding it may be benchmarked into again
+/// (a run with --keep left it); any other non-empty DIR is refused.
+const MARKER: &str = ".fo-bench-ckpt";
+
+/// Whether `name` (an entry of DIR) is something this benchmark writes: the checkpoint's
+/// files, commit record, staging directories and temporaries, the plain file, the
+/// compressed checkpoint, the marker.
+fn is_bench_entry(name: &str) -> bool {
+    use fo::ckpt::format::{parse_part_file_name, parse_shard_file_name};
+    parse_shard_file_name(name).is_some()
+        || parse_part_file_name(name).is_some()
+        || name == fo::ckpt::commit::COMMIT_FILE
+        || name.starts_with(".fo-stage-")
+        || name.contains(".tmp-")
+        || [MARKER, "plain.bin", "compressed"].contains(&name)
+}
+
+/// The directory the benchmark writes into, and what it removes afterwards.
+struct BenchDir {
+    dir: PathBuf,
+    /// The topmost directory this run created (everything under it is removed), if any.
+    created: Option<PathBuf>,
+}
+
+impl BenchDir {
+    /// A new directory, an empty one, or one a previous run left (`MARKER`); anything
+    /// else is refused, so no file the benchmark did not write is ever touched.
+    fn open(dir: Option<&Path>) -> Result<BenchDir, String> {
+        let dir = match dir {
+            Some(d) => d.to_path_buf(),
+            None => std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id())),
+        };
+        if dir.exists() {
+            if !dir.is_dir() {
+                return Err(format!(
+                    "--dir {}: exists and is not a directory",
+                    dir.display()
+                ));
+            }
+            let first = std::fs::read_dir(&dir)
+                .map_err(|e| format!("--dir {}: {e}", dir.display()))?
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .next();
+            if let Some(f) = first.filter(|_| !dir.join(MARKER).exists()) {
+                return Err(format!(
+                    "--dir {}: not empty (it holds {f:?}, not written by fo bench ckpt); give a new or empty directory",
+                    dir.display()
+                ));
+            }
+        }
+        let mut top = None;
+        let mut a = dir.as_path();
+        while !a.as_os_str().is_empty() && !a.exists() {
+            top = Some(a.to_path_buf());
+            a = a.parent().unwrap_or(Path::new(""));
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("--dir {}: cannot create it: {e}", dir.display()))?;
+        let b = BenchDir { dir, created: top };
+        std::fs::write(b.dir.join(MARKER), b"written by fo bench ckpt\n")
+            .map_err(|e| format!("--dir {}: {e}", b.dir.display()))?;
+        Ok(b)
+    }
+
+    /// What an interruption removes: the created directory, else the entries of DIR this
+    /// run writes.
+    fn register(&self, world: usize, seed: u64) -> Vec<cleanup::Guard> {
+        if let Some(top) = &self.created {
+            return vec![cleanup::register(top)];
+        }
+        let mut paths: Vec<PathBuf> = [
+            MARKER,
+            "plain.bin",
+            "compressed",
+            fo::ckpt::commit::COMMIT_FILE,
+        ]
+        .iter()
+        .map(|n| self.dir.join(n))
+        .collect();
+        paths.extend((0..world).map(|r| self.dir.join(fo::ckpt::format::shard_file_name(r))));
+        paths.push(fo::ckpt::commit::stage_dir(
+            &self.dir,
+            &format!("bench-{seed}"),
+        ));
+        paths.iter().map(|p| cleanup::register(p)).collect()
+    }
+
+    /// Removes what the benchmark wrote, and DIR itself if this run created it.
+    fn remove(&self) -> Result<(), String> {
+        if let Some(top) = &self.created {
+            return std::fs::remove_dir_all(top)
+                .map_err(|e| format!("cannot remove {}: {e}", top.display()));
+        }
+        for e in std::fs::read_dir(&self.dir)
+            .map_err(|e| format!("{}: {e}", self.dir.display()))?
+            .filter_map(|e| e.ok())
+        {
+            if is_bench_entry(&e.file_name().to_string_lossy()) && !cleanup::remove_path(&e.path())
+            {
+                return Err(format!("cannot remove {}", e.path().display()));
+            }
+        }
+        Ok(())
+    }
+}
 
 const COLS: usize = 4096;
 const TENSORS: usize = 8;
@@ -41,8 +149,11 @@ fn spec(rows: usize, world: usize, rank: usize) -> ShardSpec {
 
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| e.ok()?.metadata().ok())
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != MARKER)
+        .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum()
 }
@@ -56,47 +167,70 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
   fo bench ckpt                              2 GiB over 4 ranks in a temporary directory
   fo bench ckpt --size-mib 512 --rounds 5 --dir /mnt/nvme/fo-bench --keep
 
-Each round saves with fo (every rank's file in parallel, fsync'd) and writes the same bytes as
+--dir must be new, empty, or one an earlier run left with --keep; the benchmark removes what
+it wrote (and DIR, if it created it) unless --keep. Each round saves with fo (every rank's file in parallel, fsync'd) and writes the same bytes as
 one plain file (write + fsync), then reads both back cold (posix_fadvise DONTNEED first):
 fo on every rank at once, checksums verified, and resharded onto ranks - 1; the plain file
 sequentially. Rounds alternate which side goes first; medians over the rounds are reported.")]
 pub struct BenchCkptArgs {
-    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns).
-    #[arg(long, default_value_t = 2048)]
-    pub size_mib: usize,
-    /// In-process ranks saving and loading (Shard(0)).
-    #[arg(long, default_value_t = 4)]
-    pub ranks: usize,
+    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns), >= 1.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    pub size_mib: u64,
+    /// In-process ranks saving and loading (Shard(0)), 1..=1024.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=super::args::MAX_RANKS as i64))]
+    pub ranks: u16,
     /// Seed of the data.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Directory to write into (default: a new one under the temporary directory).
+    /// Directory to write into: new, empty, or left by a run with --keep (default: a new
+    /// one under the temporary directory).
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
-    /// Keep the directory afterwards.
+    /// Keep what was written (the checkpoints) afterwards.
     #[arg(long)]
     pub keep: bool,
     /// Only measure the save.
     #[arg(long)]
     pub save_only: bool,
-    /// Rounds of fo and the baseline, interleaved; medians are reported.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Rounds of fo and the baseline, interleaved; medians are reported (1..=1000).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
 }
 
 pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
-    let (mib, world, seed) = (a.size_mib, a.ranks, a.seed);
-    let dir = a.dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id()))
-    });
+    let (mib, world, seed) = (a.size_mib as usize, a.ranks as usize, a.seed);
     let rows = (mib << 20) / 4 / COLS / TENSORS;
-    if rows == 0 || world == 0 {
-        return Err(format!(
-            "--size-mib {mib} --ranks {world}: need at least 1 MiB and 1 rank"
-        ));
-    }
     let bytes = (rows * COLS * 4 * TENSORS) as u64;
-    eprintln!("fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {:.2} GiB, Shard(0) over {world} in-process ranks, dir {}", bytes as f64 / (1u64 << 30) as f64, dir.display());
+    // In memory: every rank's state, its compressed copy and a full read back; on disk:
+    // the checkpoint, the plain file and the compressed checkpoint.
+    let what = format!("--size-mib {mib}");
+    super::mem::check_memory(bytes.checked_mul(3), &what)?;
+    let target = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    super::mem::check_disk(&target, bytes.checked_mul(5).map(|b| b / 2), &what)?;
+    let bench_dir = BenchDir::open(a.dir.as_deref())?;
+    let guards = bench_dir.register(world, seed);
+    let result = bench(a, &bench_dir.dir, rows, bytes, world, seed);
+    if !a.keep || result.is_err() {
+        bench_dir.remove()?;
+    }
+    drop(guards);
+    result
+}
+
+fn bench(
+    a: &BenchCkptArgs,
+    dir: &Path,
+    rows: usize,
+    bytes: u64,
+    world: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let dir = dir.to_path_buf();
+    eprintln!(
+        "fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {}, Shard(0) over {world} in-process ranks, dir {}",
+        super::ckpt::bytes(bytes),
+        dir.display()
+    );
     let packs: Vec<Packed> = (0..world)
         .map(|r| {
             let entries = (0..TENSORS)
@@ -218,12 +352,11 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     save(&cdir, &cpacks).map_err(|e| e.to_string())?;
     let compressed = dir_bytes(&cdir);
     println!(
-        "checkpoint size: portable {portable} bytes, compressed {compressed} bytes ({:.3}x)",
+        "checkpoint size: portable {} ({portable} bytes), compressed {} ({compressed} bytes), {:.3}x",
+        super::ckpt::bytes(portable),
+        super::ckpt::bytes(compressed),
         compressed as f64 / portable as f64
     );
-    if !a.keep {
-        std::fs::remove_dir_all(&dir).map_err(|e| e.to_string())?;
-    }
     Ok(())
 }
 

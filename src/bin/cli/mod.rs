@@ -10,7 +10,10 @@ mod ckpt;
 mod ckpt_convert;
 mod ckpt_diff;
 mod ckpt_source;
+pub mod cleanup;
 mod demo;
+mod dst;
+mod mem;
 pub mod progress;
 mod selftest;
 #[cfg(feature = "cuda")]
@@ -87,6 +90,10 @@ pub enum BenchCommand {
     /// fo_clip_grad_norm on host gradients (norm, norm + scale) vs a copy of the same bytes.
     Clip(bench_clip::ClipArgs),
 }
+
+/// The error of a command that already reported its outcome on stdout and only needs exit
+/// status 1 (`fo ckpt diff` found a difference): `main` prints nothing more.
+pub const REPORTED: &str = "";
 
 pub fn run(cli: Cli) -> Result<(), String> {
     progress::set_quiet(cli.quiet);
