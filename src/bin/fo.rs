@@ -35,12 +35,18 @@ fn main() -> ExitCode {
             );
         }));
     }
-    let result = std::panic::catch_unwind(|| cli::run(args)).unwrap_or(Err(cli::REPORTED.into()));
+    let mut result =
+        std::panic::catch_unwind(|| cli::run(args)).unwrap_or(Err(cli::REPORTED.into()));
+    if let Some(e) = cli::out::finish() {
+        if result.as_ref().is_ok() || result.as_ref().is_err_and(|r| r == cli::REPORTED) {
+            result = Err(format!("writing to stdout: {e}"));
+        }
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             if e != cli::REPORTED {
-                eprintln!("fo: {e}");
+                cli::out::err_line(format_args!("fo: {e}"));
             }
             ExitCode::FAILURE
         }

@@ -45,11 +45,12 @@ where
     Ok(v)
 }
 
-/// The largest element count a flag accepts: 2^40 (a tebi-element), far beyond any
-/// machine's memory, so the size of every buffer derived from it fits in usize.
-pub const MAX_COUNT: usize = 1 << 40;
+/// The largest element count a flag accepts: 2^50, far beyond any machine's memory (the
+/// commands then say how much memory it would take), and small enough that every buffer
+/// size derived from it fits in u64.
+pub const MAX_COUNT: usize = 1 << 50;
 
-/// An element count with an optional K or M suffix (`16M` = 16 * 2^20), 1..=2^40.
+/// An element count with an optional K or M suffix (`16M` = 16 * 2^20), 1..=2^50.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Count(pub usize);
 
@@ -69,7 +70,7 @@ impl FromStr for Count {
         match n.checked_mul(mul) {
             Some(0) => Err("must be at least 1".into()),
             Some(c) if c <= MAX_COUNT => Ok(Count(c)),
-            _ => Err(format!("too large: at most {MAX_COUNT} (1048576M)")),
+            _ => Err(format!("too large: at most {MAX_COUNT} ({}M)", MAX_COUNT >> 20)),
         }
     }
 }
@@ -120,8 +121,8 @@ mod tests {
             .parse::<Count>()
             .unwrap_err()
             .contains("too large"));
-        assert!("1048577M".parse::<Count>().is_err());
-        assert!("1048576M".parse::<Count>().is_ok());
+        assert!("1073741825M".parse::<Count>().is_err());
+        assert!("1073741824M".parse::<Count>().is_ok());
     }
 
     #[test]

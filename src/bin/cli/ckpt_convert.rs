@@ -195,7 +195,8 @@ fn layout(
         if let Placement::Shard(d) | Placement::StridedShard { dim: d, .. } = p {
             if *d >= max_ndim {
                 return Err(format!(
-                    "--placements {p}: no key of SRC has dim {d} (its keys have at most {max_ndim} dim(s))"
+                    "--placements {}: no key of SRC has dim {d} (its keys have at most {max_ndim} dim(s))",
+                    fo::ckpt::pack::placement_code(p)
                 ));
             }
         }

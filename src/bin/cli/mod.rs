@@ -1,5 +1,18 @@
 //! Subcommand dispatch (clap derive). Each subcommand lives in its own file, next to the
 //! clap `Args` struct its `run` takes.
+
+// `println!` and `eprintln!` are shadowed for every command (macros defined before the
+// modules below are in scope there): std's panic when stdout or stderr cannot be written
+// (`fo shard ... > /dev/full`); these record the first stdout error, which `main` reports
+// as a one-line error with exit status 1, and drop stderr errors (nowhere to report them).
+macro_rules! println {
+    ($($t:tt)*) => { $crate::cli::out::line(format_args!($($t)*)) };
+}
+macro_rules! eprintln {
+    ($($t:tt)*) => { $crate::cli::out::err_line(format_args!($($t)*)) };
+}
+
+pub mod out;
 mod args;
 mod bench_arith;
 mod bench_broadcast;
