@@ -480,4 +480,19 @@ mod tests {
         let p = Packed::new(entries, PackOptions::new(0, 1)).unwrap();
         assert_eq!(p.plan.chunks.len(), 1);
     }
+
+    #[test]
+    fn keep_empty_keys_writes_one_empty_tensor_from_coordinate_zero() {
+        let e = Tensor::zeros(DType::F32, vec![0, 4]);
+        for rank in 0..2 {
+            let s = spec(&[0, 4], &[2], &[rank], &[Shard(0)]);
+            let mut o = PackOptions::new(rank, 2);
+            o.keep_empty_keys = true;
+            let p = Packed::new(vec![StateEntry::new("empty", e.clone(), Some(s))], o).unwrap();
+            assert_eq!(p.plan.chunks.len(), usize::from(rank == 0), "rank {rank}");
+            if rank == 0 {
+                assert_eq!(p.plan.chunks[0].shape, vec![0, 4]);
+            }
+        }
+    }
 }

@@ -70,7 +70,10 @@ impl FromStr for Count {
         match n.checked_mul(mul) {
             Some(0) => Err("must be at least 1".into()),
             Some(c) if c <= MAX_COUNT => Ok(Count(c)),
-            _ => Err(format!("too large: at most {MAX_COUNT} ({}M)", MAX_COUNT >> 20)),
+            _ => Err(format!(
+                "too large: at most {MAX_COUNT} ({}M)",
+                MAX_COUNT >> 20
+            )),
         }
     }
 }

@@ -152,7 +152,7 @@ fn layout(
     let mesh = match (&a.mesh, a.ranks.map(usize::from)) {
         (Some(m), Some(r)) if m.0.iter().product::<usize>() != r => {
             return Err(format!(
-                "--mesh {} holds {} ranks, --ranks says {r}",
+                "--mesh {} holds {} ranks, not --ranks {r}",
                 csv(&m.0),
                 m.0.iter().product::<usize>()
             ))

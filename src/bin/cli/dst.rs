@@ -87,7 +87,7 @@ fn clean_stale(parent: &Path, name: &str, dst: &Path) {
             let p = e.path();
             if old && !dst.exists() && std::fs::rename(&p, dst).is_ok() {
                 eprintln!(
-                    "fo: restored {} from {} (an earlier run was killed while replacing it)",
+                    "note: restored {} from {} (an earlier run was killed while replacing it)",
                     dst.display(),
                     p.display()
                 );
@@ -95,7 +95,7 @@ fn clean_stale(parent: &Path, name: &str, dst: &Path) {
             }
             if cleanup::remove_path(&p) {
                 eprintln!(
-                    "fo: removed {} (left by an earlier run, process {pid}, that was killed)",
+                    "note: removed {} (left by an earlier run, process {pid}, that was killed)",
                     p.display()
                 );
             }
@@ -126,6 +126,14 @@ pub fn prepare(src: &Path, dst: &Path, force: bool, verb: &'static str) -> Resul
             src.display()
         ));
     }
+    let name = d
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| format!("{}: no directory name", dst.display()))?
+        .to_string();
+    let parent = d.parent().unwrap_or(Path::new("/")).to_path_buf();
+    // First, so a DST an earlier killed run moved aside is back before DST is judged.
+    clean_stale(&parent, &name, &d);
     if dst.exists() && !dst.is_dir() {
         return Err(format!("{} exists and is not a directory", dst.display()));
     }
@@ -135,12 +143,6 @@ pub fn prepare(src: &Path, dst: &Path, force: bool, verb: &'static str) -> Resul
             dst.display()
         ));
     }
-    let name = d
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| format!("{}: no directory name", dst.display()))?
-        .to_string();
-    let parent = d.parent().unwrap_or(Path::new("/")).to_path_buf();
     // Missing ancestors are created one by one, so the topmost one is known and a
     // failure removes exactly what this run created.
     let mut missing = Vec::new();
@@ -152,15 +154,20 @@ pub fn prepare(src: &Path, dst: &Path, force: bool, verb: &'static str) -> Resul
     let stage = parent.join(format!(".{name}.{verb}-{}", std::process::id()));
     let created = missing.last().cloned().unwrap_or_else(|| stage.clone());
     let guard = cleanup::register(&created);
-    for m in missing.iter().rev() {
+    for (i, m) in missing.iter().rev().enumerate() {
         if let Err(e) = std::fs::create_dir(m) {
-            cleanup::remove_path(&created);
+            if i > 0 {
+                cleanup::remove_path(&created);
+            }
             return Err(format!("cannot create {}: {e}", m.display()));
         }
     }
-    clean_stale(&parent, &name, &d);
+    // A staging directory with this pid can only be a dead process's (pids are reused).
+    cleanup::remove_path(&stage);
     if let Err(e) = std::fs::create_dir(&stage) {
-        cleanup::remove_path(&created);
+        if !missing.is_empty() {
+            cleanup::remove_path(&created);
+        }
         return Err(format!("cannot create {}: {e}", stage.display()));
     }
     Ok(Staged {

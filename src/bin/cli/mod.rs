@@ -12,7 +12,6 @@ macro_rules! eprintln {
     ($($t:tt)*) => { $crate::cli::out::err_line(format_args!($($t)*)) };
 }
 
-pub mod out;
 mod args;
 mod bench_arith;
 mod bench_broadcast;
@@ -27,6 +26,7 @@ pub mod cleanup;
 mod demo;
 mod dst;
 mod mem;
+pub mod out;
 pub mod progress;
 mod selftest;
 #[cfg(feature = "cuda")]

@@ -67,7 +67,10 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
         ));
     }
     if out.exists() && !out.is_dir() {
-        return Err(format!("--out {}: exists and is not a directory", out.display()));
+        return Err(format!(
+            "--out {}: exists and is not a directory",
+            out.display()
+        ));
     }
     // What this run creates: the directory (and missing parents), or, in an existing
     // empty one, its three subdirectories. A failure or an interruption removes them.
