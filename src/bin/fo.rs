@@ -1,8 +1,6 @@
 //! The `fo` command line (`fo --help`). Exit status: 0 success, 1 failure, 2 bad usage.
 use std::process::ExitCode;
 
-use clap::Parser;
-
 mod cli;
 
 fn main() -> ExitCode {
@@ -15,7 +13,7 @@ fn main() -> ExitCode {
     // Before any thread exists: an interrupted command removes its partial output.
     cli::cleanup::install();
     // clap prints usage errors itself and exits 2 (help and --version exit 0).
-    let args = cli::Cli::parse();
+    let args = cli::parse();
     // A panic is a bug, but still one line and exit 1, never an abort with a stack trace
     // (RUST_BACKTRACE=1 keeps the default report for debugging).
     if std::env::var_os("RUST_BACKTRACE").is_none() {

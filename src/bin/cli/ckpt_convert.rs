@@ -183,7 +183,7 @@ fn layout(
             "--placements {}: {} placement(s) for a mesh of {} dim(s) ({}); give one per mesh dim",
             placements
                 .iter()
-                .map(|p| p.to_string())
+                .map(fo::ckpt::pack::placement_code)
                 .collect::<Vec<_>>()
                 .join(","),
             placements.len(),

@@ -104,6 +104,25 @@ pub enum BenchCommand {
     Clip(bench_clip::ClipArgs),
 }
 
+/// Parses the command line. Every command takes negative numbers as values, so
+/// `--steps -1` is refused for its value by the flag's range check ("-1 is not in
+/// 12..=100000"), not taken for an unknown flag (no flag of fo is a dash and a digit).
+pub fn parse() -> Cli {
+    fn allow_negatives(c: clap::Command) -> clap::Command {
+        let names: Vec<String> = c
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .collect();
+        names
+            .into_iter()
+            .fold(c.allow_negative_numbers(true), |c, n| {
+                c.mut_subcommand(n, allow_negatives)
+            })
+    }
+    let matches = allow_negatives(Cli::command()).get_matches();
+    <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 /// The error of a command that already reported its outcome on stdout and only needs exit
 /// status 1 (`fo ckpt diff` found a difference): `main` prints nothing more.
 pub const REPORTED: &str = "";
