@@ -17,6 +17,7 @@ mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
 mod bench_clip;
+mod bench_dir;
 mod bench_step;
 mod ckpt;
 mod ckpt_convert;
