@@ -100,8 +100,7 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     super::mem::check_memory(bytes.checked_mul(3), &what)?;
     let target = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     super::mem::check_disk(&target, bytes.checked_mul(5).map(|b| b / 2), &what)?;
-    let bench_dir = BenchDir::open(a.dir.as_deref())?;
-    let guards = bench_dir.register(world, seed);
+    let (bench_dir, guards) = BenchDir::open(a.dir.as_deref(), world, seed)?;
     let result = bench(a, &bench_dir.dir, rows, bytes, world, seed);
     if !a.keep || result.is_err() {
         bench_dir.remove()?;

@@ -32,7 +32,13 @@ pub struct BenchDir {
 impl BenchDir {
     /// A new directory, an empty one, or one a previous run left (`MARKER`); anything
     /// else is refused, so no file the benchmark did not write is ever touched.
-    pub fn open(dir: Option<&Path>) -> Result<BenchDir, String> {
+    /// Also returns the guards that remove, on an interruption, what this run writes
+    /// (registered before anything is created, so no window leaves a directory behind).
+    pub fn open(
+        dir: Option<&Path>,
+        world: usize,
+        seed: u64,
+    ) -> Result<(BenchDir, Vec<cleanup::Guard>), String> {
         let dir = match dir {
             Some(d) => d.to_path_buf(),
             None => std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id())),
@@ -62,17 +68,28 @@ impl BenchDir {
             top = Some(a.to_path_buf());
             a = a.parent().unwrap_or(Path::new(""));
         }
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| format!("--dir {}: cannot create it: {e}", dir.display()))?;
         let b = BenchDir { dir, created: top };
-        std::fs::write(b.dir.join(MARKER), b"written by fo bench ckpt\n")
-            .map_err(|e| format!("--dir {}: {e}", b.dir.display()))?;
-        Ok(b)
+        let guards = b.register(world, seed);
+        let made = std::fs::create_dir_all(&b.dir)
+            .map_err(|e| format!("--dir {}: cannot create it: {e}", b.dir.display()))
+            .and_then(|_| {
+                std::fs::write(b.dir.join(MARKER), b"written by fo bench ckpt\n")
+                    .map_err(|e| format!("--dir {}: {e}", b.dir.display()))
+            });
+        if let Err(e) = made {
+            if let Some(top) = &b.created {
+                cleanup::remove_path(top);
+            } else {
+                cleanup::remove_path(&b.dir.join(MARKER));
+            }
+            return Err(e);
+        }
+        Ok((b, guards))
     }
 
     /// What an interruption removes: the created directory, else the entries of DIR this
     /// run writes.
-    pub fn register(&self, world: usize, seed: u64) -> Vec<cleanup::Guard> {
+    fn register(&self, world: usize, seed: u64) -> Vec<cleanup::Guard> {
         if let Some(top) = &self.created {
             return vec![cleanup::register(top)];
         }
