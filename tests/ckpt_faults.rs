@@ -223,6 +223,7 @@ fn writer_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
             "1",
             "--size-mib",
             "4",
+            "--keep",
             "--dir",
             dir.to_str().unwrap(),
         ])

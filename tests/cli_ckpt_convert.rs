@@ -68,13 +68,14 @@ fn torch_checkpoint_resharded_4_to_3_to_4_ranks_and_onto_a_2x2_mesh_is_unchanged
     let t = tmp("torch");
     let src = oracle("ckpt_fsdp2_4ranks/sharded");
     let out = fo(&["ckpt", "convert", &src, s(&t.join("r3")), "--ranks", "3"]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("3 ranks"));
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(48 keys, 3 ranks"));
     assert!(
-        err.contains("1 key(s) with no elements are not stored: empty"),
-        "{err}"
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    ok(&["ckpt", "verify", s(&t.join("r3"))]);
+    // Every key is carried over, the 0-element `empty` [0, 4] included.
+    assert!(ok(&["ckpt", "verify", s(&t.join("r3"))]).contains("48 keys"));
     let inspect = ok(&["ckpt", "inspect", s(&t.join("r3"))]);
     assert!(
         inspect.contains("fo checkpoint: 3 files") && inspect.contains("mesh [3] [S0]"),
@@ -101,8 +102,6 @@ fn torch_checkpoint_resharded_4_to_3_to_4_ranks_and_onto_a_2x2_mesh_is_unchanged
     for dst in ["r3", "r4", "tp"] {
         let out = fo(&["ckpt", "diff", "--json", &src, s(&t.join(dst))]);
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        // The only difference: torch's [0, 4] key `empty` holds no element, and fo's
-        // format stores no chunk for an empty shard, so the key is not carried over.
         let not_equal: Vec<_> = j["keys"]
             .as_array()
             .unwrap()
@@ -110,8 +109,13 @@ fn torch_checkpoint_resharded_4_to_3_to_4_ranks_and_onto_a_2x2_mesh_is_unchanged
             .filter(|k| k["status"] != "equal")
             .map(|k| k["key"].clone())
             .collect();
-        assert_eq!(not_equal, vec![serde_json::json!("empty")], "{dst}");
+        assert!(not_equal.is_empty(), "{dst}: {not_equal:?}");
+        assert_eq!(j["keys_compared"], 48, "{dst}");
     }
+    // The reproducer: 4 -> 2 ranks kept all 48 keys (it lost `empty`).
+    let out = ok(&["ckpt", "convert", &src, s(&t.join("r2")), "--ranks", "2"]);
+    assert!(out.contains("48 keys"), "{out}");
+    ok(&["ckpt", "diff", &src, s(&t.join("r2"))]);
     std::fs::remove_dir_all(&t).unwrap();
 }
 
@@ -186,8 +190,9 @@ fn fo_compressed_state_converts_to_portable_exactly_and_reshards_within_the_boun
     assert!(ok(&["ckpt", "inspect", s(&t.join("p"))]).contains("state is portable"));
     ok(&["ckpt", "diff", s(&compressed), s(&t.join("p"))]);
     ok(&["ckpt", "diff", s(&portable), s(&t.join("p"))]);
-    // compressed 3 -> 2 ranks stays compressed, requantized in the new groups.
-    ok(&[
+    // compressed 3 -> 2 ranks stays compressed, requantized in the new groups, and says
+    // which keys were requantized and why (it used to say nothing).
+    let out = fo(&[
         "ckpt",
         "convert",
         s(&compressed),
@@ -195,6 +200,15 @@ fn fo_compressed_state_converts_to_portable_exactly_and_reshards_within_the_boun
         "--ranks",
         "2",
     ]);
+    assert_eq!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("note: ")
+            && err.contains("requantized")
+            && err.contains("groups of 32")
+            && err.contains(".exp_avg"),
+        "{err}"
+    );
     assert!(ok(&["ckpt", "inspect", s(&t.join("c2"))]).contains("state is compressed"));
     ok(&["ckpt", "verify", s(&t.join("c2"))]);
     assert!(assert_within_requant_bound(&compressed, &t.join("c2")) > 0);
@@ -208,6 +222,19 @@ fn fo_compressed_state_converts_to_portable_exactly_and_reshards_within_the_boun
         "3",
     ]);
     ok(&["ckpt", "diff", s(&compressed), s(&t.join("c3"))]);
+    let out = fo(&[
+        "ckpt",
+        "convert",
+        s(&compressed),
+        s(&t.join("c3b")),
+        "--ranks",
+        "3",
+    ]);
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // portable -> compressed: quantized afresh, within the same bound.
     ok(&[
         "ckpt",
@@ -223,7 +250,28 @@ fn fo_compressed_state_converts_to_portable_exactly_and_reshards_within_the_boun
     assert!(assert_within_requant_bound(&portable, &t.join("q")) > 0);
     // A converted checkpoint consolidates into FlashOptim's unsharded layout (requantized
     // in groups of the full tensor), which diff reads through its own scales.
-    ok(&["ckpt", "consolidate", s(&t.join("c2")), s(&t.join("full"))]);
+    let out = fo(&["ckpt", "consolidate", s(&t.join("c2")), s(&t.join("full"))]);
+    assert_eq!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("requantized") && err.contains(".exp_avg_sq"),
+        "{err}"
+    );
+    // The consolidated output opens everywhere a checkpoint is read, as a directory or
+    // as its one file, and converts back onto ranks.
+    assert!(ok(&["ckpt", "inspect", s(&t.join("full"))]).contains("consolidated checkpoint"));
+    ok(&["ckpt", "verify", s(&t.join("full"))]);
+    let file = t.join("full/model-00001-of-00001.safetensors");
+    ok(&["ckpt", "verify", s(&file)]);
+    ok(&[
+        "ckpt",
+        "convert",
+        s(&file),
+        s(&t.join("back")),
+        "--ranks",
+        "2",
+    ]);
+    assert_within_requant_bound(&t.join("full"), &t.join("back"));
     assert!(assert_within_requant_bound(&t.join("c2"), &t.join("full")) > 0);
     std::fs::remove_dir_all(&t).unwrap();
 }

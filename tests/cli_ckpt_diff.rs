@@ -95,11 +95,9 @@ fn torch_consolidation_is_caught_dropping_integers_and_zeroing_scalars() {
         .find(|l| l.starts_with("state.fc1.weight.step "))
         .unwrap();
     assert!(step.contains("differs") && step.contains("1/1"), "{step}");
-    assert!(
-        text(&out.stderr).contains("12 differ or are missing"),
-        "{}",
-        text(&out.stderr)
-    );
+    // The summary goes with the report, to stdout, equal or not; stderr stays empty.
+    assert!(s.contains("12 differ or are missing"), "{s}");
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
     let out = fo(&[
         "ckpt",
@@ -159,11 +157,8 @@ fn one_perturbed_element_is_counted_against_the_tolerances() {
         .find(|l| l.starts_with("bn.running_var "))
         .unwrap();
     assert!(row.contains("differs") && row.contains("1/7"), "{row}");
-    assert!(
-        text(&out.stderr).contains("47 equal") && text(&out.stderr).contains("1 differ"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert!(s.contains("47 equal") && s.contains("1 differ"), "{s}");
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 
     let out = fo(&["ckpt", "diff", "--json", "--atol", "2e-3", &a, &b]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -208,10 +203,20 @@ fn unreadable_inputs_and_bad_tolerances_are_errors_not_differences() {
         &oracle("ckpt_fsdp2_4ranks/sharded"),
         &oracle("ckpt_fsdp2_4ranks/sharded"),
     ]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(
-        text(&out.stderr).contains("must be >= 0"),
+        text(&out.stderr).contains("must be a finite number >= 0"),
         "{}",
         text(&out.stderr)
     );
+    // `--rtol -1` (no `=`): refused for its value, not taken for a flag.
+    for bad in ["-1", "nan", "inf"] {
+        let out = fo(&["ckpt", "diff", "--rtol", bad, "a", "b"]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("--rtol") && err.contains(">= 0") && !err.contains("'-- "),
+            "{bad}: {err}"
+        );
+    }
 }

@@ -36,8 +36,20 @@ fn rejects_flags_it_cannot_honour() {
         .args(["demo", "--ranks", "1"])
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--ranks 1"));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("'1'") && err.contains("--ranks") && err.contains("2..=64"),
+        "{err}"
+    );
+    // Fewer steps than the loss needs to fall by the checked 10%: refused up front.
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args(["demo", "--steps", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--steps") && err.contains("12..="), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_fo"))
         .args(["demo", "--steps", "x"])
         .output()

@@ -26,6 +26,9 @@ pub struct Consolidated {
     pub index: PathBuf,
     pub keys: usize,
     pub bytes: u64,
+    /// Compressed keys whose codes were requantized (saved sharded, so their groups of 32
+    /// are not the full tensor's), by base name.
+    pub requantized: Vec<String>,
 }
 
 /// The base of a compressed pair key (`state.w.exp_avg::quantized` -> `state.w.exp_avg`).
@@ -81,6 +84,7 @@ pub fn consolidate(
     let file = out.join(CONSOLIDATED_FILE);
     let mut done = 0u64;
     let mut pair_cache: Option<(String, super::quant::Quant8)> = None;
+    let mut requantized = Vec::new();
     write_atomic(&file, &head, &mut |f| {
         for e in &entries {
             let t = match pair_base(&e.name).filter(|b| ck.is_compressed(b)) {
@@ -88,10 +92,11 @@ pub fn consolidate(
                     if pair_cache.as_ref().map(|(b, _)| b.as_str()) != Some(base) {
                         let codes = ck.key(&format!("{base}::quantized"))?;
                         let spec = ShardSpec::unsharded(codes.global_shape.clone())?;
-                        pair_cache = Some((
-                            base.to_string(),
-                            ck.read_quant8(base, &spec, codes.dtype == DType::I8)?,
-                        ));
+                        let q = ck.read_quant8(base, &spec, codes.dtype == DType::I8)?;
+                        if !q.exact {
+                            requantized.push(base.to_string());
+                        }
+                        pair_cache = Some((base.to_string(), q));
                     }
                     let q = &pair_cache.as_ref().unwrap().1;
                     if e.name.ends_with("::quantized") {
@@ -125,6 +130,7 @@ pub fn consolidate(
         index: index_path,
         keys: entries.len(),
         bytes: total,
+        requantized,
     })
 }
 

@@ -32,6 +32,7 @@ pub mod collective;
 pub mod commit;
 pub mod consolidate;
 pub mod format;
+pub mod full;
 pub mod info;
 pub mod optim;
 pub mod pack;

@@ -233,6 +233,7 @@ pub(super) fn pack_options(opt: &Optimizer, o: &SaveOptions) -> PackOptions {
         param_groups: opt.param_groups_json(),
         extra: Value::Null,
         save_id: o.save_id.clone(),
+        keep_empty_keys: false,
     }
 }
 

@@ -94,6 +94,11 @@ pub struct PackOptions {
     /// Identical on every rank of one save (a step number, a UUID); a directory whose
     /// files carry different ids is refused on load. Empty: no check.
     pub save_id: String,
+    /// Keep keys whose global tensor holds no element: the coordinate at 0 writes one
+    /// empty tensor for each (torch's DCP writes them too), so the key survives. Off by
+    /// default: the optimizer drops empty params. `fo ckpt convert` sets it, so a
+    /// converted checkpoint holds every key of its source.
+    pub keep_empty_keys: bool,
 }
 
 impl PackOptions {
@@ -106,6 +111,7 @@ impl PackOptions {
             param_groups: Value::Array(vec![]),
             extra: Value::Null,
             save_id: String::new(),
+            keep_empty_keys: false,
         }
     }
 }
@@ -226,7 +232,17 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
             Layout::Elementwise => {
                 (fo_key.mesh, fo_key.placements) = placement_names(&e.spec);
                 let (owner, global_shape, boxes) = match &e.spec {
+                    Some(s) if opts.keep_empty_keys && s.global_shape().contains(&0) => (
+                        s.coord().iter().all(|&c| c == 0),
+                        s.global_shape().to_vec(),
+                        vec![empty_box(s.global_shape())],
+                    ),
                     Some(s) => (is_owner(s), s.global_shape().to_vec(), s.chunks()),
+                    None if opts.keep_empty_keys && e.local_shape.contains(&0) => (
+                        write_unsharded,
+                        e.local_shape.clone(),
+                        vec![empty_box(&e.local_shape)],
+                    ),
                     None => {
                         let whole = crate::shard::Chunk {
                             local_offset: vec![0; e.local_shape.len()],
@@ -287,7 +303,9 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
                     write_unsharded
                 };
                 let (offset, total) = scales_offset(&spec);
-                if owner && g > 0 {
+                let keep =
+                    opts.keep_empty_keys && total == 0 && spec.coord().iter().all(|&c| c == 0);
+                if owner && (g > 0 || keep) {
                     chunks.push(ChunkMeta {
                         name: e.key.clone(),
                         part: 0,
@@ -305,6 +323,15 @@ pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
         keys.insert(e.key.clone(), fo_key);
     }
     Ok(Plan { chunks, keys })
+}
+
+/// The one box of a key with no element: its whole (empty) global shape at offset 0.
+fn empty_box(shape: &[usize]) -> crate::shard::Chunk {
+    crate::shard::Chunk {
+        local_offset: vec![0; shape.len()],
+        global_offset: vec![0; shape.len()],
+        shape: shape.to_vec(),
+    }
 }
 
 /// The bytes of one chunk: borrowed when it is the whole local tensor, else gathered.
@@ -452,5 +479,20 @@ mod tests {
         ];
         let p = Packed::new(entries, PackOptions::new(0, 1)).unwrap();
         assert_eq!(p.plan.chunks.len(), 1);
+    }
+
+    #[test]
+    fn keep_empty_keys_writes_one_empty_tensor_from_coordinate_zero() {
+        let e = Tensor::zeros(DType::F32, vec![0, 4]);
+        for rank in 0..2 {
+            let s = spec(&[0, 4], &[2], &[rank], &[Shard(0)]);
+            let mut o = PackOptions::new(rank, 2);
+            o.keep_empty_keys = true;
+            let p = Packed::new(vec![StateEntry::new("empty", e.clone(), Some(s))], o).unwrap();
+            assert_eq!(p.plan.chunks.len(), usize::from(rank == 0), "rank {rank}");
+            if rank == 0 {
+                assert_eq!(p.plan.chunks[0].shape, vec![0, 4]);
+            }
+        }
     }
 }

@@ -68,7 +68,22 @@ impl Checkpoint {
     /// (`validate.rs`): the committed save's files (or, with no commit record, every shard
     /// file), each header's digest, fo's metadata against the header and DCP's sharding
     /// info, one save across files, and every element of every key saved exactly once.
+    ///
+    /// A safetensors file, or a directory holding only a consolidated file, opens as
+    /// one full tensor per key (`full.rs`).
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if let Some(path) = super::full::single_file(dir)? {
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            let keys = super::full::keys(&path, &file)?;
+            return Ok(Checkpoint {
+                dir: dir.to_path_buf(),
+                files: vec![path],
+                handles: vec![file],
+                block_bytes: vec![0],
+                keys,
+                meta: None,
+            });
+        }
         let (paths, commit) = match read_commit(dir)? {
             Some(c) => (committed_files(dir, &c)?, Some(c)),
             None => (legacy_files(dir)?, None),

@@ -199,10 +199,8 @@ pub fn run(o: &Opts) -> Result<(), String> {
         }
         let s = step_time(o.n, Algorithm::AdamW, false, Arithmetic::Exact, o.iters)?;
         row("fo fp32 AdamW", o.n, s, c, torch);
-        for (name, a) in algs {
-            if !o.algs.iter().any(|x| {
-                name.to_lowercase().starts_with(&format!("{x} ")) || name.eq_ignore_ascii_case(x)
-            }) {
+        for ((name, a), short) in algs.into_iter().zip(super::bench_step::ALGS) {
+            if !o.algs.iter().any(|x| x.eq_ignore_ascii_case(short)) {
                 continue;
             }
             for &arith in &o.modes {

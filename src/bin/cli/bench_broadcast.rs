@@ -122,25 +122,31 @@ fn mib(b: u64) -> f64 {
   fo bench broadcast                    1 GiB over 4 ranks
   fo bench broadcast --ranks 8 --size-mib 256 --tensors 4")]
 pub struct BroadcastArgs {
-    /// In-process ranks.
-    #[arg(long, default_value_t = 4)]
-    pub ranks: usize,
-    /// Size of rank 0's state dict in MiB.
-    #[arg(long, default_value_t = 1024)]
-    pub size_mib: usize,
-    /// Number of f32 tensors it is split into.
-    #[arg(long, default_value_t = 16)]
-    pub tensors: usize,
+    /// In-process ranks, 1..=1024.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=super::args::MAX_RANKS as i64))]
+    pub ranks: u16,
+    /// Size of rank 0's state dict in MiB (>= 1).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    pub size_mib: u64,
+    /// Number of f32 tensors it is split into (1..=65536).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub tensors: u32,
 }
 
 pub fn run(a: &BroadcastArgs) -> Result<(), String> {
-    let (ranks, size_mib, tensors) = (a.ranks, a.size_mib, a.tensors);
-    if ranks == 0 || tensors == 0 || size_mib == 0 {
-        return Err("--ranks, --tensors and --size-mib must be >= 1".into());
-    }
+    let (ranks, size_mib, tensors) = (a.ranks as usize, a.size_mib as usize, a.tensors as usize);
     let cols = 4096usize;
     let rows = ((size_mib << 20) / 4 / cols / tensors).max(1);
     let total = (tensors * rows * cols * 4) as u64;
+    // Rank 0's state dict and its copy, every rank's shards, and the full broadcast's
+    // per-tensor receive buffers on every rank.
+    let need = total
+        .checked_mul(3)
+        .and_then(|x| x.checked_add((total / tensors as u64).checked_mul(ranks as u64)?));
+    super::mem::check_memory(
+        need,
+        &format!("--size-mib {size_mib} --ranks {ranks} --tensors {tensors}"),
+    )?;
     println!(
         "fo bench broadcast: {tensors} f32 tensors of [{rows}, {cols}] = {:.1} MiB, Shard(0) over {ranks} in-process ranks",
         mib(total)

@@ -11,6 +11,7 @@ use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
 
+use super::bench_dir::{BenchDir, MARKER};
 use super::progress;
 
 const COLS: usize = 4096;
@@ -41,8 +42,11 @@ fn spec(rows: usize, world: usize, rank: usize) -> ShardSpec {
 
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| e.ok()?.metadata().ok())
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != MARKER)
+        .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum()
 }
@@ -56,47 +60,69 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
   fo bench ckpt                              2 GiB over 4 ranks in a temporary directory
   fo bench ckpt --size-mib 512 --rounds 5 --dir /mnt/nvme/fo-bench --keep
 
-Each round saves with fo (every rank's file in parallel, fsync'd) and writes the same bytes as
+--dir must be new, empty, or one an earlier run left with --keep; the benchmark removes what
+it wrote (and DIR, if it created it) unless --keep. Each round saves with fo (every rank's file in parallel, fsync'd) and writes the same bytes as
 one plain file (write + fsync), then reads both back cold (posix_fadvise DONTNEED first):
 fo on every rank at once, checksums verified, and resharded onto ranks - 1; the plain file
 sequentially. Rounds alternate which side goes first; medians over the rounds are reported.")]
 pub struct BenchCkptArgs {
-    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns).
-    #[arg(long, default_value_t = 2048)]
-    pub size_mib: usize,
-    /// In-process ranks saving and loading (Shard(0)).
-    #[arg(long, default_value_t = 4)]
-    pub ranks: usize,
+    /// Size of the optimizer state in MiB (8 f32 tensors of 4096 columns), >= 1.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    pub size_mib: u64,
+    /// In-process ranks saving and loading (Shard(0)), 1..=1024.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=super::args::MAX_RANKS as i64))]
+    pub ranks: u16,
     /// Seed of the data.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Directory to write into (default: a new one under the temporary directory).
+    /// Directory to write into: new, empty, or left by a run with --keep (default: a new
+    /// one under the temporary directory).
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
-    /// Keep the directory afterwards.
+    /// Keep what was written (the checkpoints) afterwards.
     #[arg(long)]
     pub keep: bool,
     /// Only measure the save.
     #[arg(long)]
     pub save_only: bool,
-    /// Rounds of fo and the baseline, interleaved; medians are reported.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Rounds of fo and the baseline, interleaved; medians are reported (1..=1000).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
 }
 
 pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
-    let (mib, world, seed) = (a.size_mib, a.ranks, a.seed);
-    let dir = a.dir.clone().unwrap_or_else(|| {
-        std::env::temp_dir().join(format!("fo-bench-ckpt-{}", std::process::id()))
-    });
+    let (mib, world, seed) = (a.size_mib as usize, a.ranks as usize, a.seed);
     let rows = (mib << 20) / 4 / COLS / TENSORS;
-    if rows == 0 || world == 0 {
-        return Err(format!(
-            "--size-mib {mib} --ranks {world}: need at least 1 MiB and 1 rank"
-        ));
-    }
     let bytes = (rows * COLS * 4 * TENSORS) as u64;
-    eprintln!("fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {:.2} GiB, Shard(0) over {world} in-process ranks, dir {}", bytes as f64 / (1u64 << 30) as f64, dir.display());
+    // In memory: every rank's state, its compressed copy and a full read back; on disk:
+    // the checkpoint, the plain file and the compressed checkpoint.
+    let what = format!("--size-mib {mib}");
+    super::mem::check_memory(bytes.checked_mul(3), &what)?;
+    let target = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    super::mem::check_disk(&target, bytes.checked_mul(5).map(|b| b / 2), &what)?;
+    let (bench_dir, guards) = BenchDir::open(a.dir.as_deref(), world, seed)?;
+    let result = bench(a, &bench_dir.dir, rows, bytes, world, seed);
+    if !a.keep || result.is_err() {
+        bench_dir.remove()?;
+    }
+    drop(guards);
+    result
+}
+
+fn bench(
+    a: &BenchCkptArgs,
+    dir: &Path,
+    rows: usize,
+    bytes: u64,
+    world: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let dir = dir.to_path_buf();
+    eprintln!(
+        "fo bench ckpt: {TENSORS} f32 tensors [{rows}, {COLS}] = {}, Shard(0) over {world} in-process ranks, dir {}",
+        super::ckpt::bytes(bytes),
+        dir.display()
+    );
     let packs: Vec<Packed> = (0..world)
         .map(|r| {
             let entries = (0..TENSORS)
@@ -218,12 +244,11 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     save(&cdir, &cpacks).map_err(|e| e.to_string())?;
     let compressed = dir_bytes(&cdir);
     println!(
-        "checkpoint size: portable {portable} bytes, compressed {compressed} bytes ({:.3}x)",
+        "checkpoint size: portable {} ({portable} bytes), compressed {} ({compressed} bytes), {:.3}x",
+        super::ckpt::bytes(portable),
+        super::ckpt::bytes(compressed),
         compressed as f64 / portable as f64
     );
-    if !a.keep {
-        std::fs::remove_dir_all(&dir).map_err(|e| e.to_string())?;
-    }
     Ok(())
 }
 

@@ -18,14 +18,14 @@ pub struct ClipArgs {
     /// Gradient elements (K and M suffixes: 16M = 16 * 2^20).
     #[arg(long, default_value = "16M")]
     pub size: Count,
-    /// Timed calls per case; the best is reported.
-    #[arg(long, default_value_t = 7)]
-    pub iters: usize,
+    /// Timed calls per case (1..=100000); the best is reported.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub iters: u32,
 }
 
-fn time(iters: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
-    let mut t = Vec::with_capacity(iters);
-    for _ in 0..iters.max(1) {
+fn time(iters: u32, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let mut t = Vec::new();
+    for _ in 0..iters {
         let s = Instant::now();
         f()?;
         t.push(s.elapsed().as_secs_f64());
@@ -34,8 +34,12 @@ fn time(iters: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, 
 }
 
 pub fn run(a: &ClipArgs) -> Result<(), String> {
-    let n = a.size.0.max(1);
-    let comm = Comm::local_group(1).pop().expect("one rank");
+    let n = a.size.0;
+    // f32 values, their bytes, the gradient and the copy's destination: 16 B/element.
+    super::mem::check_memory((n as u64).checked_mul(16), &format!("--size {n}"))?;
+    let comm = Comm::local_group(1)
+        .pop()
+        .ok_or("cannot create a one-rank group")?;
     println!(
         "fo_clip_grad_norm on one rank, {n} elements, best of {} calls:",
         a.iters
@@ -43,9 +47,10 @@ pub fn run(a: &ClipArgs) -> Result<(), String> {
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let vals = fill(n, 3, 1.0);
         let f32s: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        drop(vals);
         let mut g = fo::cast::cast(f32s, DType::F32, dtype, "bench").map_err(|e| e.to_string())?;
         let bytes = g.len();
-        let mut dst = vec![0u8; bytes];
+        let mut dst = super::mem::try_vec(bytes, &format!("--size {n}"), |_| 0u8)?;
         let copy = time(a.iters, || {
             dst.copy_from_slice(std::hint::black_box(&g));
             Ok(())
@@ -67,7 +72,8 @@ pub fn run(a: &ClipArgs) -> Result<(), String> {
                     .map_err(|e| e.to_string())
             })?;
             println!(
-                "  {dtype} {label:<17} {:8.2} ms  {:6.2} GB/s read  = {:.2}x a copy of the same bytes ({:.2} GB/s)",
+                "  {:<4} {label:<17} {:9.2} ms {:7.2} GB/s read = {:5.2}x a copy of the same bytes ({:.2} GB/s)",
+                dtype.to_string(),
                 secs * 1e3,
                 bytes as f64 / secs / 1e9,
                 copy / secs,

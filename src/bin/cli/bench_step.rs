@@ -7,7 +7,35 @@ use fo::optim::{set_num_threads, threads, Algorithm, OptimConfig, Optimizer, Sta
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
-use super::args::{Count, Csv};
+use super::args::{non_empty_csv, positive_f64, Bounded, Count, Csv, MAX_RANKS};
+
+/// Thread counts: 1..=1024, the optimizer pool's limit.
+type Threads = Bounded<1, MAX_RANKS>;
+
+/// The algorithms of the arithmetic table, as `--algs` spells them.
+pub const ALGS: [&str; 4] = ["adamw", "adam", "lion", "sgd"];
+
+fn alg_list(s: &str) -> Result<Csv<String>, String> {
+    let v: Csv<String> = non_empty_csv(s)?;
+    for a in &v.0 {
+        if !ALGS.contains(&a.to_lowercase().as_str()) {
+            return Err(format!(
+                "unknown algorithm {a:?}: expected one of {}",
+                ALGS.join(", ")
+            ));
+        }
+    }
+    Ok(v)
+}
+
+fn arith_list(s: &str) -> Result<Csv<String>, String> {
+    let v: Csv<String> = non_empty_csv(s)?;
+    for m in &v.0 {
+        fo::optim::Arithmetic::from_name(m)
+            .map_err(|_| format!("unknown arithmetic {m:?}: expected exact or fast"))?;
+    }
+    Ok(v)
+}
 
 /// Bytes moved per parameter: fp32 AdamW reads p, g, m, v and writes p, m, v (4 bytes
 /// each); the compressed step reads bf16 p and g, int8 m, uint8 v, int8 error bits and
@@ -160,17 +188,17 @@ fn row(label: &str, n: usize, secs: f64, bytes: f64, ceiling_rate: f64) {
 pub struct StepArgs {
     /// Parameter counts, comma-separated (K and M suffixes) [default: 1M,16M,64M; the
     /// arithmetic table uses the largest, 16M unless given].
-    #[arg(long, value_name = "N,..")]
+    #[arg(long, value_name = "N,..", value_parser = non_empty_csv::<Count>)]
     pub sizes: Option<Csv<Count>>,
-    /// Thread counts to run each size on, comma-separated [default: 1,2; the arithmetic
-    /// table: 1].
-    #[arg(long, value_name = "T,..")]
-    pub threads: Option<Csv<usize>>,
-    /// The largest size is also run split into this many tensors.
-    #[arg(long, default_value_t = 200)]
-    pub tensors: usize,
+    /// Thread counts (1..=1024) to run each size on, comma-separated [default: 1,2; the
+    /// arithmetic table: 1].
+    #[arg(long, value_name = "T,..", value_parser = non_empty_csv::<Threads>)]
+    pub threads: Option<Csv<Threads>>,
+    /// The largest size is also run split into this many tensors (1: not split).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub tensors: u32,
     /// Parameters stepped per case in total (sets the number of timed steps, 3..=50).
-    #[arg(long, default_value_t = 6.4e8)]
+    #[arg(long, default_value_t = 6.4e8, value_parser = positive_f64)]
     pub iters_params: f64,
     /// Run only one table (profiling one kernel): fp32, compressed, or arith (exact vs fast).
     #[arg(long, default_value = "all", value_parser = ["all", "fp32", "compressed", "arith"])]
@@ -178,14 +206,14 @@ pub struct StepArgs {
     /// A python with torch for the fused fp32 AdamW baseline [default: $FO_TORCH_PYTHON].
     #[arg(long, value_name = "PYTHON")]
     pub torch: Option<String>,
-    /// Arithmetic table: best of this many timed steps.
-    #[arg(long, default_value_t = 10)]
-    pub iters: usize,
-    /// Arithmetic table: algorithms, comma-separated.
-    #[arg(long, default_value = "adamw,adam,lion,sgd", value_name = "A,..")]
+    /// Arithmetic table: best of this many timed steps (1..=100000).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub iters: u32,
+    /// Arithmetic table: algorithms, comma-separated (adamw, adam, lion, sgd).
+    #[arg(long, default_value = "adamw,adam,lion,sgd", value_name = "A,..", value_parser = alg_list)]
     pub algs: Csv<String>,
-    /// Arithmetic table: modes, comma-separated.
-    #[arg(long, default_value = "exact,fast", value_name = "M,..")]
+    /// Arithmetic table: modes, comma-separated (exact, fast).
+    #[arg(long, default_value = "exact,fast", value_name = "M,..", value_parser = arith_list)]
     pub arithmetic: Csv<String>,
 }
 
@@ -194,13 +222,24 @@ pub fn run(a: &StepArgs) -> Result<(), String> {
         Some(s) => s.0.iter().map(|c| c.0).collect(),
         None => vec![1 << 20, 16 << 20, 64 << 20],
     };
-    let thread_counts: Vec<usize> = a.threads.as_ref().map_or(vec![1, 2], |t| t.0.clone());
-    let tensors = a.tensors;
+    let thread_counts: Vec<usize> = a
+        .threads
+        .as_ref()
+        .map_or(vec![1, 2], |t| t.0.iter().map(|x| x.0).collect());
+    let tensors = a.tensors as usize;
     let budget = a.iters_params;
     let only = a.only.as_str();
-    if sizes.is_empty() || thread_counts.is_empty() {
-        return Err("--sizes and --threads need at least one value".into());
+    let largest = sizes.iter().copied().max().unwrap_or(1);
+    if tensors > largest {
+        return Err(format!(
+            "--tensors {tensors}: more tensors than the largest --sizes value ({largest} params)"
+        ));
     }
+    // fp32 AdamW holds params, grads and two moments (16 B/param) plus its fill buffers.
+    let flag = a.sizes.as_ref().map_or("fo bench step".to_string(), |_| {
+        format!("--sizes {largest}")
+    });
+    super::mem::check_memory((largest as u64).checked_mul(20), &flag)?;
     if only == "arith" {
         return super::bench_arith::run(&arith_opts(a, &sizes)?);
     }
@@ -272,8 +311,11 @@ fn arith_opts(a: &StepArgs, sizes: &[usize]) -> Result<super::bench_arith::Opts,
         } else {
             1 << 24
         },
-        threads: a.threads.as_ref().map_or(vec![1], |t| t.0.clone()),
-        iters: a.iters,
+        threads: a
+            .threads
+            .as_ref()
+            .map_or(vec![1], |t| t.0.iter().map(|x| x.0).collect()),
+        iters: a.iters as usize,
         modes: a
             .arithmetic
             .0

@@ -2,7 +2,8 @@
 //! mesh, and/or change its format, through the library's reader (any saved sharding to
 //! any destination shard, quant8 requantized in the destination's groups) and its
 //! streaming writer (one entry of one rank in memory at a time). DST appears whole or
-//! not at all: everything is written into a staging directory beside it, then renamed.
+//! not at all (`dst.rs`), and holds every key of SRC: the converter counts them.
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
@@ -11,8 +12,8 @@ use fo::ckpt::{save_streaming, Checkpoint};
 use fo::shard::{rank_to_coord, Placement, ShardSpec};
 use fo::{DType, Tensor};
 
-use super::args::Csv;
-use super::progress;
+use super::args::{Csv, MAX_RANKS};
+use super::{dst, progress};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -26,9 +27,12 @@ pub enum Format {
 #[command(
     after_help = "Every key with at least one dim is sharded over the new mesh with --placements (default
 Shard(0) on every mesh dim; a placement naming a dim a key lacks becomes Replicate for that
-key); 0-dim keys (step) are saved once. Moments keep their format unless --to says otherwise;
-quant8 moments saved in another sharding are requantized in the new groups (error bound in
-docs/checkpoints.md). DST must not exist or be empty, unless --force replaces it.
+key, a dim no key has is refused); 0-dim keys (step) are saved once, keys with no element
+are kept. Moments keep their format unless --to says otherwise; quant8 moments saved in
+another sharding are requantized in the new groups and named on stderr (error bound in
+docs/checkpoints.md). SRC may be a sharded directory, a consolidated directory or one
+.safetensors file. DST must not exist or be empty, unless --force replaces it; it is never
+SRC, inside SRC, or a directory holding SRC. World sizes: 1..=1024 ranks.
 
 Examples:
   fo ckpt convert ckpt/step-1000 ckpt/step-1000-3r --ranks 3
@@ -44,11 +48,11 @@ pub struct ConvertArgs {
     /// The format of the moments in DST (default: as in SRC).
     #[arg(long, value_enum)]
     pub to: Option<Format>,
-    /// World size of DST (default: SRC's, or the product of --mesh).
-    #[arg(long)]
-    pub ranks: Option<usize>,
-    /// Mesh shape of DST (default: [ranks]).
-    #[arg(long, value_name = "M0,M1,..")]
+    /// World size of DST, 1..=1024 (default: SRC's, or the product of --mesh).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=MAX_RANKS as i64))]
+    pub ranks: Option<u16>,
+    /// Mesh shape of DST (default: [ranks]); its product is 1..=1024.
+    #[arg(long, value_name = "M0,M1,..", value_parser = super::args::non_empty_csv::<usize>)]
     pub mesh: Option<Csv<usize>>,
     /// Placements of DST, one per mesh dim: R, P, S<dim>, SS<dim>:<sf>.
     #[arg(long, value_name = "P0,P1,..")]
@@ -139,55 +143,127 @@ fn spec_for(
         .map_err(|e| e.to_string())
 }
 
-pub fn run(a: &ConvertArgs) -> Result<(), String> {
-    let ck = Checkpoint::open(&a.src).map_err(|e| e.to_string())?;
-    let src_world = ck.meta.as_ref().map_or(ck.files.len(), |m| m.world_size);
-    let mesh = match (&a.mesh, a.ranks) {
+/// The mesh and placements of DST, checked against the user's flags (errors name them).
+fn layout(
+    a: &ConvertArgs,
+    src_world: usize,
+    max_ndim: usize,
+) -> Result<(Vec<usize>, Vec<Placement>), String> {
+    let mesh = match (&a.mesh, a.ranks.map(usize::from)) {
         (Some(m), Some(r)) if m.0.iter().product::<usize>() != r => {
             return Err(format!(
-                "--mesh {:?} holds {} ranks, --ranks says {r}",
-                m.0,
+                "--mesh {} holds {} ranks, not --ranks {r}",
+                csv(&m.0),
                 m.0.iter().product::<usize>()
             ))
         }
         (Some(m), _) => m.0.clone(),
         (None, r) => vec![r.unwrap_or(src_world)],
     };
+    let spelled = || a.mesh.as_ref().map(|m| csv(&m.0));
+    if mesh.contains(&0)
+        || mesh
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none_or(|n| n > MAX_RANKS)
+    {
+        return Err(match spelled() {
+            Some(m) => format!("--mesh {m}: every size must be >= 1 and their product 1..={MAX_RANKS}"),
+            None => format!(
+                "SRC was saved by {src_world} ranks, more than the {MAX_RANKS} fo writes: give --ranks"
+            ),
+        });
+    }
     let placements = a
         .placements
         .as_ref()
         .map_or_else(|| vec![Placement::Shard(0); mesh.len()], |p| p.0.clone());
-    if mesh.is_empty() || mesh.contains(&0) || placements.len() != mesh.len() {
+    if placements.len() != mesh.len() {
         return Err(format!(
-            "--mesh {mesh:?} needs positive sizes and one placement per mesh dim (got {})",
-            placements.len()
+            "--placements {}: {} placement(s) for a mesh of {} dim(s) ({}); give one per mesh dim",
+            placements
+                .iter()
+                .map(fo::ckpt::pack::placement_code)
+                .collect::<Vec<_>>()
+                .join(","),
+            placements.len(),
+            mesh.len(),
+            spelled().map_or_else(|| format!("--ranks {}", mesh[0]), |m| format!("--mesh {m}"))
         ));
     }
+    for p in &placements {
+        if let Placement::Shard(d) | Placement::StridedShard { dim: d, .. } = p {
+            if *d >= max_ndim {
+                return Err(format!(
+                    "--placements {}: no key of SRC has dim {d} (its keys have at most {max_ndim} dim(s))",
+                    fo::ckpt::pack::placement_code(p)
+                ));
+            }
+        }
+    }
+    Ok((mesh, placements))
+}
+
+fn csv(v: &[usize]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The raw keys DST must hold for `items`.
+fn expected_keys(items: &[Item]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for it in items {
+        if it.quant.is_some() {
+            out.insert(format!("{}::quantized", it.key));
+            out.insert(format!("{}::scales", it.key));
+        } else {
+            out.insert(it.key.clone());
+        }
+    }
+    out
+}
+
+/// Fails unless the written checkpoint `stage` opens and holds exactly `want`'s keys.
+fn check_written(stage: &Path, want: &BTreeSet<String>) -> Result<(), String> {
+    let ck = Checkpoint::open(stage)
+        .map_err(|e| format!("the converted checkpoint does not open: {e}"))?;
+    let got: BTreeSet<String> = ck.keys.keys().cloned().collect();
+    if &got != want {
+        let missing: Vec<&String> = want.difference(&got).collect();
+        let extra: Vec<&String> = got.difference(want).collect();
+        return Err(format!(
+            "internal error: the converted checkpoint holds {} keys, {} expected (missing {missing:?}, unexpected {extra:?}); nothing written",
+            got.len(),
+            want.len()
+        ));
+    }
+    Ok(())
+}
+
+pub fn run(a: &ConvertArgs) -> Result<(), String> {
+    let ck = Checkpoint::open(&a.src).map_err(|e| e.to_string())?;
+    let src_world = ck.meta.as_ref().map_or(ck.files.len(), |m| m.world_size);
+    let max_ndim = ck
+        .keys
+        .values()
+        .map(|k| k.global_shape.len())
+        .max()
+        .unwrap_or(0);
+    let (mesh, placements) = layout(a, src_world, max_ndim.max(1))?;
     let world: usize = mesh.iter().product();
     let items = items(&ck, a.to)?;
-    let stage = prepare_dst(&a.dst, a.force)?;
-    let result = write(&ck, &items, &mesh, &placements, &stage, a.to);
-    if let Err(e) = result.and_then(|_| {
-        Checkpoint::open(&stage)
-            .map(drop)
-            .map_err(|e| e.to_string())
-    }) {
-        let _ = std::fs::remove_dir_all(&stage);
-        return Err(e);
-    }
-    publish(&stage, &a.dst)?;
-    let empty: Vec<&str> = items
-        .iter()
-        .filter(|i| !i.shape.is_empty() && i.shape.contains(&0))
-        .map(|i| i.key.as_str())
-        .collect();
-    if !empty.is_empty() {
-        // fo's format stores no chunk for a 0-element shard, so a key with no element at all
-        // leaves no trace in the files.
+    let want = expected_keys(&items);
+    let stage = dst::prepare(&a.src, &a.dst, a.force, "convert")?;
+    let requantized = write(&ck, &items, &mesh, &placements, &stage.dir, a.to)?;
+    check_written(&stage.dir, &want)?;
+    stage.publish()?;
+    if !requantized.is_empty() {
         eprintln!(
-            "note: {} key(s) with no elements are not stored: {}",
-            empty.len(),
-            empty.join(", ")
+            "note: {} compressed key(s) requantized, because DST's groups of 32 elements are not the groups SRC saved them in (error bound in docs/checkpoints.md): {}",
+            requantized.len(),
+            requantized.join(", ")
         );
     }
     let mode = if items.iter().any(|i| i.quant.is_some()) {
@@ -198,7 +274,7 @@ pub fn run(a: &ConvertArgs) -> Result<(), String> {
     println!(
         "wrote {} ({} keys, {world} ranks, mesh {mesh:?}, placements [{}], {mode})",
         a.dst.display(),
-        items.len(),
+        want.len(),
         placements
             .iter()
             .map(|p| p.to_string())
@@ -215,8 +291,9 @@ fn write(
     placements: &[Placement],
     stage: &Path,
     to: Option<Format>,
-) -> Result<(), String> {
+) -> Result<Vec<String>, String> {
     let world: usize = mesh.iter().product();
+    let mut requantized = BTreeSet::new();
     let total: u64 = items
         .iter()
         .map(|i| (i.shape.iter().product::<usize>() * i.dtype.size()) as u64)
@@ -294,6 +371,7 @@ fn write(
             opts.extra = m.extra.clone();
         }
         opts.save_id = save_id.clone();
+        opts.keep_empty_keys = true;
         // Codes and scales of one key come from one requantization: keep the last.
         let mut cache: Option<(usize, fo::ckpt::Quant8)> = None;
         let mut fetch = |e: usize| -> fo::Result<Tensor> {
@@ -307,7 +385,11 @@ fn write(
                 None => ck.read(&it.key, dest)?,
                 Some(signed) => {
                     if cache.as_ref().map(|c| c.0) != Some(n) {
-                        cache = Some((n, ck.read_quant8(&it.key, dest, signed)?));
+                        let q = ck.read_quant8(&it.key, dest, signed)?;
+                        if !q.exact && it.src_compressed {
+                            requantized.insert(it.key.clone());
+                        }
+                        cache = Some((n, q));
                     }
                     let q = &cache.as_ref().unwrap().1;
                     if part == 0 {
@@ -325,7 +407,7 @@ fn write(
         save_streaming(stage, &metas, &opts, &mut fetch).map_err(|e| e.to_string())?;
     }
     pb.finish_and_clear();
-    Ok(())
+    Ok(requantized.into_iter().collect())
 }
 
 fn meta_of(
@@ -342,58 +424,4 @@ fn meta_of(
         spec,
         layout,
     }
-}
-
-/// Refuses a non-empty `dst` without `force`; returns a fresh staging directory beside it.
-fn prepare_dst(dst: &Path, force: bool) -> Result<PathBuf, String> {
-    let non_empty = std::fs::read_dir(dst)
-        .map(|mut d| d.next().is_some())
-        .unwrap_or(false);
-    if non_empty && !force {
-        return Err(format!(
-            "{} exists and is not empty (--force replaces it)",
-            dst.display()
-        ));
-    }
-    if dst.exists() && !dst.is_dir() {
-        return Err(format!("{} exists and is not a directory", dst.display()));
-    }
-    let parent = dst
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = dst
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| format!("{}: no directory name", dst.display()))?;
-    let stage = parent.join(format!(".{name}.convert-{}", std::process::id()));
-    std::fs::create_dir_all(&stage)
-        .map_err(|e| format!("cannot create {}: {e}", stage.display()))?;
-    Ok(stage)
-}
-
-/// Moves the finished staging directory to `dst`; a replaced `dst` is removed only after
-/// the new one is in place.
-fn publish(stage: &Path, dst: &Path) -> Result<(), String> {
-    let old = stage.with_extension("old");
-    let had = dst.exists();
-    if had {
-        std::fs::rename(dst, &old)
-            .map_err(|e| format!("cannot move {} aside: {e}", dst.display()))?;
-    }
-    if let Err(e) = std::fs::rename(stage, dst) {
-        if had {
-            let _ = std::fs::rename(&old, dst);
-        }
-        return Err(format!(
-            "cannot rename {} to {}: {e}",
-            stage.display(),
-            dst.display()
-        ));
-    }
-    if had {
-        std::fs::remove_dir_all(&old)
-            .map_err(|e| format!("cannot remove the replaced {}: {e}", old.display()))?;
-    }
-    Ok(())
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use serde_json::{json, Value};
 
+use super::args::non_negative_f64;
 use super::ckpt_source::{LogicalKey, Source, SLAB_ELEMS};
 use super::progress;
 
@@ -12,8 +13,10 @@ use super::progress;
     after_help = "An element is within tolerance when |a - b| <= atol + rtol * |b| (torch.allclose; NaN equals
 NaN). A and B may be sharded checkpoint directories (any world size, mesh or placements), a
 consolidated directory, or one .safetensors file. Compressed (quant8) state is compared as
-its dequantized values. Exit status: 0 every key within tolerance, 1 a key differs or is
-missing on one side, 2 bad usage.
+its dequantized values. The report (table and summary line, or --json) goes to stdout, and
+nothing to stderr unless a checkpoint cannot be read. Exit status: 0 every key within
+tolerance, 1 a key differs or is missing on one side (or a checkpoint cannot be read), 2 bad
+usage.
 
 Examples:
   fo ckpt diff ckpt/step-1000 ckpt/step-1000-on-3-ranks
@@ -25,17 +28,18 @@ pub struct DiffArgs {
     pub a: PathBuf,
     /// The second checkpoint, the reference of the relative difference.
     pub b: PathBuf,
-    /// Relative tolerance.
-    #[arg(long, default_value_t = 0.0)]
+    /// Relative tolerance (>= 0).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative_f64)]
     pub rtol: f64,
-    /// Absolute tolerance.
-    #[arg(long, default_value_t = 0.0)]
+    /// Absolute tolerance (>= 0).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = non_negative_f64)]
     pub atol: f64,
     /// One JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
     /// Elements read per slab and side (bounds memory; tests make it tiny).
-    #[arg(long, default_value_t = SLAB_ELEMS, hide = true)]
+    #[arg(long, default_value_t = SLAB_ELEMS, hide = true,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=SLAB_ELEMS as u64))]
     pub slab_elems: usize,
 }
 
@@ -100,12 +104,6 @@ fn num(x: f64) -> Value {
 }
 
 pub fn run(a: &DiffArgs) -> Result<(), String> {
-    if !(a.rtol >= 0.0 && a.atol >= 0.0) {
-        return Err(format!(
-            "--rtol {} --atol {}: tolerances must be >= 0",
-            a.rtol, a.atol
-        ));
-    }
     let (sa, sb) = (Source::open(&a.a)?, Source::open(&a.b)?);
     let (ka, kb) = (sa.keys(), sb.keys());
     let mut names: Vec<&String> = ka.keys().chain(kb.keys()).collect();
@@ -163,11 +161,12 @@ pub fn run(a: &DiffArgs) -> Result<(), String> {
         a.rtol,
         a.atol
     );
-    if differing > 0 {
-        return Err(summary);
-    }
     if !a.json {
         println!("{summary}");
+    }
+    if differing > 0 {
+        // Reported on stdout: exit 1 with nothing more to say.
+        return Err(super::REPORTED.into());
     }
     Ok(())
 }

@@ -1,16 +1,33 @@
 //! Subcommand dispatch (clap derive). Each subcommand lives in its own file, next to the
 //! clap `Args` struct its `run` takes.
+
+// `println!` and `eprintln!` are shadowed for every command (macros defined before the
+// modules below are in scope there): std's panic when stdout or stderr cannot be written
+// (`fo shard ... > /dev/full`); these record the first stdout error, which `main` reports
+// as a one-line error with exit status 1, and drop stderr errors (nowhere to report them).
+macro_rules! println {
+    ($($t:tt)*) => { $crate::cli::out::line(format_args!($($t)*)) };
+}
+macro_rules! eprintln {
+    ($($t:tt)*) => { $crate::cli::out::err_line(format_args!($($t)*)) };
+}
+
 mod args;
 mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
 mod bench_clip;
+mod bench_dir;
 mod bench_step;
 mod ckpt;
 mod ckpt_convert;
 mod ckpt_diff;
 mod ckpt_source;
+pub mod cleanup;
 mod demo;
+mod dst;
+mod mem;
+pub mod out;
 pub mod progress;
 mod selftest;
 #[cfg(feature = "cuda")]
@@ -87,6 +104,29 @@ pub enum BenchCommand {
     /// fo_clip_grad_norm on host gradients (norm, norm + scale) vs a copy of the same bytes.
     Clip(bench_clip::ClipArgs),
 }
+
+/// Parses the command line. Every command takes negative numbers as values, so
+/// `--steps -1` is refused for its value by the flag's range check ("-1 is not in
+/// 12..=100000"), not taken for an unknown flag (no flag of fo is a dash and a digit).
+pub fn parse() -> Cli {
+    fn allow_negatives(c: clap::Command) -> clap::Command {
+        let names: Vec<String> = c
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .collect();
+        names
+            .into_iter()
+            .fold(c.allow_negative_numbers(true), |c, n| {
+                c.mut_subcommand(n, allow_negatives)
+            })
+    }
+    let matches = allow_negatives(Cli::command()).get_matches();
+    <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// The error of a command that already reported its outcome on stdout and only needs exit
+/// status 1 (`fo ckpt diff` found a difference): `main` prints nothing more.
+pub const REPORTED: &str = "";
 
 pub fn run(cli: Cli) -> Result<(), String> {
     progress::set_quiet(cli.quiet);

@@ -17,14 +17,15 @@ use super::args::Count;
   fo selftest                     GPU vs CPU bits for every rule x format, then GPU speed
   fo selftest --device 1 --size 16M")]
 pub struct SelftestArgs {
-    /// The CUDA device to test.
-    #[arg(long, default_value_t = 0)]
+    /// The CUDA device to test (>= 0).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..))]
     pub device: i32,
     /// Parameters per throughput case (K and M suffixes), in 64 equal tensors.
     #[arg(long, default_value = "64M")]
     pub size: Count,
-    /// Timed steps per throughput case (the best one counts).
-    #[arg(long, default_value_t = 5)]
+    /// Timed steps per throughput case (the best one counts), 1..=100000.
+    #[arg(long, default_value_t = 5,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub iters: usize,
 }
 

@@ -1,0 +1,111 @@
+//! Opening one full safetensors file as a checkpoint: fo's consolidated output
+//! (`DIR/model-00001-of-00001.safetensors`), torch's consolidated `full.safetensors`, or
+//! any safetensors file given by path. Every tensor is its key's whole global tensor
+//! (one chunk at offset 0); a compressed pair `K::quantized` + `K::scales` is FlashOptim's
+//! unsharded layout (one scale per 32 elements of the full tensor), described as saved
+//! unsharded so every reader path (`read_f32`, `read_quant8`) maps scales to groups.
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use super::consolidate::CONSOLIDATED_FILE;
+use super::format::{parse_part_file_name, parse_shard_file_name, read_header, FoKey};
+use super::reader::{Checkpoint, KeyInfo, SavedChunk};
+use crate::error::{Error, Result};
+
+/// The full file `path` names: `path` itself when it is a file, or a directory's
+/// consolidated file when the directory holds no shard files. None: a sharded directory.
+pub fn single_file(path: &Path) -> Result<Option<PathBuf>> {
+    if path.is_file() {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if parse_shard_file_name(name).is_some() || parse_part_file_name(name).is_some() {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            return Err(Error::invalid(
+                "path",
+                format!(
+                    "{} is one shard file of a sharded checkpoint: give its directory {}",
+                    path.display(),
+                    dir.display()
+                ),
+            ));
+        }
+        return Ok(Some(path.to_path_buf()));
+    }
+    let full = path.join(CONSOLIDATED_FILE);
+    if !full.is_file() {
+        return Ok(None);
+    }
+    let sharded = std::fs::read_dir(path)
+        .map_err(|e| Error::io(path, e))?
+        .filter_map(|e| e.ok())
+        .any(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                parse_shard_file_name(n).is_some() || n == super::commit::COMMIT_FILE
+            })
+        });
+    Ok((!sharded).then_some(full))
+}
+
+/// The keys of the full file `path`, each one chunk covering its global shape.
+pub(super) fn keys(path: &Path, file: &File) -> Result<BTreeMap<String, KeyInfo>> {
+    let h = read_header(path, file)?;
+    if h.metadata.contains_key("fo") || h.metadata.contains_key("DCP_SHARDING_INFO") {
+        return Err(Error::corrupt(
+            path,
+            "carries sharding metadata: it is one rank's file of a sharded checkpoint, not a full one (give the checkpoint's directory)",
+        ));
+    }
+    let names: Vec<&str> = h.tensors.iter().map(|t| t.name.as_str()).collect();
+    let has = |k: &str| names.contains(&k);
+    let mut keys = BTreeMap::new();
+    for t in &h.tensors {
+        let unsharded = |scales_of: Option<String>| FoKey {
+            mesh: vec![1],
+            placements: vec!["R".into()],
+            group_scales_of: scales_of,
+        };
+        let fo = match (
+            t.name.strip_suffix("::quantized"),
+            t.name.strip_suffix("::scales"),
+        ) {
+            (Some(b), _) if has(&format!("{b}::scales")) => Some(unsharded(None)),
+            (_, Some(b)) if has(&format!("{b}::quantized")) => {
+                Some(unsharded(Some(format!("{b}::quantized"))))
+            }
+            _ => None,
+        };
+        let numel: usize = t.shape.iter().product();
+        let chunks = if numel == 0 {
+            vec![]
+        } else {
+            vec![SavedChunk {
+                file: 0,
+                name: t.name.clone(),
+                global_offset: vec![0; t.shape.len()],
+                shape: t.shape.clone(),
+                data_start: h.data_start + t.start,
+                nbytes: (t.end - t.start) as usize,
+                checksums: None,
+                bind: 0,
+            }]
+        };
+        keys.insert(
+            t.name.clone(),
+            KeyInfo {
+                key: t.name.clone(),
+                dtype: t.dtype,
+                global_shape: t.shape.clone(),
+                chunks,
+                fo,
+            },
+        );
+    }
+    Ok(keys)
+}
+
+impl Checkpoint {
+    /// Whether this checkpoint is one full safetensors file (consolidated).
+    pub fn is_single_file(&self) -> bool {
+        self.files.len() == 1 && single_file(&self.dir).ok().flatten().is_some()
+    }
+}
