@@ -211,11 +211,32 @@ pub unsafe fn broadcast_state_dict_checked(
     }
     // 6. write only when every rank has everything.
     stats.control_bytes += 8;
-    agree(comm, cast_err.map_or(Ok(()), Err))?;
+    let stream = comm.stream();
+    let local = cast_err
+        .map_or(Ok(()), Err)
+        .and_then(|()| check_dest_streams(&dests, stream));
+    agree(comm, local)?;
     for (d, b) in received {
-        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, 0)?;
+        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
     }
     Ok(stats)
+}
+
+/// Checks, before anything is written, that every device destination's device takes
+/// `stream` (the communicator's), so a bad one fails every rank and writes nothing.
+fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
+    for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0 && stream != 0) {
+        // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
+        unsafe { crate::optim::gpu::backend::backend(d.device)?.check_stream(stream) }.map_err(
+            |e| match e {
+                Error::InvalidArgument { reason, .. } => {
+                    Error::invalid("stream", format!("dests[{i}] (device {}): {reason}", d.device))
+                }
+                e => e,
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Moves one entry to this rank, in rank 0's dtype. `src`: rank 0's row-major bytes.
@@ -331,6 +352,7 @@ mod tests {
             .unwrap();
         }
         assert_eq!(host, src);
+        emulated::synchronize_all();
         assert_eq!(dev, host);
         let mut wide = vec![0f32; 24];
         let e = unsafe {

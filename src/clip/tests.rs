@@ -110,8 +110,8 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
                         .collect()
                 };
                 let (h, d) = (mk(&mut host, -1), mk(&mut dev, EMULATED));
-                let want = unsafe { norms::norms(&h, p) }.unwrap();
-                let got = unsafe { norms::norms(&d, p) }.unwrap();
+                let want = unsafe { norms::norms(&h, p, 0) }.unwrap();
+                let got = unsafe { norms::norms(&d, p, 0) }.unwrap();
                 for (i, (w, g)) in want.iter().zip(&got).enumerate() {
                     let ctx = format!("{dtype} p={p} poison {poison:?} grad {i}");
                     assert_eq!(
@@ -122,8 +122,8 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
                 }
                 assert_eq!(want[5].0.is_nan(), poison.is_some_and(|x| x.is_nan()));
                 if poison.is_none() {
-                    unsafe { norms::scale_all(&h, 0.37) }.unwrap();
-                    unsafe { norms::scale_all(&d, 0.37) }.unwrap();
+                    unsafe { norms::scale_all(&h, 0.37, 0) }.unwrap();
+                    unsafe { norms::scale_all(&d, 0.37, 0) }.unwrap();
                     assert_eq!(host, dev, "{dtype} p={p} scaled");
                     assert_ne!(host, srcs, "{dtype} scaled");
                 }

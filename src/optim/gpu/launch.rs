@@ -16,6 +16,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
 use super::backend::Backend;
+use super::context::Current;
 use super::norm_table::{NormTable, LANES};
 use super::table::StepTable;
 use super::KERNEL_SOURCES;
@@ -115,26 +116,6 @@ pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
     }
 }
 
-/// Makes a context current for the lifetime of the guard, then restores the caller's.
-struct Current;
-
-impl Current {
-    unsafe fn push(ctx: cusys::CUcontext) -> Result<Current> {
-        cusys::cuCtxPushCurrent_v2(ctx)
-            .result()
-            .map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        Ok(Current)
-    }
-}
-
-impl Drop for Current {
-    fn drop(&mut self) {
-        let mut popped: cusys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context `push` made current on this thread.
-        let _ = unsafe { cusys::cuCtxPopCurrent_v2(&mut popped) };
-    }
-}
-
 /// One CUDA device with fo's kernel loaded (compiled once, kept for the process).
 pub struct Device {
     pub ordinal: i32,
@@ -194,7 +175,7 @@ impl Device {
         // The primary context stays retained for the process, as the module does.
         let ctx =
             cu::primary_ctx::retain(dev).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
-        let _cur = Current::push(ctx)?;
+        let _cur = Current::push(ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let module = cu::module::load_data(ptx.as_ptr() as *const c_void)
             .map_err(|e| cuda_err("cuModuleLoadData", e))?;
         let get = |name: &str| {
@@ -232,7 +213,7 @@ impl Device {
         let count = i32::try_from(table.tensors.len()).map_err(|_| {
             Error::invalid("params", "more than 2^31 device tensors in one param group")
         })?;
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         self.with_device_copy(table.as_bytes(), 0, stream, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_groups);
             let mut args = [
@@ -295,7 +276,7 @@ fn stream_of(s: usize) -> cusys::CUstream {
 
 impl Backend for Device {
     unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
         if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
             let _ = cu::free_sync(ptr);
@@ -312,7 +293,7 @@ impl Backend for Device {
     }
 
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         cu::malloc_host(bytes.max(1), 0)
             .map(|p| p as u64)
             .map_err(|e| cuda_err("cuMemHostAlloc", e))
@@ -328,7 +309,7 @@ impl Backend for Device {
         if dst.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
@@ -338,7 +319,7 @@ impl Backend for Device {
         if src.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
         // A pageable source may be staged lazily: wait, so `src` may be reused at once.
@@ -355,7 +336,7 @@ impl Backend for Device {
         }
         let (chunks, count) = (table.total_chunks, Self::norm_rows(table)?);
         let mut out = vec![0u8; 16 * chunks as usize];
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         let lanes = chunks * LANES as u64;
         // After the table: lane sums, lane maxima, then [sum, max] per chunk.
@@ -394,7 +375,7 @@ impl Backend for Device {
             return Ok(());
         }
         let count = Self::norm_rows(table)?;
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         self.with_device_copy(table.as_bytes(), 0, s, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_chunks);
@@ -414,6 +395,53 @@ impl Backend for Device {
             )
         })?;
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn check_stream(&self, stream: usize) -> Result<()> {
+        if stream == 0 {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let mut ctx: cusys::CUcontext = std::ptr::null_mut();
+        cusys::cuStreamGetCtx(stream_of(stream), &mut ctx)
+            .result()
+            .map_err(|e| {
+                Error::invalid("stream", format!("{stream:#x} is not a CUDA stream: {e:?}"))
+            })?;
+        if ctx != self.ctx {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "{stream:#x} is a stream of another CUDA context than device {}'s primary \
+                     context (a stream of another device?); fo runs device {}'s work on a \
+                     stream of that device",
+                    self.ordinal, self.ordinal
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {
+        if from == to {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let ev = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_err("cuEventCreate", e))?;
+        let r = cu::event::record(ev, stream_of(from))
+            .map_err(|e| cuda_err("cuEventRecord", e))
+            .and_then(|()| {
+                cu::stream::wait_event(
+                    stream_of(to),
+                    ev,
+                    cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| cuda_err("cuStreamWaitEvent", e))
+            });
+        // A recorded event may be destroyed at once: the wait keeps what it needs.
+        let _ = cu::event::destroy(ev);
+        r
     }
 }
 

@@ -12,6 +12,8 @@
 //! CUDA backend itself has not been run on a GPU. Without the feature, or without
 //! libcuda/NVRTC, device tensors are refused with `Unsupported`, naming what is missing.
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod context;
 mod device_state;
 #[cfg(test)]
 pub mod emulated;
@@ -74,6 +76,11 @@ pub fn open_device(ordinal: i32) -> Result<()> {
 
 /// Whether this build and machine can take a CUDA stream (`fo_optimizer_set_stream`).
 pub fn stream_support() -> Result<()> {
+    // Unit tests give streams to the emulated device.
+    #[cfg(test)]
+    if emulated::unavailable().is_none() {
+        return Ok(());
+    }
     #[cfg(feature = "cuda")]
     return match launch::missing_library() {
         Some(m) => Err(Error::Unsupported(format!("fo_optimizer_set_stream: {m}"))),
