@@ -309,12 +309,43 @@ fn move_one(
 mod tests {
     use super::*;
     use crate::dtype::DType;
+    use crate::optim::gpu::backend::Backend as _;
     use crate::optim::gpu::emulated::{self, EMULATED};
 
     fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
         unsafe {
             HostTensor::new(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
         }
+    }
+
+    /// A device destination is written after the work queued on the communicator's
+    /// stream (the caller's last use of it), not on the legacy default stream.
+    #[test]
+    fn device_destinations_are_written_after_the_work_on_the_communicators_stream() {
+        if emulated::skip() {
+            return;
+        }
+        let dev = emulated::device().unwrap();
+        let s = emulated::create_stream(EMULATED);
+        let mut src: Vec<f32> = (0..12).map(|i| i as f32 + 1.0).collect();
+        let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
+        let mut d = vec![0f32; 12];
+        // The caller's stream still writes the old contents when the broadcast is called.
+        dev.stall(s, 150);
+        let stale = vec![0x7fu8; 48];
+        unsafe { dev.upload(d.as_mut_ptr() as u64, &stale, s) }.unwrap();
+        let mut comm = Comm::local_group(1).pop().unwrap();
+        comm.set_stream(s).unwrap();
+        let dest = BroadcastDest {
+            key: "w".into(),
+            tensor: view(&mut d, &[3, 4], None),
+            spec: None,
+            device: EMULATED,
+        };
+        unsafe { broadcast_state_dict(&comm, Some(&full), &[dest], &BroadcastOptions::default()) }
+            .unwrap();
+        emulated::synchronize_all();
+        assert_eq!(d, src);
     }
 
     /// A device destination (the emulated device) receives what a host one does; a

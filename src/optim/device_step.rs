@@ -257,3 +257,7 @@ fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
 #[cfg(test)]
 #[path = "device_step_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod stream_tests;
