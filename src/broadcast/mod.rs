@@ -225,13 +225,18 @@ pub unsafe fn broadcast_state_dict_checked(
 /// Checks, before anything is written, that every device destination's device takes
 /// `stream` (the communicator's), so a bad one fails every rank and writes nothing.
 fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
-    for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0 && stream != 0) {
+    for (i, d) in dests
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.device >= 0 && stream != 0)
+    {
         // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
         unsafe { crate::optim::gpu::backend::backend(d.device)?.check_stream(stream) }.map_err(
             |e| match e {
-                Error::InvalidArgument { reason, .. } => {
-                    Error::invalid("stream", format!("dests[{i}] (device {}): {reason}", d.device))
-                }
+                Error::InvalidArgument { reason, .. } => Error::invalid(
+                    "stream",
+                    format!("dests[{i}] (device {}): {reason}", d.device),
+                ),
                 e => e,
             },
         )?;

@@ -245,12 +245,22 @@ fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
     let dev = emulated::device().unwrap();
     let s = emulated::create_stream(EMULATED);
     let vals = emulated::values(1000, 21);
-    let want: f64 = vals.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
+    let want: f64 = vals
+        .iter()
+        .map(|&v| v as f64 * v as f64)
+        .sum::<f64>()
+        .sqrt();
     let mut g = vec![0u8; 4000];
     // "Backward" writes the gradient on stream s, late.
     dev.stall(s, 150);
-    unsafe { dev.upload(g.as_mut_ptr() as u64, &emulated::encode(DType::F32, &vals), s) }
-        .unwrap();
+    unsafe {
+        dev.upload(
+            g.as_mut_ptr() as u64,
+            &emulated::encode(DType::F32, &vals),
+            s,
+        )
+    }
+    .unwrap();
     let mut comm = Comm::local_group(1).pop().unwrap();
     comm.set_stream(s).unwrap();
     let grads = vec![ClipGrad {
@@ -262,7 +272,8 @@ fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
     emulated::synchronize_all();
     assert!((total - want).abs() <= 1e-9 * want, "{total} vs {want}");
     // A stream of another device is refused, naming the gradient, and nothing is read.
-    comm.set_stream(emulated::create_stream(EMULATED + 1)).unwrap();
+    comm.set_stream(emulated::create_stream(EMULATED + 1))
+        .unwrap();
     let grads = vec![ClipGrad {
         tensor: grad(&mut g, DType::F32, 1000),
         is_shard: true,
@@ -271,5 +282,8 @@ fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
     let e = unsafe { clip_grad_norm_checked(&comm, Ok(grads), 1.0, 2.0, true) }
         .unwrap_err()
         .to_string();
-    assert!(e.contains("is a stream of another CUDA context than device 77"), "{e}");
+    assert!(
+        e.contains("is a stream of another CUDA context than device 77"),
+        "{e}"
+    );
 }

@@ -7,7 +7,6 @@ mod callbacks;
 mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
-#[cfg(feature = "cuda")]
 mod nccl_lib;
 mod nccl_wait;
 mod scratch;
@@ -176,14 +175,12 @@ impl Comm {
     /// device). Checked against each device tensor's device when it is used.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
         if stream != 0 {
-            crate::optim::gpu::stream_support()
-                .map_err(|e| match e {
-                    Error::Unsupported(m) => Error::Unsupported(m.replace(
-                        "fo_optimizer_set_stream",
-                        "fo_comm_set_stream",
-                    )),
-                    e => e,
-                })?;
+            crate::optim::gpu::stream_support().map_err(|e| match e {
+                Error::Unsupported(m) => {
+                    Error::Unsupported(m.replace("fo_optimizer_set_stream", "fo_comm_set_stream"))
+                }
+                e => e,
+            })?;
         }
         self.stream = stream;
         Ok(())

@@ -268,7 +268,8 @@ impl Backend for NcclBackend {
                     for (r, p) in parts.iter().enumerate() {
                         if r != root && !p.is_empty() && sent.is_ok() {
                             let src = (d + at[r] as u64) as *const c_void;
-                            let res = (self.lib.send)(src, p.len(), u8t, r as i32, self.comm, self.s());
+                            let res =
+                                (self.lib.send)(src, p.len(), u8t, r as i32, self.comm, self.s());
                             sent = self.nccl("scatter", res);
                         }
                     }
@@ -283,7 +284,8 @@ impl Backend for NcclBackend {
                 }
                 let n = recv.len();
                 self.staged("scatter", n, |d| unsafe {
-                    let r = (self.lib.recv)(d as *mut c_void, n, u8t, root as i32, self.comm, self.s());
+                    let r =
+                        (self.lib.recv)(d as *mut c_void, n, u8t, root as i32, self.comm, self.s());
                     self.nccl("scatter", r)?;
                     cu::memcpy_dtoh_async(&mut recv[..], d, self.stream)
                         .map_err(|e| cuda_err("scatter", e))

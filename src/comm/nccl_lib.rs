@@ -11,6 +11,8 @@
 //! 4. `libnccl.so.2`, then `libnccl.so`, on the dynamic loader's search path.
 //!
 //! Loading and `ncclGetVersion` need no GPU, so CI checks this path against the wheel.
+//! Plain `dlopen`, no CUDA: built (and its search tested) with or without the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -61,8 +63,14 @@ pub struct NcclLib {
         NcclComm,
         CudaStream,
     ) -> NcclResult,
-    pub send:
-        unsafe extern "C" fn(*const c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
+    pub send: unsafe extern "C" fn(
+        *const c_void,
+        usize,
+        c_int,
+        c_int,
+        NcclComm,
+        CudaStream,
+    ) -> NcclResult,
     pub recv:
         unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
     pub group_start: unsafe extern "C" fn() -> NcclResult,
@@ -90,7 +98,9 @@ impl NcclLib {
             text(unsafe { (self.get_error_string)(r) }).unwrap_or_default()
         );
         if !comm.is_null() {
-            if let Some(last) = text(unsafe { (self.get_last_error)(comm) }).filter(|t| !t.is_empty()) {
+            if let Some(last) =
+                text(unsafe { (self.get_last_error)(comm) }).filter(|t| !t.is_empty())
+            {
                 s.push_str(": ");
                 s.push_str(&last);
             }
@@ -220,7 +230,7 @@ unsafe fn resolve(h: *mut c_void) -> Result<NcclLib> {
     };
     macro_rules! f {
         ($name:literal) => {
-            std::mem::transmute::<*mut c_void, _>(sym($name)?)
+            std::mem::transmute_copy::<*mut c_void, _>(&sym($name)?)
         };
     }
     Ok(NcclLib {

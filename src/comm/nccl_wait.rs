@@ -118,7 +118,10 @@ mod tests {
         let e = wait(&f, LONG, "all_reduce_f64").unwrap_err();
         assert!(matches!(e, Error::Comm(_)), "{e:?}");
         let m = e.to_string();
-        assert!(m.contains("all_reduce_f64: NCCL error 6 (remote process"), "{m}");
+        assert!(
+            m.contains("all_reduce_f64: NCCL error 6 (remote process"),
+            "{m}"
+        );
         assert!(m.contains("aborted"), "{m}");
         assert_eq!(f.aborted.get(), 1);
     }
@@ -127,7 +130,9 @@ mod tests {
     fn a_rank_that_never_comes_times_out_and_aborts() {
         let f = Fake::default();
         let t0 = Instant::now();
-        let e = wait(&f, Duration::from_millis(30), "scatter").unwrap_err().to_string();
+        let e = wait(&f, Duration::from_millis(30), "scatter")
+            .unwrap_err()
+            .to_string();
         assert!(t0.elapsed() >= Duration::from_millis(30));
         assert!(e.contains("scatter: not finished after 0.0 s"), "{e}");
         assert!(e.contains("FO_NCCL_TIMEOUT_S"), "{e}");

@@ -25,7 +25,10 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     }
     let (d0, d1) = (EMULATED, EMULATED + 1);
     let s0 = emulated::create_stream(d0);
-    let (mut a, mut b) = (encode(DType::F32, &values(N, 1)), encode(DType::F32, &values(N, 2)));
+    let (mut a, mut b) = (
+        encode(DType::F32, &values(N, 1)),
+        encode(DType::F32, &values(N, 2)),
+    );
     let before = (a.clone(), b.clone());
     // Parameters on two devices, then a stream of the first: refused, naming the second.
     let mut opt = adamw();
@@ -41,7 +44,10 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     assert!(e.contains("emulated device 77 made it"), "{e}");
     assert_eq!(opt.stream(), 0, "a refused stream is not kept");
     // The legacy default stream (each device's own) steps both devices.
-    let (mut g0, mut g1) = (encode(DType::F32, &values(N, 3)), encode(DType::F32, &values(N, 4)));
+    let (mut g0, mut g1) = (
+        encode(DType::F32, &values(N, 3)),
+        encode(DType::F32, &values(N, 4)),
+    );
     unsafe { opt.step_on(&[Some(view(&mut g0)), Some(view(&mut g1))], &[d0, d1]) }.unwrap();
     emulated::synchronize_all();
     assert!(a != before.0 && b != before.1, "both devices stepped");
@@ -74,16 +80,22 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
         return;
     }
     let dev = emulated::device().unwrap();
-    let (sa, sb) = (emulated::create_stream(EMULATED), emulated::create_stream(EMULATED));
+    let (sa, sb) = (
+        emulated::create_stream(EMULATED),
+        emulated::create_stream(EMULATED),
+    );
     let mut hp = encode(DType::F32, &values(N, 5));
     let mut dp = hp.clone();
     let mut host = adamw();
     let mut opt = adamw();
     unsafe {
         host.add_param("p", view(&mut hp), None, 0).unwrap();
-        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED).unwrap();
+        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
+            .unwrap();
     }
-    let mut grads: Vec<Vec<u8>> = (0..3).map(|s| encode(DType::F32, &values(N, 10 + s))).collect();
+    let mut grads: Vec<Vec<u8>> = (0..3)
+        .map(|s| encode(DType::F32, &values(N, 10 + s)))
+        .collect();
     for (s, stream) in [sa, sb, sa].into_iter().enumerate() {
         opt.set_stream(stream).unwrap();
         if s == 0 {

@@ -153,7 +153,7 @@ impl Worker {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    if x % 2 == 0 {
+                    if x.is_multiple_of(2) {
                         std::thread::sleep(Duration::from_micros(x % 300));
                     }
                     job();
@@ -265,7 +265,9 @@ impl Emulated {
     /// runs late, so a missing wait shows.
     pub fn stall(&self, stream: usize, ms: u64) {
         let w = self.worker(stream).expect("a stream of this device");
-        w.push(Box::new(move || std::thread::sleep(Duration::from_millis(ms))));
+        w.push(Box::new(move || {
+            std::thread::sleep(Duration::from_millis(ms))
+        }));
     }
 
     unsafe fn raw_alloc(&self, bytes: usize) -> Result<u64> {
@@ -397,7 +399,11 @@ impl Backend for Emulated {
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
         let w = self.worker(stream)?;
         DOWNLOADS.with(|d| d.set(d.get() + 1));
-        let (s, d, n) = (Addr(src as usize), Addr(dst.as_mut_ptr() as usize), dst.len());
+        let (s, d, n) = (
+            Addr(src as usize),
+            Addr(dst.as_mut_ptr() as usize),
+            dst.len(),
+        );
         w.push(Box::new(move || {
             let (s, d) = (s, d);
             std::ptr::copy_nonoverlapping(s.0 as *const u8, d.0 as *mut u8, n)
@@ -437,7 +443,13 @@ impl Backend for Emulated {
             let o = Addr(out.as_mut_ptr() as usize);
             w.push(Box::new(move || {
                 let o = o;
-                run(t.as_ptr(), t.len() as i32, chunks, power as i32, o.0 as *mut f64)
+                run(
+                    t.as_ptr(),
+                    t.len() as i32,
+                    chunks,
+                    power as i32,
+                    o.0 as *mut f64,
+                )
             }));
             w.sync();
         }
