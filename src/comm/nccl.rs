@@ -1,9 +1,9 @@
 //! A communicator over the host's `ncclComm_t` and CUDA stream (feature `cuda`). fo's
 //! buffers are host memory, so each collective stages through a device buffer on the
 //! stream: copy in, NCCL collective, copy out, then a wait that polls NCCL's asynchronous
-//! error with a timeout (`nccl_wait`). The buffer is kept with the communicator
-//! (`Scratch`), so a collective allocates nothing once it has grown to the largest
-//! payload seen. NCCL is loaded by `nccl_lib` (where torch's wheel puts it), CUDA through
+//! error with a timeout (`nccl_wait`). Payloads move in pieces of at most `MAX_STAGED`
+//! bytes through one buffer kept with the communicator (`Scratch`), so a collective
+//! allocates nothing once it has grown, and the buffer never exceeds that bound. NCCL is loaded by `nccl_lib` (where torch's wheel puts it), CUDA through
 //! cudarc; their absence is a clear `Unsupported` error, checked before any call. Every
 //! CUDA call runs with the device's primary context pushed and the caller's restored
 //! (`gpu::context::Current`).
@@ -203,8 +203,19 @@ impl NcclBackend {
     }
 }
 
+/// The most bytes staged at once: larger payloads move in pieces of this size, so the
+/// device buffer kept outside the caller's allocator stays at most this large (a 5 GB
+/// tensor left an 8 GB buffer before).
+pub(super) const MAX_STAGED: usize = 16 << 20;
+
 impl Backend for NcclBackend {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        if buf.len() > MAX_STAGED {
+            // Every rank holds the same length, so every rank makes the same pieces.
+            return buf
+                .chunks_mut(MAX_STAGED)
+                .try_for_each(|c| self.broadcast(c, root));
+        }
         let n = buf.len();
         self.staged("broadcast", n, |d| unsafe {
             if self.rank == root {
@@ -220,6 +231,11 @@ impl Backend for NcclBackend {
     }
 
     fn all_reduce_f64(&self, vals: &mut [f64], op: ReduceOp) -> Result<()> {
+        if vals.len() * 8 > MAX_STAGED {
+            return vals
+                .chunks_mut(MAX_STAGED / 8)
+                .try_for_each(|c| self.all_reduce_f64(c, op));
+        }
         let n = vals.len();
         let op = match op {
             ReduceOp::Sum => nl::NCCL_SUM,
@@ -253,30 +269,27 @@ impl Backend for NcclBackend {
         match parts {
             Some(parts) if self.rank == root => {
                 recv.copy_from_slice(&parts[root]);
-                let total: usize = parts.iter().map(|p| p.len()).sum();
-                self.staged("scatter", total, |d| unsafe {
-                    let mut off = 0usize;
-                    let mut at = Vec::with_capacity(parts.len());
-                    for p in &parts {
-                        cu::memcpy_htod_async(d + off as u64, &p[..], self.stream)
-                            .map_err(|e| cuda_err("scatter", e))?;
-                        at.push(off);
-                        off += p.len();
+                // One rank's part at a time, in pieces of at most MAX_STAGED bytes: the
+                // root stages a piece, not every rank's part at once. A receiver takes its
+                // pieces in order (NCCL keeps the order between two ranks).
+                for (r, p) in parts.iter().enumerate().filter(|(r, _)| *r != root) {
+                    for c in p.chunks(MAX_STAGED) {
+                        self.staged("scatter", c.len(), |d| unsafe {
+                            cu::memcpy_htod_async(d, c, self.stream)
+                                .map_err(|e| cuda_err("scatter", e))?;
+                            let res = (self.lib.send)(
+                                d as *const c_void,
+                                c.len(),
+                                u8t,
+                                r as i32,
+                                self.comm,
+                                self.s(),
+                            );
+                            self.nccl("scatter", res)
+                        })?;
                     }
-                    self.nccl("scatter", (self.lib.group_start)())?;
-                    let mut sent = Ok(());
-                    for (r, p) in parts.iter().enumerate() {
-                        if r != root && !p.is_empty() && sent.is_ok() {
-                            let src = (d + at[r] as u64) as *const c_void;
-                            let res =
-                                (self.lib.send)(src, p.len(), u8t, r as i32, self.comm, self.s());
-                            sent = self.nccl("scatter", res);
-                        }
-                    }
-                    // The group is closed even after a failed send.
-                    let ended = self.nccl("scatter", (self.lib.group_end)());
-                    sent.and(ended)
-                })
+                }
+                Ok(())
             }
             _ => {
                 if recv.is_empty() {

@@ -73,8 +73,6 @@ pub struct NcclLib {
     ) -> NcclResult,
     pub recv:
         unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, NcclComm, CudaStream) -> NcclResult,
-    pub group_start: unsafe extern "C" fn() -> NcclResult,
-    pub group_end: unsafe extern "C" fn() -> NcclResult,
 }
 
 impl NcclLib {
@@ -246,8 +244,6 @@ unsafe fn resolve(h: *mut c_void) -> Result<NcclLib> {
         all_reduce: f!(c"ncclAllReduce"),
         send: f!(c"ncclSend"),
         recv: f!(c"ncclRecv"),
-        group_start: f!(c"ncclGroupStart"),
-        group_end: f!(c"ncclGroupEnd"),
         path,
     })
 }
