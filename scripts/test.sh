@@ -75,6 +75,7 @@ if [ -z "$NCCL_SO" ]; then # a torch without the NCCL wheel: the pinned wheel, c
   NCCL_SO="$NCCL_SITE/nvidia/nccl/lib/libnccl.so.2"
 fi
 FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --features cuda --test comm_nccl
+FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --lib comm::nccl_lib
 
 step "pytest with torch (fo.torch optimizers, FSDP2 + CPUOffloadPolicy on gloo, DCP resharding, every torch test)"
 OMP_NUM_THREADS=1 "$TORCH_VENV/bin/python" -m pytest -q python/tests

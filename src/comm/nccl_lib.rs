@@ -145,14 +145,15 @@ pub fn lib() -> Result<&'static NcclLib> {
     if let Some(l) = *held {
         return Ok(l);
     }
-    let l: &'static NcclLib = Box::leak(Box::new(load()?));
+    let explicit = std::env::var_os("FO_NCCL_LIBRARY").map(|p| p.to_string_lossy().into_owned());
+    let l: &'static NcclLib = Box::leak(Box::new(load(explicit)?));
     *held = Some(l);
     Ok(l)
 }
 
-fn load() -> Result<NcclLib> {
-    if let Some(p) = std::env::var_os("FO_NCCL_LIBRARY") {
-        let p = p.to_string_lossy().into_owned();
+/// Loads NCCL from `explicit` (`FO_NCCL_LIBRARY`) when given, else by the search.
+fn load(explicit: Option<String>) -> Result<NcclLib> {
+    if let Some(p) = explicit {
         // SAFETY: loading a library the user named for this purpose.
         let h = unsafe { open(&p, libc::RTLD_NOW) }
             .map_err(|e| Error::Unsupported(format!("FO_NCCL_LIBRARY={p}: {e}")))?;
@@ -303,6 +304,29 @@ mod tests {
                 PathBuf::from("/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2"),
             ]
         );
+    }
+
+    #[test]
+    fn fo_nccl_library_is_that_file_or_an_error_naming_it() {
+        let e = load(Some("/nonexistent/libnccl.so.2".into()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("FO_NCCL_LIBRARY=/nonexistent/libnccl.so.2: "),
+            "{e}"
+        );
+        let Some(wheel) = std::env::var_os("FO_TEST_NCCL_LIBRARY") else {
+            eprintln!("skipped: FO_TEST_NCCL_LIBRARY (the wheel's libnccl.so.2) is not set");
+            return;
+        };
+        let wheel = wheel.to_string_lossy().into_owned();
+        let l = load(Some(wheel.clone())).unwrap();
+        assert_eq!(l.path, wheel);
+        assert!(l.version().unwrap() >= 21400);
+        assert!(l
+            .describe(4, std::ptr::null_mut())
+            .starts_with("NCCL error 4 (invalid argument"));
     }
 
     #[test]
