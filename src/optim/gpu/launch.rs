@@ -1,12 +1,13 @@
-//! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device for
-//! that device's architecture, and each (param group, step) uploads its tensor table and
+//! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device to a
+//! CUBIN for that device's `sm_XY` (PTX for its `compute_XY` as the fallback, which needs
+//! a driver at least as new as NVRTC), and each (param group, step) uploads its tensor table and
 //! launches `fo_step_kernel` once on the caller's stream. Everything is stream-ordered
 //! (table allocation, copy, kernel, free): the host never waits for the device here.
 //!
 //! Only the raw driver and NVRTC calls of cudarc are used, because fo borrows the
 //! caller's stream and the caller's current context must be left as it was: each entry
 //! pushes the device's primary context (the one the CUDA runtime, hence torch, uses) and
-//! pops it on return. Library presence is checked before any call: cudarc panics when a
+//! pops it on return (`context::Current`, the one guard). Library presence is checked before any call: cudarc panics when a
 //! library it was asked to use is absent.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr, CString};
