@@ -311,6 +311,7 @@ std::vector<Case> cases() {
   E("fo_comm_info", "comm NULL", [](Fx&) { int32_t r, w; return fo_comm_info(nullptr, &r, &w); });
   E("fo_comm_info", "rank NULL", [](Fx& f) { int32_t w; return fo_comm_info(f.comm, nullptr, &w); });
   E("fo_comm_info", "world_size NULL", [](Fx& f) { int32_t r; return fo_comm_info(f.comm, &r, nullptr); });
+  E("fo_comm_set_stream", "comm NULL", [](Fx&) { return fo_comm_set_stream(nullptr, nullptr); });
 
   // broadcast: one rank; a valid source "w" and destination "w" unless edited.
   using Src = fo_broadcast_source;

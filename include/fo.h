@@ -654,8 +654,16 @@ fo_status fo_comm_create_local_group(int32_t world_size, double timeout_s, struc
 
 /*
  A communicator over an existing `ncclComm_t` and `cudaStream_t` (feature `cuda`;
- NCCL and CUDA are loaded at run time). Without the feature, or when libcuda or
- libnccl cannot be loaded, returns FO_ERR_UNSUPPORTED saying which.
+ NCCL and CUDA are loaded at run time). NCCL is looked for in `FO_NCCL_LIBRARY` (a
+ path), then as the copy already loaded (torch's), then beside loaded `site-packages`
+ libraries (`nvidia/nccl/lib/libnccl.so.2`, pip's `nvidia-nccl-cu*` wheel), then as
+ `libnccl.so.2` / `libnccl.so`. Each collective waits by polling NCCL's asynchronous
+ error, at most `FO_NCCL_TIMEOUT_S` seconds (default 600); on an error or the timeout
+ fo aborts `nccl_comm` (`ncclCommAbort`: the host must not use or destroy it again)
+ and returns FO_ERR_COMM with NCCL's message. `cuda_stream` is also the stream of the
+ clip's and the broadcast's device tensors (`fo_comm_set_stream`). Without the
+ feature, or when libcuda or libnccl cannot be loaded, returns FO_ERR_UNSUPPORTED
+ saying which.
  */
 fo_status fo_comm_create_nccl(void *nccl_comm,
                               void *cuda_stream,
@@ -668,6 +676,19 @@ fo_status fo_comm_create_nccl(void *nccl_comm,
  pending and later collectives fail instead of waiting for this one.
  */
 void fo_comm_destroy(struct fo_comm *comm);
+
+/*
+ Sets the CUDA stream (`cudaStream_t` / `CUstream`) on which `fo_clip_grad_norm` and
+ `fo_broadcast_state_dict` read and write device tensors through this communicator:
+ they run after the work queued there (torch: `torch.cuda.current_stream().cuda_stream`
+ of the gradients' device, so the norm never reads unfinished gradients). NULL is the
+ legacy default stream, the default of callback and local communicators; a NCCL
+ communicator starts with its own `cuda_stream`. Every device tensor given with the
+ communicator must be on the stream's device (else FO_ERR_INVALID_ARGUMENT naming
+ it, before anything is written). FO_ERR_UNSUPPORTED for a non-NULL stream without
+ the `cuda` build feature or libcuda.
+ */
+fo_status fo_comm_set_stream(struct fo_comm *comm, void *stream);
 
 /*
  This rank's index and the group's size.
@@ -684,8 +705,8 @@ fo_status fo_comm_info(const struct fo_comm *comm, int32_t *rank, int32_t *world
  `opts->allow_int_float_cast`. Every rank names the same keys, sharded alike (a mesh
  spanning the group, the same placements); keys of rank 0 that no rank names are not
  sent. A destination may be CUDA device memory (`device` >= 0, contiguous, `cuda`
- build): it is written from host memory, in order on the legacy default stream, once
- every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
+ build): it is written from host memory, in order on the communicator's stream
+ (`fo_comm_set_stream`), once every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
  calls it.
  */
 fo_status fo_broadcast_state_dict(struct fo_comm *comm,
@@ -703,8 +724,9 @@ fo_status fo_broadcast_state_dict(struct fo_comm *comm,
  place by `max_norm / (total + 1e-6)`. With `error_if_nonfinite`, a NaN/inf total is
  FO_ERR_NUMERICS on every rank and nothing is scaled. F32, BF16, F16 (and F64)
  gradients; f64 accumulation. A gradient on a CUDA device (`device` >= 0, contiguous,
- `cuda` build) is summed and scaled by fo's kernels on the legacy default stream, after
- the work queued there, and is scaled when the call returns; only per-chunk partial
+ `cuda` build) is summed and scaled by fo's kernels on the communicator's stream
+ (`fo_comm_set_stream`), after the work queued there, and is scaled when the call
+ returns; only per-chunk partial
  sums come to the host (for `norm_type` other than 1, 2 and INFINITY the gradient is
  copied down to sum it). The total is the host computation's, bit for bit. Collective:
  every rank calls it, with or without gradients.
@@ -719,19 +741,29 @@ fo_status fo_clip_grad_norm(struct fo_comm *comm,
 
 /*
  Sets the CUDA stream (`cudaStream_t` / `CUstream`, of the parameters' device) that
- `fo_optimizer_step` launches device parameters' kernels on; NULL (the default) is the
- legacy default stream. fo never synchronizes the device: a step's kernels run after
- the work queued on `stream` before the call, and work queued on it after the call
- runs after them; `fo_optimizer_step` returns without waiting for them. Ordering with
- other streams, and host reads of device parameters, are the caller's (events, stream
- synchronize). Pointer rules: device parameters, gradients and fo's device state are
- memory of the device the parameter was registered on; a gradient must stay valid
- until the step's kernels have run (stream order), a parameter for the optimizer's
- lifetime; `stream` must outlive every step launched on it. A CUDA error while
- launching returns FO_ERR_INTERNAL and leaves device parameters' state undefined
- (validation errors change nothing, as for host steps). Without the `cuda` build
- feature, or when libcuda or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED
- naming what is missing.
+ `fo_optimizer_step` launches device parameters' kernels on, and that mirror, state and
+ offloaded-gradient copies are ordered on; NULL (the default) is the legacy default
+ stream. A step does not wait for its kernels: they run after the work queued on
+ `stream` before the call, work queued on it after the call runs after them, and
+ `fo_optimizer_step` returns once they are queued. Calls that bring data to or from
+ the host do wait for the stream: reading device state (get_state, pack, save),
+ writing a mirror or device state, and bringing offloaded gradients down. Ordering
+ with other streams, and host reads of device parameters, are the caller's (events,
+ stream synchronize). A stream belongs to one device: every device parameter, mirror
+ and device gradient must be on the stream's device (this call, fo_optimizer_add_param,
+ fo_optimizer_set_mirror and fo_optimizer_step refuse anything else with
+ FO_ERR_INVALID_ARGUMENT before queuing anything; parameters on several devices use
+ NULL, each device's legacy stream, or one optimizer per device). Changing the stream
+ orders the new one after the old: an event recorded on the old stream on each device
+ in use is waited for on the new one, so step N on the old stream comes before step
+ N+1 on the new one (the old stream must still be valid at this call). Pointer rules:
+ device parameters, gradients and fo's device state are memory of the device the
+ parameter was registered on; a gradient must stay valid until the step's kernels
+ have run (stream order), a parameter for the optimizer's lifetime; `stream` must
+ outlive every step launched on it. A CUDA error while launching returns
+ FO_ERR_INTERNAL and leaves device parameters' state undefined (validation errors
+ change nothing, as for host steps). Without the `cuda` build feature, or when libcuda
+ or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED naming what is missing.
  */
 fo_status fo_optimizer_set_stream(struct fo_optimizer *opt, void *stream);
 

@@ -66,6 +66,17 @@ else
 fi
 "$TORCH_VENV/bin/python" -m pip install -q -r python/requirements-test.txt
 
+step "NCCL where torch's wheel puts it (site-packages/nvidia/nccl/lib/libnccl.so.2): fo finds the loaded copy and calls ncclGetVersion (no GPU needed)"
+NCCL_SO=$(find "$TORCH_VENV" -path '*/nvidia/nccl/lib/libnccl.so.2' -print -quit 2>/dev/null || true)
+if [ -z "$NCCL_SO" ]; then # a torch without the NCCL wheel: the pinned wheel, cached
+  NCCL_SITE="${HOME}/.cache/fo/nccl-2.32.3"
+  [ -f "$NCCL_SITE/nvidia/nccl/lib/libnccl.so.2" ] ||
+    .venv/bin/python -m pip install -q --no-deps --target "$NCCL_SITE" nvidia-nccl-cu12==2.32.3
+  NCCL_SO="$NCCL_SITE/nvidia/nccl/lib/libnccl.so.2"
+fi
+FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --features cuda --test comm_nccl
+FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --lib comm::nccl_lib
+
 step "pytest with torch (fo.torch optimizers, FSDP2 + CPUOffloadPolicy on gloo, DCP resharding, every torch test)"
 OMP_NUM_THREADS=1 "$TORCH_VENV/bin/python" -m pytest -q python/tests
 

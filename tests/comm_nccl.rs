@@ -20,3 +20,36 @@ fn nccl_comm_is_a_clear_error_where_it_cannot_work() {
         Ok(_) => panic!("a NULL ncclComm_t must not make a communicator"),
     }
 }
+
+/// Where torch put NCCL (`FO_TEST_NCCL_LIBRARY`: the `nvidia-nccl-cu*` wheel's
+/// `site-packages/nvidia/nccl/lib/libnccl.so.2`, which scripts/test.sh finds or installs),
+/// loaded by its full path as torch's RPATH loads it: fo finds that copy although no
+/// `libnccl.so` / `libnccl.so.1x` is on the search path, and calls `ncclGetVersion`
+/// (no GPU needed).
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_is_found_as_the_copy_torch_loaded_from_the_wheel() {
+    let Some(path) = std::env::var_os("FO_TEST_NCCL_LIBRARY") else {
+        eprintln!("skipped: FO_TEST_NCCL_LIBRARY (the wheel's libnccl.so.2) is not set");
+        return;
+    };
+    assert!(
+        std::env::var_os("FO_NCCL_LIBRARY").is_none(),
+        "this test checks the search, not FO_NCCL_LIBRARY"
+    );
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: loading NCCL runs no CUDA code.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    assert!(!h.is_null(), "dlopen {path:?}");
+    let (found, version) = fo::comm::nccl_library().unwrap();
+    assert_eq!(
+        std::fs::canonicalize(&found).unwrap(),
+        std::fs::canonicalize(&path).unwrap(),
+        "fo uses the copy already loaded"
+    );
+    assert!(
+        (21400..100000).contains(&version),
+        "ncclGetVersion gave {version}"
+    );
+    eprintln!("NCCL {version} from {found}");
+}

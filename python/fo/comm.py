@@ -59,6 +59,7 @@ MAX_LOCAL_WORLD = FO_MAX_LOCAL_WORLD
 _create_local = declare("fo_comm_create_local_group", [ctypes.c_int32, ctypes.c_double, _pp])
 _create_nccl = declare("fo_comm_create_nccl", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, _pp])
 _destroy = declare("fo_comm_destroy", [ctypes.c_void_p], None)
+_set_stream = declare("fo_comm_set_stream", [ctypes.c_void_p, ctypes.c_void_p])
 _info = declare("fo_comm_info", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)])
 _broadcast_sd = declare("fo_broadcast_state_dict", [ctypes.c_void_p, ctypes.POINTER(_Source), ctypes.c_int64,
                                                     ctypes.POINTER(_Dest), ctypes.c_int64, ctypes.POINTER(_Options),
@@ -142,6 +143,13 @@ class Comm:
         comm = cls(out.value, keepalive=fns)
         holder["comm"] = comm
         return comm
+
+    def set_stream(self, cuda_stream: int) -> None:
+        """The CUDA stream (an integer `cudaStream_t`, 0: the legacy default stream) on which
+        `clip_grad_norm` and `broadcast_state_dict` use device tensors, after the work queued
+        there: torch's `torch.cuda.current_stream(device).cuda_stream`. A NCCL communicator
+        starts with its own stream. A non-zero stream needs libfo built with `cuda`."""
+        check(_set_stream(self._h, cuda_stream or None))
 
     def close(self) -> None:
         if self._h:

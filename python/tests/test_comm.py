@@ -88,6 +88,16 @@ def test_nccl_without_the_cuda_feature_is_unsupported():
     assert e.value.name == "FO_ERR_UNSUPPORTED"
 
 
+def test_a_stream_is_taken_by_a_cuda_build_only():
+    [c] = fo.Comm.local_group(1)
+    c.set_stream(0)  # the legacy default stream: always
+    try:
+        c.set_stream(0x10)  # taken where libfo has `cuda` and libcuda loads
+    except fo.FoError as e:  # else refused, saying why
+        assert e.name == "FO_ERR_UNSUPPORTED" and "fo_comm_set_stream" in str(e), e
+    c.close()
+
+
 def test_torch_distributed_example_is_valid_python():
     import py_compile
     from conftest import ROOT

@@ -211,11 +211,37 @@ pub unsafe fn broadcast_state_dict_checked(
     }
     // 6. write only when every rank has everything.
     stats.control_bytes += 8;
-    agree(comm, cast_err.map_or(Ok(()), Err))?;
+    let stream = comm.stream();
+    let local = cast_err
+        .map_or(Ok(()), Err)
+        .and_then(|()| check_dest_streams(&dests, stream));
+    agree(comm, local)?;
     for (d, b) in received {
-        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, 0)?;
+        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
     }
     Ok(stats)
+}
+
+/// Checks, before anything is written, that every device destination's device takes
+/// `stream` (the communicator's), so a bad one fails every rank and writes nothing.
+fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
+    for (i, d) in dests
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.device >= 0 && stream != 0)
+    {
+        // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
+        unsafe { crate::optim::gpu::backend::backend(d.device)?.check_stream(stream) }.map_err(
+            |e| match e {
+                Error::InvalidArgument { reason, .. } => Error::invalid(
+                    "stream",
+                    format!("dests[{i}] (device {}): {reason}", d.device),
+                ),
+                e => e,
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Moves one entry to this rank, in rank 0's dtype. `src`: rank 0's row-major bytes.
@@ -288,12 +314,43 @@ fn move_one(
 mod tests {
     use super::*;
     use crate::dtype::DType;
+    use crate::optim::gpu::backend::Backend as _;
     use crate::optim::gpu::emulated::{self, EMULATED};
 
     fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
         unsafe {
             HostTensor::new(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
         }
+    }
+
+    /// A device destination is written after the work queued on the communicator's
+    /// stream (the caller's last use of it), not on the legacy default stream.
+    #[test]
+    fn device_destinations_are_written_after_the_work_on_the_communicators_stream() {
+        if emulated::skip() {
+            return;
+        }
+        let dev = emulated::device().unwrap();
+        let s = emulated::create_stream(EMULATED);
+        let mut src: Vec<f32> = (0..12).map(|i| i as f32 + 1.0).collect();
+        let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
+        let mut d = vec![0f32; 12];
+        // The caller's stream still writes the old contents when the broadcast is called.
+        dev.stall(s, 150);
+        let stale = vec![0x7fu8; 48];
+        unsafe { dev.upload(d.as_mut_ptr() as u64, &stale, s) }.unwrap();
+        let mut comm = Comm::local_group(1).pop().unwrap();
+        comm.set_stream(s).unwrap();
+        let dest = BroadcastDest {
+            key: "w".into(),
+            tensor: view(&mut d, &[3, 4], None),
+            spec: None,
+            device: EMULATED,
+        };
+        unsafe { broadcast_state_dict(&comm, Some(&full), &[dest], &BroadcastOptions::default()) }
+            .unwrap();
+        emulated::synchronize_all();
+        assert_eq!(d, src);
     }
 
     /// A device destination (the emulated device) receives what a host one does; a
@@ -331,6 +388,7 @@ mod tests {
             .unwrap();
         }
         assert_eq!(host, src);
+        emulated::synchronize_all();
         assert_eq!(dev, host);
         let mut wide = vec![0f32; 24];
         let e = unsafe {

@@ -37,7 +37,12 @@ struct Partial {
     nonfinite: f64,
 }
 
-unsafe fn local_partial(grads: &[ClipGrad], max_norm: f64, p: f64) -> Result<Partial> {
+unsafe fn local_partial(
+    grads: &[ClipGrad],
+    max_norm: f64,
+    p: f64,
+    stream: usize,
+) -> Result<Partial> {
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::invalid(
             "max_norm",
@@ -84,7 +89,7 @@ unsafe fn local_partial(grads: &[ClipGrad], max_norm: f64, p: f64) -> Result<Par
         replicated: 0.0,
         nonfinite: 0.0,
     };
-    for (g, (mx, sum)) in grads.iter().zip(norms::norms(grads, p)?) {
+    for (g, (mx, sum)) in grads.iter().zip(norms::norms(grads, p, stream)?) {
         part.nonfinite = part.nonfinite.max(if mx.is_nan() {
             2.0
         } else if mx.is_infinite() {
@@ -142,7 +147,8 @@ pub unsafe fn clip_grad_norm_checked(
     norm_type: f64,
     error_if_nonfinite: bool,
 ) -> Result<f64> {
-    let local = grads.and_then(|g| local_partial(&g, max_norm, norm_type).map(|p| (g, p)));
+    let local =
+        grads.and_then(|g| local_partial(&g, max_norm, norm_type, comm.stream()).map(|p| (g, p)));
     let (grads, part) = agree(comm, local)?;
     // Replicated gradients are identical on every rank: counted once, and made
     // bit-identical by the max (their |g|^p sum for finite p, their max for infinity).
@@ -173,7 +179,7 @@ pub unsafe fn clip_grad_norm_checked(
     }
     let coef = max_norm / (total + EPS);
     if coef < 1.0 || coef.is_nan() {
-        norms::scale_all(&grads, coef)?;
+        norms::scale_all(&grads, coef, comm.stream())?;
     }
     Ok(total)
 }

@@ -46,18 +46,19 @@ fn table(grads: &[ClipGrad], idx: &[usize]) -> Result<NormTable> {
     NormTable::new(&rows)
 }
 
-/// Each gradient's (largest |g|, sum of |g|^p), in order. The largest is NaN when the
+/// Each gradient's (largest |g|, sum of |g|^p), in order, device gradients read after
+/// the work queued on `stream` (the communicator's: `Comm::stream`). The largest is NaN when the
 /// gradient holds a NaN, else infinite when it holds an infinity.
 ///
 /// # Safety
 /// Every gradient's memory must be valid for reads (checked: dtype, device, contiguity).
-pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64) -> Result<Vec<(f64, f64)>> {
+pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64, stream: usize) -> Result<Vec<(f64, f64)>> {
     let mut out = vec![(0.0, 0.0); grads.len()];
     let power = power(p);
     if let Some(power) = power {
         for (device, idx) in by_device(grads) {
             let t = table(grads, &idx)?;
-            let chunks = backend(device)?.norm_chunks(&t, power, 0)?;
+            let chunks = backend(device)?.norm_chunks(&t, power, stream)?;
             for (&i, (sum, max)) in idx.iter().zip(t.fold(&chunks)) {
                 out[i] = (max, sum);
             }
@@ -65,7 +66,7 @@ pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64) -> Result<Vec<(f64, f64)>
     }
     for (i, g) in grads.iter().enumerate() {
         if g.device < 0 || power.is_none() {
-            out[i] = host_norm(g, p, power)?;
+            out[i] = host_norm(g, p, power, stream)?;
         }
     }
     Ok(out)
@@ -76,9 +77,9 @@ pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64) -> Result<Vec<(f64, f64)>
 ///
 /// # Safety
 /// Every gradient's memory must be valid for writes.
-pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64) -> Result<()> {
+pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64, stream: usize) -> Result<()> {
     for (device, idx) in by_device(grads) {
-        backend(device)?.scale(&table(grads, &idx)?, coef, 0)?;
+        backend(device)?.scale(&table(grads, &idx)?, coef, stream)?;
     }
     for g in grads.iter().filter(|g| g.device < 0) {
         scale_host(g, coef)?;
@@ -92,7 +93,7 @@ pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64) -> Result<()> {
 ///
 /// # Safety
 /// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
-unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>) -> Result<(f64, f64)> {
+unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>, stream: usize) -> Result<(f64, f64)> {
     let copied;
     let bytes = match (g.device < 0)
         .then(|| g.tensor.contiguous_bytes())
@@ -100,7 +101,7 @@ unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>) -> Result<(f64, f6
     {
         Some(b) => b,
         None => {
-            copied = read_tensor(&g.tensor, g.device, 0)?;
+            copied = read_tensor(&g.tensor, g.device, stream)?;
             &copied[..]
         }
     };

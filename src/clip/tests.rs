@@ -1,5 +1,6 @@
 use super::*;
 use crate::comm::Comm;
+use crate::optim::gpu::backend::Backend as _;
 use crate::optim::gpu::emulated::{self, EMULATED};
 
 fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
@@ -110,8 +111,8 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
                         .collect()
                 };
                 let (h, d) = (mk(&mut host, -1), mk(&mut dev, EMULATED));
-                let want = unsafe { norms::norms(&h, p) }.unwrap();
-                let got = unsafe { norms::norms(&d, p) }.unwrap();
+                let want = unsafe { norms::norms(&h, p, 0) }.unwrap();
+                let got = unsafe { norms::norms(&d, p, 0) }.unwrap();
                 for (i, (w, g)) in want.iter().zip(&got).enumerate() {
                     let ctx = format!("{dtype} p={p} poison {poison:?} grad {i}");
                     assert_eq!(
@@ -122,8 +123,8 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
                 }
                 assert_eq!(want[5].0.is_nan(), poison.is_some_and(|x| x.is_nan()));
                 if poison.is_none() {
-                    unsafe { norms::scale_all(&h, 0.37) }.unwrap();
-                    unsafe { norms::scale_all(&d, 0.37) }.unwrap();
+                    unsafe { norms::scale_all(&h, 0.37, 0) }.unwrap();
+                    unsafe { norms::scale_all(&d, 0.37, 0) }.unwrap();
                     assert_eq!(host, dev, "{dtype} p={p} scaled");
                     assert_ne!(host, srcs, "{dtype} scaled");
                 }
@@ -232,4 +233,57 @@ fn a_clip_is_one_agreement_one_max_and_one_sum() {
         assert_eq!(total, want, "p={p}");
         assert_eq!(*log.lock().unwrap(), ["Max 1", "Max 3", "Sum 1"], "p={p}");
     }
+}
+
+/// The norm reads the gradients after the work queued on the communicator's stream (a
+/// backward still writing them), not on the legacy default stream.
+#[test]
+fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device().unwrap();
+    let s = emulated::create_stream(EMULATED);
+    let vals = emulated::values(1000, 21);
+    let want: f64 = vals
+        .iter()
+        .map(|&v| v as f64 * v as f64)
+        .sum::<f64>()
+        .sqrt();
+    let mut g = vec![0u8; 4000];
+    // "Backward" writes the gradient on stream s, late.
+    dev.stall(s, 150);
+    unsafe {
+        dev.upload(
+            g.as_mut_ptr() as u64,
+            &emulated::encode(DType::F32, &vals),
+            s,
+        )
+    }
+    .unwrap();
+    let mut comm = Comm::local_group(1).pop().unwrap();
+    comm.set_stream(s).unwrap();
+    let grads = vec![ClipGrad {
+        tensor: grad(&mut g, DType::F32, 1000),
+        is_shard: true,
+        device: EMULATED,
+    }];
+    let total = unsafe { clip_grad_norm_checked(&comm, Ok(grads), 1e9, 2.0, true) }.unwrap();
+    emulated::synchronize_all();
+    assert!((total - want).abs() <= 1e-9 * want, "{total} vs {want}");
+    // A stream of another device is refused, naming the gradient, and nothing is read.
+    comm.set_stream(emulated::create_stream(EMULATED + 1))
+        .unwrap();
+    let grads = vec![ClipGrad {
+        tensor: grad(&mut g, DType::F32, 1000),
+        is_shard: true,
+        device: EMULATED,
+    }];
+    let e = unsafe { clip_grad_norm_checked(&comm, Ok(grads), 1.0, 2.0, true) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("is a stream of another CUDA context than device 77"),
+        "{e}"
+    );
 }

@@ -7,7 +7,16 @@ mod callbacks;
 mod local;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod nccl_lib;
+mod nccl_wait;
 mod scratch;
+
+/// The NCCL library a NCCL communicator would use (its path and `ncclGetVersion` code),
+/// found as `nccl_lib` describes; loading it needs no GPU.
+#[cfg(feature = "cuda")]
+pub fn nccl_library() -> Result<(String, i32)> {
+    nccl::library()
+}
 
 pub use agree::agree;
 pub use callbacks::{AllReduceF64Fn, BarrierFn, BroadcastFn, Callbacks, ScatterFn};
@@ -51,6 +60,10 @@ pub(crate) trait Backend: Send {
     /// Root sends `parts[r]` to rank `r`; every rank receives exactly `recv.len()` bytes.
     /// The parts are owned so an in-process backend can hand them over without a copy.
     fn scatter(&self, parts: Option<Vec<Vec<u8>>>, recv: &mut [u8], root: usize) -> Result<()>;
+    /// The CUDA stream the host gave with the communicator (NCCL's), 0 when none.
+    fn cuda_stream(&self) -> usize {
+        0
+    }
 }
 
 /// One rank's handle on a communicator. Every rank must call the same collectives in
@@ -59,6 +72,9 @@ pub struct Comm {
     rank: usize,
     world_size: usize,
     backend: Box<dyn Backend>,
+    /// The `CUstream` device tensors of the clip and the broadcast are read and written
+    /// on (0: the legacy default stream); a NCCL communicator starts with its own.
+    stream: usize,
 }
 
 impl Comm {
@@ -76,10 +92,12 @@ impl Comm {
                 format!("{rank} is outside a group of {world_size} ranks"),
             ));
         }
+        let stream = backend.cuda_stream();
         Ok(Comm {
             rank,
             world_size,
             backend,
+            stream,
         })
     }
 
@@ -145,6 +163,27 @@ impl Comm {
 
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// The `CUstream` the clip's and the broadcast's device tensors are used on, after
+    /// the work queued there (0: the legacy default stream).
+    pub fn stream(&self) -> usize {
+        self.stream
+    }
+
+    /// Sets the stream `stream()` returns (torch: the current stream of the gradients'
+    /// device). Checked against each device tensor's device when it is used.
+    pub fn set_stream(&mut self, stream: usize) -> Result<()> {
+        if stream != 0 {
+            crate::optim::gpu::stream_support().map_err(|e| match e {
+                Error::Unsupported(m) => {
+                    Error::Unsupported(m.replace("fo_optimizer_set_stream", "fo_comm_set_stream"))
+                }
+                e => e,
+            })?;
+        }
+        self.stream = stream;
+        Ok(())
     }
 
     fn check_root(&self, root: usize, op: &str) -> Result<()> {

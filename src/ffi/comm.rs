@@ -241,8 +241,16 @@ pub unsafe extern "C" fn fo_comm_create_local_group(
 }
 
 /// A communicator over an existing `ncclComm_t` and `cudaStream_t` (feature `cuda`;
-/// NCCL and CUDA are loaded at run time). Without the feature, or when libcuda or
-/// libnccl cannot be loaded, returns FO_ERR_UNSUPPORTED saying which.
+/// NCCL and CUDA are loaded at run time). NCCL is looked for in `FO_NCCL_LIBRARY` (a
+/// path), then as the copy already loaded (torch's), then beside loaded `site-packages`
+/// libraries (`nvidia/nccl/lib/libnccl.so.2`, pip's `nvidia-nccl-cu*` wheel), then as
+/// `libnccl.so.2` / `libnccl.so`. Each collective waits by polling NCCL's asynchronous
+/// error, at most `FO_NCCL_TIMEOUT_S` seconds (default 600); on an error or the timeout
+/// fo aborts `nccl_comm` (`ncclCommAbort`: the host must not use or destroy it again)
+/// and returns FO_ERR_COMM with NCCL's message. `cuda_stream` is also the stream of the
+/// clip's and the broadcast's device tensors (`fo_comm_set_stream`). Without the
+/// feature, or when libcuda or libnccl cannot be loaded, returns FO_ERR_UNSUPPORTED
+/// saying which.
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_create_nccl(
     nccl_comm: *mut c_void,
@@ -274,6 +282,20 @@ pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
     })
 }
 
+/// Sets the CUDA stream (`cudaStream_t` / `CUstream`) on which `fo_clip_grad_norm` and
+/// `fo_broadcast_state_dict` read and write device tensors through this communicator:
+/// they run after the work queued there (torch: `torch.cuda.current_stream().cuda_stream`
+/// of the gradients' device, so the norm never reads unfinished gradients). NULL is the
+/// legacy default stream, the default of callback and local communicators; a NCCL
+/// communicator starts with its own `cuda_stream`. Every device tensor given with the
+/// communicator must be on the stream's device (else FO_ERR_INVALID_ARGUMENT naming
+/// it, before anything is written). FO_ERR_UNSUPPORTED for a non-NULL stream without
+/// the `cuda` build feature or libcuda.
+#[no_mangle]
+pub unsafe extern "C" fn fo_comm_set_stream(comm: *mut fo_comm, stream: *mut c_void) -> fo_status {
+    guard(|| arg_mut(comm, "comm")?.inner.set_stream(stream as usize))
+}
+
 /// This rank's index and the group's size.
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_info(
@@ -298,8 +320,8 @@ pub unsafe extern "C" fn fo_comm_info(
 /// `opts->allow_int_float_cast`. Every rank names the same keys, sharded alike (a mesh
 /// spanning the group, the same placements); keys of rank 0 that no rank names are not
 /// sent. A destination may be CUDA device memory (`device` >= 0, contiguous, `cuda`
-/// build): it is written from host memory, in order on the legacy default stream, once
-/// every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
+/// build): it is written from host memory, in order on the communicator's stream
+/// (`fo_comm_set_stream`), once every rank has everything. `opts` and `stats` may be NULL. Collective: every rank
 /// calls it.
 #[no_mangle]
 pub unsafe extern "C" fn fo_broadcast_state_dict(
@@ -337,8 +359,9 @@ pub unsafe extern "C" fn fo_broadcast_state_dict(
 /// place by `max_norm / (total + 1e-6)`. With `error_if_nonfinite`, a NaN/inf total is
 /// FO_ERR_NUMERICS on every rank and nothing is scaled. F32, BF16, F16 (and F64)
 /// gradients; f64 accumulation. A gradient on a CUDA device (`device` >= 0, contiguous,
-/// `cuda` build) is summed and scaled by fo's kernels on the legacy default stream, after
-/// the work queued there, and is scaled when the call returns; only per-chunk partial
+/// `cuda` build) is summed and scaled by fo's kernels on the communicator's stream
+/// (`fo_comm_set_stream`), after the work queued there, and is scaled when the call
+/// returns; only per-chunk partial
 /// sums come to the host (for `norm_type` other than 1, 2 and INFINITY the gradient is
 /// copied down to sum it). The total is the host computation's, bit for bit. Collective:
 /// every rank calls it, with or without gradients.

@@ -6,19 +6,29 @@ use super::status::{fo_status, guard};
 use super::types::fo_tensor;
 
 /// Sets the CUDA stream (`cudaStream_t` / `CUstream`, of the parameters' device) that
-/// `fo_optimizer_step` launches device parameters' kernels on; NULL (the default) is the
-/// legacy default stream. fo never synchronizes the device: a step's kernels run after
-/// the work queued on `stream` before the call, and work queued on it after the call
-/// runs after them; `fo_optimizer_step` returns without waiting for them. Ordering with
-/// other streams, and host reads of device parameters, are the caller's (events, stream
-/// synchronize). Pointer rules: device parameters, gradients and fo's device state are
-/// memory of the device the parameter was registered on; a gradient must stay valid
-/// until the step's kernels have run (stream order), a parameter for the optimizer's
-/// lifetime; `stream` must outlive every step launched on it. A CUDA error while
-/// launching returns FO_ERR_INTERNAL and leaves device parameters' state undefined
-/// (validation errors change nothing, as for host steps). Without the `cuda` build
-/// feature, or when libcuda or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED
-/// naming what is missing.
+/// `fo_optimizer_step` launches device parameters' kernels on, and that mirror, state and
+/// offloaded-gradient copies are ordered on; NULL (the default) is the legacy default
+/// stream. A step does not wait for its kernels: they run after the work queued on
+/// `stream` before the call, work queued on it after the call runs after them, and
+/// `fo_optimizer_step` returns once they are queued. Calls that bring data to or from
+/// the host do wait for the stream: reading device state (get_state, pack, save),
+/// writing a mirror or device state, and bringing offloaded gradients down. Ordering
+/// with other streams, and host reads of device parameters, are the caller's (events,
+/// stream synchronize). A stream belongs to one device: every device parameter, mirror
+/// and device gradient must be on the stream's device (this call, fo_optimizer_add_param,
+/// fo_optimizer_set_mirror and fo_optimizer_step refuse anything else with
+/// FO_ERR_INVALID_ARGUMENT before queuing anything; parameters on several devices use
+/// NULL, each device's legacy stream, or one optimizer per device). Changing the stream
+/// orders the new one after the old: an event recorded on the old stream on each device
+/// in use is waited for on the new one, so step N on the old stream comes before step
+/// N+1 on the new one (the old stream must still be valid at this call). Pointer rules:
+/// device parameters, gradients and fo's device state are memory of the device the
+/// parameter was registered on; a gradient must stay valid until the step's kernels
+/// have run (stream order), a parameter for the optimizer's lifetime; `stream` must
+/// outlive every step launched on it. A CUDA error while launching returns
+/// FO_ERR_INTERNAL and leaves device parameters' state undefined (validation errors
+/// change nothing, as for host steps). Without the `cuda` build feature, or when libcuda
+/// or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED naming what is missing.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_set_stream(
     opt: *mut fo_optimizer,

@@ -22,11 +22,54 @@ pub(crate) struct DeviceStep {
 }
 
 impl Optimizer {
-    /// Sets the `CUstream` device steps are launched on (0: the legacy default stream).
+    /// Sets the `CUstream` device work is queued on (0: the legacy default stream). A
+    /// stream belongs to one device: with a stream set, every device parameter, mirror
+    /// and device gradient must be on that stream's device (refused here, at
+    /// `add_param_on` / `set_mirror`, and at `step_on` before anything is queued;
+    /// parameters on several devices take 0, each device's legacy stream). The new
+    /// stream's work waits for what the old one had queued (an event per device), so
+    /// step N on the old stream comes before step N+1 on the new one.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
         gpu::stream_support()?;
+        if stream == self.stream {
+            return Ok(());
+        }
+        let devices = self.devices_in_use();
+        for (d, what) in &devices {
+            check_stream_on(*d, stream, what)?;
+        }
+        for (d, _) in &devices {
+            // SAFETY: both streams were checked against the device (the old one when set).
+            unsafe { gpu::backend::backend(*d)?.order_streams(self.stream, stream)? };
+        }
         self.stream = stream;
         Ok(())
+    }
+
+    /// Every device the optimizer queues work on (parameters', mirrors'), once each, with
+    /// the first thing on it (for errors).
+    fn devices_in_use(&self) -> Vec<(i32, String)> {
+        let mut out: Vec<(i32, String)> = Vec::new();
+        for p in &self.params {
+            let on = [
+                (p.device, format!("parameter {}", p.fqn)),
+                (
+                    p.mirror.as_ref().map_or(-1, |m| m.device),
+                    format!("the mirror of parameter {}", p.fqn),
+                ),
+            ];
+            for (d, what) in on {
+                if d >= 0 && !out.iter().any(|(o, _)| *o == d) {
+                    out.push((d, what));
+                }
+            }
+        }
+        out
+    }
+
+    /// Checks that `what` (on `device`) can use the optimizer's stream.
+    pub(crate) fn check_stream_for(&self, device: i32, what: &str) -> Result<()> {
+        check_stream_on(device, self.stream, what)
     }
 
     pub fn stream(&self) -> usize {
@@ -59,6 +102,9 @@ impl Optimizer {
     /// Checks that gradient `g` (on `device`) may step parameter `i`.
     pub(crate) fn check_grad_device(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
         let p = &self.params[i];
+        if device >= 0 {
+            self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
+        }
         if p.device == -1 && device >= 0 {
             // The offload case: the gradient comes down to the host (`offload_step`).
             if !g.is_contiguous() {
@@ -188,6 +234,30 @@ impl Optimizer {
     }
 }
 
+/// Checks that `stream` is one of `device`'s, naming `what` lives there when it is not.
+fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
+    if stream == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's stream handle (`set_stream`'s contract: live while set).
+    let r = unsafe { gpu::backend::backend(device)?.check_stream(stream) };
+    r.map_err(|e| match e {
+        Error::InvalidArgument { reason, .. } => Error::invalid(
+            "stream",
+            format!(
+                "{what} is on CUDA device {device}, and the optimizer's stream is not a stream \
+                 of that device: {reason}. fo queues all of an optimizer's device work on its \
+                 one stream: use one optimizer per device, or the legacy default stream (NULL)"
+            ),
+        ),
+        e => e,
+    })
+}
+
 #[cfg(test)]
 #[path = "device_step_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod stream_tests;

@@ -95,6 +95,7 @@ impl Optimizer {
                 p.tensor.shape()
             )));
         }
+        self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn))?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
         let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
         self.refresh_mirror(i)

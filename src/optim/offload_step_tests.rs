@@ -70,6 +70,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         for (i, m) in mirrors.iter_mut().enumerate() {
             unsafe { off.set_mirror(i, Some((view(m, DT, SIZES[i]), EMULATED))) }.unwrap();
         }
+        emulated::synchronize_all();
         assert_eq!(mirrors, oa, "set_mirror writes the param");
         for s in 0..3 {
             let mut g = grads(s);
@@ -81,6 +82,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
                 .collect();
             unsafe { host.step(&v) }.unwrap();
             unsafe { off.step_on(&v, &[EMULATED; 3]) }.unwrap();
+            emulated::synchronize_all();
             assert_eq!(ha, oa, "step {s}, check_numerics {numerics}");
             assert_eq!(mirrors, oa, "step {s}: mirrors follow");
             let _ = &mut skip1;
@@ -89,6 +91,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         // A state write into the param reaches the mirror too.
         let master = Tensor::from_f32(vec![SIZES[0]], &values(SIZES[0], 9)).unwrap();
         off.set_states(0, &[("master".into(), master)]).unwrap();
+        emulated::synchronize_all();
         assert_eq!(mirrors[0], oa[0]);
         assert_ne!(oa[0], ha[0]);
     }
@@ -156,6 +159,7 @@ fn mirrors_are_checked_before_they_are_kept() {
     assert!(m.iter().all(|&b| b == 0), "nothing was written");
     unsafe { opt.set_mirror(0, Some((view(&mut m, DT, SIZES[0]), EMULATED))) }.unwrap();
     unsafe { opt.set_mirror(0, None) }.unwrap();
+    emulated::synchronize_all();
     m.fill(0);
     let mut g = grads(0);
     let v: Vec<Option<HostTensor>> = g
@@ -164,5 +168,6 @@ fn mirrors_are_checked_before_they_are_kept() {
         .map(|(i, b)| Some(view(b, DT, SIZES[i])))
         .collect();
     unsafe { opt.step(&v) }.unwrap();
+    emulated::synchronize_all();
     assert!(m.iter().all(|&b| b == 0), "a removed mirror is left alone");
 }

@@ -208,6 +208,9 @@ impl Optimizer {
         if fqn.is_empty() {
             return Err(Error::invalid("fqn", "empty parameter name"));
         }
+        if device >= 0 {
+            self.check_stream_for(device, &format!("parameter {fqn}"))?;
+        }
         if self.params.iter().any(|p| p.fqn == fqn) {
             return Err(Error::invalid(
                 "fqn",

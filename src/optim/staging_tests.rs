@@ -56,6 +56,9 @@ fn step(opt: &mut Optimizer, dt: DType, s: u64, device: i32) {
         .map(|i| if i == 0 { -1 } else { device })
         .collect();
     unsafe { opt.step_on(&views, &devices) }.unwrap();
+    // The gradients must stay valid until the device's kernels have run (the step only
+    // queues them): wait before they are dropped.
+    emulated::synchronize_all();
 }
 
 /// Every key of every param, as `get_state` reads it, and the param bytes.
@@ -116,6 +119,8 @@ fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
             step(&mut host, dt, s, -1);
             step(&mut dev, dt, s, EMULATED);
         }
+        // The device's work is queued, not done: wait before reading its memory.
+        emulated::synchronize_all();
         assert_eq!(ha, da, "{:?} {dt}", cfgs[0].algorithm);
         assert!(dev.param_state(1).is_none() && dev.has_state(1));
         assert_eq!(dev.device_state(1).unwrap().step, 2);
@@ -188,6 +193,8 @@ fn device_state_is_written_by_key_as_host_state_is() {
             step(&mut host, dt, s, -1);
             step(&mut dev, dt, s, EMULATED);
         }
+        // The device's work is queued, not done: wait before reading its memory.
+        emulated::synchronize_all();
         assert_eq!(ha, da, "{:?} {dt}", cfgs[0].algorithm);
         assert_eq!(
             format!("{:?}", everything(&dev)),

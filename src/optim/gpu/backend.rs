@@ -71,6 +71,21 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// Every tensor in the table must be writable memory of this device; `stream` valid or 0.
     unsafe fn scale(&self, table: &NormTable, coef: f64, stream: usize) -> Result<()>;
+
+    /// Checks that `stream` can order work on this device: 0, or a stream created in this
+    /// device's primary context (the one torch uses). An `InvalidArgument` naming
+    /// `stream` otherwise, before anything is queued.
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a live stream handle (of any device).
+    unsafe fn check_stream(&self, stream: usize) -> Result<()>;
+
+    /// Makes the work queued on `to` from now on wait for the work queued on `from` so
+    /// far (an event recorded on `from`, waited for on `to`); the host does not wait.
+    ///
+    /// # Safety
+    /// Both streams pass `check_stream`.
+    unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()>;
 }
 
 /// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.

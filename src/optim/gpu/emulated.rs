@@ -1,15 +1,23 @@
-//! A device emulated in host memory, for the unit tests (compiled under `cfg(test)` only):
+//! Devices emulated in host memory, for the unit tests (compiled under `cfg(test)` only):
 //! "device memory" is host memory and a launch runs the kernel text built for the host by
-//! g++ (`-ffp-contract=off`, through the shim header, as ctest builds it). Device
-//! `EMULATED` resolves to it in `backend::backend`, so registration, device state, the
-//! hybrid step and state staging run end to end in CI; only the CUDA calls behind
-//! `launch::Device` are left to a GPU. Unavailable (tests skip, saying why) without g++.
-use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::collections::HashMap;
+//! g++ (`-ffp-contract=off`, through the shim header, as ctest builds it). Ordinals
+//! `EMULATED` and `EMULATED + 1` resolve to them in `backend::backend`, so registration,
+//! device state, the hybrid step and state staging run end to end in CI; only the CUDA
+//! calls behind `launch::Device` are left to a GPU. Unavailable (tests skip, saying why)
+//! without g++.
+//!
+//! Adversarial, so that ordering and lifetime bugs show on the host: each stream (the
+//! legacy default one of each device, and every `create_stream`) runs its work on its
+//! own thread after random delays; only events (`order_streams`) and waits order two
+//! streams; a stream of one device is refused by the other; fresh memory holds
+//! `POISON_NEW` until its zeroing runs, freed memory `POISON_FREED`.
+use std::alloc::{alloc, dealloc, Layout};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use super::backend::Backend;
 use super::norm_table::{FoNormTensor, NormTable};
@@ -115,11 +123,87 @@ fn build() -> std::result::Result<[usize; 3], String> {
     }
 }
 
+/// Poison written into memory fresh from `alloc_zeroed` before its zeroing runs, and into
+/// pinned memory (uninitialized on CUDA too).
+pub const POISON_NEW: u8 = 0xA5;
+/// Poison written into freed memory, which stays mapped a while (`QUARANTINE`) so a late
+/// read sees poison instead of another allocation's data.
+pub const POISON_FREED: u8 = 0xDB;
+/// Freed blocks kept mapped (poisoned) before they are really freed.
+const QUARANTINE: usize = 256;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// One stream: a worker thread running its jobs in order, each after a random delay, so
+/// work on different streams interleaves unpredictably. Only `order_streams` (events)
+/// and waits order two streams, as on a GPU with non-blocking streams.
+struct Worker {
+    tx: Mutex<mpsc::Sender<Job>>,
+    device: i32,
+}
+
+impl Worker {
+    fn spawn(device: i32, seed: u64) -> Arc<Worker> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name(format!("fo-emulated-{device}-{seed:x}"))
+            .spawn(move || {
+                let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                for job in rx {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if x.is_multiple_of(2) {
+                        std::thread::sleep(Duration::from_micros(x % 300));
+                    }
+                    job();
+                }
+            })
+            .expect("a stream worker thread");
+        Arc::new(Worker {
+            tx: Mutex::new(tx),
+            device,
+        })
+    }
+
+    fn push(&self, job: Job) {
+        let _ = self.tx.lock().unwrap().send(job);
+    }
+
+    /// Waits for every job queued so far.
+    fn sync(&self) {
+        let (tx, rx) = mpsc::channel();
+        self.push(Box::new(move || {
+            let _ = tx.send(());
+        }));
+        let _ = rx.recv();
+    }
+}
+
+/// Streams made by `create_stream`, by handle.
+fn streams() -> &'static Mutex<HashMap<usize, Arc<Worker>>> {
+    static S: OnceLock<Mutex<HashMap<usize, Arc<Worker>>>> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// A new stream of emulated device `ordinal` (a handle that is never 0).
+pub fn create_stream(ordinal: i32) -> usize {
+    let mut s = streams().lock().unwrap();
+    let handle = 0x5000 + 0x10 * (s.len() + 1);
+    s.insert(handle, Worker::spawn(ordinal, handle as u64));
+    handle
+}
+
 /// Host memory posing as one device's, with the host kernel as its launcher.
 pub struct Emulated {
+    ordinal: i32,
     run: HostKernels,
+    /// The legacy default stream (0) of this device.
+    default: Arc<Worker>,
     /// Live allocations and their sizes; tests check that every one is freed.
     live: Mutex<HashMap<u64, usize>>,
+    /// Freed blocks, poisoned, not yet returned to the allocator.
+    freed: Mutex<VecDeque<(u64, usize)>>,
 }
 
 const ALIGN: usize = 256;
@@ -137,29 +221,132 @@ impl Emulated {
     pub fn live_allocations(&self) -> usize {
         self.live.lock().unwrap().len()
     }
+
+    /// The worker of `stream` on this device; a stream of another device is refused as
+    /// CUDA refuses it (the error `check_stream` gives).
+    fn worker(&self, stream: usize) -> Result<Arc<Worker>> {
+        if stream == 0 {
+            return Ok(self.default.clone());
+        }
+        let w = streams().lock().unwrap().get(&stream).cloned();
+        match w {
+            None => Err(Error::invalid(
+                "stream",
+                format!("{stream:#x} is not a CUDA stream (emulated)"),
+            )),
+            Some(w) if w.device != self.ordinal => Err(Error::invalid(
+                "stream",
+                format!(
+                    "{stream:#x} is a stream of another CUDA context than device {}'s primary \
+                     context (emulated device {} made it)",
+                    self.ordinal, w.device
+                ),
+            )),
+            Some(w) => Ok(w),
+        }
+    }
+
+    /// Waits for every stream of this device (as `cudaDeviceSynchronize`).
+    pub fn synchronize(&self) {
+        self.default.sync();
+        let mine: Vec<Arc<Worker>> = streams()
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|w| w.device == self.ordinal)
+            .cloned()
+            .collect();
+        for w in mine {
+            w.sync();
+        }
+    }
+
+    /// Queues `ms` milliseconds of "work" on `stream`: what comes after it on that stream
+    /// runs late, so a missing wait shows.
+    pub fn stall(&self, stream: usize, ms: u64) {
+        let w = self.worker(stream).expect("a stream of this device");
+        w.push(Box::new(move || {
+            std::thread::sleep(Duration::from_millis(ms))
+        }));
+    }
+
+    unsafe fn raw_alloc(&self, bytes: usize) -> Result<u64> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let p = alloc(layout);
+        if p.is_null() {
+            return Err(Error::Internal(format!("emulated device: {bytes} bytes")));
+        }
+        std::ptr::write_bytes(p, POISON_NEW, bytes.max(1));
+        self.live.lock().unwrap().insert(p as u64, bytes.max(1));
+        Ok(p as u64)
+    }
+
+    unsafe fn raw_free(&self, ptr: u64) {
+        let bytes = self
+            .live
+            .lock()
+            .unwrap()
+            .remove(&ptr)
+            .expect("freeing memory the emulated device did not allocate");
+        std::ptr::write_bytes(ptr as *mut u8, POISON_FREED, bytes);
+        let mut q = self.freed.lock().unwrap();
+        q.push_back((ptr, bytes));
+        while q.len() > QUARANTINE {
+            let (p, b) = q.pop_front().unwrap();
+            dealloc(p as *mut u8, Layout::from_size_align(b, ALIGN).unwrap());
+        }
+    }
 }
 
-/// The emulated device for `ordinal == EMULATED` (None for any other ordinal, or where
-/// g++ cannot build the kernel).
-pub fn backend(ordinal: i32) -> Option<Arc<dyn Backend>> {
-    (ordinal == EMULATED)
-        .then(device)
-        .flatten()
-        .map(|d| d as Arc<dyn Backend>)
-}
+/// The emulated devices: ordinals `EMULATED` and `EMULATED + 1`.
+pub const EMULATED_DEVICES: i32 = 2;
 
-/// The emulated device, or None where the host kernel cannot be built.
-pub fn device() -> Option<Arc<Emulated>> {
-    static D: OnceLock<Option<Arc<Emulated>>> = OnceLock::new();
+fn devices() -> Option<&'static [Arc<Emulated>]> {
+    static D: OnceLock<Option<Vec<Arc<Emulated>>>> = OnceLock::new();
     D.get_or_init(|| {
-        host_kernels().ok().map(|run| {
-            Arc::new(Emulated {
-                run,
-                live: Mutex::new(HashMap::new()),
-            })
-        })
+        let run = host_kernels().ok()?;
+        Some(
+            (0..EMULATED_DEVICES)
+                .map(|k| {
+                    let ordinal = EMULATED + k;
+                    Arc::new(Emulated {
+                        ordinal,
+                        run,
+                        default: Worker::spawn(ordinal, 0x77 + k as u64),
+                        live: Mutex::new(HashMap::new()),
+                        freed: Mutex::new(VecDeque::new()),
+                    })
+                })
+                .collect(),
+        )
     })
-    .clone()
+    .as_deref()
+}
+
+/// The emulated device for `ordinal` (None for any other ordinal, or where g++ cannot
+/// build the kernel).
+pub fn backend(ordinal: i32) -> Option<Arc<dyn Backend>> {
+    device_at(ordinal).map(|d| d as Arc<dyn Backend>)
+}
+
+/// Emulated device `ordinal`, if it is one.
+pub fn device_at(ordinal: i32) -> Option<Arc<Emulated>> {
+    let k = ordinal.checked_sub(EMULATED)?;
+    devices()?.get(usize::try_from(k).ok()?).cloned()
+}
+
+/// The emulated device `EMULATED`, or None where the host kernel cannot be built.
+pub fn device() -> Option<Arc<Emulated>> {
+    device_at(EMULATED)
+}
+
+/// Waits for every stream of every emulated device (before a test reads "device" memory
+/// on the host).
+pub fn synchronize_all() {
+    for d in devices().into_iter().flatten() {
+        d.synchronize();
+    }
 }
 
 /// Why emulated-device tests skip here, or None when they can run.
@@ -178,90 +365,130 @@ pub fn skip() -> bool {
     }
 }
 
+/// Addresses cross to a worker as integers (the memory is the caller's to keep valid
+/// until the work has run, as on a GPU).
+#[derive(Clone, Copy)]
+struct Addr(usize);
+
 impl Backend for Emulated {
-    unsafe fn alloc_zeroed(&self, bytes: usize, _stream: usize) -> Result<u64> {
-        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
-            .map_err(|e| Error::Internal(e.to_string()))?;
-        let p = alloc_zeroed(layout);
-        if p.is_null() {
-            return Err(Error::Internal(format!("emulated device: {bytes} bytes")));
-        }
-        self.live.lock().unwrap().insert(p as u64, bytes.max(1));
-        Ok(p as u64)
+    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let w = self.worker(stream)?;
+        let p = self.raw_alloc(bytes)?;
+        let (at, n) = (Addr(p as usize), bytes.max(1));
+        w.push(Box::new(move || {
+            let at = at;
+            std::ptr::write_bytes(at.0 as *mut u8, 0, n)
+        }));
+        Ok(p)
     }
 
     unsafe fn free(&self, ptr: u64) {
-        let bytes = self
-            .live
-            .lock()
-            .unwrap()
-            .remove(&ptr)
-            .expect("freeing memory the emulated device did not allocate");
-        dealloc(
-            ptr as *mut u8,
-            Layout::from_size_align(bytes, ALIGN).unwrap(),
-        );
+        // cuMemFree waits for the device's work.
+        self.synchronize();
+        self.raw_free(ptr)
     }
 
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
-        self.alloc_zeroed(bytes, 0)
+        self.raw_alloc(bytes)
     }
 
     unsafe fn free_pinned(&self, ptr: u64) {
-        self.free(ptr)
+        self.raw_free(ptr)
     }
 
-    unsafe fn download(&self, src: u64, dst: &mut [u8], _stream: usize) -> Result<()> {
+    unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
         DOWNLOADS.with(|d| d.set(d.get() + 1));
-        std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len());
+        let (s, d, n) = (
+            Addr(src as usize),
+            Addr(dst.as_mut_ptr() as usize),
+            dst.len(),
+        );
+        w.push(Box::new(move || {
+            let (s, d) = (s, d);
+            std::ptr::copy_nonoverlapping(s.0 as *const u8, d.0 as *mut u8, n)
+        }));
+        w.sync();
         Ok(())
     }
 
-    unsafe fn upload(&self, dst: u64, src: &[u8], _stream: usize) -> Result<()> {
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len());
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
+        // Staged now (as CUDA stages a pageable source), written in stream order.
+        let staged = src.to_vec();
+        let d = Addr(dst as usize);
+        w.push(Box::new(move || {
+            let d = d;
+            std::ptr::copy_nonoverlapping(staged.as_ptr(), d.0 as *mut u8, staged.len())
+        }));
         Ok(())
     }
 
-    unsafe fn launch(&self, table: &StepTable, _stream: usize) -> Result<()> {
+    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
         if !table.tensors.is_empty() {
-            (self.run.step)(
-                table.tensors.as_ptr(),
-                table.tensors.len() as i32,
-                table.total_groups,
-            );
+            let (run, t) = (self.run.step, table.clone());
+            w.push(Box::new(move || {
+                run(t.tensors.as_ptr(), t.tensors.len() as i32, t.total_groups)
+            }));
         }
         Ok(())
     }
 
-    unsafe fn norm_chunks(
-        &self,
-        table: &NormTable,
-        power: u32,
-        _stream: usize,
-    ) -> Result<Vec<f64>> {
+    unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {
+        let w = self.worker(stream)?;
         let mut out = vec![0f64; 2 * table.total_chunks as usize];
         if !table.tensors.is_empty() {
-            (self.run.norm)(
-                table.tensors.as_ptr(),
-                table.tensors.len() as i32,
-                table.total_chunks,
-                power as i32,
-                out.as_mut_ptr(),
-            );
+            let (run, t, chunks) = (self.run.norm, table.tensors.clone(), table.total_chunks);
+            let o = Addr(out.as_mut_ptr() as usize);
+            w.push(Box::new(move || {
+                let o = o;
+                run(
+                    t.as_ptr(),
+                    t.len() as i32,
+                    chunks,
+                    power as i32,
+                    o.0 as *mut f64,
+                )
+            }));
+            w.sync();
         }
         Ok(out)
     }
 
-    unsafe fn scale(&self, table: &NormTable, coef: f64, _stream: usize) -> Result<()> {
+    unsafe fn scale(&self, table: &NormTable, coef: f64, stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
         if !table.tensors.is_empty() {
-            (self.run.scale)(
-                table.tensors.as_ptr(),
-                table.tensors.len() as i32,
-                table.total_chunks,
-                coef as f32,
-                coef,
-            );
+            let (run, t, chunks) = (self.run.scale, table.tensors.clone(), table.total_chunks);
+            w.push(Box::new(move || {
+                run(t.as_ptr(), t.len() as i32, chunks, coef as f32, coef)
+            }));
+            w.sync();
         }
+        Ok(())
+    }
+
+    unsafe fn check_stream(&self, stream: usize) -> Result<()> {
+        self.worker(stream).map(|_| ())
+    }
+
+    unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {
+        let (f, t) = (self.worker(from)?, self.worker(to)?);
+        if Arc::ptr_eq(&f, &t) {
+            return Ok(());
+        }
+        let event = Arc::new((Mutex::new(false), Condvar::new()));
+        let recorded = event.clone();
+        f.push(Box::new(move || {
+            *recorded.0.lock().unwrap() = true;
+            recorded.1.notify_all();
+        }));
+        t.push(Box::new(move || {
+            let mut done = event.0.lock().unwrap();
+            while !*done {
+                done = event.1.wait(done).unwrap();
+            }
+        }));
         Ok(())
     }
 }

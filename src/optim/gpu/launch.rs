@@ -1,12 +1,13 @@
-//! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device for
-//! that device's architecture, and each (param group, step) uploads its tensor table and
+//! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device to a
+//! CUBIN for that device's `sm_XY` (PTX for its `compute_XY` as the fallback, which needs
+//! a driver at least as new as NVRTC), and each (param group, step) uploads its tensor table and
 //! launches `fo_step_kernel` once on the caller's stream. Everything is stream-ordered
 //! (table allocation, copy, kernel, free): the host never waits for the device here.
 //!
 //! Only the raw driver and NVRTC calls of cudarc are used, because fo borrows the
 //! caller's stream and the caller's current context must be left as it was: each entry
 //! pushes the device's primary context (the one the CUDA runtime, hence torch, uses) and
-//! pops it on return. Library presence is checked before any call: cudarc panics when a
+//! pops it on return (`context::Current`, the one guard). Library presence is checked before any call: cudarc panics when a
 //! library it was asked to use is absent.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -16,6 +17,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
 use super::backend::Backend;
+use super::context::Current;
 use super::norm_table::{NormTable, LANES};
 use super::table::StepTable;
 use super::KERNEL_SOURCES;
@@ -67,10 +69,63 @@ pub fn arch_option(major: i32, minor: i32) -> String {
     format!("--gpu-architecture=compute_{major}{minor}")
 }
 
+/// The `--gpu-architecture` option for a CUBIN (machine code) of compute capability
+/// `major.minor`. Unlike PTX, a CUBIN from NVRTC 12.x loads on any 12.x driver (CUDA's
+/// minor version compatibility): PTX `.version 8.7` from NVRTC 12.8 needs R570 or newer.
+pub fn cubin_arch_option(major: i32, minor: i32) -> String {
+    format!("--gpu-architecture=sm_{major}{minor}")
+}
+
+/// Compiles the kernels to a CUBIN for `arch` (a `cubin_arch_option`).
+pub fn compile_cubin(arch: &str) -> Result<Vec<u8>> {
+    compile(arch, |prog| {
+        let mut size = 0usize;
+        // SAFETY: a compiled program; the buffer holds `size` bytes.
+        unsafe {
+            nvsys::nvrtcGetCUBINSize(prog, &mut size).result()?;
+            let mut out = vec![0u8; size];
+            nvsys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char).result()?;
+            Ok(out)
+        }
+    })
+}
+
+/// NVRTC's version as "major.minor".
+pub fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints (the library is present: checked by the callers).
+    match unsafe { nvsys::nvrtcVersion(&mut major, &mut minor) }.result() {
+        Ok(()) => format!("{major}.{minor}"),
+        Err(e) => format!("unknown ({e:?})"),
+    }
+}
+
+/// The CUDA driver's version as "major.minor" (12080 -> 12.8).
+pub fn driver_version() -> String {
+    let mut v = 0;
+    // SAFETY: writes one int.
+    match unsafe { cusys::cuDriverGetVersion(&mut v) }.result() {
+        Ok(()) => format!("{}.{}", v / 1000, (v % 1000) / 10),
+        Err(e) => format!("unknown ({e:?})"),
+    }
+}
+
 /// Compiles the kernels to PTX with `arch` (an `arch_option`). The headers are handed to
 /// NVRTC in memory, so no file or include path is needed at run time. Errors carry
 /// NVRTC's log.
 pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
+    compile(arch, |prog| {
+        // SAFETY: a compiled program.
+        unsafe { nvr::get_ptx(prog) }.map(|v| v.into_iter().map(|b| b as u8).collect::<Vec<u8>>())
+    })
+    .map(|v| v.into_iter().map(|b| b as c_char).collect())
+}
+
+/// Compiles the kernels with `arch` and takes the output with `get`.
+fn compile<T: Into<Vec<u8>>>(
+    arch: &str,
+    get: impl FnOnce(nvsys::nvrtcProgram) -> std::result::Result<T, nvr::NvrtcError>,
+) -> Result<Vec<u8>> {
     if let Some(m) = missing_nvrtc() {
         return Err(Error::Unsupported(m.into()));
     }
@@ -98,7 +153,9 @@ pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
         .map_err(|e| nv("nvrtcCreateProgram", e))?;
         let compiled = nvr::compile_program(prog, &opts);
         let out = match compiled {
-            Ok(()) => nvr::get_ptx(prog).map_err(|e| nv("nvrtcGetPTX", e)),
+            Ok(()) => get(prog)
+                .map(Into::into)
+                .map_err(|e| nv("nvrtcGetPTX/nvrtcGetCUBIN", e)),
             Err(e) => {
                 let log = nvr::get_program_log(prog)
                     .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
@@ -112,26 +169,6 @@ pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
         };
         let _ = nvr::destroy_program(prog);
         out
-    }
-}
-
-/// Makes a context current for the lifetime of the guard, then restores the caller's.
-struct Current;
-
-impl Current {
-    unsafe fn push(ctx: cusys::CUcontext) -> Result<Current> {
-        cusys::cuCtxPushCurrent_v2(ctx)
-            .result()
-            .map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        Ok(Current)
-    }
-}
-
-impl Drop for Current {
-    fn drop(&mut self) {
-        let mut popped: cusys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context `push` made current on this thread.
-        let _ = unsafe { cusys::cuCtxPopCurrent_v2(&mut popped) };
     }
 }
 
@@ -173,6 +210,38 @@ pub fn device(ordinal: i32) -> Result<Arc<Device>> {
     Ok(d)
 }
 
+/// fo's kernels loaded into the current context: the device's CUBIN, else (NVRTC without
+/// that architecture, say) PTX for the driver to finish. A driver too old for NVRTC's PTX
+/// is `Unsupported`, naming both versions. Returns the module and what was loaded.
+unsafe fn load_module(ordinal: i32, major: i32, minor: i32) -> Result<(cusys::CUmodule, String)> {
+    let cubin_arch = cubin_arch_option(major, minor);
+    let cubin = compile_cubin(&cubin_arch).and_then(|c| {
+        cu::module::load_data(c.as_ptr() as *const c_void)
+            .map_err(|e| cuda_err("cuModuleLoadData (CUBIN)", e))
+    });
+    let cubin_err = match cubin {
+        Ok(m) => return Ok((m, format!("{cubin_arch} (CUBIN)"))),
+        Err(e) => e,
+    };
+    let arch = arch_option(major, minor);
+    let ptx = compile_ptx(&arch)?;
+    match cu::module::load_data(ptx.as_ptr() as *const c_void) {
+        Ok(m) => Ok((m, format!("{arch} (PTX)"))),
+        Err(e) if e.0 == cusys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            Err(Error::Unsupported(format!(
+                "device = {ordinal}: the CUDA driver (CUDA {}) is older than NVRTC {} that \
+                 compiled fo's kernels, so it cannot load their PTX \
+                 (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), and the sm_{major}{minor} CUBIN did not \
+                 load either ({cubin_err}); update the driver, or put an NVRTC no newer than \
+                 the driver first on LD_LIBRARY_PATH",
+                driver_version(),
+                nvrtc_version()
+            )))
+        }
+        Err(e) => Err(cuda_err("cuModuleLoadData (PTX)", e)),
+    }
+}
+
 impl Device {
     unsafe fn open(ordinal: i32) -> Result<Device> {
         cu::init().map_err(|e| cuda_err("cuInit", e))?;
@@ -189,14 +258,18 @@ impl Device {
         let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
-        let arch = arch_option(major, minor);
-        let ptx = compile_ptx(&arch)?;
         // The primary context stays retained for the process, as the module does.
         let ctx =
             cu::primary_ctx::retain(dev).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
-        let _cur = Current::push(ctx)?;
-        let module = cu::module::load_data(ptx.as_ptr() as *const c_void)
-            .map_err(|e| cuda_err("cuModuleLoadData", e))?;
+        let _cur = Current::push(ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let (module, arch) = match load_module(ordinal, major, minor) {
+            Ok(m) => m,
+            Err(e) => {
+                drop(_cur);
+                let _ = cu::primary_ctx::release(dev);
+                return Err(e);
+            }
+        };
         let get = |name: &str| {
             cu::module::get_function(module, CString::new(name).expect("no NUL"))
                 .map_err(|e| cuda_err("cuModuleGetFunction", e))
@@ -232,7 +305,7 @@ impl Device {
         let count = i32::try_from(table.tensors.len()).map_err(|_| {
             Error::invalid("params", "more than 2^31 device tensors in one param group")
         })?;
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         self.with_device_copy(table.as_bytes(), 0, stream, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_groups);
             let mut args = [
@@ -295,7 +368,7 @@ fn stream_of(s: usize) -> cusys::CUstream {
 
 impl Backend for Device {
     unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
         if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
             let _ = cu::free_sync(ptr);
@@ -312,7 +385,7 @@ impl Backend for Device {
     }
 
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         cu::malloc_host(bytes.max(1), 0)
             .map(|p| p as u64)
             .map_err(|e| cuda_err("cuMemHostAlloc", e))
@@ -328,7 +401,7 @@ impl Backend for Device {
         if dst.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
@@ -338,7 +411,7 @@ impl Backend for Device {
         if src.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
         // A pageable source may be staged lazily: wait, so `src` may be reused at once.
@@ -355,7 +428,7 @@ impl Backend for Device {
         }
         let (chunks, count) = (table.total_chunks, Self::norm_rows(table)?);
         let mut out = vec![0u8; 16 * chunks as usize];
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         let lanes = chunks * LANES as u64;
         // After the table: lane sums, lane maxima, then [sum, max] per chunk.
@@ -394,7 +467,7 @@ impl Backend for Device {
             return Ok(());
         }
         let count = Self::norm_rows(table)?;
-        let _cur = Current::push(self.ctx)?;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let s = stream_of(stream);
         self.with_device_copy(table.as_bytes(), 0, s, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_chunks);
@@ -414,6 +487,53 @@ impl Backend for Device {
             )
         })?;
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn check_stream(&self, stream: usize) -> Result<()> {
+        if stream == 0 {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let mut ctx: cusys::CUcontext = std::ptr::null_mut();
+        cusys::cuStreamGetCtx(stream_of(stream), &mut ctx)
+            .result()
+            .map_err(|e| {
+                Error::invalid("stream", format!("{stream:#x} is not a CUDA stream: {e:?}"))
+            })?;
+        if ctx != self.ctx {
+            return Err(Error::invalid(
+                "stream",
+                format!(
+                    "{stream:#x} is a stream of another CUDA context than device {}'s primary \
+                     context (a stream of another device?); fo runs device {}'s work on a \
+                     stream of that device",
+                    self.ordinal, self.ordinal
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {
+        if from == to {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let ev = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_err("cuEventCreate", e))?;
+        let r = cu::event::record(ev, stream_of(from))
+            .map_err(|e| cuda_err("cuEventRecord", e))
+            .and_then(|()| {
+                cu::stream::wait_event(
+                    stream_of(to),
+                    ev,
+                    cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(|e| cuda_err("cuStreamWaitEvent", e))
+            });
+        // A recorded event may be destroyed at once: the wait keeps what it needs.
+        let _ = cu::event::destroy(ev);
+        r
     }
 }
 
@@ -443,12 +563,13 @@ mod tests {
         }
         assert_eq!(arch_option(9, 0), "--gpu-architecture=compute_90");
         assert_eq!(arch_option(8, 6), "--gpu-architecture=compute_86");
+        assert_eq!(cubin_arch_option(9, 0), "--gpu-architecture=sm_90");
     }
 
     /// Runs where NVRTC loads (no GPU needed): scripts/test.sh puts the pinned NVRTC wheel
     /// on LD_LIBRARY_PATH for it.
     #[test]
-    fn nvrtc_compiles_the_embedded_kernels_for_sm80_and_sm90() {
+    fn nvrtc_compiles_the_embedded_kernels_to_ptx_and_cubin_for_sm80_and_sm90() {
         if let Some(why) = missing_nvrtc() {
             eprintln!("skipped: {why}");
             return;
@@ -482,6 +603,18 @@ mod tests {
                 "sm_{major}{minor}"
             );
         }
+        // The CUBIN the device loads first (PTX is the fallback): an ELF for each.
+        for (major, minor) in [(8, 0), (9, 0)] {
+            let cubin = compile_cubin(&cubin_arch_option(major, minor)).unwrap();
+            assert!(cubin.starts_with(b"\x7fELF"), "sm_{major}{minor}");
+            for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
+                assert!(
+                    cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                    "sm_{major}{minor} CUBIN: {entry}"
+                );
+            }
+        }
+        assert!(nvrtc_version().starts_with("12."), "{}", nvrtc_version());
         let e = compile_ptx("--gpu-architecture=compute_10")
             .unwrap_err()
             .to_string();

@@ -7,11 +7,15 @@
 //!
 //! What is proven where: the arithmetic on the host (cpp_tests/test_gpu_kernels_host.cpp
 //! and host_kernel_tests.rs, bit for bit against the CPU step; NVRTC compiles the same
-//! text for sm_80/sm_90 in CI); device state, staging and the hybrid step on an
-//! `emulated` device in the unit tests (host memory, the host build of the kernel). The
-//! CUDA backend itself has not been run on a GPU. Without the feature, or without
+//! text to PTX and CUBIN for sm_80/sm_90 in CI); device state, staging, the hybrid step,
+//! streams and the clip on two adversarial `emulated` devices in the unit tests (host
+//! memory, the host build of the kernel, a worker per stream with random delays, events
+//! the only ordering, poisoned fresh and freed memory). The CUDA backend itself has not
+//! been run on a GPU. Without the feature, or without
 //! libcuda/NVRTC, device tensors are refused with `Unsupported`, naming what is missing.
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod context;
 mod device_state;
 #[cfg(test)]
 pub mod emulated;
@@ -74,6 +78,11 @@ pub fn open_device(ordinal: i32) -> Result<()> {
 
 /// Whether this build and machine can take a CUDA stream (`fo_optimizer_set_stream`).
 pub fn stream_support() -> Result<()> {
+    // Unit tests give streams to the emulated device.
+    #[cfg(test)]
+    if emulated::unavailable().is_none() {
+        return Ok(());
+    }
     #[cfg(feature = "cuda")]
     return match launch::missing_library() {
         Some(m) => Err(Error::Unsupported(format!("fo_optimizer_set_stream: {m}"))),

@@ -1,0 +1,112 @@
+//! Streams on the adversarial emulated devices (`gpu::emulated`: a worker per stream,
+//! random delays, only events order two streams): an optimizer's stream belongs to one
+//! device, and a new stream's work comes after the old one's.
+use super::*;
+use crate::dtype::DType;
+use crate::optim::config::{Algorithm, OptimConfig};
+use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
+
+const N: usize = 300;
+
+fn view(b: &mut [u8]) -> HostTensor {
+    unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[N as i64], None, "t").unwrap() }
+}
+
+fn adamw() -> Optimizer {
+    let mut c = OptimConfig::default_for(Algorithm::AdamW);
+    c.master_weight_bits = 0;
+    Optimizer::new(c).unwrap()
+}
+
+#[test]
+fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is_queued() {
+    if emulated::skip() {
+        return;
+    }
+    let (d0, d1) = (EMULATED, EMULATED + 1);
+    let s0 = emulated::create_stream(d0);
+    let (mut a, mut b) = (
+        encode(DType::F32, &values(N, 1)),
+        encode(DType::F32, &values(N, 2)),
+    );
+    let before = (a.clone(), b.clone());
+    // Parameters on two devices, then a stream of the first: refused, naming the second.
+    let mut opt = adamw();
+    unsafe {
+        opt.add_param_on("p0", view(&mut a), None, 0, d0).unwrap();
+        opt.add_param_on("p1", view(&mut b), None, 0, d1).unwrap();
+    }
+    let e = opt.set_stream(s0).unwrap_err().to_string();
+    assert!(
+        e.contains("parameter p1 is on CUDA device 78, and the optimizer's stream is not a stream of that device"),
+        "{e}"
+    );
+    assert!(e.contains("emulated device 77 made it"), "{e}");
+    assert_eq!(opt.stream(), 0, "a refused stream is not kept");
+    // The legacy default stream (each device's own) steps both devices.
+    let (mut g0, mut g1) = (
+        encode(DType::F32, &values(N, 3)),
+        encode(DType::F32, &values(N, 4)),
+    );
+    unsafe { opt.step_on(&[Some(view(&mut g0)), Some(view(&mut g1))], &[d0, d1]) }.unwrap();
+    emulated::synchronize_all();
+    assert!(a != before.0 && b != before.1, "both devices stepped");
+
+    // A stream first, then a parameter on another device: refused at registration.
+    let mut opt = adamw();
+    let (mut c, mut d) = (before.0.clone(), before.1.clone());
+    unsafe { opt.add_param_on("p0", view(&mut c), None, 0, d0) }.unwrap();
+    opt.set_stream(s0).unwrap();
+    let e = unsafe { opt.add_param_on("p1", view(&mut d), None, 0, d1) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parameter p1 is on CUDA device 78"), "{e}");
+    assert_eq!(opt.params.len(), 1, "p1 was not registered");
+    // An offloaded gradient on the other device: refused before anything changes.
+    let mut h = before.0.clone();
+    unsafe { opt.add_param("h", view(&mut h), None, 0) }.unwrap();
+    let e = unsafe { opt.step_on(&[Some(view(&mut g0)), Some(view(&mut g1))], &[d0, d1]) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the gradient of h is on CUDA device 78"), "{e}");
+    emulated::synchronize_all();
+    assert_eq!((&c, &h), (&before.0, &before.0), "nothing stepped");
+    assert!(!opt.has_state(0), "no state was made");
+}
+
+#[test]
+fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device().unwrap();
+    let (sa, sb) = (
+        emulated::create_stream(EMULATED),
+        emulated::create_stream(EMULATED),
+    );
+    let mut hp = encode(DType::F32, &values(N, 5));
+    let mut dp = hp.clone();
+    let mut host = adamw();
+    let mut opt = adamw();
+    unsafe {
+        host.add_param("p", view(&mut hp), None, 0).unwrap();
+        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
+            .unwrap();
+    }
+    let mut grads: Vec<Vec<u8>> = (0..3)
+        .map(|s| encode(DType::F32, &values(N, 10 + s)))
+        .collect();
+    for (s, stream) in [sa, sb, sa].into_iter().enumerate() {
+        opt.set_stream(stream).unwrap();
+        if s == 0 {
+            // Stream A is still busy (a slow backward, say) when the steps are queued:
+            // without an event, step 1 on B would run first.
+            dev.stall(stream, 200);
+        }
+        let g = Some(view(&mut grads[s]));
+        unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
+        unsafe { opt.step_on(&[g], &[EMULATED]) }.unwrap();
+    }
+    emulated::synchronize_all();
+    assert_eq!(dp, hp, "the three steps ran in order");
+}
