@@ -5,6 +5,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod args;
+mod handle;
 mod status;
 mod types;
 
