@@ -777,6 +777,7 @@ struct Stepper {
   // Steps kRounds times with one gradient per param; the count comes from num_params.
   std::string run(int* ok, int* stale) {
     for (int r = 0; r < kRounds; ++r) {
+      std::this_thread::yield();
       int32_t n = 0;
       fo_status s = fo_optimizer_num_params(opt, &n);
       if (s == FO_ERR_BUSY) continue;
@@ -819,6 +820,7 @@ std::vector<Hammer> hammers() {
                  std::string other;
                  std::thread t([&] {
                    for (int r = 0; r < kRounds && other.empty(); ++r) {
+                     std::this_thread::yield();
                      fo_tensor p{extra[r].data(), 0, 1, shape8, nullptr, -1};
                      int32_t idx = -1;
                      std::string fqn = "extra." + std::to_string(r);
@@ -843,7 +845,10 @@ std::vector<Hammer> hammers() {
                  int64_t shape[1] = {64};
                  std::string other;
                  std::thread t([&] {
-                   for (int r = 0; r < kRounds && other.empty(); ++r) {
+                   // Retries until it has kRounds / 10 successes: the stepper re-takes
+                   // the handle at once, so a caller giving up on BUSY may never get in.
+                   while (sets < kRounds / 10 && other.empty()) {
+                     std::this_thread::yield();
                      const char* keys[1] = {"exp_avg"};
                      fo_tensor val{m.data(), 0, 1, shape, nullptr, -1};
                      other = judge("fo_optimizer_set_state", fo_optimizer_set_state(st.opt, 0, keys, &val, 1), &sets);

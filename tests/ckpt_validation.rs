@@ -148,7 +148,9 @@ fn tensor_removed_from_the_header_is_an_error_not_zeros() {
             .find(|f| offset_of_opt(f, name))
             .unwrap();
         rewrite(&f, true, |_, ts, _| ts.retain(|t| t.name != name));
-        all_readers_refuse(&dir, "missing from the safetensors header");
+        // Its bytes stay in the file, unaccounted for: safetensors' layout rule (checked
+        // first, issue 23) refuses the hole before fo's table is compared.
+        all_readers_refuse(&dir, "invalid offset");
     }
 }
 
@@ -254,7 +256,7 @@ fn torch_checkpoint_with_shifted_or_missing_chunk_is_refused() {
         ts.retain(|x| x.name != t.name)
     });
     let e = Checkpoint::open(&dir).unwrap_err().to_string();
-    assert!(e.contains("a gap") && e.contains(&t.name), "{e}");
+    assert!(e.contains("invalid offset") && e.contains("a gap"), "{e}");
     let out = dir.with_extension("out");
     assert!(consolidate(&dir, &out, &mut |_, _| {}).is_err());
     assert!(!out.join("model-00001-of-00001.safetensors").exists());

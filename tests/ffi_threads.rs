@@ -31,7 +31,8 @@ impl Fixture {
             cfg.master_weight_bits = 0;
             cfg.state_format = 0;
             assert_eq!(fo_optimizer_create(&cfg, &mut f.opt), FO_OK, "{}", last());
-            let p = f.tensor(f.w.as_mut_ptr());
+            let w = f.w.as_mut_ptr();
+            let p = f.tensor(w);
             let mut idx = -1;
             let s = fo_optimizer_add_param(f.opt, c"w".as_ptr(), &p, std::ptr::null(), &mut idx);
             assert_eq!(s, FO_OK, "{}", last());
@@ -76,8 +77,11 @@ fn step_and_set_state_from_two_threads_get_ok_or_busy_and_stay_consistent() {
         let shape = f.shape;
         std::thread::spawn(move || {
             let mut m = vec![0.25f32; 4096];
+            // Retries until it has `rounds` successes: the stepper re-takes the handle
+            // at once, so a caller that gives up on BUSY may never get in.
             let mut ok = 0;
-            for _ in 0..rounds {
+            while ok < rounds {
+                std::thread::yield_now();
                 let v = fo_tensor {
                     data: m.as_mut_ptr().cast(),
                     dtype: 0,
@@ -96,7 +100,8 @@ fn step_and_set_state_from_two_threads_get_ok_or_busy_and_stay_consistent() {
     let mut g = vec![0.01f32; 4096];
     let gt = f.tensor(g.as_mut_ptr());
     let mut steps = 0;
-    for _ in 0..rounds {
+    while steps < rounds {
+        std::thread::yield_now();
         judge(
             "fo_optimizer_step",
             unsafe { fo_optimizer_step(f.opt, &gt, 1) },
@@ -104,9 +109,9 @@ fn step_and_set_state_from_two_threads_get_ok_or_busy_and_stay_consistent() {
         );
     }
     let sets = setter.join().unwrap();
-    assert!(steps > 0 && sets > 0, "steps {steps}, sets {sets}");
+    assert_eq!((steps, sets), (rounds, rounds));
     let mut step = [0f32; 1];
-    let out = fo_tensor {
+    let mut out = fo_tensor {
         data: step.as_mut_ptr().cast(),
         dtype: 0,
         ndim: 0,
@@ -116,7 +121,7 @@ fn step_and_set_state_from_two_threads_get_ok_or_busy_and_stay_consistent() {
     };
     unsafe {
         assert_eq!(
-            fo_optimizer_get_state(f.opt, 0, c"step".as_ptr(), &out),
+            fo_optimizer_get_state(f.opt, 0, c"step".as_ptr(), &mut out),
             FO_OK,
             "{}",
             last()

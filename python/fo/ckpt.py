@@ -20,7 +20,7 @@ from ._ffi import MAX_DIMS, check, declare
 from .layout import torch_param_group, torch_state_dict
 from .optim import Optimizer, numpy_dtype
 
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = Union[str, bytes, "os.PathLike[str]"]
 
 MODES = {"compressed": 0, "portable": 1}
 PARAMS = {None: 0, "stored": 1, "master": 2}
