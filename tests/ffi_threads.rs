@@ -52,12 +52,15 @@ impl Fixture {
     }
 }
 
+static BUSY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// Counts OK answers; any status but OK and BUSY (with a message naming `call` and the
 /// call in progress) fails the test.
 fn judge(call: &str, s: fo_status, ok: &mut u32) {
     match s {
         FO_OK => *ok += 1,
         FO_ERR_BUSY => {
+            BUSY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let m = last();
             assert!(
                 m.contains(call) && m.contains("is busy in fo_optimizer_"),
@@ -110,6 +113,10 @@ fn step_and_set_state_from_two_threads_get_ok_or_busy_and_stay_consistent() {
     }
     let sets = setter.join().unwrap();
     assert_eq!((steps, sets), (rounds, rounds));
+    eprintln!(
+        "{} calls answered FO_ERR_BUSY",
+        BUSY.load(std::sync::atomic::Ordering::Relaxed)
+    );
     let mut step = [0f32; 1];
     let mut out = fo_tensor {
         data: step.as_mut_ptr().cast(),
