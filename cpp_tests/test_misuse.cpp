@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -21,6 +22,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.hpp"
@@ -223,6 +225,7 @@ std::vector<Case> cases() {
   E("fo_packed_save", "dir NULL", [](Fx& f) { return fo_packed_save(f.packed, nullptr); });
   E("fo_packed_save", "dir not UTF-8", [](Fx& f) { return fo_packed_save(f.packed, "/tmp/\xff"); });
   E("fo_packed_save", "dir under /proc", [](Fx& f) { return fo_packed_save(f.packed, "/proc/fo-no/such"); });
+  E("fo_packed_save", "dir empty string", [](Fx& f) { return fo_packed_save(f.packed, ""); });
   R("fo_packed_destroy", "NULL", [](Fx&) { fo_packed_destroy(nullptr); });
 
   E("fo_state_save", "opt NULL", [](Fx& f) { return fo_state_save(nullptr, f.empty.c_str(), &f.pack); });
@@ -232,6 +235,9 @@ std::vector<Case> cases() {
   E("fo_state_save", "write_unsharded 5", [](Fx& f) { PO o = f.pack; o.write_unsharded = 5; return fo_state_save(f.opt, f.empty.c_str(), &o); });
   E("fo_state_save", "rank 3 of 2", [](Fx& f) { PO o = f.pack; o.rank = 3; o.world_size = 2; return fo_state_save(f.opt, f.empty.c_str(), &o); });
   E("fo_state_save", "dir under /proc", [](Fx& f) { return fo_state_save(f.opt, "/proc/fo-no/such", &f.pack); });
+  E("fo_state_save", "dir empty string", [](Fx& f) { return fo_state_save(f.opt, "", &f.pack); });
+  E("fo_state_save", "world_size INT32_MAX-1", [](Fx& f) { PO o = f.pack; o.world_size = kI32Max - 1; return fo_state_save(f.opt, f.empty.c_str(), &o); });
+  E("fo_state_save", "world_size 1e8", [](Fx& f) { PO o = f.pack; o.world_size = 100000000; o.save_id = "big"; return fo_state_save(f.opt, f.empty.c_str(), &o); });
   E("fo_state_save_comm", "opt NULL", [](Fx& f) { return fo_state_save_comm(nullptr, f.empty.c_str(), &f.pack, f.comm); });
   E("fo_state_save_comm", "dir NULL", [](Fx& f) { return fo_state_save_comm(f.opt, nullptr, &f.pack, f.comm); });
   E("fo_state_save_comm", "options NULL", [](Fx& f) { return fo_state_save_comm(f.opt, f.empty.c_str(), nullptr, f.comm); });
@@ -240,6 +246,7 @@ std::vector<Case> cases() {
   E("fo_state_save_comm", "write_unsharded 5", [](Fx& f) { PO o = f.pack; o.write_unsharded = 5; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
   E("fo_state_save_comm", "world_size 2 on a 1-rank comm", [](Fx& f) { PO o = f.pack; o.world_size = 2; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
   E("fo_state_save_comm", "dir under /proc", [](Fx& f) { return fo_state_save_comm(f.opt, "/proc/fo-no/such", &f.pack, f.comm); });
+  E("fo_state_save_comm", "dir empty string", [](Fx& f) { return fo_state_save_comm(f.opt, "", &f.pack, f.comm); });
 
   using LO = fo_load_options;
   auto load_with = [](LO o) { return [o](Fx& f) { return fo_state_load(f.opt, f.dir.c_str(), &o, nullptr); }; };
@@ -248,6 +255,7 @@ std::vector<Case> cases() {
   E("fo_state_load", "dir missing", [](Fx& f) { return fo_state_load(f.opt, "/tmp/fo-no-such-dir-x", nullptr, nullptr); });
   E("fo_state_load", "dir empty", [](Fx& f) { return fo_state_load(f.opt, f.empty.c_str(), nullptr, nullptr); });
   E("fo_state_load", "dir is a file", [](Fx& f) { return fo_state_load(f.opt, "/etc/hostname", nullptr, nullptr); });
+  E("fo_state_load", "dir empty string", [](Fx& f) { return fo_state_load(f.opt, "", nullptr, nullptr); });
   E("fo_state_load", "strict 7", load_with(LO{7, 0, 1}));
   E("fo_state_load", "strict -1", load_with(LO{-1, 0, 1}));
   E("fo_state_load", "params 5", load_with(LO{1, 5, 1}));
@@ -267,6 +275,8 @@ std::vector<Case> cases() {
   E("fo_checkpoint_consolidate", "dir missing", [](Fx& f) { return fo_checkpoint_consolidate("/tmp/fo-no-such-dir-x", f.outdir.c_str()); });
   E("fo_checkpoint_consolidate", "dir empty", [](Fx& f) { return fo_checkpoint_consolidate(f.empty.c_str(), f.outdir.c_str()); });
   E("fo_checkpoint_consolidate", "out_dir under /proc", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), "/proc/fo-no/such"); });
+  E("fo_checkpoint_consolidate", "dir empty string", [](Fx& f) { return fo_checkpoint_consolidate("", f.outdir.c_str()); });
+  E("fo_checkpoint_consolidate", "out_dir empty string", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), ""); });
   E("fo_checkpoint_verify", "dir NULL", [](Fx&) { return fo_checkpoint_verify(nullptr); });
   E("fo_checkpoint_verify", "dir missing", [](Fx&) { return fo_checkpoint_verify("/tmp/fo-no-such-dir-x"); });
   E("fo_checkpoint_info_json", "dir NULL", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json(nullptr, b, 64, &n); });
@@ -277,6 +287,10 @@ std::vector<Case> cases() {
   E("fo_checkpoint_info_json", "buf NULL, capacity 1<<20", [](Fx& f) { size_t n; return fo_checkpoint_info_json(f.dir.c_str(), nullptr, 1 << 20, &n); });
   E("fo_checkpoint_verify", "dir empty", [](Fx& f) { return fo_checkpoint_verify(f.empty.c_str()); });
   E("fo_checkpoint_verify", "dir not UTF-8", [](Fx&) { return fo_checkpoint_verify("/tmp/\xff"); });
+  E("fo_checkpoint_verify", "dir empty string (cwd holds a checkpoint)", [](Fx& f) {
+    if (chdir(f.dir.c_str()) != 0) return FO_OK;
+    return fo_checkpoint_verify("");
+  });
 
   // ---- communicators
   static fo_comm_callbacks no_callbacks{};
@@ -419,6 +433,11 @@ std::vector<Case> cases() {
   E("fo_optimizer_create", "lr inf", create([](OC& c) { c.lr = kInf; }));
   E("fo_optimizer_create", "beta1 1.5", create([](OC& c) { c.beta1 = 1.5; }));
   E("fo_optimizer_create", "beta2 NaN", create([](OC& c) { c.beta2 = kNaN; }));
+  E("fo_optimizer_create", "beta2 1.0 (torch: [0, 1))", create([](OC& c) { c.beta2 = 1.0; }));
+  E("fo_optimizer_create", "beta1 1.0 (torch: [0, 1))", create([](OC& c) { c.beta1 = 1.0; }));
+  E("fo_optimizer_create", "Lion beta2 1.0", create([](OC& c) { c.algorithm = 4; c.beta2 = 1.0; }));
+  E("fo_optimizer_create", "SGD momentum -0.9", create([](OC& c) { c.algorithm = 2; c.momentum = -0.9; }));
+  E("fo_optimizer_create", "SGD nesterov with dampening", create([](OC& c) { c.algorithm = 2; c.momentum = 0.9; c.dampening = 0.1; c.nesterov = 1; }));
   E("fo_optimizer_create", "eps -1", create([](OC& c) { c.eps = -1; }));
   E("fo_optimizer_create", "weight_decay NaN", create([](OC& c) { c.weight_decay = kNaN; }));
   E("fo_optimizer_create", "nesterov 2", create([](OC& c) { c.nesterov = 2; }));
@@ -588,6 +607,8 @@ std::vector<Case> cases() {
   E("fo_optimizer_set_group_config", "group 5", [](Fx& f) { return fo_optimizer_set_group_config(f.opt, 5, &f.cfg); });
   E("fo_optimizer_set_group_config", "algorithm changed", [](Fx& f) { OC c = f.cfg; c.algorithm = FO_ALGORITHM_LION; return fo_optimizer_set_group_config(f.opt, 0, &c); });
   E("fo_optimizer_set_group_config", "check_numerics 9", [](Fx& f) { OC c = f.cfg; c.check_numerics = 9; return fo_optimizer_set_group_config(f.opt, 0, &c); });
+  E("fo_optimizer_set_group_config", "beta1 1.0", [](Fx& f) { OC c = f.cfg; c.beta1 = 1.0; return fo_optimizer_set_group_config(f.opt, 0, &c); });
+  E("fo_optimizer_set_group_config", "eps -inf", [](Fx& f) { OC c = f.cfg; c.eps = -kInf; return fo_optimizer_set_group_config(f.opt, 0, &c); });
   E("fo_optimizer_get_group_config", "opt NULL", [](Fx&) { OC c; return fo_optimizer_get_group_config(nullptr, 0, &c); });
   E("fo_optimizer_get_group_config", "group -1", [](Fx& f) { OC c; return fo_optimizer_get_group_config(f.opt, -1, &c); });
   E("fo_optimizer_get_group_config", "out NULL", [](Fx& f) { return fo_optimizer_get_group_config(f.opt, 0, nullptr); });
@@ -721,6 +742,210 @@ std::vector<Case> cases() {
   return v;
 }
 
+// ---- The multi-threaded section (issue 23): two threads hammering one handle. Every
+// call must return FO_OK or FO_ERR_BUSY (the handle taken by the other thread; its
+// message names the call in progress), and the handle must end consistent: as many
+// steps and params as calls that returned OK. Each scenario runs in its own child.
+struct Hammer {
+  std::string name;
+  // Runs the scenario; returns "" when every call and the final state are as expected.
+  std::function<std::string()> run;
+};
+
+constexpr int kRounds = 300;
+
+// One thread's verdict on a status: OK and BUSY are the only answers allowed.
+std::string judge(const char* call, fo_status s, int* ok) {
+  if (s == FO_OK) {
+    ++*ok;
+    return "";
+  }
+  std::string msg = fo_last_error_message();
+  if (s != FO_ERR_BUSY) return std::string(call) + " returned " + fo_status_name(s) + ": " + msg;
+  if (msg.find(call) == std::string::npos || msg.find("is busy in fo_") == std::string::npos)
+    return std::string(call) + ": FO_ERR_BUSY's message does not name both calls: " + msg;
+  return "";
+}
+
+// A steady stepper: one f32 param "w" of 64 elements, steps until told to stop.
+struct Stepper {
+  std::vector<float> w = std::vector<float>(64, 0.5f), g = std::vector<float>(64, 0.01f);
+  int64_t shape[1] = {64};
+  fo_optimizer* opt = nullptr;
+  Stepper() {
+    fo_optim_config cfg;
+    fo_optim_config_default(0, &cfg);
+    cfg.master_weight_bits = 0;
+    Fx::must(fo_optimizer_create(&cfg, &opt), "create");
+    fo_tensor p{w.data(), 0, 1, shape, nullptr, -1};
+    int32_t idx = -1;
+    Fx::must(fo_optimizer_add_param(opt, "w", &p, nullptr, &idx), "add_param");
+  }
+  // Steps kRounds times with one gradient per param; the count comes from num_params.
+  std::string run(int* ok, int* stale) {
+    for (int r = 0; r < kRounds; ++r) {
+      std::this_thread::yield();
+      int32_t n = 0;
+      fo_status s = fo_optimizer_num_params(opt, &n);
+      if (s == FO_ERR_BUSY) continue;
+      if (s != FO_OK) return std::string("num_params: ") + fo_last_error_message();
+      std::vector<fo_tensor> grads(static_cast<size_t>(n), fo_tensor{nullptr, 0, 1, shape, nullptr, -1});
+      grads[0].data = g.data();
+      s = fo_optimizer_step(opt, grads.data(), grads.size());
+      // The other thread may add a param between num_params and step: the step then
+      // refuses the stale count, changing nothing (not a race: a caller's stale view).
+      if (s == FO_ERR_INVALID_ARGUMENT && std::string(fo_last_error_message()).find("gradients given for") != std::string::npos) {
+        ++*stale;
+        continue;
+      }
+      std::string why = judge("fo_optimizer_step", s, ok);
+      if (!why.empty()) return why;
+    }
+    return "";
+  }
+  float step_count() {
+    float v = -1;
+    int64_t none[1] = {0};
+    fo_tensor out{&v, 0, 0, none, nullptr, -1};
+    Fx::must(fo_optimizer_get_state(opt, 0, "step", &out), "get_state step");
+    return v;
+  }
+  bool finite() {
+    for (float x : w)
+      if (!std::isfinite(x)) return false;
+    return true;
+  }
+};
+
+std::vector<Hammer> hammers() {
+  std::vector<Hammer> v;
+  v.push_back({"step + add_param", [] {
+                 Stepper st;
+                 int steps = 0, stale = 0, adds = 0;
+                 std::vector<std::vector<float>> extra(kRounds, std::vector<float>(8, 1.0f));
+                 int64_t shape8[1] = {8};
+                 std::string other;
+                 std::thread t([&] {
+                   for (int r = 0; r < kRounds && other.empty(); ++r) {
+                     std::this_thread::yield();
+                     fo_tensor p{extra[r].data(), 0, 1, shape8, nullptr, -1};
+                     int32_t idx = -1;
+                     std::string fqn = "extra." + std::to_string(r);
+                     other = judge("fo_optimizer_add_param", fo_optimizer_add_param(st.opt, fqn.c_str(), &p, nullptr, &idx), &adds);
+                   }
+                 });
+                 std::string why = st.run(&steps, &stale);
+                 t.join();
+                 if (!why.empty() || !other.empty()) return why + other;
+                 int32_t n = 0;
+                 Fx::must(fo_optimizer_num_params(st.opt, &n), "num_params");
+                 if (n != 1 + adds) return "num_params " + std::to_string(n) + " after " + std::to_string(adds) + " successful adds";
+                 if (st.step_count() != 1.0f * steps) return "step " + std::to_string(st.step_count()) + " after " + std::to_string(steps) + " successful steps";
+                 if (!st.finite()) return std::string("a non-finite parameter");
+                 fo_optimizer_destroy(st.opt);
+                 return std::string();
+               }});
+  v.push_back({"step + set_state", [] {
+                 Stepper st;
+                 int steps = 0, stale = 0, sets = 0;
+                 std::vector<float> m(64, 0.25f);
+                 int64_t shape[1] = {64};
+                 std::string other;
+                 std::thread t([&] {
+                   // Retries until it has kRounds / 10 successes: the stepper re-takes
+                   // the handle at once, so a caller giving up on BUSY may never get in.
+                   while (sets < kRounds / 10 && other.empty()) {
+                     std::this_thread::yield();
+                     const char* keys[1] = {"exp_avg"};
+                     fo_tensor val{m.data(), 0, 1, shape, nullptr, -1};
+                     other = judge("fo_optimizer_set_state", fo_optimizer_set_state(st.opt, 0, keys, &val, 1), &sets);
+                   }
+                 });
+                 std::string why = st.run(&steps, &stale);
+                 t.join();
+                 if (!why.empty() || !other.empty()) return why + other;
+                 if (stale != 0) return std::string("a stale count without any add_param");
+                 if (sets == 0 || steps == 0) return std::string("no call of one thread ever got the handle");
+                 float expected = static_cast<float>(steps);
+                 // set_state before the first step created the state at step 0.
+                 if (st.step_count() != expected) return "step " + std::to_string(st.step_count()) + " after " + std::to_string(steps) + " successful steps";
+                 if (!st.finite()) return std::string("a non-finite parameter");
+                 fo_optimizer_destroy(st.opt);
+                 return std::string();
+               }});
+  v.push_back({"step + load", [] {
+                 Stepper st;
+                 int steps = 0, stale = 0, loads = 0;
+                 fo_tensor g{st.g.data(), 0, 1, st.shape, nullptr, -1};
+                 Fx::must(fo_optimizer_step(st.opt, &g, 1), "step");
+                 char t_[] = "/tmp/fo_hammer_XXXXXX";
+                 std::string dir = mkdtemp(t_);
+                 fo_pack_options po{0, 1, 0, 0, -1, nullptr};
+                 Fx::must(fo_state_save(st.opt, dir.c_str(), &po), "save");
+                 std::string other;
+                 std::thread t([&] {
+                   for (int r = 0; r < kRounds / 10 && other.empty(); ++r)
+                     other = judge("fo_state_load", fo_state_load(st.opt, dir.c_str(), nullptr, nullptr), &loads);
+                 });
+                 std::string why = st.run(&steps, &stale);
+                 t.join();
+                 if (!why.empty() || !other.empty()) return why + other;
+                 if (st.step_count() < 1.0f || st.step_count() > 1.0f + steps) return "step " + std::to_string(st.step_count()) + " out of range";
+                 if (!st.finite()) return std::string("a non-finite parameter");
+                 fo_optimizer_destroy(st.opt);
+                 return std::string();
+               }});
+  v.push_back({"destroy while stepping", [] {
+                 // A step long enough (16M elements) for destroy to arrive in its middle:
+                 // destroy must wait for it, never free the state under it.
+                 std::vector<float> w(1 << 24, 0.5f), g(1 << 24, 0.01f);
+                 int64_t shape[1] = {1 << 24};
+                 fo_optim_config cfg;
+                 fo_optim_config_default(0, &cfg);
+                 cfg.master_weight_bits = 0;
+                 fo_optimizer* opt = nullptr;
+                 Fx::must(fo_optimizer_create(&cfg, &opt), "create");
+                 fo_tensor p{w.data(), 0, 1, shape, nullptr, -1};
+                 int32_t idx = -1;
+                 Fx::must(fo_optimizer_add_param(opt, "w", &p, nullptr, &idx), "add_param");
+                 fo_tensor gr{g.data(), 0, 1, shape, nullptr, -1};
+                 fo_status step = FO_ERR_INTERNAL;
+                 std::thread t([&] { step = fo_optimizer_step(opt, &gr, 1); });
+                 std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                 fo_optimizer_destroy(opt);
+                 t.join();
+                 if (step != FO_OK) return std::string("the step returned ") + fo_status_name(step);
+                 for (size_t i = 0; i < w.size(); i += 4099)
+                   if (!(w[i] < 0.5f)) return std::string("the step did not finish before destroy");
+                 return std::string();
+               }});
+  return v;
+}
+
+// Runs one scenario in a child, like run_case.
+std::string run_hammer(const Hammer& h) {
+  int out_pipe[2];
+  if (pipe(out_pipe) != 0) return "pipe failed";
+  std::fflush(nullptr);
+  pid_t pid = fork();
+  if (pid < 0) return "fork failed";
+  if (pid == 0) {
+    close(out_pipe[0]);
+    alarm(kAlarmSeconds * 3);
+    std::string why = h.run();
+    if (write(out_pipe[1], why.data(), why.size()) < 0) _exit(3);
+    _exit(0);
+  }
+  close(out_pipe[1]);
+  std::string why = read_all(out_pipe[0]);
+  close(out_pipe[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  if (WIFSIGNALED(st)) return std::string("killed by signal ") + strsignal(WTERMSIG(st));
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) return "child exited abnormally";
+  return why;
+}
+
 }  // namespace
 
 int main() {
@@ -745,6 +970,13 @@ int main() {
     std::string why = run_case(c);
     if (!why.empty()) fo_test::fail(__FILE__, __LINE__, c.fn + " [" + c.what + "]: " + why);
   }
-  std::printf("misuse table: %zu cases over %zu exported functions\n", all.size(), exported.size());
+  std::vector<Hammer> hs = hammers();
+  for (auto& h : hs) {
+    ++fo_test::checks();
+    std::string why = run_hammer(h);
+    if (!why.empty()) fo_test::fail(__FILE__, __LINE__, "threads [" + h.name + "]: " + why);
+  }
+  std::printf("misuse table: %zu cases over %zu exported functions, %zu threaded scenarios\n", all.size(),
+              exported.size(), hs.size());
   return fo_test::summary("test_misuse");
 }

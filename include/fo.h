@@ -188,6 +188,11 @@
 #define FO_MAX_LOCAL_WORLD 1024
 
 /*
+ Most ranks of one checkpoint (`fo_pack_options.world_size`).
+ */
+#define FO_MAX_WORLD_SIZE (1 << 20)
+
+/*
  The ABI version this header describes; compare with `fo_abi_version()` at load time.
  */
 #define FO_ABI_VERSION 2
@@ -211,20 +216,25 @@
 #define FO_REDUCE_MAX 1
 
 /*
- One rank's communicator (opaque). Use it from one thread at a time.
+ One rank's communicator (opaque). One call at a time per handle: a call made while
+ another thread is inside a call on the same handle returns FO_ERR_BUSY at once (on that
+ thread only: the other ranks see the caller's collective as usual).
  */
 typedef struct fo_comm fo_comm;
 
 /*
  An optimizer: param groups, registered parameters (borrowed, updated in place) and
  their state. Created by `fo_optimizer_create`, freed by `fo_optimizer_destroy`. One
- thread at a time per handle (a step itself runs on fo's own thread pool).
+ call at a time per handle (a step itself runs on fo's own thread pool): a call made
+ while another thread is inside a call on the same handle returns FO_ERR_BUSY at once,
+ naming the call in progress, and changes nothing.
  */
 typedef struct fo_optimizer fo_optimizer;
 
 /*
  A rank's packed state: named chunks with global shape and offsets, data included.
- Created by `fo_state_pack`, freed by `fo_packed_destroy`.
+ Created by `fo_state_pack`, freed by `fo_packed_destroy`. One call at a time per
+ handle (FO_ERR_BUSY otherwise, as for `fo_optimizer`).
  */
 typedef struct fo_packed fo_packed;
 
@@ -239,7 +249,7 @@ typedef int32_t fo_status;
  `FO_PACK_PARAMS_NONE` (state only), `_STORED` (also the params under their plain FQN as
  stored) or `_MASTER` (also as f32 masters: param + error bits). `write_unsharded`:
  `FO_WRITE_UNSHARDED_RANK0` (-1) rank 0 writes unsharded entries, 0 this rank does not,
- 1 it does. `save_id`: the same string on every rank of one save; required when
+ 1 it does. `world_size` is 1..=FO_MAX_WORLD_SIZE. `save_id`: the same string on every rank of one save; required when
  `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
  for one rank generates one. The save becomes visible when the last rank finishes.
  */
@@ -520,6 +530,13 @@ typedef struct fo_shard_info {
  */
 #define FO_ERR_INTERNAL 10
 
+/*
+ The handle is in use by another call: another thread (handles take one call at a
+ time), or a callback re-entering fo with the handle whose call is running it. The
+ message names the call in progress; nothing was done.
+ */
+#define FO_ERR_BUSY 11
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -579,7 +596,8 @@ fo_status fo_packed_metadata_json(const struct fo_packed *packed,
 fo_status fo_packed_save(const struct fo_packed *packed, const char *dir);
 
 /*
- Frees a packed state (NULL is a no-op).
+ Frees a packed state (NULL is a no-op); waits for a call in progress on another
+ thread, as `fo_optimizer_destroy` does.
  */
 void fo_packed_destroy(struct fo_packed *packed);
 
@@ -673,7 +691,9 @@ fo_status fo_comm_create_nccl(void *nccl_comm,
 
 /*
  Frees a communicator (NULL is ignored). For an in-process group, the other ranks'
- pending and later collectives fail instead of waiting for this one.
+ pending and later collectives fail instead of waiting for this one. If another thread
+ is inside a call on `comm`, waits for it to return first; called from inside a call
+ on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message.
  */
 void fo_comm_destroy(struct fo_comm *comm);
 
@@ -798,7 +818,10 @@ void fo_optim_config_default(int32_t algorithm, struct fo_optim_config *out);
 fo_status fo_optimizer_create(const struct fo_optim_config *cfg, struct fo_optimizer **out);
 
 /*
- Frees an optimizer and its state (NULL is a no-op). Parameters are the caller's.
+ Frees an optimizer and its state (NULL is a no-op). Parameters are the caller's. If
+ another thread is inside a call on `opt`, waits for that call to return, then frees
+ (a call started after destroy is the caller's use-after-free). Called from inside a
+ call on `opt` (a callback), frees nothing and records FO_ERR_BUSY's message.
  */
 void fo_optimizer_destroy(struct fo_optimizer *opt);
 

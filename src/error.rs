@@ -38,6 +38,10 @@ pub enum Error {
     /// A bug in fo: a panic caught at the boundary, or a broken invariant.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A handle is in use by another call (another thread, or a callback re-entering fo):
+    /// the message names both calls. Nothing was done; retry once the other call returned.
+    #[error("handle busy: {0}")]
+    Busy(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -98,3 +98,57 @@ fn a_retried_save_does_not_commit_the_interrupted_attempts_rank() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 23 item 6: ranks passing different directories fail alike with an invalid
+/// argument naming both (not the internal "done marker is missing"), and a rank whose own
+/// arguments fail (here an empty directory) gives every rank its error at once, not a
+/// timeout on the others. Nothing is written in either directory.
+#[test]
+fn ranks_with_different_directories_or_a_bad_argument_fail_every_rank_alike() {
+    let (a, b) = (tmp("commit-dir-a"), tmp("commit-dir-b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let rs = ranks(2, &config(StateFormat::Fp32, 0), DType::F32, 1);
+    for dirs in [
+        [a.clone(), b.clone()],
+        [a.clone(), std::path::PathBuf::new()],
+    ] {
+        let comms = Comm::local_group(2);
+        let res: Vec<fo::Result<String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = rs
+                .iter()
+                .zip(comms)
+                .zip(&dirs)
+                .enumerate()
+                .map(|(r, ((rank, comm), dir))| {
+                    s.spawn(move || {
+                        let mut o = SaveOptions::new(r, 2, Mode::Portable);
+                        o.save_id = "same".into();
+                        save_optimizer_comm(&rank.opt, dir, &o, &comm)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &res {
+            let e = r.as_ref().unwrap_err();
+            assert!(matches!(e, fo::Error::InvalidArgument { .. }), "{e:?}");
+            let e = e.to_string();
+            if dirs[1].as_os_str().is_empty() {
+                assert!(e.contains("empty path") && e.contains("on rank 1"), "{e}");
+            } else {
+                assert!(
+                    e.contains(&*a.to_string_lossy()) && e.contains(&*b.to_string_lossy()),
+                    "{e}"
+                );
+            }
+        }
+        for d in [&a, &b] {
+            assert_eq!(
+                std::fs::read_dir(d).unwrap().count(),
+                0,
+                "{d:?} was written"
+            );
+        }
+    }
+}

@@ -148,7 +148,9 @@ fn tensor_removed_from_the_header_is_an_error_not_zeros() {
             .find(|f| offset_of_opt(f, name))
             .unwrap();
         rewrite(&f, true, |_, ts, _| ts.retain(|t| t.name != name));
-        all_readers_refuse(&dir, "missing from the safetensors header");
+        // Its bytes stay in the file, unaccounted for: safetensors' layout rule (checked
+        // first, issue 23) refuses the hole before fo's table is compared.
+        all_readers_refuse(&dir, "invalid offset");
     }
 }
 
@@ -254,8 +256,67 @@ fn torch_checkpoint_with_shifted_or_missing_chunk_is_refused() {
         ts.retain(|x| x.name != t.name)
     });
     let e = Checkpoint::open(&dir).unwrap_err().to_string();
-    assert!(e.contains("a gap") && e.contains(&t.name), "{e}");
+    assert!(e.contains("invalid offset") && e.contains("a gap"), "{e}");
     let out = dir.with_extension("out");
     assert!(consolidate(&dir, &out, &mut |_, _| {}).is_err());
     assert!(!out.join("model-00001-of-00001.safetensors").exists());
+}
+
+/// Issue 23 item 7: safetensors' layout rules hold before any digest is looked at, so
+/// an editor who recomputes the digests still cannot alias, shift or overlap tensors.
+#[test]
+fn aliased_or_shifted_data_offsets_are_refused_even_with_digests_recomputed() {
+    let dir = fixture("val-alias");
+    rewrite(&shard(&dir, 0), true, |_, ts, _| {
+        let sq = ts
+            .iter()
+            .find(|t| t.name == "state.fc.weight.exp_avg_sq")
+            .unwrap();
+        let (s, e) = (sq.start, sq.end);
+        let t = ts.iter_mut().find(|t| t.name == KEY).unwrap();
+        (t.start, t.end) = (s, e);
+    });
+    all_readers_refuse(&dir, "invalid offset");
+    let dir = fixture("val-shift4");
+    rewrite(&shard(&dir, 0), true, |_, ts, _| {
+        let t = ts.iter_mut().find(|t| t.name == KEY).unwrap();
+        (t.start, t.end) = (t.start + 4, t.end + 4);
+    });
+    all_readers_refuse(&dir, "invalid offset");
+}
+
+/// Metadata this fo cannot honour is refused; metadata it can (an unknown extra field)
+/// loads, with a warning on stderr.
+#[test]
+fn unknown_checksum_mode_or_version_is_refused_and_unknown_fields_are_not() {
+    for (name, field, value, needle) in [
+        (
+            "val-xxh3",
+            "checksum",
+            "xxh3",
+            "checksum algorithm \"xxh3\"",
+        ),
+        ("val-mode", "mode", "sparse", "mode \"sparse\""),
+        (
+            "val-version",
+            "fo_version",
+            "nightly",
+            "fo_version \"nightly\"",
+        ),
+    ] {
+        let dir = fixture(name);
+        for r in 0..2 {
+            rewrite(&shard(&dir, r), true, |_, _, fo| {
+                fo[field] = serde_json::json!(value)
+            });
+        }
+        all_readers_refuse(&dir, needle);
+    }
+    let dir = fixture("val-extra-field");
+    for r in 0..2 {
+        rewrite(&shard(&dir, r), true, |_, _, fo| {
+            fo["compression"] = serde_json::json!("zstd-next")
+        });
+    }
+    verify(&dir, &mut |_, _| {}).unwrap();
 }

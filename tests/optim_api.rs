@@ -676,3 +676,93 @@ fn a_saved_bf16_param_and_its_error_bits_restore_the_exact_master() {
         .unwrap();
     assert_eq!(fresh.master(0).unwrap(), master);
 }
+
+/// Issue 23 item 2: `check_numerics` also catches a non-finite *result* (here torch's
+/// own eps = 0 on a zero gradient: 0/0), and the step is rolled back for every param.
+#[test]
+fn check_numerics_rolls_back_a_step_whose_result_is_not_finite() {
+    for check in [true, false] {
+        let mut c = cfg(Algorithm::AdamW, StateFormat::Fp32, 0);
+        c.eps = 0.0;
+        c.check_numerics = check;
+        let mut opt = Optimizer::new(c).unwrap();
+        let (mut a, mut b) = (wave(40, 0.0), wave(40, 1.0));
+        let (a0, b0) = (a.clone(), b.clone());
+        let (mut ga, mut gb) = (vec![0f32; 40], wave(40, 2.0));
+        unsafe {
+            opt.add_param("a", view(&mut a, DType::F32, &[40]), None, 0)
+                .unwrap();
+            opt.add_param("b", view(&mut b, DType::F32, &[40]), None, 0)
+                .unwrap();
+        }
+        let grads = [
+            Some(view(&mut ga, DType::F32, &[40])),
+            Some(view(&mut gb, DType::F32, &[40])),
+        ];
+        let r = unsafe { opt.step(&grads) };
+        if check {
+            let e = r.unwrap_err();
+            assert!(matches!(e, Error::Numerics(_)), "{e}");
+            assert!(e.to_string().contains("parameter a at flat index 0"), "{e}");
+            assert_eq!((&a, &b), (&a0, &b0), "a failed step changed a parameter");
+            assert!(!opt.has_state(0) && !opt.has_state(1));
+        } else {
+            r.unwrap();
+            assert!(
+                a.iter().all(|x| x.is_nan()),
+                "without the check the NaN lands"
+            );
+        }
+    }
+}
+
+/// Issue 23 item 2: a quant8 state refuses a non-finite value (it would poison its whole
+/// group of 32) and raw scales that are NaN, infinite or negative, naming key and index.
+#[test]
+fn quant8_set_state_refuses_non_finite_values_and_bad_scales() {
+    let mut p = bf16(&wave(64, 0.0));
+    let mut g = bf16(&wave(64, 1.0));
+    let mut opt = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Quant8, 24)).unwrap();
+    unsafe {
+        opt.add_param("w", view(&mut p, DType::BF16, &[64]), None, 0)
+            .unwrap();
+        opt.step(&[Some(view(&mut g, DType::BF16, &[64]))]).unwrap();
+    }
+    let before = opt.get_state(0, "exp_avg").unwrap();
+    let mut m = wave(64, 3.0);
+    m[37] = f32::INFINITY;
+    let e = opt
+        .set_states(
+            0,
+            &[("exp_avg".into(), Tensor::from_f32(vec![64], &m).unwrap())],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exp_avg") && e.contains("flat index 37"), "{e}");
+    let q = opt.get_state(0, "exp_avg::quantized").unwrap();
+    for bad in [f32::NAN, f32::NEG_INFINITY, -1.0] {
+        let s: Vec<u8> = [0.5f32, bad]
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+            .collect();
+        let scales = Tensor::new(DType::F16, vec![2], s).unwrap();
+        let e = opt
+            .set_states(
+                0,
+                &[
+                    ("exp_avg::quantized".into(), q.clone()),
+                    ("exp_avg::scales".into(), scales),
+                ],
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("exp_avg::scales") && e.contains("scale 1"),
+            "{bad}: {e}"
+        );
+    }
+    assert!(
+        opt.get_state(0, "exp_avg").unwrap() == before,
+        "a refused load changed the state"
+    );
+}

@@ -57,6 +57,7 @@ FO_ERR_COMM = 7
 FO_ERR_NUMERICS = 8
 FO_ERR_UNSUPPORTED = 9
 FO_ERR_INTERNAL = 10
+FO_ERR_BUSY = 11
 
 
 def codes(prefix: str) -> dict[str, int]:

@@ -21,7 +21,7 @@ from ._ffi import MAX_DIMS, check, declare
 from .layout import torch_param_group, torch_state_dict
 from .optim import Optimizer, _string, numpy_dtype
 
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = Union[str, bytes, "os.PathLike[str]"]
 
 MODES = C.codes("FO_PACK_MODE_")  # {"compressed": ..., "portable": ...}
 PARAMS = {None: C.FO_PACK_PARAMS_NONE, "stored": C.FO_PACK_PARAMS_STORED, "master": C.FO_PACK_PARAMS_MASTER}
@@ -120,7 +120,7 @@ class Packed:
         return json.loads(buf.value.decode())
 
     def save(self, directory: PathLike) -> None:
-        check(_psave(self._handle, str(directory).encode()))
+        check(_psave(self._handle, os.fsencode(directory)))
 
 
 def pack(opt: Optimizer, rank: int = 0, world_size: int = 1, mode: str = "compressed", params: str | None = None,
@@ -142,9 +142,9 @@ def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1
     generated one) is agreed, rank 0 commits, and the call returns once committed."""
     o = _options(rank, world_size, mode, params, write_unsharded, save_id)
     if comm is None:
-        check(_save(opt._handle, str(directory).encode(), ctypes.byref(o)))
+        check(_save(opt._handle, os.fsencode(directory), ctypes.byref(o)))
     else:
-        check(_save_comm(opt._handle, str(directory).encode(), ctypes.byref(o), comm._h))
+        check(_save_comm(opt._handle, os.fsencode(directory), ctypes.byref(o), comm._h))
 
 
 def load(opt: Optimizer, directory: PathLike, strict: bool = True, params: bool = False,
@@ -157,7 +157,7 @@ def load(opt: Optimizer, directory: PathLike, strict: bool = True, params: bool 
     while True:
         buf = ctypes.create_string_buffer(cap)
         rep = LoadReport(0, 0, 0, 0, ctypes.cast(buf, ctypes.c_char_p), cap, 0)
-        check(_load(opt._handle, str(directory).encode(), ctypes.byref(o), ctypes.byref(rep)))
+        check(_load(opt._handle, os.fsencode(directory), ctypes.byref(o), ctypes.byref(rep)))
         if rep.json_len <= cap:
             return json.loads(buf.value.decode())
         cap = rep.json_len  # the key names did not fit: load again (same result) with room
@@ -165,12 +165,12 @@ def load(opt: Optimizer, directory: PathLike, strict: bool = True, params: bool 
 
 def consolidate(directory: PathLike, out_dir: PathLike) -> None:
     """One full safetensors file plus `model.safetensors.index.json` in `out_dir`."""
-    check(_consolidate(str(directory).encode(), str(out_dir).encode()))
+    check(_consolidate(os.fsencode(directory), os.fsencode(out_dir)))
 
 
 def verify(directory: PathLike) -> None:
     """Raises FoError unless every checksum matches and every element is saved once."""
-    check(_verify(str(directory).encode()))
+    check(_verify(os.fsencode(directory)))
 
 
 def info(directory: PathLike) -> dict[str, Any]:
@@ -178,4 +178,4 @@ def info(directory: PathLike) -> dict[str, Any]:
     validated as `load` validates it: {"mode", "param_groups" (both None for files fo did
     not write), "keys": {key: {"dtype", "shape", "compressed"}}}, a quant8 pair
     `K::quantized` + `K::scales` listed as the one key `K` (dtype "F32", what it decodes to)."""
-    return json.loads(_string(_info, str(directory).encode()))
+    return json.loads(_string(_info, os.fsencode(directory)))

@@ -120,3 +120,22 @@ def test_multi_rank_save_needs_a_save_id_and_commits_when_the_last_rank_is_done(
     fo.ckpt.save(opt1, tmp_path, rank=1, world_size=2, mode="portable", save_id="a")
     fo.ckpt.verify(tmp_path)
     assert json.loads((tmp_path / "fo-commit.json").read_text())["save_id"] == "a"
+
+
+def test_a_non_utf8_or_empty_path_raises_foerror(tmp_path):
+    # fo's C ABI takes UTF-8 paths; a name that is not (bytes, or str holding surrogate
+    # escapes, as Python decodes such names) is FoError naming the argument, never
+    # UnicodeEncodeError, and nothing is written (issue 23).
+    opt, _, _, _ = make_rank(1, 0)
+    raw = os.fsencode(tmp_path) + b"/caf\xe9"
+    for bad in (raw, os.fsdecode(raw)):
+        with pytest.raises(fo.FoError, match="not valid UTF-8"):
+            fo.ckpt.save(opt, bad, rank=0, world_size=1, mode="portable")
+        with pytest.raises(fo.FoError, match="not valid UTF-8"):
+            fo.ckpt.verify(bad)
+    assert not os.path.exists(raw)
+    for bad in ("", b""):
+        with pytest.raises(fo.FoError, match="empty path"):
+            fo.ckpt.verify(bad)
+        with pytest.raises(fo.FoError, match="empty path"):
+            fo.ckpt.save(opt, bad, rank=0, world_size=1, mode="portable")

@@ -56,6 +56,67 @@ pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
     Ok(id)
 }
 
+/// Longest directory path agreed through the communicator (bytes).
+const MAX_DIR: usize = 4096;
+
+/// Every rank's arguments against rank 0's: the directory and the options that shape the
+/// checkpoint (mode, params, world size). Rank 0 broadcasts its own; a rank that differs
+/// fails every rank with an error naming both values.
+fn agree_arguments(comm: &Comm, dir: &Path, o: &SaveOptions) -> Result<()> {
+    let mine = format!(
+        "{}\0{:?}\0{:?}\0{}",
+        dir.display(),
+        o.mode,
+        o.params,
+        o.world_size
+    );
+    let mut buf = vec![0u8; MAX_DIR + 256];
+    let fits = mine.len() + 8 <= buf.len();
+    agree(
+        comm,
+        if fits {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "dir",
+                format!("is {} bytes, at most {MAX_DIR}", dir.as_os_str().len()),
+            ))
+        },
+    )?;
+    if comm.rank() == 0 {
+        buf[..8].copy_from_slice(&(mine.len() as u64).to_le_bytes());
+        buf[8..8 + mine.len()].copy_from_slice(mine.as_bytes());
+    }
+    comm.broadcast(&mut buf, 0)?;
+    let n = (u64::from_le_bytes(buf[..8].try_into().unwrap()) as usize).min(buf.len() - 8);
+    let theirs = String::from_utf8_lossy(&buf[8..8 + n]).into_owned();
+    let local = if theirs == mine {
+        Ok(())
+    } else {
+        let (a, b): (Vec<&str>, Vec<&str>) =
+            (theirs.split('\0').collect(), mine.split('\0').collect());
+        let names = [
+            "dir",
+            "options.mode",
+            "options.params",
+            "options.world_size",
+        ];
+        let i = (0..names.len())
+            .find(|&i| a.get(i) != b.get(i))
+            .unwrap_or(0);
+        Err(Error::invalid(
+            names[i],
+            format!(
+                "rank {} passes {:?} while rank 0 passes {:?}; every rank of one save must pass the same",
+                comm.rank(),
+                b.get(i).unwrap_or(&""),
+                a.get(i).unwrap_or(&"")
+            ),
+        ))
+    };
+    agree(comm, local)
+}
+
 /// Saves `opt`'s state of this rank (`o.rank`/`o.world_size` must be the communicator's)
 /// and commits the save collectively. Returns the save id.
 pub fn save_optimizer_comm(
@@ -64,21 +125,35 @@ pub fn save_optimizer_comm(
     o: &SaveOptions,
     comm: &Comm,
 ) -> Result<String> {
-    let local = if o.rank != comm.rank() || o.world_size != comm.world_size() {
-        Err(Error::invalid(
-            "options.rank",
-            format!(
-                "rank {} of {} differs from the communicator's rank {} of {}",
-                o.rank,
-                o.world_size,
-                comm.rank(),
-                comm.world_size()
-            ),
-        ))
-    } else {
-        Ok(())
-    };
-    agree(comm, local)?;
+    save_optimizer_comm_checked(comm, Ok((opt, dir, o.clone())))
+}
+
+/// `save_optimizer_comm` for callers whose arguments may have failed to convert on this
+/// rank (the C ABI): the ranks first agree on every rank's local checks (the first
+/// failing rank's error becomes every rank's), then on the directory and options.
+pub fn save_optimizer_comm_checked(
+    comm: &Comm,
+    local: Result<(&Optimizer, &Path, SaveOptions)>,
+) -> Result<String> {
+    let local = local.and_then(|(opt, dir, o)| {
+        if o.rank != comm.rank() || o.world_size != comm.world_size() {
+            return Err(Error::invalid(
+                "options.rank",
+                format!(
+                    "rank {} of {} differs from the communicator's rank {} of {}",
+                    o.rank,
+                    o.world_size,
+                    comm.rank(),
+                    comm.world_size()
+                ),
+            ));
+        }
+        super::writer::check_dir(dir)?;
+        Ok((opt, dir, o))
+    });
+    let (opt, dir, o) = agree(comm, local)?;
+    let o = &o;
+    agree_arguments(comm, dir, o)?;
     let save_id = agree_save_id(comm, &o.save_id)?;
     let staged = (|| {
         let (metas, srcs) = plan_entries(opt, o)?;

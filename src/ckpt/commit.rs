@@ -175,10 +175,26 @@ pub fn mark_done(
 }
 
 /// Commits save `save_id` if all of its `world_size` done markers are present.
+///
+/// The commit point is one rename: the record is written to a temporary file and fsynced
+/// first, and any failure up to and including the rename leaves the previous checkpoint
+/// the visible one (an error). After the rename the new checkpoint *is* the visible one,
+/// so what follows (fsync of the directory, moving staged files, removing stale ones) is
+/// tidying: its failure is not a failed commit. It is reported on stderr, naming the
+/// directory, and readers still find every committed file (visible or staged).
 pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
+    super::writer::check_world_size(world_size)?;
     let stage = stage_dir(dir, save_id);
-    let mut digests = Vec::with_capacity(world_size);
-    let mut parts = Vec::with_capacity(world_size);
+    let mut digests: Vec<String> = Vec::new();
+    let mut parts: Vec<usize> = Vec::new();
+    if digests.try_reserve_exact(world_size).is_err()
+        || parts.try_reserve_exact(world_size).is_err()
+    {
+        return Err(Error::invalid(
+            "world_size",
+            format!("cannot allocate the commit record of {world_size} ranks"),
+        ));
+    }
     for r in 0..world_size {
         let Ok(bytes) = std::fs::read(stage.join(format!("done-{r}.json"))) else {
             return Ok(false);
@@ -210,12 +226,65 @@ pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> 
         digests,
         parts,
     };
-    write_file_atomic(
-        &dir.join(COMMIT_FILE),
-        serde_json::to_string_pretty(&commit).unwrap().as_bytes(),
-    )?;
-    roll_forward(dir, &commit)?;
+    publish_commit(dir, &commit)?;
+    if let Err(e) = fault(Step::AfterRename).and_then(|_| {
+        sync_dir(dir)?;
+        roll_forward(dir, &commit)
+    }) {
+        eprintln!(
+            "fo: checkpoint {} is committed (save {:?}), but tidying after the commit failed: {e}; \
+             readers use the committed files",
+            dir.display(),
+            commit.save_id
+        );
+    }
     Ok(true)
+}
+
+/// Writes the commit record: temporary file, fsync, rename. The rename is the commit;
+/// on any error before it the temporary file is removed and nothing is visible.
+fn publish_commit(dir: &Path, commit: &Commit) -> Result<()> {
+    let path = dir.join(COMMIT_FILE);
+    let tmp = dir.join(format!(
+        ".{COMMIT_FILE}.tmp-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let res = (|| {
+        let mut f = File::create(&tmp)?;
+        f.write_all(serde_json::to_string_pretty(commit).unwrap().as_bytes())?;
+        f.sync_all()?;
+        fault(Step::BeforeRename).map_err(|e| std::io::Error::other(e.to_string()))?;
+        std::fs::rename(&tmp, &path)
+    })();
+    res.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(&path, e)
+    })
+}
+
+/// Where a test may make the commit fail (root ignores permissions, so a directory that
+/// cannot be listed is simulated here).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Step {
+    BeforeRename,
+    AfterRename,
+}
+
+#[cfg(test)]
+thread_local! {
+    static FAULT: std::cell::Cell<Option<Step>> = const { std::cell::Cell::new(None) };
+}
+
+fn fault(_at: Step) -> Result<()> {
+    #[cfg(test)]
+    if FAULT.with(|f| f.get()) == Some(_at) {
+        return Err(Error::io(
+            "injected",
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        ));
+    }
+    Ok(())
 }
 
 fn ignore_missing(r: std::io::Result<()>, path: &Path) -> Result<()> {
@@ -303,4 +372,66 @@ pub fn committed_files(dir: &Path, commit: &Commit) -> Result<Vec<PathBuf>> {
             )))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn staged(dir: &Path, id: &str) {
+        let stage = stage_dir(dir, id);
+        std::fs::create_dir_all(&stage).unwrap();
+        mark_done(dir, id, 0, 1, "d", 1).unwrap();
+    }
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("fo-commit-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_failure_before_the_rename_leaves_the_previous_commit_visible() {
+        let dir = tmpdir("before");
+        staged(&dir, "old");
+        assert!(try_commit(&dir, "old", 1).unwrap());
+        staged(&dir, "new");
+        FAULT.with(|f| f.set(Some(Step::BeforeRename)));
+        let e = try_commit(&dir, "new", 1).unwrap_err();
+        FAULT.with(|f| f.set(None));
+        assert!(matches!(e, Error::Io { .. }), "{e}");
+        assert_eq!(read_commit(&dir).unwrap().unwrap().save_id, "old");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "temporary record left: {left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failure_after_the_rename_is_not_reported_as_a_failed_commit() {
+        let dir = tmpdir("after");
+        staged(&dir, "old");
+        assert!(try_commit(&dir, "old", 1).unwrap());
+        staged(&dir, "new");
+        // As with a directory that can be written but not listed (chmod 300): the record
+        // is renamed into place, then fsync and listing the directory fail.
+        FAULT.with(|f| f.set(Some(Step::AfterRename)));
+        let r = try_commit(&dir, "new", 1);
+        FAULT.with(|f| f.set(None));
+        assert!(r.unwrap(), "the commit happened, so it must say so");
+        assert_eq!(read_commit(&dir).unwrap().unwrap().save_id, "new");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_nonsense_world_size_is_refused_before_anything_is_allocated() {
+        let dir = tmpdir("world");
+        let e = try_commit(&dir, "s", i32::MAX as usize - 1).unwrap_err();
+        assert!(e.to_string().contains("world_size"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -229,11 +229,49 @@ pub fn read_header(path: &Path, file: &File) -> Result<Header> {
         }
         tensors.push(parse_entry(path, &name, &v, data_len)?);
     }
+    check_layout(path, &tensors, data_len)?;
     Ok(Header {
         metadata,
         tensors,
         data_start,
     })
+}
+
+/// safetensors' own rule, before any digest is looked at: walked in offset order, each
+/// tensor starts where the previous one ended, and the last ends at the end of the data.
+/// Overlapping, aliased, shifted or gapped tensors cannot pass (a digest proves the
+/// bytes are the writer's, not that the writer was honest).
+fn check_layout(path: &Path, tensors: &[TensorEntry], data_len: u64) -> Result<()> {
+    let mut order: Vec<&TensorEntry> = tensors.iter().collect();
+    order.sort_by_key(|t| (t.start, t.end));
+    let mut at = 0u64;
+    for t in order {
+        if t.start != at {
+            return Err(corrupt(
+                path,
+                format!(
+                    "tensor {:?}: invalid offset: data_offsets [{}, {}] {} (the tensors must \
+                     be contiguous and not overlap)",
+                    t.name,
+                    t.start,
+                    t.end,
+                    if t.start < at {
+                        format!("overlap the previous tensor, which ends at {at}")
+                    } else {
+                        format!("leave a gap after byte {at}")
+                    }
+                ),
+            ));
+        }
+        at = t.end;
+    }
+    if at != data_len {
+        return Err(corrupt(
+            path,
+            format!("the tensors cover {at} of the file's {data_len} data bytes (invalid offsets)"),
+        ));
+    }
+    Ok(())
 }
 
 fn parse_entry(path: &Path, name: &str, v: &Value, data_len: u64) -> Result<TensorEntry> {
@@ -392,6 +430,44 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("truncated") && e.contains("\"a\""), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn overlapping_aliased_shifted_or_gapped_offsets_are_refused() {
+        let dir = std::env::temp_dir().join(format!("fo-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("x.safetensors");
+        let entry = |name: &str, start: u64, end: u64| TensorEntry {
+            name: name.into(),
+            dtype: DType::F32,
+            shape: vec![((end - start) / 4) as usize],
+            start,
+            end,
+        };
+        let open = |ts: &[TensorEntry], data: usize| {
+            let mut bytes = encode_header(&BTreeMap::new(), ts);
+            bytes.extend(vec![0u8; data]);
+            std::fs::write(&p, &bytes).unwrap();
+            read_header(&p, &File::open(&p).unwrap()).map(|_| ())
+        };
+        open(&[entry("a", 0, 8), entry("b", 8, 16)], 16).unwrap();
+        open(&[entry("e", 8, 8), entry("a", 0, 8), entry("b", 8, 16)], 16).unwrap();
+        for (what, ts, data) in [
+            ("alias", vec![entry("a", 0, 8), entry("b", 0, 8)], 16),
+            ("shift by 4", vec![entry("a", 0, 8), entry("b", 4, 12)], 16),
+            ("gap", vec![entry("a", 0, 8), entry("b", 12, 20)], 20),
+            (
+                "trailing bytes",
+                vec![entry("a", 0, 8), entry("b", 8, 16)],
+                24,
+            ),
+            ("not from 0", vec![entry("a", 4, 12)], 12),
+        ] {
+            let e = open(&ts, data).unwrap_err();
+            assert!(matches!(e, Error::Corrupt { .. }), "{what}: {e}");
+            assert!(e.to_string().contains("invalid offset"), "{what}: {e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -31,6 +31,7 @@ pub fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
             m.format_version
         )));
     }
+    honoured(path, &m, s)?;
     match h.metadata.get(DIGEST_KEY) {
         Some(d) => {
             let got = header_digest(&h.metadata, &h.tensors);
@@ -50,6 +51,72 @@ pub fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
         None => {}
     }
     Ok(Some(m))
+}
+
+/// The fields fo writes in its metadata (anything else is some other writer's: warned).
+const KNOWN_FIELDS: [&str; 14] = [
+    "fo_version",
+    "format_version",
+    "save_id",
+    "rank",
+    "world_size",
+    "mode",
+    "param_groups",
+    "extra",
+    "checksum",
+    "checksum_block_bytes",
+    "tensors",
+    "keys",
+    "part",
+    "parts",
+];
+
+/// Refuses what this fo cannot honour: a checksum algorithm other than xxh64 (its
+/// checksums would be reported as verified without being checked), a mode it does not
+/// write, a fo_version that is not `MAJOR.MINOR.PATCH`. Warns (stderr) on what it can:
+/// unknown metadata fields, which it ignores.
+fn honoured(path: &Path, m: &FoMeta, raw: &str) -> Result<()> {
+    if m.checksum != "xxh64" {
+        return Err(Error::Unsupported(format!(
+            "{}: checksum algorithm {:?} is not one this fo can verify (xxh64)",
+            path.display(),
+            m.checksum
+        )));
+    }
+    if !["compressed", "portable", "raw"].contains(&m.mode.as_str()) {
+        return Err(Error::Unsupported(format!(
+            "{}: mode {:?} is not one this fo reads (compressed, portable, raw)",
+            path.display(),
+            m.mode
+        )));
+    }
+    let parts: Vec<&str> = m.fo_version.split('.').collect();
+    if parts.len() != 3
+        || parts
+            .iter()
+            .any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "fo_version {:?} is not a MAJOR.MINOR.PATCH version",
+                m.fo_version
+            ),
+        ));
+    }
+    if let Ok(serde_json::Value::Object(o)) = serde_json::from_str::<serde_json::Value>(raw) {
+        let unknown: Vec<&String> = o
+            .keys()
+            .filter(|k| !KNOWN_FIELDS.contains(&k.as_str()))
+            .collect();
+        if !unknown.is_empty() {
+            eprintln!(
+                "fo: warning: {}: fo metadata has fields this fo does not know, ignored: {unknown:?}",
+                path.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// fo's tensor table, the header's tensors and DCP's sharding info name the same tensors

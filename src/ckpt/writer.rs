@@ -151,6 +151,33 @@ fn metadata(
     m
 }
 
+/// Most ranks one checkpoint may have (`FO_MAX_WORLD_SIZE`): a commit record and the
+/// per-rank tables scale with it, so a nonsense world size is refused, not allocated.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
+/// `world_size` is 1..=MAX_WORLD_SIZE.
+pub fn check_world_size(world_size: usize) -> Result<()> {
+    if world_size == 0 || world_size > MAX_WORLD_SIZE {
+        return Err(Error::invalid(
+            "world_size",
+            format!("{world_size} is outside 1..={MAX_WORLD_SIZE}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A checkpoint directory must be named: an empty path would write into the current
+/// directory, which no caller means.
+pub fn check_dir(dir: &Path) -> Result<()> {
+    if dir.as_os_str().is_empty() {
+        return Err(Error::invalid(
+            "dir",
+            "empty path (name the checkpoint directory)",
+        ));
+    }
+    Ok(())
+}
+
 /// Writes one rank's file to a temporary name in the staging directory of `opts.save_id`
 /// (which must be resolved: see [`resolve_save_id`]). `fetch(entry)` returns the local
 /// tensor of an entry; it is called once per entry that has chunks, in order.
@@ -160,6 +187,8 @@ pub fn stage_rank_file<'t>(
     opts: &PackOptions,
     fetch: &mut dyn FnMut(usize) -> Result<Cow<'t, Tensor>>,
 ) -> Result<Staged> {
+    check_dir(dir)?;
+    check_world_size(opts.world_size)?;
     if opts.rank >= opts.world_size {
         return Err(Error::invalid(
             "rank",

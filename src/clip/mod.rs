@@ -152,8 +152,37 @@ pub unsafe fn clip_grad_norm_checked(
     let (grads, part) = agree(comm, local)?;
     // Replicated gradients are identical on every rank: counted once, and made
     // bit-identical by the max (their |g|^p sum for finite p, their max for infinity).
-    let mut mx = [part.shard_max, part.replicated, part.nonfinite];
+    // The same all-reduce checks that every rank passed the same norm_type, max_norm and
+    // error_if_nonfinite (their max and, negated, min): partial sums of different norms
+    // cannot be added, and a disagreement fails every rank alike before anything scales.
+    let flag = error_if_nonfinite as u8 as f64;
+    let mut mx = [
+        part.shard_max,
+        part.replicated,
+        part.nonfinite,
+        norm_type,
+        -norm_type,
+        max_norm,
+        -max_norm,
+        flag,
+        -flag,
+    ];
     comm.all_reduce_f64(&mut mx, ReduceOp::Max)?;
+    for (name, hi, lo) in [
+        ("norm_type", mx[3], -mx[4]),
+        ("max_norm", mx[5], -mx[6]),
+        ("error_if_nonfinite", mx[7], -mx[8]),
+    ] {
+        if hi != lo {
+            return Err(Error::invalid(
+                name,
+                format!(
+                    "ranks disagree: values from {lo} to {hi} across the group; every rank \
+                     must pass the same {name}"
+                ),
+            ));
+        }
+    }
     let mut sum = [part.shard_sum];
     comm.all_reduce_f64(&mut sum, ReduceOp::Sum)?;
     let total = if mx[2] >= 2.0 {

@@ -208,7 +208,9 @@ impl crate::comm::Backend for Recording {
 }
 
 /// The clip is three collectives whatever the norm: the agreement on local checks, one
-/// max (shard max, replicated part, non-finite flag), one sum.
+/// max (shard max, replicated part, non-finite flag, and the max and negated min of
+/// norm_type, max_norm, error_if_nonfinite, which check that every rank passed the
+/// same), one sum.
 #[test]
 fn a_clip_is_one_agreement_one_max_and_one_sum() {
     for p in [2.0, f64::INFINITY, 3.0] {
@@ -231,7 +233,36 @@ fn a_clip_is_one_agreement_one_max_and_one_sum() {
             (27.0f64 + 64.0 + 1728.0).powf(1.0 / 3.0)
         };
         assert_eq!(total, want, "p={p}");
-        assert_eq!(*log.lock().unwrap(), ["Max 1", "Max 3", "Sum 1"], "p={p}");
+        assert_eq!(*log.lock().unwrap(), ["Max 1", "Max 9", "Sum 1"], "p={p}");
+    }
+}
+
+/// Ranks passing different norm types (or max norms) fail alike, naming the argument,
+/// instead of adding partial sums of different norms; no gradient is scaled.
+#[test]
+fn ranks_disagreeing_on_norm_type_or_max_norm_fail_every_rank() {
+    for (p1, m1, what) in [(1.0, 1e-3, "norm_type"), (2.0, 5.0, "max_norm")] {
+        let comms = Comm::local_group(2);
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                std::thread::spawn(move || {
+                    let mut b: Vec<u8> =
+                        [3.0f32, 4.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+                    let before = b.clone();
+                    let (p, m) = if c.rank() == 0 { (2.0, 1e-3) } else { (p1, m1) };
+                    let g = vec![(grad(&mut b, DType::F32, 2), true)];
+                    let e = unsafe { clip_grad_norm(&c, &g, m, p, false) }.unwrap_err();
+                    drop(g);
+                    assert_eq!(b, before, "nothing scaled");
+                    e.to_string()
+                })
+            })
+            .collect();
+        for h in handles {
+            let e = h.join().unwrap();
+            assert!(e.contains(what) && e.contains("ranks disagree"), "{e}");
+        }
     }
 }
 

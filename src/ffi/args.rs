@@ -1,5 +1,6 @@
 //! Checked conversions from raw C arguments. Each names the argument in its error.
 use std::ffi::{c_char, CStr};
+use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::tensor::MAX_DIMS;
@@ -54,6 +55,16 @@ pub(crate) unsafe fn arg_str<'a>(p: *const c_char, name: &str) -> Result<&'a str
     CStr::from_ptr(p)
         .to_str()
         .map_err(|_| Error::invalid(name, "not valid UTF-8"))
+}
+
+/// A NUL-terminated UTF-8 file system path, not empty (an empty path would mean the
+/// current directory to some calls and nothing to others).
+pub(crate) unsafe fn arg_path<'a>(p: *const c_char, name: &str) -> Result<&'a Path> {
+    let s = arg_str(p, name)?;
+    if s.is_empty() {
+        return Err(Error::invalid(name, "empty path"));
+    }
+    Ok(Path::new(s))
 }
 
 /// A count of dims: `0..=FO_MAX_DIMS` (or `1..=` when `min_one`).
@@ -115,6 +126,10 @@ mod tests {
             "{e}"
         );
         assert!(arg_flag(1, "x").unwrap() && !arg_flag(0, "x").unwrap());
+        let e = unsafe { arg_path(c"".as_ptr(), "dir") }.unwrap_err();
+        assert!(e.to_string().contains("`dir`: empty path"), "{e}");
+        let e = unsafe { arg_path(c"/tmp/caf\xe9".as_ptr(), "dir") }.unwrap_err();
+        assert!(e.to_string().contains("not valid UTF-8"), "{e}");
         let e = unsafe { arg_str(std::ptr::null(), "fqn") }.unwrap_err();
         assert!(e.to_string().contains("fqn"), "{e}");
     }

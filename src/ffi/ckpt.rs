@@ -1,15 +1,15 @@
 //! The checkpoint C ABI: `fo_state_pack` and its packed view, save, `fo_state_load`,
 //! `fo_checkpoint_consolidate`, `fo_checkpoint_verify`. Thin: check, call `crate::ckpt`.
 use std::ffi::{c_char, c_void, CString};
-use std::path::Path;
 
-use super::args::{arg_flag, arg_mut, arg_ref, arg_str};
+use super::args::{arg_flag, arg_mut, arg_path, arg_ref, arg_str};
 use super::codes::{
     FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER, FO_PACK_PARAMS_NONE,
     FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
 };
-use super::optim::{fo_optimizer, opt_mut, opt_ref, write_string};
-use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
+use super::handle::{destroy, enter, Guarded, Handle};
+use super::optim::{enter_opt, fo_optimizer, write_string};
+use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS, FO_MAX_WORLD_SIZE};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
 use crate::error::{Error, Result};
 
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 /// `FO_PACK_PARAMS_NONE` (state only), `_STORED` (also the params under their plain FQN as
 /// stored) or `_MASTER` (also as f32 masters: param + error bits). `write_unsharded`:
 /// `FO_WRITE_UNSHARDED_RANK0` (-1) rank 0 writes unsharded entries, 0 this rank does not,
-/// 1 it does. `save_id`: the same string on every rank of one save; required when
+/// 1 it does. `world_size` is 1..=FO_MAX_WORLD_SIZE. `save_id`: the same string on every rank of one save; required when
 /// `world_size` > 1 (ranks saving independently cannot agree on a generated one), NULL
 /// for one rank generates one. The save becomes visible when the last rank finishes.
 #[repr(C)]
@@ -75,6 +75,12 @@ impl fo_pack_options {
         if !self.save_id.is_null() {
             o.save_id = arg_str(self.save_id, "options.save_id")?.to_string();
         }
+        ckpt::writer::check_world_size(o.world_size).map_err(|_| {
+            Error::invalid(
+                "options.world_size",
+                format!("{} is outside 1..={FO_MAX_WORLD_SIZE}", o.world_size),
+            )
+        })?;
         if o.rank >= o.world_size {
             return Err(Error::invalid(
                 "options.rank",
@@ -86,10 +92,24 @@ impl fo_pack_options {
 }
 
 /// A rank's packed state: named chunks with global shape and offsets, data included.
-/// Created by `fo_state_pack`, freed by `fo_packed_destroy`.
+/// Created by `fo_state_pack`, freed by `fo_packed_destroy`. One call at a time per
+/// handle (FO_ERR_BUSY otherwise, as for `fo_optimizer`).
 pub struct fo_packed {
+    inner: Handle<PackedNames>,
+}
+
+/// The packed state and its names as C strings (they live as long as the handle).
+pub(crate) struct PackedNames {
     inner: Packed,
     names: Vec<(CString, CString)>,
+}
+
+impl Guarded for fo_packed {
+    type Inner = PackedNames;
+    const ARG: &'static str = "packed";
+    fn handle(&self) -> &Handle<PackedNames> {
+        &self.inner
+    }
 }
 
 /// One chunk of a packed state. `name` is the tensor name in the rank's file (the key,
@@ -125,7 +145,8 @@ pub unsafe extern "C" fn fo_state_pack(
 ) -> fo_status {
     guard(|| {
         let out = arg_mut(out, "out")?;
-        let packed = ckpt::pack(opt_ref(opt)?, &arg_ref(options, "options")?.to_options()?)?;
+        let opt = enter_opt(opt, "fo_state_pack")?;
+        let packed = ckpt::pack(&opt, &arg_ref(options, "options")?.to_options()?)?;
         let cstr = |s: &str| {
             CString::new(s).map_err(|_| Error::invalid("key", format!("{s:?} contains a NUL byte")))
         };
@@ -136,8 +157,13 @@ pub unsafe extern "C" fn fo_state_pack(
             .map(|c| Ok((cstr(&c.name)?, cstr(&c.key)?)))
             .collect::<Result<_>>()?;
         *out = Box::into_raw(Box::new(fo_packed {
-            inner: packed,
-            names,
+            inner: Handle::new(
+                "the packed state",
+                PackedNames {
+                    inner: packed,
+                    names,
+                },
+            ),
         }));
         Ok(())
     })
@@ -150,7 +176,11 @@ pub unsafe extern "C" fn fo_packed_num_entries(
     out: *mut usize,
 ) -> fo_status {
     guard(|| {
-        *arg_mut(out, "out")? = arg_ref(packed, "packed")?.inner.plan.chunks.len();
+        *arg_mut(out, "out")? = enter(packed, "fo_packed_num_entries")?
+            .inner
+            .plan
+            .chunks
+            .len();
         Ok(())
     })
 }
@@ -163,12 +193,12 @@ pub unsafe extern "C" fn fo_packed_get_entry(
     out: *mut fo_packed_entry,
 ) -> fo_status {
     guard(|| {
-        *arg_mut(out, "out")? = arg_ref(packed, "packed")?.entry(index)?;
+        *arg_mut(out, "out")? = enter(packed, "fo_packed_get_entry")?.entry(index)?;
         Ok(())
     })
 }
 
-impl fo_packed {
+impl PackedNames {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
         let chunks = &self.inner.plan.chunks;
         let c = chunks.get(index).ok_or_else(|| {
@@ -203,7 +233,10 @@ pub unsafe extern "C" fn fo_packed_metadata_json(
 ) -> fo_status {
     guard(|| {
         write_string(
-            &arg_ref(packed, "packed")?.inner.metadata_json().to_string(),
+            &enter(packed, "fo_packed_metadata_json")?
+                .inner
+                .metadata_json()
+                .to_string(),
             buf,
             capacity,
             out_len,
@@ -215,21 +248,16 @@ pub unsafe extern "C" fn fo_packed_metadata_json(
 #[no_mangle]
 pub unsafe extern "C" fn fo_packed_save(packed: *const fo_packed, dir: *const c_char) -> fo_status {
     guard(|| {
-        ckpt::save_rank(
-            Path::new(arg_str(dir, "dir")?),
-            &arg_ref(packed, "packed")?.inner,
-        )
+        let packed = enter(packed, "fo_packed_save")?;
+        ckpt::save_rank(arg_path(dir, "dir")?, &packed.inner)
     })
 }
 
-/// Frees a packed state (NULL is a no-op).
+/// Frees a packed state (NULL is a no-op); waits for a call in progress on another
+/// thread, as `fo_optimizer_destroy` does.
 #[no_mangle]
 pub unsafe extern "C" fn fo_packed_destroy(packed: *mut fo_packed) {
-    guard_void(|| {
-        if !packed.is_null() {
-            drop(Box::from_raw(packed));
-        }
-    })
+    guard_void(|| destroy(packed, "fo_packed_destroy"))
 }
 
 /// Packs and writes this rank's file in one pass, one entry at a time (peak extra
@@ -241,11 +269,9 @@ pub unsafe extern "C" fn fo_state_save(
     options: *const fo_pack_options,
 ) -> fo_status {
     guard(|| {
-        ckpt::save_optimizer(
-            opt_ref(opt)?,
-            Path::new(arg_str(dir, "dir")?),
-            &arg_ref(options, "options")?.to_options()?,
-        )
+        let opt = enter_opt(opt, "fo_state_save")?;
+        let dir = arg_path(dir, "dir")?;
+        ckpt::save_optimizer(&opt, dir, &arg_ref(options, "options")?.to_options()?)
     })
 }
 
@@ -262,10 +288,22 @@ pub unsafe extern "C" fn fo_state_save_comm(
     comm: *const super::comm::fo_comm,
 ) -> fo_status {
     guard(|| {
-        let o = arg_ref(options, "options")?.to_options()?;
-        let comm = &arg_ref(comm, "comm")?.inner;
-        ckpt::save_optimizer_comm(opt_ref(opt)?, Path::new(arg_str(dir, "dir")?), &o, comm)
-            .map(|_| ())
+        let comm = enter(comm, "fo_state_save_comm")?;
+        // Every local check feeds the ranks' agreement, so a bad argument on one rank
+        // is every rank's error instead of the others' timeout.
+        let (held, busy) = match enter_opt(opt, "fo_state_save_comm") {
+            Ok(g) => (Some(g), None),
+            Err(e) => (None, Some(e)),
+        };
+        let local = (|| {
+            if let Some(e) = busy {
+                return Err(e);
+            }
+            let opt = &**held.as_ref().expect("entered");
+            let o = arg_ref(options, "options")?.to_options()?;
+            Ok((opt, arg_path(dir, "dir")?, o))
+        })();
+        ckpt::collective::save_optimizer_comm_checked(&comm, local).map(|_| ())
     })
 }
 
@@ -315,7 +353,8 @@ pub unsafe extern "C" fn fo_state_load(
                 param_groups: arg_flag(o.param_groups, "options.param_groups")?,
             },
         };
-        let r = ckpt::load(opt_mut(opt)?, Path::new(arg_str(dir, "dir")?), &o)?;
+        let mut opt = enter_opt(opt, "fo_state_load")?;
+        let r = ckpt::load(&mut opt, arg_path(dir, "dir")?, &o)?;
         if let Some(out) = report.as_mut() {
             (out.loaded, out.missing, out.unexpected, out.requantized) = (
                 r.loaded.len() as i64,
@@ -342,8 +381,8 @@ pub unsafe extern "C" fn fo_checkpoint_consolidate(
 ) -> fo_status {
     guard(|| {
         ckpt::consolidate(
-            Path::new(arg_str(dir, "dir")?),
-            Path::new(arg_str(out_dir, "out_dir")?),
+            arg_path(dir, "dir")?,
+            arg_path(out_dir, "out_dir")?,
             &mut |_, _| {},
         )?;
         Ok(())
@@ -354,7 +393,7 @@ pub unsafe extern "C" fn fo_checkpoint_consolidate(
 #[no_mangle]
 pub unsafe extern "C" fn fo_checkpoint_verify(dir: *const c_char) -> fo_status {
     guard(|| {
-        ckpt::verify(Path::new(arg_str(dir, "dir")?), &mut |_, _| {})?;
+        ckpt::verify(arg_path(dir, "dir")?, &mut |_, _| {})?;
         Ok(())
     })
 }

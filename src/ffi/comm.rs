@@ -5,6 +5,7 @@ use std::ffi::c_void;
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
+use super::handle::{destroy, enter, Guarded, Handle};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::broadcast::{
@@ -15,9 +16,25 @@ use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
 
-/// One rank's communicator (opaque). Use it from one thread at a time.
+/// One rank's communicator (opaque). One call at a time per handle: a call made while
+/// another thread is inside a call on the same handle returns FO_ERR_BUSY at once (on that
+/// thread only: the other ranks see the caller's collective as usual).
 pub struct fo_comm {
-    pub(super) inner: Comm,
+    inner: Handle<Comm>,
+}
+
+impl Guarded for fo_comm {
+    type Inner = Comm;
+    const ARG: &'static str = "comm";
+    fn handle(&self) -> &Handle<Comm> {
+        &self.inner
+    }
+}
+
+fn boxed(c: Comm) -> *mut fo_comm {
+    Box::into_raw(Box::new(fo_comm {
+        inner: Handle::new("the communicator", c),
+    }))
 }
 
 /// `all_reduce_f64`'s `op`: sum.
@@ -213,7 +230,7 @@ pub unsafe extern "C" fn fo_comm_create_callbacks(
             arg_count(world_size as i64, "world_size")?,
             cb,
         )?;
-        *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
+        *out = boxed(comm);
         Ok(())
     })
 }
@@ -234,7 +251,7 @@ pub unsafe extern "C" fn fo_comm_create_local_group(
         let comms = Comm::try_local_group(n, opts)?;
         let out = super::args::arg_slice_mut(out, n, "out")?;
         for (o, c) in out.iter_mut().zip(comms) {
-            *o = Box::into_raw(Box::new(fo_comm { inner: c }));
+            *o = boxed(c);
         }
         Ok(())
     })
@@ -266,20 +283,18 @@ pub unsafe extern "C" fn fo_comm_create_nccl(
             arg_count(world_size as i64, "world_size")?,
         );
         let comm = Comm::from_nccl(nccl_comm, cuda_stream, r, w)?;
-        *out = Box::into_raw(Box::new(fo_comm { inner: comm }));
+        *out = boxed(comm);
         Ok(())
     })
 }
 
 /// Frees a communicator (NULL is ignored). For an in-process group, the other ranks'
-/// pending and later collectives fail instead of waiting for this one.
+/// pending and later collectives fail instead of waiting for this one. If another thread
+/// is inside a call on `comm`, waits for it to return first; called from inside a call
+/// on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message.
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
-    guard_void(|| {
-        if !comm.is_null() {
-            drop(Box::from_raw(comm));
-        }
-    })
+    guard_void(|| destroy(comm, "fo_comm_destroy"))
 }
 
 /// Sets the CUDA stream (`cudaStream_t` / `CUstream`) on which `fo_clip_grad_norm` and
@@ -293,7 +308,7 @@ pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
 /// the `cuda` build feature or libcuda.
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_set_stream(comm: *mut fo_comm, stream: *mut c_void) -> fo_status {
-    guard(|| arg_mut(comm, "comm")?.inner.set_stream(stream as usize))
+    guard(|| enter(comm, "fo_comm_set_stream")?.set_stream(stream as usize))
 }
 
 /// This rank's index and the group's size.
@@ -304,7 +319,7 @@ pub unsafe extern "C" fn fo_comm_info(
     world_size: *mut i32,
 ) -> fo_status {
     guard(|| {
-        let c = &arg_ref(comm, "comm")?.inner;
+        let c = enter(comm, "fo_comm_info")?;
         *arg_mut(rank, "rank")? = c.rank() as i32;
         *arg_mut(world_size, "world_size")? = c.world_size() as i32;
         Ok(())
@@ -334,7 +349,8 @@ pub unsafe extern "C" fn fo_broadcast_state_dict(
     stats: *mut fo_broadcast_stats,
 ) -> fo_status {
     guard(|| {
-        let comm = &arg_ref(comm, "comm")?.inner;
+        let held = enter(comm, "fo_broadcast_state_dict")?;
+        let comm = &*held;
         let local = opts
             .as_ref()
             .copied()
@@ -376,7 +392,8 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
     total_norm: *mut f64,
 ) -> fo_status {
     guard(|| {
-        let comm = &arg_ref(comm, "comm")?.inner;
+        let held = enter(comm, "fo_clip_grad_norm")?;
+        let comm = &*held;
         // Every local check feeds the collective's agreement, so a bad argument on one
         // rank fails every rank instead of leaving the others waiting.
         let local = arg_mut(total_norm, "total_norm").and_then(|out| {

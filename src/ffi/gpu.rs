@@ -1,7 +1,7 @@
 //! The C ABI of the GPU half of the step (feature `cuda`).
 use std::ffi::c_void;
 
-use super::optim::{fo_optimizer, index, opt_mut};
+use super::optim::{enter_opt, fo_optimizer, index};
 use super::status::{fo_status, guard};
 use super::types::fo_tensor;
 
@@ -34,7 +34,7 @@ pub unsafe extern "C" fn fo_optimizer_set_stream(
     opt: *mut fo_optimizer,
     stream: *mut c_void,
 ) -> fo_status {
-    guard(|| opt_mut(opt)?.set_stream(stream as usize))
+    guard(|| enter_opt(opt, "fo_optimizer_set_stream")?.set_stream(stream as usize))
 }
 
 /// Gives host parameter `index` a device mirror: `mirror` is device memory (`device` >= 0)
@@ -55,7 +55,7 @@ pub unsafe extern "C" fn fo_optimizer_set_mirror(
     mirror: *const fo_tensor,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_mut(opt)?;
+        let mut opt = enter_opt(opt, "fo_optimizer_set_mirror")?;
         let i = self::index(index, "index")?;
         let m = match mirror.as_ref() {
             None => None,

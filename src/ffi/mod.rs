@@ -6,6 +6,7 @@
 
 mod args;
 mod codes;
+mod handle;
 mod status;
 mod types;
 

@@ -3,6 +3,7 @@
 use std::ffi::c_char;
 
 use super::args::{arg_flag, arg_mut, arg_ref, arg_slice, arg_slice_mut, arg_str};
+use super::handle::{destroy, enter, Entered, Guarded, Handle};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::error::{Error, Result};
@@ -11,9 +12,19 @@ use crate::tensor::{HostTensor, Tensor};
 
 /// An optimizer: param groups, registered parameters (borrowed, updated in place) and
 /// their state. Created by `fo_optimizer_create`, freed by `fo_optimizer_destroy`. One
-/// thread at a time per handle (a step itself runs on fo's own thread pool).
+/// call at a time per handle (a step itself runs on fo's own thread pool): a call made
+/// while another thread is inside a call on the same handle returns FO_ERR_BUSY at once,
+/// naming the call in progress, and changes nothing.
 pub struct fo_optimizer {
-    inner: Optimizer,
+    inner: Handle<Optimizer>,
+}
+
+impl Guarded for fo_optimizer {
+    type Inner = Optimizer;
+    const ARG: &'static str = "opt";
+    fn handle(&self) -> &Handle<Optimizer> {
+        &self.inner
+    }
 }
 
 /// One param group's hyper-parameters (doubles, as host frameworks hold them).
@@ -99,12 +110,13 @@ impl fo_optim_config {
     }
 }
 
-pub(super) unsafe fn opt_ref<'a>(p: *const fo_optimizer) -> Result<&'a Optimizer> {
-    Ok(&arg_ref(p, "opt")?.inner)
-}
-
-pub(super) unsafe fn opt_mut<'a>(p: *mut fo_optimizer) -> Result<&'a mut Optimizer> {
-    Ok(&mut arg_mut(p, "opt")?.inner)
+/// The optimizer behind `p`, held for `call` (the exported function's name) until the
+/// returned guard drops: FO_ERR_BUSY if another call holds it.
+pub(super) unsafe fn enter_opt<'a>(
+    p: *const fo_optimizer,
+    call: &'static str,
+) -> Result<Entered<'a, Optimizer>> {
+    enter(p, call)
 }
 
 pub(super) fn index(i: i32, what: &str) -> Result<usize> {
@@ -144,6 +156,7 @@ pub unsafe extern "C" fn fo_optim_config_default(algorithm: i32, out: *mut fo_op
             *o = fo_optim_config::from_config(&OptimConfig::default_for(a));
             o.algorithm = algorithm;
         }
+        Ok(())
     })
 }
 
@@ -156,19 +169,20 @@ pub unsafe extern "C" fn fo_optimizer_create(
     guard(|| {
         let out = arg_mut(out, "out")?;
         let inner = Optimizer::new(arg_ref(cfg, "cfg")?.to_config()?)?;
-        *out = Box::into_raw(Box::new(fo_optimizer { inner }));
+        *out = Box::into_raw(Box::new(fo_optimizer {
+            inner: Handle::new("the optimizer", inner),
+        }));
         Ok(())
     })
 }
 
-/// Frees an optimizer and its state (NULL is a no-op). Parameters are the caller's.
+/// Frees an optimizer and its state (NULL is a no-op). Parameters are the caller's. If
+/// another thread is inside a call on `opt`, waits for that call to return, then frees
+/// (a call started after destroy is the caller's use-after-free). Called from inside a
+/// call on `opt` (a callback), frees nothing and records FO_ERR_BUSY's message.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_destroy(opt: *mut fo_optimizer) {
-    guard_void(|| {
-        if !opt.is_null() {
-            drop(Box::from_raw(opt));
-        }
-    })
+    guard_void(|| destroy(opt, "fo_optimizer_destroy"))
 }
 
 /// Registers a parameter in group 0; see `fo_optimizer_add_param_to_group`.
@@ -200,7 +214,7 @@ pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
     out_index: *mut i32,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_mut(opt)?;
+        let mut opt = enter_opt(opt, "fo_optimizer_add_param_to_group")?;
         let (fqn, out_index) = (arg_str(fqn, "fqn")?, arg_mut(out_index, "out_index")?);
         let (t, device) = arg_ref(param, "param")?.to_view("param")?;
         let spec = match shard.as_ref() {
@@ -225,7 +239,7 @@ pub unsafe extern "C" fn fo_optimizer_step(
     n: usize,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_mut(opt)?;
+        let mut opt = enter_opt(opt, "fo_optimizer_step")?;
         let grads = arg_slice(grads, n, "grads")?;
         let mut devices = vec![-1; grads.len()];
         let views = grads
@@ -257,7 +271,10 @@ pub unsafe extern "C" fn fo_optimizer_get_state(
     out: *mut fo_tensor,
 ) -> fo_status {
     guard(|| {
-        let (opt, key) = (opt_ref(opt)?, arg_str(key, "key")?);
+        let (opt, key) = (
+            enter_opt(opt, "fo_optimizer_get_state")?,
+            arg_str(key, "key")?,
+        );
         let dst = arg_ref(out, "out")?.to_host("out")?;
         let t = opt.get_state_as(self::index(index, "index")?, key, dst.dtype())?;
         if t.shape != dst.shape() {
@@ -283,7 +300,8 @@ pub unsafe extern "C" fn fo_optimizer_state_info(
     out_shape: *mut i64,
 ) -> fo_status {
     guard(|| {
-        let t = opt_ref(opt)?.get_state(self::index(index, "index")?, arg_str(key, "key")?)?;
+        let t = enter_opt(opt, "fo_optimizer_state_info")?
+            .get_state(self::index(index, "index")?, arg_str(key, "key")?)?;
         let (dt, nd) = (
             arg_mut(out_dtype, "out_dtype")?,
             arg_mut(out_ndim, "out_ndim")?,
@@ -313,7 +331,7 @@ pub unsafe extern "C" fn fo_optimizer_set_state(
     n: usize,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_mut(opt)?;
+        let mut opt = enter_opt(opt, "fo_optimizer_set_state")?;
         let (keys, values) = (arg_slice(keys, n, "keys")?, arg_slice(values, n, "values")?);
         let entries = keys
             .iter()
@@ -338,7 +356,10 @@ pub unsafe extern "C" fn fo_optimizer_add_param_group(
     out_group: *mut i32,
 ) -> fo_status {
     guard(|| {
-        let (opt, out) = (opt_mut(opt)?, arg_mut(out_group, "out_group")?);
+        let (mut opt, out) = (
+            enter_opt(opt, "fo_optimizer_add_param_group")?,
+            arg_mut(out_group, "out_group")?,
+        );
         *out = opt.add_param_group(arg_ref(cfg, "cfg")?.to_config()?)? as i32;
         Ok(())
     })
@@ -351,7 +372,7 @@ pub unsafe extern "C" fn fo_optimizer_set_group_lr(
     group: i32,
     lr: f64,
 ) -> fo_status {
-    guard(|| opt_mut(opt)?.set_group_lr(index(group, "group")?, lr))
+    guard(|| enter_opt(opt, "fo_optimizer_set_group_lr")?.set_group_lr(index(group, "group")?, lr))
 }
 
 /// Replaces group `group`'s hyper-parameters (algorithm, state format and master weight
@@ -363,7 +384,8 @@ pub unsafe extern "C" fn fo_optimizer_set_group_config(
     cfg: *const fo_optim_config,
 ) -> fo_status {
     guard(|| {
-        opt_mut(opt)?.set_group_config(index(group, "group")?, arg_ref(cfg, "cfg")?.to_config()?)
+        enter_opt(opt, "fo_optimizer_set_group_config")?
+            .set_group_config(index(group, "group")?, arg_ref(cfg, "cfg")?.to_config()?)
     })
 }
 
@@ -375,7 +397,10 @@ pub unsafe extern "C" fn fo_optimizer_get_group_config(
     out: *mut fo_optim_config,
 ) -> fo_status {
     guard(|| {
-        let (opt, g) = (opt_ref(opt)?, index(group, "group")?);
+        let (opt, g) = (
+            enter_opt(opt, "fo_optimizer_get_group_config")?,
+            index(group, "group")?,
+        );
         if g >= opt.num_groups() {
             return Err(Error::invalid(
                 "group",
@@ -394,7 +419,7 @@ pub unsafe extern "C" fn fo_optimizer_num_params(
     out: *mut i32,
 ) -> fo_status {
     guard(|| {
-        *arg_mut(out, "out")? = opt_ref(opt)?.num_params() as i32;
+        *arg_mut(out, "out")? = enter_opt(opt, "fo_optimizer_num_params")?.num_params() as i32;
         Ok(())
     })
 }
@@ -408,7 +433,7 @@ pub unsafe extern "C" fn fo_optimizer_state_bytes(
     out: *mut u64,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_ref(opt)?;
+        let opt = enter_opt(opt, "fo_optimizer_state_bytes")?;
         let out = arg_mut(out, "out")?;
         *out = if index == -1 {
             opt.total_state_bytes()
@@ -433,7 +458,7 @@ pub unsafe extern "C" fn fo_optimizer_state_keys(
     out_len: *mut usize,
 ) -> fo_status {
     guard(|| {
-        let opt = opt_ref(opt)?;
+        let opt = enter_opt(opt, "fo_optimizer_state_keys")?;
         let i = self::index(index, "index")?;
         opt.check_index(i)?;
         write_string(&opt.state_keys(i).join("\n"), buf, capacity, out_len)
@@ -451,7 +476,9 @@ pub unsafe extern "C" fn fo_optimizer_param_groups_json(
 ) -> fo_status {
     guard(|| {
         write_string(
-            &opt_ref(opt)?.param_groups_json().to_string(),
+            &enter_opt(opt, "fo_optimizer_param_groups_json")?
+                .param_groups_json()
+                .to_string(),
             buf,
             capacity,
             out_len,

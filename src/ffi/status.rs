@@ -28,6 +28,10 @@ pub const FO_ERR_NUMERICS: fo_status = 8;
 pub const FO_ERR_UNSUPPORTED: fo_status = 9;
 /// A bug in fo (a caught panic); the message says where.
 pub const FO_ERR_INTERNAL: fo_status = 10;
+/// The handle is in use by another call: another thread (handles take one call at a
+/// time), or a callback re-entering fo with the handle whose call is running it. The
+/// message names the call in progress; nothing was done.
+pub const FO_ERR_BUSY: fo_status = 11;
 
 /// Most tensor or mesh dims fo accepts.
 pub const FO_MAX_DIMS: usize = 8;
@@ -37,6 +41,9 @@ pub const FO_MAX_THREADS: i32 = 1024;
 
 /// Most ranks of an in-process group (`fo_comm_create_local_group`).
 pub const FO_MAX_LOCAL_WORLD: i32 = 1024;
+
+/// Most ranks of one checkpoint (`fo_pack_options.world_size`).
+pub const FO_MAX_WORLD_SIZE: i32 = 1 << 20;
 
 /// The ABI version this header describes; compare with `fo_abi_version()` at load time.
 pub const FO_ABI_VERSION: u32 = 2;
@@ -54,6 +61,7 @@ pub(crate) fn status_of(e: &Error) -> fo_status {
         Error::Numerics(_) => FO_ERR_NUMERICS,
         Error::Unsupported(_) => FO_ERR_UNSUPPORTED,
         Error::Internal(_) => FO_ERR_INTERNAL,
+        Error::Busy(_) => FO_ERR_BUSY,
     }
 }
 
@@ -95,13 +103,10 @@ pub(crate) fn guard(f: impl FnOnce() -> Result<()>) -> fo_status {
     }
 }
 
-/// For entry points that return no status (destroy functions): a panic is swallowed and
-/// recorded, since there is no way to report it.
-pub(crate) fn guard_void(f: impl FnOnce()) {
-    let _ = guard(|| {
-        f();
-        Ok(())
-    });
+/// For entry points that return no status (destroy functions): an error or a panic is
+/// recorded as the thread's last error message, since there is no way to return it.
+pub(crate) fn guard_void(f: impl FnOnce() -> Result<()>) {
+    let _ = guard(f);
 }
 
 /// The message of the last failed fo call on this thread (empty if none failed yet).
@@ -126,6 +131,7 @@ pub extern "C" fn fo_status_name(status: fo_status) -> *const c_char {
         FO_ERR_NUMERICS => b"FO_ERR_NUMERICS\0",
         FO_ERR_UNSUPPORTED => b"FO_ERR_UNSUPPORTED\0",
         FO_ERR_INTERNAL => b"FO_ERR_INTERNAL\0",
+        FO_ERR_BUSY => b"FO_ERR_BUSY\0",
         _ => b"FO_ERR_UNKNOWN\0",
     };
     s.as_ptr() as *const c_char
@@ -167,6 +173,7 @@ mod tests {
             Error::Numerics(String::new()),
             Error::Unsupported(String::new()),
             Error::Internal(String::new()),
+            Error::Busy(String::new()),
         ];
         let mut codes: Vec<fo_status> = all.iter().map(status_of).collect();
         assert!(codes.iter().all(|&c| c != FO_OK));
@@ -176,6 +183,10 @@ mod tests {
         assert_eq!(FO_MAX_DIMS, crate::tensor::MAX_DIMS);
         assert_eq!(FO_MAX_THREADS as usize, crate::optim::threads::MAX_THREADS);
         assert_eq!(FO_MAX_LOCAL_WORLD as usize, crate::comm::MAX_LOCAL_WORLD);
+        assert_eq!(
+            FO_MAX_WORLD_SIZE as usize,
+            crate::ckpt::writer::MAX_WORLD_SIZE
+        );
     }
 
     #[test]

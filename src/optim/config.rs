@@ -217,7 +217,10 @@ impl OptimConfig {
         }
     }
 
-    /// The checks FlashOptim and torch make, with the offending field named.
+    /// torch's own range checks (`torch.optim.AdamW`/`Adam`/`SGD`, lion-pytorch), plus
+    /// finiteness, with the offending field named: lr, eps, weight_decay, momentum >= 0;
+    /// betas in [0, 1) (beta = 1 makes Adam's bias correction divide by zero and every
+    /// parameter NaN at the first step); Nesterov needs momentum > 0 and dampening 0.
     pub fn validate(&self) -> Result<()> {
         let finite = |name: &str, v: f64| {
             if v.is_finite() {
@@ -246,15 +249,15 @@ impl OptimConfig {
         }
         if self.algorithm.is_adam() || self.algorithm == Algorithm::Lion {
             for (n, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
-                if !(0.0..=1.0).contains(&b) {
+                if !(0.0..1.0).contains(&b) {
                     return Err(Error::invalid(
                         n,
-                        format!("invalid beta {b} (must be in [0, 1])"),
+                        format!("invalid beta {b} (must be in [0, 1))"),
                     ));
                 }
             }
         }
-        if self.algorithm.is_adam() && self.eps < 0.0 {
+        if self.eps < 0.0 {
             return Err(Error::invalid(
                 "eps",
                 format!("invalid epsilon {} (must be >= 0)", self.eps),
@@ -375,6 +378,32 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("arithmetic"));
+        for a in [Algorithm::AdamW, Algorithm::Adam, Algorithm::Lion] {
+            for (field, v) in [("beta1", 1.0), ("beta2", 1.0), ("beta1", -0.1)] {
+                let mut c = OptimConfig::default_for(a);
+                *if field == "beta1" {
+                    &mut c.beta1
+                } else {
+                    &mut c.beta2
+                } = v;
+                let e = c.validate().unwrap_err().to_string();
+                assert!(e.contains(field) && e.contains("[0, 1)"), "{a:?}: {e}");
+            }
+        }
+        let mut c = OptimConfig::default_for(Algorithm::AdamW);
+        c.eps = -1e-8;
+        assert!(c.validate().unwrap_err().to_string().contains("eps"));
+        c.eps = f64::NAN;
+        assert!(c.validate().unwrap_err().to_string().contains("finite"));
+        let mut c = OptimConfig::default_for(Algorithm::Sgd);
+        c.momentum = 0.9;
+        c.dampening = 0.1;
+        c.nesterov = true;
+        assert!(c.validate().unwrap_err().to_string().contains("Nesterov"));
+        c.dampening = 0.0;
+        c.validate().unwrap();
+        c.momentum = -0.9;
+        assert!(c.validate().unwrap_err().to_string().contains("momentum"));
         let mut c = OptimConfig::default_for(Algorithm::Adam);
         c.decouple_lr = true;
         assert!(c

@@ -2,11 +2,17 @@
 //! non-finite gradient, and refuse a learning rate too small to move the largest
 //! parameter at its precision (FlashOptim's rule: `log2(lr) <
 //! floor(log2(maxabs)) − (master_bits − 1 − exponent_bits + log2(0.49))`, with maxabs
-//! measured on the current parameter values at every step rather than cached).
+//! measured on the current parameter values at every step rather than cached). After
+//! the step, a non-finite parameter or moment (beta near 1, eps 0 on a zero gradient, an
+//! overflow) puts the checked parameters back as they were (`Undo`).
+use half::f16;
 use rayon::prelude::*;
 
 use super::kernel::CHUNK;
+use super::master_split::Half;
 use super::optimizer::Optimizer;
+use super::quant8::GROUP;
+use super::state::{Moment, ParamState};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
@@ -102,4 +108,90 @@ pub(crate) unsafe fn check(
         }
     }
     Ok(())
+}
+
+/// What a step with `check_numerics` on may have to put back: the bytes and state of
+/// every host parameter it steps under the check, taken before the step. Empty (and
+/// free) when no stepped parameter's group checks numerics, so the fast path copies
+/// nothing.
+pub(crate) struct Undo {
+    saved: Vec<(usize, Vec<u8>, Option<ParamState>)>,
+}
+
+impl Undo {
+    /// Records host parameters with a gradient whose group has `check_numerics` on.
+    pub(crate) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
+        let mut saved = Vec::new();
+        for (i, p) in opt.params.iter().enumerate() {
+            if grads[i].is_none() || p.device >= 0 || !opt.groups[p.group].check_numerics {
+                continue;
+            }
+            let bytes = p
+                .tensor
+                .contiguous_bytes()
+                .expect("parameters are contiguous");
+            let mut copy = crate::tensor::try_with_capacity(bytes.len(), "check_numerics undo")?;
+            copy.extend_from_slice(bytes);
+            saved.push((i, copy, p.state.clone()));
+        }
+        Ok(Undo { saved })
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.saved.is_empty()
+    }
+
+    /// After the step: if a recorded parameter, or its state, holds a non-finite value,
+    /// puts every recorded parameter back and fails with `Error::Numerics` naming it.
+    pub(crate) unsafe fn check_result(self, opt: &mut Optimizer) -> Result<()> {
+        let bad = self.saved.iter().find_map(|&(i, _, _)| {
+            let p = &opt.params[i];
+            let b = p
+                .tensor
+                .contiguous_bytes()
+                .expect("parameters are contiguous");
+            if let Some(j) = non_finite_at(b, p.tensor.dtype()) {
+                return Some(format!("parameter {} at flat index {j}", p.fqn));
+            }
+            let st = p.state.as_ref()?;
+            [("exp_avg", &st.m), ("exp_avg_sq", &st.v)]
+                .into_iter()
+                .find_map(|(name, m)| {
+                    let j = moment_non_finite_at(m.as_ref()?)?;
+                    Some(format!("state {name} of {} at flat index {j}", p.fqn))
+                })
+        });
+        let Some(what) = bad else {
+            return Ok(());
+        };
+        for (i, bytes, state) in self.saved {
+            let p = &mut opt.params[i];
+            p.tensor
+                .contiguous_bytes_mut()
+                .expect("parameters are contiguous")
+                .copy_from_slice(&bytes);
+            p.state = state;
+        }
+        Err(Error::Numerics(format!(
+            "the step made {what} non-finite (check the hyper-parameters and the loss \
+             scale); nothing was updated"
+        )))
+    }
+}
+
+/// The first non-finite entry of a moment (f32 values or 16-bit patterns; for quant8,
+/// the group whose fp16 scale is non-finite, as its first element's index).
+fn moment_non_finite_at(m: &Moment) -> Option<usize> {
+    let f16_bad = |s: &[f16]| s.iter().position(|x| !x.is_finite()).map(|g| g * GROUP);
+    match m {
+        Moment::F32(v) => v.iter().position(|x| !x.is_finite()),
+        Moment::Half(h, v) => {
+            let mask = match h {
+                Half::BF16 => 0x7f80,
+                Half::F16 => 0x7c00,
+            };
+            v.iter().position(|&x| x & mask == mask)
+        }
+        Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. } => f16_bad(scales),
+    }
 }

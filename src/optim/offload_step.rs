@@ -84,7 +84,15 @@ impl Optimizer {
                 ),
             ));
         }
-        if t.dtype() != p.tensor.dtype() || t.shape() != p.tensor.shape() || !t.is_contiguous() {
+        if t.dtype() != p.tensor.dtype() {
+            return Err(Error::Dtype(format!(
+                "mirror of parameter {}: dtype {} given, the parameter's {} expected",
+                p.fqn,
+                t.dtype(),
+                p.tensor.dtype()
+            )));
+        }
+        if t.shape() != p.tensor.shape() || !t.is_contiguous() {
             return Err(Error::Shape(format!(
                 "mirror of parameter {}: {} {:?} (strides {:?}) given, a contiguous {} {:?} expected",
                 p.fqn,

@@ -140,11 +140,12 @@ fn mirrors_are_checked_before_they_are_kept() {
             )),
         )
     }
-    .unwrap_err()
-    .to_string();
+    .unwrap_err();
+    // A wrong dtype is a dtype error (FO_ERR_DTYPE), not a shape one.
+    assert!(matches!(e, crate::error::Error::Dtype(_)), "{e:?}");
+    let e = e.to_string();
     assert!(
-        e.contains("mirror of parameter p0: F32 [100]")
-            && e.contains("contiguous BF16 [100] expected"),
+        e.contains("mirror of parameter p0: dtype F32 given, the parameter's BF16 expected"),
         "{e}"
     );
     let mut m = vec![0u8; SIZES[0] * 2];

@@ -451,10 +451,18 @@ impl Optimizer {
         }
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
         let device_step = self.prepare_device_step(grads)?;
+        let undo = numerics::Undo::capture(self, &grad_bytes)?;
 
-        // From here on nothing can fail but a CUDA launch or copy (see `step_on`). The GPU
-        // half is launched first, so it runs while the CPU steps the host parameters.
-        self.run_device_step(device_step)?;
+        // From here on nothing can fail but a CUDA launch or copy (see `step_on`), or a
+        // non-finite result under check_numerics. The GPU half is launched first, so it
+        // runs while the CPU steps the host parameters; under check_numerics, after the
+        // host result is known good, so a rolled-back step changed nothing anywhere.
+        let device_step = if undo.is_empty() {
+            self.run_device_step(device_step)?;
+            None
+        } else {
+            Some(device_step)
+        };
         for (i, g) in grad_bytes.iter().enumerate() {
             let offload = pipelined.iter().any(|&(j, _)| j == i);
             if (g.is_some() || offload) && self.params[i].state.is_none() {
@@ -469,6 +477,10 @@ impl Optimizer {
             }
         }
         pool.install(|| jobs.into_par_iter().for_each(kernel::run));
+        undo.check_result(self)?;
+        if let Some(d) = device_step {
+            self.run_device_step(d)?;
+        }
         for (i, g) in grad_bytes.iter().enumerate() {
             if g.is_some() {
                 self.refresh_mirror(i)?;

@@ -319,6 +319,17 @@ impl Optimizer {
                         return Err(bad_shape(key, t, &shape));
                     }
                     let vals = values(key, t)?;
+                    // One non-finite value would poison its whole quant8 group (an
+                    // inf absmax scale decodes every element to NaN) and the next step.
+                    if let Some(j) = vals.iter().position(|x| !x.is_finite()) {
+                        return Err(Error::invalid(
+                            key,
+                            format!(
+                                "parameter {fqn}: value {} at flat index {j} is not finite",
+                                vals[j]
+                            ),
+                        ));
+                    }
                     if nm == "exp_avg_sq" && vals.iter().any(|x| *x < 0.0) {
                         return Err(Error::invalid(
                             key,
@@ -479,6 +490,16 @@ fn set_raw(
         .chunks_exact(2)
         .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
         .collect();
+    // An absmax scale is finite and >= 0: anything else decodes its group to NaN/inf.
+    if let Some(j) = sc.iter().position(|x| !x.is_finite() || x.to_f32() < 0.0) {
+        return Err(Error::invalid(
+            format!("{nm}::scales"),
+            format!(
+                "parameter {fqn}: scale {j} is {}; scales must be finite and >= 0",
+                sc[j]
+            ),
+        ));
+    }
     match (target, q.dtype) {
         (Moment::Signed { codes, scales }, DType::I8) => {
             codes.iter_mut().zip(&q.data).for_each(|(c, &b)| *c = b as i8);
