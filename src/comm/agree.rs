@@ -44,6 +44,7 @@ fn parts(e: &Error) -> (u8, String, String) {
         Error::Internal(m) => (7, m.clone(), String::new()),
         Error::Io { path, source } => (8, path.display().to_string(), source.to_string()),
         Error::Corrupt { path, detail } => (9, path.display().to_string(), detail.clone()),
+        Error::Timeout(m) => (10, m.clone(), String::new()),
     }
 }
 
@@ -82,6 +83,7 @@ fn decode(buf: &[u8]) -> Error {
         6 => Error::Unsupported(a),
         8 => Error::io(a, std::io::Error::other(b)),
         9 => Error::corrupt(a, b),
+        10 => Error::Timeout(a),
         _ => Error::Internal(a),
     }
 }
@@ -100,6 +102,7 @@ fn on_rank(e: Error, rank: usize) -> Error {
         Error::Numerics(m) => Error::Numerics(tag(m)),
         Error::Unsupported(m) => Error::Unsupported(tag(m)),
         Error::Internal(m) => Error::Internal(tag(m)),
+        Error::Timeout(m) => Error::Timeout(tag(m)),
         Error::Io { path, source } => Error::Io {
             path,
             source: std::io::Error::other(tag(source.to_string())),

@@ -12,12 +12,14 @@ mod ckpt;
 mod comm;
 mod gpu;
 mod optim;
+mod save;
 mod shard;
 
 pub use ckpt::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;
+pub use save::*;
 pub use shard::*;
 pub use status::*;
 pub use types::*;

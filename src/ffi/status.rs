@@ -28,6 +28,9 @@ pub const FO_ERR_NUMERICS: fo_status = 8;
 pub const FO_ERR_UNSUPPORTED: fo_status = 9;
 /// A bug in fo (a caught panic); the message says where.
 pub const FO_ERR_INTERNAL: fo_status = 10;
+/// A wait ran out of time (`fo_save_wait`); the work goes on: wait again. (11 is
+/// reserved for FO_ERR_BUSY.)
+pub const FO_ERR_TIMEOUT: fo_status = 12;
 
 /// Most tensor or mesh dims fo accepts.
 pub const FO_MAX_DIMS: usize = 8;
@@ -53,6 +56,7 @@ pub(crate) fn status_of(e: &Error) -> fo_status {
         Error::Comm(_) => FO_ERR_COMM,
         Error::Numerics(_) => FO_ERR_NUMERICS,
         Error::Unsupported(_) => FO_ERR_UNSUPPORTED,
+        Error::Timeout(_) => FO_ERR_TIMEOUT,
         Error::Internal(_) => FO_ERR_INTERNAL,
     }
 }
@@ -126,6 +130,7 @@ pub extern "C" fn fo_status_name(status: fo_status) -> *const c_char {
         FO_ERR_NUMERICS => b"FO_ERR_NUMERICS\0",
         FO_ERR_UNSUPPORTED => b"FO_ERR_UNSUPPORTED\0",
         FO_ERR_INTERNAL => b"FO_ERR_INTERNAL\0",
+        FO_ERR_TIMEOUT => b"FO_ERR_TIMEOUT\0",
         _ => b"FO_ERR_UNKNOWN\0",
     };
     s.as_ptr() as *const c_char

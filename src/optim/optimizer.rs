@@ -17,6 +17,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::ShardSpec;
 use crate::tensor::HostTensor;
+use std::sync::Arc;
+
+use crate::ckpt::snapshot::Snapshot;
 
 pub(crate) struct Param {
     pub fqn: String,
@@ -65,6 +68,18 @@ pub struct Optimizer {
     pub(crate) stream: usize,
     /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
     pub(crate) pinned: Vec<Option<Pinned>>,
+    /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
+    /// parameter's state or memory calls `before_write` first while it is read.
+    pub(crate) save: Option<Arc<Snapshot>>,
+}
+
+impl Drop for Optimizer {
+    /// Never frees state a save in flight still reads: waits for its writer to let go.
+    fn drop(&mut self) {
+        if let Some(s) = self.save.take() {
+            s.wait_released();
+        }
+    }
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -96,7 +111,49 @@ impl Optimizer {
             ranges: Vec::new(),
             stream: 0,
             pinned: Vec::new(),
+            save: None,
         })
+    }
+
+    /// Called before anything writes parameter `i`'s state or memory: while an async save
+    /// still needs them, they are copied for it first (or this waits for its writer).
+    pub(crate) fn before_write(&self, i: usize) -> Result<()> {
+        match &self.save {
+            Some(s) => s.before_write(self, i),
+            None => Ok(()),
+        }
+    }
+
+    /// The async save still reading this optimizer, if any.
+    pub(crate) fn save_in_flight(&self) -> Option<&Arc<Snapshot>> {
+        self.save.as_ref().filter(|s| s.is_reading())
+    }
+
+    /// A copy of the optimizer's tables (groups, parameter names, views and specs) with
+    /// no state, for an async save's writer: what it reads of the optimizer besides the
+    /// live state, so that nothing the caller's thread changes meanwhile is shared.
+    pub(crate) fn detached_view(&self) -> Optimizer {
+        Optimizer {
+            groups: self.groups.clone(),
+            params: self
+                .params
+                .iter()
+                .map(|p| Param {
+                    fqn: p.fqn.clone(),
+                    tensor: p.tensor.clone(),
+                    spec: p.spec.clone(),
+                    group: p.group,
+                    state: None,
+                    device: p.device,
+                    gpu: None,
+                    mirror: None,
+                })
+                .collect(),
+            ranges: Vec::new(),
+            stream: self.stream,
+            pinned: self.params.iter().map(|_| None).collect(),
+            save: None,
+        }
     }
 
     /// Adds a param group; returns its index.
@@ -205,6 +262,16 @@ impl Optimizer {
         device: i32,
     ) -> Result<usize> {
         self.check_group(group)?;
+        if self.save_in_flight().is_some() {
+            // The writer reads parameters through the table; it must not move.
+            return Err(Error::invalid(
+                "param",
+                format!(
+                    "cannot register parameter {fqn:?} while an async checkpoint save reads the optimizer: \
+                     wait for the save (fo_save_wait) first"
+                ),
+            ));
+        }
         if fqn.is_empty() {
             return Err(Error::invalid("fqn", "empty parameter name"));
         }
@@ -448,6 +515,13 @@ impl Optimizer {
         }
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
         let device_step = self.prepare_device_step(grads)?;
+        // An async save in flight gets what it still needs of every parameter this step
+        // writes before anything is written (a failure here changes nothing).
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() {
+                self.before_write(i)?;
+            }
+        }
 
         // From here on nothing can fail but a CUDA launch or copy (see `step_on`). The GPU
         // half is launched first, so it runs while the CPU steps the host parameters.
