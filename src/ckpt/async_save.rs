@@ -204,7 +204,7 @@ fn start(
                 let reader = reader;
                 let staged = stage_rank_file(&dir, &plan, &popts, &mut |e| {
                     // SAFETY: `take` calls this only while the parameter is held Reading.
-                    snap.take(e, &mut |i, src| unsafe { reader.read(i, src) })
+                    snap.take(e, &mut |i, copy, src| unsafe { reader.read(i, copy, src) })
                         .map(Cow::Owned)
                 });
                 snap.release();

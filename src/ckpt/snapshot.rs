@@ -6,19 +6,20 @@
 //! change that state first. Every mutation of a parameter's state or memory (the step,
 //! `set_states`, a load, `write_param`) calls `Optimizer::before_write(i)`, which lands
 //! in [`Snapshot::before_write`]: if parameter `i` still has entries the writer has not
-//! taken, they are copied (as the writer would have fetched them) into a staging pool
-//! first; when the pool is over its budget the mutator waits until the writer has taken
-//! enough (or has read `i` itself). The writer takes a staged copy when there is one and
+//! taken, the parameter is copied into a staging pool first (its stored state cloned,
+//! plus its elements when an entry reads them: a memcpy on the mutator's path; the
+//! writer encodes the entries from the copy exactly as from the live state); when the
+//! pool is over its budget the mutator waits until the writer has freed enough (or has
+//! read `i` itself). The writer takes a staged copy when there is one and
 //! reads the live state otherwise, so the file holds the state as of the call.
 //!
-//! Granularity: one parameter's pending entries are copied together (the unit a step
-//! writes). A parameter is read by the writer while its slot is `Reading`, and every
+//! Granularity: one parameter's state is copied at once (the unit a step writes). A parameter is read by the writer while its slot is `Reading`, and every
 //! mutator of that parameter waits meanwhile; a mutator copying it holds it `Copying`.
 //! The live state is reached through a pointer taken at the call: the optimizer refuses
 //! `add_param` while a save reads it (its parameter table must not move), and replaces
 //! a parameter's state only after `before_write`.
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::optim::Source;
 use crate::error::{Error, Result};
@@ -62,8 +63,8 @@ pub struct SnapshotStats {
 
 struct Inner {
     slots: Vec<Slot>,
-    /// Entry -> its staged copy and the pool bytes it holds (0: staged at the call).
-    staged: HashMap<usize, (Tensor, usize)>,
+    /// Parameter -> its copy and the pool bytes it holds (0: staged at the call).
+    staged: HashMap<usize, (Arc<Copy>, usize)>,
     /// Entry -> how many more times the writer fetches it.
     runs_left: Vec<usize>,
     used: usize,
@@ -72,6 +73,21 @@ struct Inner {
     /// Tests hold the writer before its next fetch (`AsyncSave::hold_writer`).
     held: bool,
     stats: SnapshotStats,
+}
+
+/// A parameter as the save needs it, copied before a mutation: its state as stored (a
+/// plain clone: the step's critical path pays a memcpy, not the entries' encoding) and
+/// its elements when an entry reads them (params saved as stored or as masters).
+struct Copy {
+    state: Option<ParamState>,
+    param: Option<Tensor>,
+}
+
+impl Copy {
+    fn nbytes(&self) -> usize {
+        self.state.as_ref().map_or(0, ParamState::nbytes)
+            + self.param.as_ref().map_or(0, |t| t.data.len())
+    }
 }
 
 /// One save's snapshot, shared by the optimizer (its mutators) and the writer thread.
@@ -83,10 +99,6 @@ pub struct Snapshot {
     entries: Vec<(usize, Source, usize)>,
     /// Parameter -> its entries.
     by_param: HashMap<usize, Vec<usize>>,
-}
-
-fn entry_bytes(t: &Tensor) -> usize {
-    t.data.len()
 }
 
 /// Entry `e` of parameter `sp.i` as a synchronous save fetches it (`optim::Fetcher`).
@@ -102,6 +114,11 @@ pub(super) fn fetch_entry(
             None => opt.param_tensor(sp.i),
         },
     }
+}
+
+/// Whether an entry reads the parameter's elements (not only its state).
+fn reads_param(src: &Source) -> bool {
+    matches!(src, Source::Param(_)) || matches!(src, Source::State { key, .. } if key == "master")
 }
 
 impl Snapshot {
@@ -167,30 +184,37 @@ impl Snapshot {
         self.cv.wait(g).unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Entries of `i` the writer still needs that only the live state holds.
-    fn pending_of(&self, g: &Inner, i: usize) -> Vec<usize> {
+    /// Entries of `i` the writer still fetches.
+    fn left_of(&self, g: &Inner, i: usize) -> Vec<usize> {
         self.by_param.get(&i).map_or(vec![], |es| {
-            es.iter()
-                .copied()
-                .filter(|e| g.runs_left[*e] > 0 && !g.staged.contains_key(e))
-                .collect()
+            es.iter().copied().filter(|e| g.runs_left[*e] > 0).collect()
         })
     }
 
-    /// Copies parameter `i`'s pending entries now, outside the pool (device state at the
-    /// call: the step's kernels would change it where the writer cannot see).
+    /// Copies parameter `i` as its remaining entries `es` need it.
+    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize]) -> Result<Copy> {
+        let needs_param = es.iter().any(|&e| reads_param(&self.entries[e].1));
+        Ok(Copy {
+            state: opt.staged_state(i)?.map(std::borrow::Cow::into_owned),
+            param: if needs_param {
+                Some(opt.param_tensor(i)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Copies parameter `i` now, outside the pool (device state at the call: the step's
+    /// kernels would change it where the writer cannot see).
     pub(super) fn stage_now(&self, opt: &Optimizer, i: usize) -> Result<()> {
-        let es = self.pending_of(&self.lock(), i);
-        let mut sp = opt.stage(i)?;
-        let mut copies = Vec::with_capacity(es.len());
-        for e in es {
-            copies.push((e, fetch_entry(opt, &mut sp, &self.entries[e].1)?));
+        let es = self.left_of(&self.lock(), i);
+        if es.is_empty() {
+            return Ok(());
         }
+        let c = self.copy(opt, i, &es)?;
         let mut g = self.lock();
-        for (e, t) in copies {
-            g.stats.device_staged += entry_bytes(&t) as u64;
-            g.staged.insert(e, (t, 0));
-        }
+        g.stats.device_staged += c.nbytes() as u64;
+        g.staged.insert(i, (Arc::new(c), 0));
         g.slots[i] = Slot::Free;
         Ok(())
     }
@@ -199,7 +223,7 @@ impl Snapshot {
     /// writer still needs of it into the pool, or waits (see the module doc).
     pub(crate) fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()> {
         let mut g = self.lock();
-        let es = loop {
+        let (es, need) = loop {
             if g.released || i >= g.slots.len() {
                 return Ok(());
             }
@@ -207,65 +231,64 @@ impl Snapshot {
                 Slot::Free => return Ok(()),
                 Slot::Reading | Slot::Copying => g = self.wait(g),
                 Slot::Pending => {
-                    let es = self.pending_of(&g, i);
-                    let need: usize = es.iter().map(|&e| self.entries[e].2).sum();
-                    // An empty pool always takes one parameter's copy only if it fits;
-                    // otherwise the writer reads it live (it gets there in order).
+                    let es = self.left_of(&g, i);
+                    let param = if es.iter().any(|&e| reads_param(&self.entries[e].1)) {
+                        opt.param(i).nbytes()
+                    } else {
+                        0
+                    };
+                    let need = opt.state_bytes(i) + param;
+                    // A copy that does not fit waits: the writer frees the pool as it
+                    // writes copies, or reads this parameter itself (it gets there in order).
                     if g.used + need <= self.budget {
                         g.used += need;
                         g.stats.staging_high_water = g.stats.staging_high_water.max(g.used as u64);
                         g.slots[i] = Slot::Copying;
-                        break es;
+                        break (es, need);
                     }
                     g = self.wait(g);
                 }
             }
         };
         drop(g);
-        let copied = (|| {
-            let mut sp = opt.stage(i)?;
-            es.iter()
-                .map(|&e| Ok((e, fetch_entry(opt, &mut sp, &self.entries[e].1)?)))
-                .collect::<Result<Vec<_>>>()
-        })();
+        let copied = self.copy(opt, i, &es);
         let mut g = self.lock();
         match copied {
-            Ok(ts) => {
-                for (e, t) in ts {
-                    let b = self.entries[e].2;
-                    if entry_bytes(&t) != b {
-                        // The pool's accounting is by plan; a mismatch is a bug, and the
-                        // writer's shape check would refuse the tensor anyway.
-                        g.used -= b;
-                        g.slots[i] = Slot::Pending;
-                        self.cv.notify_all();
-                        return Err(Error::Internal(format!(
-                            "async save: entry {e} copied as {} bytes, planned {b}",
-                            entry_bytes(&t)
-                        )));
-                    }
-                    g.staged.insert(e, (t, b));
-                }
+            Ok(c) if c.nbytes() <= need => {
+                g.used -= need - c.nbytes();
+                let b = c.nbytes();
+                g.staged.insert(i, (Arc::new(c), b));
                 g.slots[i] = Slot::Free;
                 g.stats.copies += 1;
                 self.cv.notify_all();
                 Ok(())
             }
-            Err(err) => {
-                g.used -= es.iter().map(|&e| self.entries[e].2).sum::<usize>();
+            other => {
+                g.used -= need;
                 g.slots[i] = Slot::Pending;
                 self.cv.notify_all();
-                Err(err)
+                match other {
+                    Err(err) => Err(err),
+                    Ok(c) => Err(Error::Internal(format!(
+                        "async save: parameter {i} copied as {} bytes, {need} reserved",
+                        c.nbytes()
+                    ))),
+                }
             }
         }
     }
 
-    /// The writer's fetch of entry `e`: the staged copy, else the live state read through
-    /// `read` while the parameter is held `Reading`.
+    /// The writer's fetch of entry `e`: from the parameter's copy when there is one, else
+    /// from the live state while the parameter is held `Reading`. `read(i, copy, src)`
+    /// computes the entry (`copy` None: from the live state).
     pub(super) fn take(
         &self,
         e: usize,
-        read: &mut dyn FnMut(usize, &Source) -> Result<Tensor>,
+        read: &mut dyn FnMut(
+            usize,
+            Option<(&ParamState, Option<Tensor>)>,
+            &Source,
+        ) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let (i, src, b) = &self.entries[e];
         let mut g = self.lock();
@@ -273,23 +296,37 @@ impl Snapshot {
             g = self.wait(g);
         }
         g.stats.bytes_written += *b as u64;
+        if g.runs_left[e] == 0 {
+            return Err(Error::Internal(format!(
+                "async save: entry {e} fetched more often than planned"
+            )));
+        }
         loop {
-            if g.runs_left[e] == 0 {
-                return Err(Error::Internal(format!(
-                    "async save: entry {e} fetched more often than planned"
-                )));
-            }
-            if g.staged.contains_key(&e) {
-                g.runs_left[e] -= 1;
-                let t = if g.runs_left[e] == 0 {
-                    let (t, held) = g.staged.remove(&e).expect("checked above");
-                    g.used -= held;
-                    self.cv.notify_all();
-                    t
-                } else {
-                    g.staged[&e].0.clone()
+            if let Some((c, _)) = g.staged.get(i) {
+                let c = c.clone();
+                drop(g);
+                let empty = ParamState {
+                    step: 0,
+                    m: None,
+                    v: None,
+                    error_bits: None,
+                    m_valid: false,
                 };
-                return Ok(t);
+                let t = read(
+                    *i,
+                    Some((c.state.as_ref().unwrap_or(&empty), c.param.clone())),
+                    src,
+                );
+                drop(c);
+                let mut g = self.lock();
+                g.runs_left[e] -= 1;
+                if self.left_of(&g, *i).is_empty() {
+                    if let Some((_, held)) = g.staged.remove(i) {
+                        g.used -= held;
+                    }
+                    self.cv.notify_all();
+                }
+                return t;
             }
             match g.slots[*i] {
                 Slot::Copying => g = self.wait(g),
@@ -303,10 +340,10 @@ impl Snapshot {
         }
         g.slots[*i] = Slot::Reading;
         drop(g);
-        let t = read(*i, src);
+        let t = read(*i, None, src);
         let mut g = self.lock();
         g.runs_left[e] -= 1;
-        g.slots[*i] = if self.pending_of(&g, *i).is_empty() {
+        g.slots[*i] = if self.left_of(&g, *i).is_empty() {
             Slot::Free
         } else {
             Slot::Pending
@@ -373,16 +410,25 @@ impl LiveReader {
         }
     }
 
-    /// Entry `src` of parameter `i`, read from the live state.
+    /// Entry `src` of parameter `i`, from `copy` (a staged copy of its state and
+    /// elements) or, when None, from the live state.
     ///
     /// # Safety
-    /// Parameter `i` must be held `Reading` by the snapshot.
-    pub(super) unsafe fn read(&self, i: usize, src: &Source) -> Result<Tensor> {
-        let state = self.live[i].map(|p| std::borrow::Cow::Borrowed(&*p));
+    /// With `copy` None, parameter `i` must be held `Reading` by the snapshot.
+    pub(super) unsafe fn read(
+        &self,
+        i: usize,
+        copy: Option<(&ParamState, Option<Tensor>)>,
+        src: &Source,
+    ) -> Result<Tensor> {
+        let (state, param) = match copy {
+            Some((st, param)) => (Some(st), param),
+            None => (self.live[i].map(|p| &*p), None),
+        };
         let mut sp = StagedParam {
             i,
-            state,
-            param: None,
+            state: state.map(std::borrow::Cow::Borrowed),
+            param,
         };
         fetch_entry(&self.view, &mut sp, src)
     }
