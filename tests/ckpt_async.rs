@@ -3,7 +3,6 @@
 //! save; the copy-on-write pool stays within its budget; failures surface at wait and
 //! leave the previous checkpoint; the optimizer's lifecycle waits for the writer.
 mod ckpt_util;
-#[allow(dead_code)]
 mod common;
 
 use std::path::Path;

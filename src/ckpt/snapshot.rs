@@ -116,6 +116,11 @@ pub(super) fn fetch_entry(
     }
 }
 
+/// How the writer computes an entry of parameter `i`: from a copy (its state and
+/// elements) or, given None, from the live state.
+pub(super) type ReadEntry<'a> =
+    dyn FnMut(usize, Option<(&ParamState, Option<Tensor>)>, &Source) -> Result<Tensor> + 'a;
+
 /// Whether an entry reads the parameter's elements (not only its state).
 fn reads_param(src: &Source) -> bool {
     matches!(src, Source::Param(_)) || matches!(src, Source::State { key, .. } if key == "master")
@@ -281,15 +286,7 @@ impl Snapshot {
     /// The writer's fetch of entry `e`: from the parameter's copy when there is one, else
     /// from the live state while the parameter is held `Reading`. `read(i, copy, src)`
     /// computes the entry (`copy` None: from the live state).
-    pub(super) fn take(
-        &self,
-        e: usize,
-        read: &mut dyn FnMut(
-            usize,
-            Option<(&ParamState, Option<Tensor>)>,
-            &Source,
-        ) -> Result<Tensor>,
-    ) -> Result<Tensor> {
+    pub(super) fn take(&self, e: usize, read: &mut ReadEntry<'_>) -> Result<Tensor> {
         let (i, src, b) = &self.entries[e];
         let mut g = self.lock();
         while g.held {
