@@ -1,6 +1,7 @@
 //! The optimizer handle: param groups, registered parameters (borrowed memory, updated
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
-//! state, and the step. The device half of the step is in `device_step`.
+//! state, and the step. The device half of the step is in `device_step`; the hooks of an
+//! async save in flight in `save_hooks`.
 use rayon::prelude::*;
 
 use super::config::OptimConfig;
@@ -63,7 +64,7 @@ pub struct Optimizer {
     pub(crate) groups: Vec<OptimConfig>,
     pub(crate) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
-    ranges: Vec<(usize, usize, usize)>,
+    pub(crate) ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
     pub(crate) stream: usize,
     /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
@@ -71,15 +72,6 @@ pub struct Optimizer {
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
     pub(crate) save: Option<Arc<Snapshot>>,
-}
-
-impl Drop for Optimizer {
-    /// Never frees state a save in flight still reads: waits for its writer to let go.
-    fn drop(&mut self) {
-        if let Some(s) = self.save.take() {
-            s.wait_released();
-        }
-    }
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -113,47 +105,6 @@ impl Optimizer {
             pinned: Vec::new(),
             save: None,
         })
-    }
-
-    /// Called before anything writes parameter `i`'s state or memory: while an async save
-    /// still needs them, they are copied for it first (or this waits for its writer).
-    pub(crate) fn before_write(&self, i: usize) -> Result<()> {
-        match &self.save {
-            Some(s) => s.before_write(self, i),
-            None => Ok(()),
-        }
-    }
-
-    /// The async save still reading this optimizer, if any.
-    pub(crate) fn save_in_flight(&self) -> Option<&Arc<Snapshot>> {
-        self.save.as_ref().filter(|s| s.is_reading())
-    }
-
-    /// A copy of the optimizer's tables (groups, parameter names, views and specs) with
-    /// no state, for an async save's writer: what it reads of the optimizer besides the
-    /// live state, so that nothing the caller's thread changes meanwhile is shared.
-    pub(crate) fn detached_view(&self) -> Optimizer {
-        Optimizer {
-            groups: self.groups.clone(),
-            params: self
-                .params
-                .iter()
-                .map(|p| Param {
-                    fqn: p.fqn.clone(),
-                    tensor: p.tensor.clone(),
-                    spec: p.spec.clone(),
-                    group: p.group,
-                    state: None,
-                    device: p.device,
-                    gpu: None,
-                    mirror: None,
-                })
-                .collect(),
-            ranges: Vec::new(),
-            stream: self.stream,
-            pinned: self.params.iter().map(|_| None).collect(),
-            save: None,
-        }
     }
 
     /// Adds a param group; returns its index.
