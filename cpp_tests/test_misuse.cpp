@@ -245,6 +245,47 @@ std::vector<Case> cases() {
   E("fo_state_save_comm", "mode 3", [](Fx& f) { PO o = f.pack; o.mode = 3; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
   E("fo_state_save_comm", "write_unsharded 5", [](Fx& f) { PO o = f.pack; o.write_unsharded = 5; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
   E("fo_state_save_comm", "world_size 2 on a 1-rank comm", [](Fx& f) { PO o = f.pack; o.world_size = 2; return fo_state_save_comm(f.opt, f.empty.c_str(), &o, f.comm); });
+  // Async saves: every pointer checked; a bad option fails at the call, nothing starts.
+  using SO = fo_save_options;
+  E("fo_state_save_async", "opt NULL", [](Fx& f) { fo_save* s = nullptr; SO o{f.pack, 0}; return fo_state_save_async(nullptr, f.empty.c_str(), &o, nullptr, &s); });
+  E("fo_state_save_async", "dir NULL", [](Fx& f) { fo_save* s = nullptr; SO o{f.pack, 0}; return fo_state_save_async(f.opt, nullptr, &o, nullptr, &s); });
+  E("fo_state_save_async", "options NULL", [](Fx& f) { fo_save* s = nullptr; return fo_state_save_async(f.opt, f.empty.c_str(), nullptr, nullptr, &s); });
+  E("fo_state_save_async", "out NULL", [](Fx& f) { SO o{f.pack, 0}; return fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, nullptr); });
+  E("fo_state_save_async", "mode 3", [](Fx& f) { fo_save* s = nullptr; SO o{f.pack, 0}; o.pack.mode = 3; return fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, &s); });
+  E("fo_state_save_async", "world_size 2 on a 1-rank comm", [](Fx& f) { fo_save* s = nullptr; SO o{f.pack, 0}; o.pack.world_size = 2; o.pack.save_id = "x"; return fo_state_save_async(f.opt, f.empty.c_str(), &o, f.comm, &s); });
+  E("fo_state_save_async", "dir under /proc (fails at wait)", [](Fx& f) {
+    fo_save* s = nullptr; SO o{f.pack, 0};
+    fo_status st = fo_state_save_async(f.opt, "/proc/fo-no/such", &o, nullptr, &s);
+    if (st != FO_OK) return st;
+    st = fo_save_wait(s, -1.0);
+    fo_save_destroy(s);
+    return st;
+  });
+  E("fo_save_wait", "save NULL", [](Fx&) { return fo_save_wait(nullptr, -1.0); });
+  E("fo_save_wait", "timeout NaN", [](Fx& f) {
+    fo_save* s = nullptr; SO o{f.pack, 0};
+    Fx::must(fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, &s), "save_async");
+    fo_status st = fo_save_wait(s, kNaN);
+    fo_save_destroy(s);
+    return st;
+  });
+  E("fo_save_wait", "timeout inf", [](Fx& f) {
+    fo_save* s = nullptr; SO o{f.pack, 0};
+    Fx::must(fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, &s), "save_async");
+    fo_status st = fo_save_wait(s, kInf);
+    fo_save_destroy(s);
+    return st;
+  });
+  E("fo_save_poll", "save NULL", [](Fx&) { int32_t d = 0; uint64_t b = 0; return fo_save_poll(nullptr, &d, &b); });
+  E("fo_save_stats_get", "save NULL", [](Fx&) { fo_save_stats st; return fo_save_stats_get(nullptr, &st); });
+  E("fo_save_stats_get", "out NULL", [](Fx& f) {
+    fo_save* s = nullptr; SO o{f.pack, 0};
+    Fx::must(fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, &s), "save_async");
+    fo_status st = fo_save_stats_get(s, nullptr);
+    fo_save_destroy(s);
+    return st;
+  });
+  R("fo_save_destroy", "NULL", [](Fx&) { fo_save_destroy(nullptr); });
   E("fo_state_save_comm", "dir under /proc", [](Fx& f) { return fo_state_save_comm(f.opt, "/proc/fo-no/such", &f.pack, f.comm); });
   E("fo_state_save_comm", "dir empty string", [](Fx& f) { return fo_state_save_comm(f.opt, "", &f.pack, f.comm); });
 

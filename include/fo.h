@@ -239,6 +239,12 @@ typedef struct fo_optimizer fo_optimizer;
 typedef struct fo_packed fo_packed;
 
 /*
+ An async save (opaque), from `fo_state_save_async`, freed by `fo_save_destroy`. Like
+ every handle it takes one call at a time (FO_ERR_BUSY for a second caller).
+ */
+typedef struct fo_save fo_save;
+
+/*
  Return code of every fo function: `FO_OK` (0) or one of the `FO_ERR_*` codes.
  */
 typedef int32_t fo_status;
@@ -459,6 +465,35 @@ typedef struct fo_optim_config {
 } fo_optim_config;
 
 /*
+ How to save asynchronously: `pack` as for `fo_state_save`, and
+ `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
+ mutation of state the writer has not taken yet copies it into the pool first, or waits
+ for the writer when the pool is full: the budget bounds memory, never correctness.
+ */
+typedef struct fo_save_options {
+  struct fo_pack_options pack;
+  uint64_t staging_budget_bytes;
+} fo_save_options;
+
+/*
+ What an async save has done so far (`fo_save_stats`). `done`: 1 once the background
+ work is over (its outcome is ready for `fo_save_wait`). `bytes_written`: bytes of
+ state the writer has taken, of `bytes_total`. `staging_high_water`: the most the
+ copy-on-write pool held, never more than `staging_budget`. `device_staged`: bytes of
+ device-resident state copied to the host at the call (outside the pool). `copies`:
+ parameters copied into the pool before a mutation.
+ */
+typedef struct fo_save_stats {
+  int32_t done;
+  uint64_t bytes_written;
+  uint64_t bytes_total;
+  uint64_t staging_high_water;
+  uint64_t staging_budget;
+  uint64_t device_staged;
+  uint64_t copies;
+} fo_save_stats;
+
+/*
  What `fo_wrap_uneven` reports for one mesh coordinate. Entries past `ndim` are 0.
  `global_offset` follows PyTorch 2.15: the first global index held along each dim, and
  `global_shape[d]` (a sentinel) where the coordinate holds nothing along a sharded dim.
@@ -536,6 +571,11 @@ typedef struct fo_shard_info {
  message names the call in progress; nothing was done.
  */
 #define FO_ERR_BUSY 11
+
+/*
+ A wait ran out of time (`fo_save_wait`); the work goes on: wait again.
+ */
+#define FO_ERR_TIMEOUT 12
 
 #ifdef __cplusplus
 extern "C" {
@@ -972,6 +1012,62 @@ fo_status fo_set_num_threads(int32_t n);
  The number of threads the next step will use.
  */
 fo_status fo_get_num_threads(int32_t *out);
+
+/*
+ Starts saving the optimizer's state into `dir` in the background and returns once a
+ copy-on-write snapshot of it is registered: the checkpoint holds the state as of this
+ call, byte-identical to what `fo_state_save` (or `fo_state_save_comm`) would write
+ now, however the optimizer steps, loads or sets state meanwhile.
+
+ Contract while a save is in flight (until `fo_save_wait` or `fo_save_destroy`):
+ - change registered parameters only through `fo_optimizer_step` (or fo's own set /
+   load calls): fo copies what the save still needs before it writes them, but cannot
+   see a write the caller makes directly to its memory;
+ - `fo_optimizer_add_param` is refused (FO_ERR_INVALID_ARGUMENT) until the writer has
+   read everything; destroying the optimizer waits for the writer;
+ - a second `fo_state_save_async` of the same optimizer waits for the first's writer.
+
+ `comm` (NULL: none; else its rank and world size must be the options'): every rank
+ must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
+ the commit collective runs, on the calling thread; the writer thread never touches
+ the communicator, which must outlive the save's wait. Without a communicator the
+ last rank to finish commits in the background, as `fo_state_save` does. Device-
+ resident state is copied to the host at the call. `*out` receives the handle.
+ */
+fo_status fo_state_save_async(struct fo_optimizer *opt,
+                              const char *dir,
+                              const struct fo_save_options *options,
+                              const struct fo_comm *comm,
+                              struct fo_save **out);
+
+/*
+ Waits up to `timeout_s` seconds (negative: no limit) for the save, then returns the
+ status of the whole save, its commit included: FO_OK once committed (with a
+ communicator: on every rank, after the commit collective that runs here; every rank
+ must call it). FO_ERR_TIMEOUT when the writer is still at work (the save goes on:
+ wait again). A failure (an I/O error names the path and cause) leaves the previous
+ checkpoint the visible one. Later calls return the same status.
+ */
+fo_status fo_save_wait(struct fo_save *save, double timeout_s);
+
+/*
+ Whether the background work is over (`*done` 1 or 0) and how many bytes of state the
+ writer has taken. Either output may be NULL. Never blocks.
+ */
+fo_status fo_save_poll(const struct fo_save *save, int32_t *done, uint64_t *bytes_written);
+
+/*
+ The save's counters (see `fo_save_stats`). Never blocks.
+ */
+fo_status fo_save_stats_get(const struct fo_save *save, struct fo_save_stats *out);
+
+/*
+ Frees a save (NULL is a no-op), after waiting for its writer thread. A save with a
+ communicator that was never waited for is not committed (its staged files are removed
+ by a later commit in the same directory). A call in progress on another thread is
+ waited for first, as for every handle.
+ */
+void fo_save_destroy(struct fo_save *save);
 
 /*
  The local shape, global offset, global shape and stride of the shard held at `coord`

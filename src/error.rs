@@ -35,6 +35,9 @@ pub enum Error {
     /// A valid request this build or machine cannot serve (no CUDA, a format not yet read).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A wait ran out of time; the work it waited for goes on (wait again).
+    #[error("timed out: {0}")]
+    Timeout(String),
     /// A bug in fo: a panic caught at the boundary, or a broken invariant.
     #[error("internal error: {0}")]
     Internal(String),

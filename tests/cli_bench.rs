@@ -52,6 +52,44 @@ fn bench_ckpt_reports_medians_of_interleaved_rounds_against_the_baseline() {
 }
 
 #[test]
+fn bench_ckpt_async_reports_the_call_against_a_sync_save_and_steps_in_flight() {
+    let dir = std::env::temp_dir().join(format!("fo-cli-bench-async-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_fo"))
+        .args([
+            "bench",
+            "ckpt",
+            "--async",
+            "--size-mib",
+            "4",
+            "--rounds",
+            "2",
+        ])
+        .args(["--steps", "2", "--staging-mib", "1", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{s}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for prefix in [
+        "save call returns",
+        " 2 steps",
+        "async save end to end",
+        "staging high-water",
+    ] {
+        assert!(s.lines().any(|l| l.starts_with(prefix)), "{prefix}: {s}");
+    }
+    assert!(
+        s.contains("call/sync") && s.contains("of a 1.0 MiB budget"),
+        "{s}"
+    );
+    assert!(!dir.exists());
+}
+
+#[test]
 fn long_commands_print_nothing_but_their_result_when_stderr_is_not_a_terminal() {
     let src = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -58,6 +58,7 @@ FO_ERR_NUMERICS = 8
 FO_ERR_UNSUPPORTED = 9
 FO_ERR_INTERNAL = 10
 FO_ERR_BUSY = 11
+FO_ERR_TIMEOUT = 12
 
 
 def codes(prefix: str) -> dict[str, int]:

@@ -3,6 +3,9 @@ save, load with resharding, consolidate, verify. Torch's vocabulary: FQNs, `exp_
 `param_groups`, `saved_offsets`.
 
     fo.ckpt.save(opt, "ckpt/", rank=r, world_size=n, mode="compressed", save_id="step100")
+    pending = fo.ckpt.save_async(opt, "ckpt/", save_id="step200")  # returns at once
+    opt.step(grads)                                  # the save still holds the call's state
+    pending.wait()                                   # raises FoError if the save failed
     report = fo.ckpt.load(opt2, "ckpt/")            # any sharding of the same params
     fo.ckpt.consolidate("ckpt/", "full/")            # one safetensors file + index
     sd = fo.ckpt.torch_state_dict("ckpt/")          # torch's nested layout: torch_opt.load_state_dict(sd)
@@ -48,6 +51,16 @@ class LoadReport(ctypes.Structure):
                 ("json_len", ctypes.c_size_t)]
 
 
+class SaveOptions(ctypes.Structure):
+    _fields_ = [("pack", PackOptions), ("staging_budget_bytes", ctypes.c_uint64)]
+
+
+class SaveStats(ctypes.Structure):
+    _fields_ = [("done", ctypes.c_int32), ("bytes_written", ctypes.c_uint64), ("bytes_total", ctypes.c_uint64),
+                ("staging_high_water", ctypes.c_uint64), ("staging_budget", ctypes.c_uint64),
+                ("device_staged", ctypes.c_uint64), ("copies", ctypes.c_uint64)]
+
+
 _P = ctypes.c_void_p
 _szp = ctypes.POINTER(ctypes.c_size_t)
 _pack = declare("fo_state_pack", [_P, ctypes.POINTER(PackOptions), ctypes.POINTER(_P)])
@@ -58,6 +71,11 @@ _psave = declare("fo_packed_save", [_P, ctypes.c_char_p])
 _pdestroy = declare("fo_packed_destroy", [_P], None)
 _save = declare("fo_state_save", [_P, ctypes.c_char_p, ctypes.POINTER(PackOptions)])
 _save_comm = declare("fo_state_save_comm", [_P, ctypes.c_char_p, ctypes.POINTER(PackOptions), _P])
+_save_async = declare("fo_state_save_async", [_P, ctypes.c_char_p, ctypes.POINTER(SaveOptions), _P, ctypes.POINTER(_P)])
+_save_wait = declare("fo_save_wait", [_P, ctypes.c_double])
+_save_poll = declare("fo_save_poll", [_P, ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64)])
+_save_stats = declare("fo_save_stats_get", [_P, ctypes.POINTER(SaveStats)])
+_save_destroy = declare("fo_save_destroy", [_P], None)
 _load = declare("fo_state_load", [_P, ctypes.c_char_p, ctypes.POINTER(LoadOptions), ctypes.POINTER(LoadReport)])
 _consolidate = declare("fo_checkpoint_consolidate", [ctypes.c_char_p, ctypes.c_char_p])
 _verify = declare("fo_checkpoint_verify", [ctypes.c_char_p])
@@ -145,6 +163,73 @@ def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1
         check(_save(opt._handle, os.fsencode(directory), ctypes.byref(o)))
     else:
         check(_save_comm(opt._handle, os.fsencode(directory), ctypes.byref(o), comm._h))
+
+
+class AsyncSave:
+    """A save in flight (`fo_state_save_async`): `wait(timeout=None)` returns once the
+    whole save (its commit included) is done and raises `FoError` if it failed (FO_ERR_TIMEOUT
+    when `timeout` seconds pass first; the save goes on); `done()` and `bytes_written` never
+    block; `stats()` adds the staging pool's high-water mark. It keeps the optimizer (and
+    the communicator) alive until it is closed; closing waits for the writer."""
+
+    def __init__(self, handle, opt, comm):
+        self._handle = handle
+        self._keep = (opt, comm)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._handle is None:
+            raise ValueError("this AsyncSave is closed")
+        check(_save_wait(self._handle, -1.0 if timeout is None else float(timeout)))
+
+    def done(self) -> bool:
+        """Whether the background work is over (then `wait` returns at once, apart from
+        the commit collective of a save with a communicator)."""
+        return bool(self.stats()["done"])
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of state the writer has taken so far."""
+        return self.stats()["bytes_written"]
+
+    def stats(self) -> dict[str, int]:
+        if self._handle is None:
+            raise ValueError("this AsyncSave is closed")
+        st = SaveStats()
+        check(_save_stats(self._handle, ctypes.byref(st)))
+        return {name: int(getattr(st, name)) for name, _ in SaveStats._fields_}
+
+    def close(self) -> None:
+        """Frees the handle after waiting for the writer (a save with a communicator that
+        was never waited for is not committed)."""
+        if self._handle is not None:
+            _save_destroy(self._handle)
+            self._handle = None
+            self._keep = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1, mode: str = "compressed",
+               params: str | None = None, write_unsharded: bool | None = None, save_id: str | None = None,
+               comm=None, staging_budget: int = 0) -> AsyncSave:
+    """`save`, in the background: returns once a copy-on-write snapshot of the state is
+    registered; the checkpoint holds the state as of this call, byte-identical to `save`'s,
+    while `opt.step`, `set_state` and `load` go on. Until the save is waited for, change the
+    params only through `opt.step` and register no new ones. `staging_budget`: bytes the
+    snapshot's copy pool may hold (0: 256 MiB; a fuller pool makes the step wait for the
+    writer). With `comm`, every rank calls this and `wait()` (the commit runs there)."""
+    o = SaveOptions(_options(rank, world_size, mode, params, write_unsharded, save_id), int(staging_budget))
+    h = _P()
+    check(_save_async(opt._handle, str(directory).encode(), ctypes.byref(o), None if comm is None else comm._h,
+                      ctypes.byref(h)))
+    return AsyncSave(h, opt, comm)
 
 
 def load(opt: Optimizer, directory: PathLike, strict: bool = True, params: bool = False,

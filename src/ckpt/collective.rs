@@ -166,9 +166,24 @@ pub fn save_optimizer_comm_checked(
         let digest = publish(dir, staged)?;
         mark_done(dir, &save_id, o.rank, o.world_size, &digest, parts)
     })();
+    commit_collective(comm, dir, &save_id, o.world_size, staged)?;
+    Ok(save_id)
+}
+
+/// The collective end of a save: every rank reports how its staging went (`staged`);
+/// when all succeeded, rank 0 writes the commit record; every rank returns the same
+/// outcome. Run on the caller's thread (the synchronous save, and `fo_save_wait` of an
+/// async one), so a communicator is never used from two threads at once.
+pub(crate) fn commit_collective(
+    comm: &Comm,
+    dir: &Path,
+    save_id: &str,
+    world_size: usize,
+    staged: Result<()>,
+) -> Result<()> {
     agree(comm, staged)?;
     let committed = if comm.rank() == 0 {
-        try_commit(dir, &save_id, o.world_size).and_then(|done| {
+        try_commit(dir, save_id, world_size).and_then(|done| {
             if done {
                 Ok(())
             } else {
@@ -181,6 +196,5 @@ pub fn save_optimizer_comm_checked(
     } else {
         Ok(())
     };
-    agree(comm, committed)?;
-    Ok(save_id)
+    agree(comm, committed)
 }

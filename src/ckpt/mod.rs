@@ -27,6 +27,7 @@
 //! - Saves are staged and committed by a record written once every rank is done
 //!   (`commit.rs`, `collective.rs`); every reader runs the same checks (`validate.rs`).
 //! - A 0-element shard writes nothing (torch writes an empty tensor; fo reads both).
+pub mod async_save;
 pub mod checksum;
 pub mod collective;
 pub mod commit;
@@ -39,10 +40,12 @@ pub mod pack;
 pub mod quant;
 pub mod reader;
 pub mod reshard;
+pub mod snapshot;
 pub mod validate;
 pub mod verify;
 pub mod writer;
 
+pub use async_save::{save_async, save_async_held, AsyncSave};
 pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
 pub use info::{info_json, LogicalKey};
@@ -53,5 +56,6 @@ pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};
 pub use quant::Quant8;
 pub use reader::{Checkpoint, KeyInfo, SavedChunk};
 pub use reshard::local_shard;
+pub use snapshot::{SnapshotStats, DEFAULT_STAGING_BUDGET};
 pub use verify::verify;
 pub use writer::{save, save_rank, save_streaming};

@@ -45,6 +45,7 @@ fn parts(e: &Error) -> (u8, String, String) {
         Error::Io { path, source } => (8, path.display().to_string(), source.to_string()),
         Error::Corrupt { path, detail } => (9, path.display().to_string(), detail.clone()),
         Error::Busy(m) => (10, m.clone(), String::new()),
+        Error::Timeout(m) => (11, m.clone(), String::new()),
     }
 }
 
@@ -84,6 +85,7 @@ fn decode(buf: &[u8]) -> Error {
         8 => Error::io(a, std::io::Error::other(b)),
         9 => Error::corrupt(a, b),
         10 => Error::Busy(a),
+        11 => Error::Timeout(a),
         _ => Error::Internal(a),
     }
 }
@@ -103,6 +105,7 @@ fn on_rank(e: Error, rank: usize) -> Error {
         Error::Unsupported(m) => Error::Unsupported(tag(m)),
         Error::Internal(m) => Error::Internal(tag(m)),
         Error::Busy(m) => Error::Busy(tag(m)),
+        Error::Timeout(m) => Error::Timeout(tag(m)),
         Error::Io { path, source } => Error::Io {
             path,
             source: std::io::Error::other(tag(source.to_string())),

@@ -33,7 +33,7 @@ pub struct fo_pack_options {
 }
 
 impl fo_pack_options {
-    unsafe fn to_options(self) -> Result<SaveOptions> {
+    pub(super) unsafe fn to_options(self) -> Result<SaveOptions> {
         let count = |v: i32, what: &str| {
             usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
         };

@@ -15,6 +15,7 @@ mod ckpt_info;
 mod comm;
 mod gpu;
 mod optim;
+mod save;
 mod shard;
 
 pub use ckpt::*;
@@ -23,6 +24,7 @@ pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;
+pub use save::*;
 pub use shard::*;
 pub use status::*;
 pub use types::*;

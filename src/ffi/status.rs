@@ -32,6 +32,8 @@ pub const FO_ERR_INTERNAL: fo_status = 10;
 /// time), or a callback re-entering fo with the handle whose call is running it. The
 /// message names the call in progress; nothing was done.
 pub const FO_ERR_BUSY: fo_status = 11;
+/// A wait ran out of time (`fo_save_wait`); the work goes on: wait again.
+pub const FO_ERR_TIMEOUT: fo_status = 12;
 
 /// Most tensor or mesh dims fo accepts.
 pub const FO_MAX_DIMS: usize = 8;
@@ -60,6 +62,7 @@ pub(crate) fn status_of(e: &Error) -> fo_status {
         Error::Comm(_) => FO_ERR_COMM,
         Error::Numerics(_) => FO_ERR_NUMERICS,
         Error::Unsupported(_) => FO_ERR_UNSUPPORTED,
+        Error::Timeout(_) => FO_ERR_TIMEOUT,
         Error::Internal(_) => FO_ERR_INTERNAL,
         Error::Busy(_) => FO_ERR_BUSY,
     }
@@ -132,6 +135,7 @@ pub extern "C" fn fo_status_name(status: fo_status) -> *const c_char {
         FO_ERR_UNSUPPORTED => b"FO_ERR_UNSUPPORTED\0",
         FO_ERR_INTERNAL => b"FO_ERR_INTERNAL\0",
         FO_ERR_BUSY => b"FO_ERR_BUSY\0",
+        FO_ERR_TIMEOUT => b"FO_ERR_TIMEOUT\0",
         _ => b"FO_ERR_UNKNOWN\0",
     };
     s.as_ptr() as *const c_char

@@ -29,6 +29,7 @@ mod offload_step;
 pub mod optimizer;
 pub mod quant8;
 pub mod rule;
+mod save_hooks;
 pub mod state;
 pub mod threads;
 

@@ -1,6 +1,7 @@
 //! The optimizer handle: param groups, registered parameters (borrowed memory, updated
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
-//! state, and the step. The device half of the step is in `device_step`.
+//! state, and the step. The device half of the step is in `device_step`; the hooks of an
+//! async save in flight in `save_hooks`.
 use rayon::prelude::*;
 
 use super::config::OptimConfig;
@@ -17,6 +18,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::ShardSpec;
 use crate::tensor::HostTensor;
+use std::sync::Arc;
+
+use crate::ckpt::snapshot::Snapshot;
 
 pub(crate) struct Param {
     pub fqn: String,
@@ -60,11 +64,14 @@ pub struct Optimizer {
     pub(crate) groups: Vec<OptimConfig>,
     pub(crate) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
-    ranges: Vec<(usize, usize, usize)>,
+    pub(crate) ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
     pub(crate) stream: usize,
     /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
     pub(crate) pinned: Vec<Option<Pinned>>,
+    /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
+    /// parameter's state or memory calls `before_write` first while it is read.
+    pub(crate) save: Option<Arc<Snapshot>>,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -96,6 +103,7 @@ impl Optimizer {
             ranges: Vec::new(),
             stream: 0,
             pinned: Vec::new(),
+            save: None,
         })
     }
 
@@ -205,6 +213,16 @@ impl Optimizer {
         device: i32,
     ) -> Result<usize> {
         self.check_group(group)?;
+        if self.save_in_flight().is_some() {
+            // The writer reads parameters through the table; it must not move.
+            return Err(Error::invalid(
+                "param",
+                format!(
+                    "cannot register parameter {fqn:?} while an async checkpoint save reads the optimizer: \
+                     wait for the save (fo_save_wait) first"
+                ),
+            ));
+        }
         if fqn.is_empty() {
             return Err(Error::invalid("fqn", "empty parameter name"));
         }
@@ -451,6 +469,13 @@ impl Optimizer {
         }
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
         let device_step = self.prepare_device_step(grads)?;
+        // An async save in flight gets what it still needs of every parameter this step
+        // writes before anything is written (a failure here changes nothing).
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() {
+                self.before_write(i)?;
+            }
+        }
         let undo = numerics::Undo::capture(self, &grad_bytes)?;
 
         // From here on nothing can fail but a CUDA launch or copy (see `step_on`), or a

@@ -81,6 +81,7 @@ impl Optimizer {
     /// Overwrites parameter `i`'s elements with `bytes` (its whole contiguous storage),
     /// and its mirror if it has one.
     pub(crate) fn write_param(&self, i: usize, bytes: &[u8]) -> Result<()> {
+        self.before_write(i)?;
         let p = &self.params[i];
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
         unsafe { write_tensor(&p.tensor, p.device, bytes, self.stream)? };
@@ -91,6 +92,7 @@ impl Optimizer {
     /// host parameter, written to the device for a device one (allocated there first if
     /// the parameter had no state).
     pub(crate) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
+        self.before_write(i)?;
         let stream = self.stream;
         let layout = StateLayout::of(
             &self.groups[self.params[i].group],

@@ -88,9 +88,24 @@ pub struct BenchCkptArgs {
     /// Rounds of fo and the baseline, interleaved; medians are reported (1..=1000).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
+    /// Measure `fo_state_save_async` instead: the call's return time vs a synchronous
+    /// save of the same optimizer state, N steps with the save in flight vs N steps
+    /// alone, and the staging pool's high-water mark (`bench_ckpt_async.rs`).
+    #[arg(long = "async")]
+    pub async_save: bool,
+    /// With --async: optimizer steps run while the save is in flight (1..=10000).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    pub steps: u32,
+    /// With --async: the staging pool's budget in MiB (0: fo's default, 256 MiB; at most
+    /// 1048576).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1048576))]
+    pub staging_mib: u32,
 }
 
 pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
+    if a.async_save {
+        return super::bench_ckpt_async::run(a);
+    }
     let (mib, world, seed) = (a.size_mib as usize, a.ranks as usize, a.seed);
     let rows = (mib << 20) / 4 / COLS / TENSORS;
     let bytes = (rows * COLS * 4 * TENSORS) as u64;
@@ -262,7 +277,7 @@ struct Measured {
     plain_read: Vec<f64>,
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(super) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     let n = v.len();

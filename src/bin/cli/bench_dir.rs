@@ -19,7 +19,7 @@ fn is_bench_entry(name: &str) -> bool {
         || name == fo::ckpt::commit::COMMIT_FILE
         || name.starts_with(".fo-stage-")
         || name.contains(".tmp-")
-        || [MARKER, "plain.bin", "compressed"].contains(&name)
+        || [MARKER, "plain.bin", "compressed", "sync", "async"].contains(&name)
 }
 
 /// The directory the benchmark writes into, and what it removes afterwards.
@@ -97,6 +97,8 @@ impl BenchDir {
             MARKER,
             "plain.bin",
             "compressed",
+            "sync",
+            "async",
             fo::ckpt::commit::COMMIT_FILE,
         ]
         .iter()

@@ -16,6 +16,7 @@ mod args;
 mod bench_arith;
 mod bench_broadcast;
 mod bench_ckpt;
+mod bench_ckpt_async;
 mod bench_clip;
 mod bench_dir;
 mod bench_step;

@@ -1,0 +1,181 @@
+// Async saves through the C ABI: fo_state_save_async returns at once, steps run while
+// the writer works, fo_save_wait returns the whole save's status, and the files equal a
+// synchronous save of the state as of the call; poll and stats report progress and the
+// staging pool's high-water mark within its budget; a write error surfaces at wait with
+// FO_ERR_IO and the path; a communicator save commits at wait on every rank.
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+#include <unistd.h>
+
+#include "check.hpp"
+
+namespace fs = std::filesystem;
+
+static const int64_t ROWS = 2003, COLS = 129;
+
+// One rank: a quant8 AdamW optimizer over its Shard(0) rows of two (2003, 129) params.
+struct Rank {
+  fo_optimizer* opt = nullptr;
+  std::vector<float> w[2];
+  int64_t rows = 0, row0 = 0, mesh, coord;
+  fo_placement pl{FO_PLACEMENT_SHARD, 0, 0};
+  int64_t gshape[2] = {ROWS, COLS};
+
+  Rank(int world, int rank) : mesh(world), coord(rank) {
+    fo_shard_info info;
+    CHECK_OK(fo_wrap_uneven(2, gshape, 1, &mesh, &coord, &pl, &info));
+    rows = info.local_shape[0];
+    row0 = info.global_offset[0];
+    fo_optim_config cfg;
+    fo_optim_config_default(0, &cfg);
+    cfg.state_format = 1;  // quant8
+    cfg.master_weight_bits = 0;
+    cfg.lr = 1e-2;
+    CHECK_OK(fo_optimizer_create(&cfg, &opt));
+    int64_t shape[2] = {rows, COLS};
+    fo_shard_spec spec{2, gshape, 1, &mesh, &coord, &pl};
+    for (int k = 0; k < 2; ++k) {
+      for (int64_t i = 0; i < rows * COLS; ++i) w[k].push_back(std::sin(0.3f * float(row0 * COLS + i) + float(k)));
+      fo_tensor t{w[k].data(), 0, 2, shape, nullptr, -1};
+      int32_t idx = -1;
+      CHECK_OK(fo_optimizer_add_param(opt, k == 0 ? "a" : "b", &t, &spec, &idx));
+    }
+  }
+  ~Rank() { fo_optimizer_destroy(opt); }
+
+  void step(int s) {
+    std::vector<float> g[2];
+    int64_t shape[2] = {rows, COLS};
+    fo_tensor t[2];
+    for (int k = 0; k < 2; ++k) {
+      g[k].resize(rows * COLS);
+      for (int64_t i = 0; i < rows * COLS; ++i) g[k][i] = std::cos(0.7f * float(row0 * COLS + i) + float(s + k));
+      t[k] = fo_tensor{g[k].data(), 0, 2, shape, nullptr, -1};
+    }
+    CHECK_OK(fo_optimizer_step(opt, t, 2));
+  }
+};
+
+static std::string tmpdir(const char* name) {
+  std::string d = (fs::temp_directory_path() / (std::string("fo_cpp_async_") + name + "_" + std::to_string(getpid()))).string();
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+static void same_files(const std::string& a, const std::string& b) {
+  int n = 0;
+  for (auto& e : fs::directory_iterator(a)) {
+    std::string name = e.path().filename().string();
+    if (name[0] == '.') continue;
+    ++n;
+    CHECK(fo_test::read_file(e.path().string()) == fo_test::read_file(b + "/" + name));
+  }
+  CHECK(n >= 2);  // a rank file and the commit record at least
+}
+
+static void async_save_equals_sync_save_while_steps_run() {
+  Rank r(1, 0);
+  r.step(0);
+  std::string sync = tmpdir("sync"), asy = tmpdir("async");
+  fo_pack_options po{0, 1, 0, 1, -1, "s1"};
+  CHECK_OK(fo_state_save(r.opt, sync.c_str(), &po));
+  fo_save_options so{po, 1 << 20};  // a 1 MiB pool: one param's state at a time
+  fo_save* s = nullptr;
+  CHECK_OK(fo_state_save_async(r.opt, asy.c_str(), &so, nullptr, &s));
+  r.step(1);
+  r.step(2);
+  int32_t done = -1;
+  uint64_t bytes = 0;
+  CHECK_OK(fo_save_poll(s, &done, &bytes));
+  CHECK(done == 0 || done == 1);
+  CHECK_OK(fo_save_poll(s, nullptr, nullptr));
+  CHECK_OK(fo_save_wait(s, -1.0));
+  CHECK_OK(fo_save_wait(s, 0.0));  // the same outcome again
+  fo_save_stats st;
+  CHECK_OK(fo_save_stats_get(s, &st));
+  CHECK(st.done == 1);
+  CHECK(st.bytes_written == st.bytes_total && st.bytes_total > 0);
+  CHECK(st.staging_budget == (1u << 20));
+  CHECK(st.staging_high_water <= st.staging_budget);
+  fo_save_destroy(s);
+  same_files(asy, sync);
+  CHECK_OK(fo_checkpoint_verify(asy.c_str()));
+  fs::remove_all(sync);
+  fs::remove_all(asy);
+}
+
+static void a_write_error_surfaces_at_wait_with_the_path() {
+  Rank r(1, 0);
+  r.step(0);
+  std::string root = tmpdir("fault");
+  std::string file = root + "/not-a-dir";
+  { std::ofstream(file) << "x"; }
+  std::string dir = file + "/ckpt";
+  fo_save_options so{{0, 1, 0, 0, -1, nullptr}, 0};
+  fo_save* s = nullptr;
+  CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &so, nullptr, &s));
+  r.step(1);
+  fo_status st = fo_save_wait(s, 60.0);
+  CHECK(st == FO_ERR_IO);
+  CHECK(fo_test::last_error().find(file) != std::string::npos);
+  CHECK(fo_save_wait(s, -1.0) == FO_ERR_IO);
+  fo_save_destroy(s);
+  CHECK(std::string(fo_status_name(FO_ERR_TIMEOUT)) == "FO_ERR_TIMEOUT");
+  fs::remove_all(root);
+}
+
+static void destroying_the_optimizer_before_the_save_is_safe() {
+  std::string sync = tmpdir("d-sync"), asy = tmpdir("d-async");
+  fo_save* s = nullptr;
+  {
+    Rank r(1, 0);
+    r.step(0);
+    fo_pack_options po{0, 1, 0, 0, -1, "d"};
+    CHECK_OK(fo_state_save(r.opt, sync.c_str(), &po));
+    fo_save_options so{po, 0};
+    CHECK_OK(fo_state_save_async(r.opt, asy.c_str(), &so, nullptr, &s));
+  }  // fo_optimizer_destroy waits for the writer to let go of the state
+  CHECK_OK(fo_save_wait(s, -1.0));
+  fo_save_destroy(s);
+  same_files(asy, sync);
+  fs::remove_all(sync);
+  fs::remove_all(asy);
+}
+
+static void two_ranks_commit_at_wait_through_a_communicator() {
+  std::string sync = tmpdir("c-sync"), asy = tmpdir("c-async");
+  fo_comm* comms[2] = {nullptr, nullptr};
+  CHECK_OK(fo_comm_create_local_group(2, 60.0, comms));
+  std::vector<std::thread> ts;
+  for (int rank = 0; rank < 2; ++rank) {
+    ts.emplace_back([&, rank] {
+      Rank r(2, rank);
+      r.step(0);
+      fo_pack_options po{rank, 2, 0, 0, -1, "c"};
+      CHECK_OK(fo_state_save_comm(r.opt, sync.c_str(), &po, comms[rank]));
+      fo_save_options so{po, 0};
+      fo_save* s = nullptr;
+      CHECK_OK(fo_state_save_async(r.opt, asy.c_str(), &so, comms[rank], &s));
+      r.step(1);
+      CHECK_OK(fo_save_wait(s, -1.0));
+      fo_save_destroy(s);
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (auto* c : comms) fo_comm_destroy(c);
+  same_files(asy, sync);
+  fs::remove_all(sync);
+  fs::remove_all(asy);
+}
+
+int main() {
+  async_save_equals_sync_save_while_steps_run();
+  a_write_error_surfaces_at_wait_with_the_path();
+  destroying_the_optimizer_before_the_save_is_safe();
+  two_ranks_commit_at_wait_through_a_communicator();
+  return fo_test::summary("test_save_async");
+}

@@ -1,0 +1,354 @@
+//! Async saves (`fo_state_save_async`): the call plans the save, registers a
+//! copy-on-write snapshot of the optimizer's state (`snapshot.rs`) and returns; a
+//! background writer streams the state through the synchronous path's writer
+//! (`writer::stage_rank_file`, same plan, same fetches), so the files are byte-identical
+//! to a synchronous save of the state as of the call. Nothing is visible before the
+//! commit, which is the synchronous path's too:
+//! - without a communicator, the writer publishes its files and drops its done marker in
+//!   the background; the last rank of the save commits it (`commit::finish_rank`);
+//! - with one, the ranks agree on the save id at the call (a collective on the caller's
+//!   thread), the writer stages in the background, and the commit collective runs in
+//!   [`AsyncSave::wait`], on the caller's thread again: the communicator is never used
+//!   from the writer thread, so it is never used from two threads at once.
+//!
+//! Lifecycle: a second async save of the same optimizer waits for the first's writer
+//! (and is refused while the first has a communicator commit not yet waited for); the
+//! optimizer refuses `add_param` while the writer reads it, and its drop waits for the
+//! writer to let go of it; dropping an `AsyncSave` joins its writer. Device-resident
+//! state is staged to the host at the call (what the synchronous path reads), outside
+//! the pool's budget. Registered parameters are the caller's memory: while a save is in
+//! flight the caller must change them only through the step (which copies what the save
+//! still needs first).
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::collective::{agree_save_id, commit_collective};
+use super::commit::mark_done;
+use super::optim::{pack_options, plan_entries, SaveOptions};
+use super::snapshot::{LiveReader, Snapshot, SnapshotStats};
+use super::writer::{finish, publish, resolve_save_id, stage_rank_file};
+use crate::comm::{agree, Comm};
+use crate::error::{Error, Result};
+use crate::optim::Optimizer;
+
+/// What the writer thread leaves for `wait`.
+#[derive(Default)]
+struct Outcome {
+    done: bool,
+    result: Option<Result<()>>,
+}
+
+/// An async save in flight (or finished). Dropping it waits for its writer.
+pub struct AsyncSave {
+    snap: Arc<Snapshot>,
+    outcome: Arc<(Mutex<Outcome>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+    dir: PathBuf,
+    save_id: String,
+    world_size: usize,
+    /// With a communicator: the commit collective still to run at `wait`.
+    commit_pending: bool,
+    /// The whole save's outcome once `wait` has seen it (repeated waits return it).
+    settled: Option<Result<()>>,
+}
+
+/// A copy of `e`, to return a settled outcome again (errors are not `Clone`: an io
+/// error is rebuilt from its kind and message).
+fn copy_err(e: &Error) -> Error {
+    match e {
+        Error::InvalidArgument { name, reason } => Error::invalid(name, reason),
+        Error::Dtype(m) => Error::Dtype(m.clone()),
+        Error::Shape(m) => Error::Shape(m.clone()),
+        Error::NotFound(m) => Error::NotFound(m.clone()),
+        Error::Io { path, source } => {
+            Error::io(path, std::io::Error::new(source.kind(), source.to_string()))
+        }
+        Error::Corrupt { path, detail } => Error::corrupt(path, detail),
+        Error::Comm(m) => Error::Comm(m.clone()),
+        Error::Numerics(m) => Error::Numerics(m.clone()),
+        Error::Unsupported(m) => Error::Unsupported(m.clone()),
+        Error::Timeout(m) => Error::Timeout(m.clone()),
+        Error::Busy(m) => Error::Busy(m.clone()),
+        Error::Internal(m) => Error::Internal(m.clone()),
+    }
+}
+
+/// How many times `stage_rank_file` fetches each entry (once per run of its chunks).
+fn fetch_runs(plan: &super::pack::Plan, num_entries: usize) -> Vec<usize> {
+    let mut runs = vec![0; num_entries];
+    let mut last = None;
+    for c in &plan.chunks {
+        if last != Some(c.entry) {
+            runs[c.entry] += 1;
+        }
+        last = Some(c.entry);
+    }
+    runs
+}
+
+/// Starts saving `opt`'s state of this rank into `dir` in the background and returns
+/// once the snapshot is registered. `comm` (its rank and world size must be the
+/// options'): the save id is agreed at the call and the commit runs at `wait`, both
+/// collectives every rank must enter. `staging_budget`: bytes the copy-on-write pool
+/// may hold (0: `snapshot::DEFAULT_STAGING_BUDGET`).
+pub fn save_async(
+    opt: &mut Optimizer,
+    dir: &Path,
+    o: &SaveOptions,
+    comm: Option<&Comm>,
+    staging_budget: usize,
+) -> Result<AsyncSave> {
+    start(opt, dir, o, comm, staging_budget, false)
+}
+
+/// Test support: `save_async` with the writer held before its first fetch (let it go
+/// with `AsyncSave::hold_writer(false)`), so a test knows the save is in flight.
+#[doc(hidden)]
+pub fn save_async_held(
+    opt: &mut Optimizer,
+    dir: &Path,
+    o: &SaveOptions,
+    comm: Option<&Comm>,
+    staging_budget: usize,
+) -> Result<AsyncSave> {
+    start(opt, dir, o, comm, staging_budget, true)
+}
+
+fn start(
+    opt: &mut Optimizer,
+    dir: &Path,
+    o: &SaveOptions,
+    comm: Option<&Comm>,
+    staging_budget: usize,
+    held: bool,
+) -> Result<AsyncSave> {
+    // The previous save's writer must be done with the optimizer (one snapshot at a
+    // time); its files commit on their own (no communicator) or at its wait.
+    if let Some(prev) = opt.save.take() {
+        prev.wait_released();
+    }
+    let save_id = match comm {
+        Some(c) => {
+            let local = if o.rank != c.rank() || o.world_size != c.world_size() {
+                Err(Error::invalid(
+                    "options.rank",
+                    format!(
+                        "rank {} of {} differs from the communicator's rank {} of {}",
+                        o.rank,
+                        o.world_size,
+                        c.rank(),
+                        c.world_size()
+                    ),
+                ))
+            } else {
+                Ok(())
+            };
+            agree(c, local)?;
+            agree_save_id(c, &o.save_id)?
+        }
+        None => resolve_save_id(&o.save_id, o.world_size)?,
+    };
+    let planned = (|| {
+        let (metas, srcs) = plan_entries(opt, o)?;
+        let mut popts = pack_options(opt, o);
+        popts.save_id = save_id.clone();
+        let plan = super::pack::plan(&metas, &popts)?;
+        Ok((metas, srcs, popts, plan))
+    })();
+    // With a communicator every rank must learn that one failed to plan.
+    let (metas, srcs, popts, plan) = match comm {
+        Some(c) => agree(c, planned)?,
+        None => planned?,
+    };
+    let runs = fetch_runs(&plan, metas.len());
+    let bytes = metas
+        .iter()
+        .map(|m| m.local_shape.iter().product::<usize>() * m.dtype.size())
+        .collect();
+    let devices: Vec<usize> = {
+        let mut seen = HashMap::new();
+        for s in &srcs {
+            let i = match s {
+                super::optim::Source::State { i, .. } | super::optim::Source::Param(i) => *i,
+            };
+            seen.entry(i).or_insert(opt.param_device(i) >= 0);
+        }
+        seen.into_iter()
+            .filter(|&(_, d)| d)
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let snap = Arc::new(Snapshot::new(
+        opt.num_params(),
+        srcs,
+        runs,
+        bytes,
+        staging_budget,
+    ));
+    for i in devices {
+        snap.stage_now(opt, i)?;
+    }
+    let reader = LiveReader::new(opt);
+    snap.hold(held);
+    opt.save = Some(snap.clone());
+    let outcome: Arc<(Mutex<Outcome>, Condvar)> = Arc::default();
+    let with_comm = comm.is_some();
+    let thread = {
+        let (snap, outcome, dir) = (snap.clone(), outcome.clone(), dir.to_path_buf());
+        std::thread::Builder::new()
+            .name("fo-save".into())
+            .spawn(move || {
+                let reader = reader;
+                let staged = stage_rank_file(&dir, &plan, &popts, &mut |e| {
+                    // SAFETY: `take` calls this only while the parameter is held Reading.
+                    snap.take(e, &mut |i, copy, src| unsafe { reader.read(i, copy, src) })
+                        .map(Cow::Owned)
+                });
+                snap.release();
+                drop(reader);
+                let result = staged.and_then(|staged| {
+                    if with_comm {
+                        let parts = staged.num_parts();
+                        let digest = publish(&dir, staged)?;
+                        mark_done(
+                            &dir,
+                            &popts.save_id,
+                            popts.rank,
+                            popts.world_size,
+                            &digest,
+                            parts,
+                        )
+                    } else {
+                        finish(&dir, staged)
+                    }
+                });
+                let (m, cv) = &*outcome;
+                let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+                (g.done, g.result) = (true, Some(result));
+                cv.notify_all();
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the save's writer thread: {e}")))
+    };
+    let thread = match thread {
+        Ok(t) => t,
+        Err(e) => {
+            snap.release();
+            return Err(e);
+        }
+    };
+    Ok(AsyncSave {
+        snap,
+        outcome,
+        thread: Some(thread),
+        dir: dir.to_path_buf(),
+        save_id,
+        world_size: o.world_size,
+        commit_pending: with_comm,
+        settled: None,
+    })
+}
+
+impl AsyncSave {
+    /// The save's id (agreed across ranks with a communicator).
+    pub fn save_id(&self) -> &str {
+        &self.save_id
+    }
+
+    /// Whether the background work is over (then `wait` does not block, apart from the
+    /// commit collective of a save with a communicator).
+    pub fn is_done(&self) -> bool {
+        let (m, _) = &*self.outcome;
+        m.lock().unwrap_or_else(|e| e.into_inner()).done
+    }
+
+    pub fn stats(&self) -> SnapshotStats {
+        self.snap.stats()
+    }
+
+    /// Test support: holds the writer before its next fetch (`true`) or lets it go, so
+    /// a test can keep a save in flight while it steps, sets state or adds parameters.
+    #[doc(hidden)]
+    pub fn hold_writer(&self, on: bool) {
+        self.snap.hold(on);
+    }
+
+    /// Waits up to `timeout` (None: forever) for the background work; false on timeout.
+    fn wait_background(&self, timeout: Option<Duration>) -> bool {
+        let (m, cv) = &*self.outcome;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while !g.done {
+            g = match deadline {
+                None => cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    cv.wait_timeout(g, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+        true
+    }
+
+    /// The whole save's outcome, its commit included: waits up to `timeout` for the
+    /// writer (`Error::Timeout` past it: the save goes on, wait again), then with a
+    /// communicator runs the commit collective (`comm` must be the one given at the call;
+    /// every rank must wait). A failure names the path and cause; it leaves the previous
+    /// checkpoint the visible one. Later waits return the same outcome.
+    pub fn wait(&mut self, timeout: Option<Duration>, comm: Option<&Comm>) -> Result<()> {
+        if let Some(s) = &self.settled {
+            return s.as_ref().map(|_| ()).map_err(copy_err);
+        }
+        if self.commit_pending && comm.is_none() {
+            return Err(Error::invalid(
+                "comm",
+                "this save was started with a communicator: its commit runs at wait, on the same communicator",
+            ));
+        }
+        if !self.wait_background(timeout) {
+            return Err(Error::Timeout(format!(
+                "save {:?} into {} is still being written after {:.3} s",
+                self.save_id,
+                self.dir.display(),
+                timeout.unwrap_or_default().as_secs_f64()
+            )));
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let bg = {
+            let (m, _) = &*self.outcome;
+            let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+            g.result
+                .take()
+                .unwrap_or_else(|| Err(Error::Internal("the save's writer left no outcome".into())))
+        };
+        let result = match (self.commit_pending, comm) {
+            (true, Some(c)) => {
+                self.commit_pending = false;
+                commit_collective(c, &self.dir, &self.save_id, self.world_size, bg)
+            }
+            _ => bg,
+        };
+        self.settled = Some(result.as_ref().map(|_| ()).map_err(copy_err));
+        result
+    }
+}
+
+impl Drop for AsyncSave {
+    fn drop(&mut self) {
+        // A held writer (tests) would never finish: let it go before joining.
+        self.snap.hold(false);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,432 @@
+//! The copy-on-write snapshot behind an async save (`async_save.rs`).
+//!
+//! At the call, every parameter whose state the save writes is *pending*: its entries
+//! (the tensors a synchronous save fetches, same keys, dtypes and order) will be read by
+//! the background writer from the optimizer's live state, unless something is about to
+//! change that state first. Every mutation of a parameter's state or memory (the step,
+//! `set_states`, a load, `write_param`) calls `Optimizer::before_write(i)`, which lands
+//! in [`Snapshot::before_write`]: if parameter `i` still has entries the writer has not
+//! taken, the parameter is copied into a staging pool first (its stored state cloned,
+//! plus its elements when an entry reads them: a memcpy on the mutator's path; the
+//! writer encodes the entries from the copy exactly as from the live state); when the
+//! pool is over its budget the mutator waits until the writer has freed enough (or has
+//! read `i` itself). The writer takes a staged copy when there is one and
+//! reads the live state otherwise, so the file holds the state as of the call.
+//!
+//! Granularity: one parameter's state is copied at once (the unit a step writes). A parameter is read by the writer while its slot is `Reading`, and every
+//! mutator of that parameter waits meanwhile; a mutator copying it holds it `Copying`.
+//! The live state is reached through a pointer taken at the call: the optimizer refuses
+//! `add_param` while a save reads it (its parameter table must not move), and replaces
+//! a parameter's state only after `before_write`.
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use super::optim::Source;
+use crate::error::{Error, Result};
+use crate::optim::staging::StagedParam;
+use crate::optim::state::ParamState;
+use crate::optim::Optimizer;
+use crate::tensor::Tensor;
+
+/// The staging pool's budget when the caller gives none (0): 256 MiB. Correctness never
+/// depends on it: a mutation that does not fit waits for the writer instead.
+pub const DEFAULT_STAGING_BUDGET: usize = 256 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Not written by this save, or everything it needs is written or staged.
+    Free,
+    /// Entries left that only the live state holds.
+    Pending,
+    /// The writer is reading the live state.
+    Reading,
+    /// A mutator is copying the live state into the pool.
+    Copying,
+}
+
+/// Counters an async save reports (`fo_save_stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotStats {
+    /// Bytes of state the writer has taken so far (entries as fetched: header excluded).
+    pub bytes_written: u64,
+    /// Bytes of state the save writes in all.
+    pub bytes_total: u64,
+    /// The largest the staging pool has been (bytes copied and not yet written).
+    pub staging_high_water: u64,
+    /// The pool's budget.
+    pub staging_budget: u64,
+    /// Bytes of device-resident state staged to the host at the call (not in the pool).
+    pub device_staged: u64,
+    /// How many parameters were copied into the pool before a mutation.
+    pub copies: u64,
+}
+
+struct Inner {
+    slots: Vec<Slot>,
+    /// Parameter -> its copy and the pool bytes it holds (0: staged at the call).
+    staged: HashMap<usize, (Arc<Copy>, usize)>,
+    /// Entry -> how many more times the writer fetches it.
+    runs_left: Vec<usize>,
+    used: usize,
+    /// The writer no longer reads the optimizer: mutations go ahead freely.
+    released: bool,
+    /// Tests hold the writer before its next fetch (`AsyncSave::hold_writer`).
+    held: bool,
+    stats: SnapshotStats,
+}
+
+/// A parameter as the save needs it, copied before a mutation: its state as stored (a
+/// plain clone: the step's critical path pays a memcpy, not the entries' encoding) and
+/// its elements when an entry reads them (params saved as stored or as masters).
+struct Copy {
+    state: Option<ParamState>,
+    param: Option<Tensor>,
+}
+
+impl Copy {
+    fn nbytes(&self) -> usize {
+        self.state.as_ref().map_or(0, ParamState::nbytes)
+            + self.param.as_ref().map_or(0, |t| t.data.len())
+    }
+}
+
+/// One save's snapshot, shared by the optimizer (its mutators) and the writer thread.
+pub struct Snapshot {
+    inner: Mutex<Inner>,
+    cv: Condvar,
+    budget: usize,
+    /// Entry -> (parameter, source, bytes).
+    entries: Vec<(usize, Source, usize)>,
+    /// Parameter -> its entries.
+    by_param: HashMap<usize, Vec<usize>>,
+}
+
+/// Entry `e` of parameter `sp.i` as a synchronous save fetches it (`optim::Fetcher`).
+pub(super) fn fetch_entry(
+    opt: &Optimizer,
+    sp: &mut StagedParam<'_>,
+    src: &Source,
+) -> Result<Tensor> {
+    match src {
+        Source::State { key, dtype, .. } => opt.get_state_as_staged(sp, key, *dtype),
+        Source::Param(_) => match sp.param.take() {
+            Some(t) => Ok(t),
+            None => opt.param_tensor(sp.i),
+        },
+    }
+}
+
+/// How the writer computes an entry of parameter `i`: from a copy (its state and
+/// elements) or, given None, from the live state.
+pub(super) type ReadEntry<'a> =
+    dyn FnMut(usize, Option<(&ParamState, Option<Tensor>)>, &Source) -> Result<Tensor> + 'a;
+
+/// Whether an entry reads the parameter's elements (not only its state).
+fn reads_param(src: &Source) -> bool {
+    matches!(src, Source::Param(_)) || matches!(src, Source::State { key, .. } if key == "master")
+}
+
+impl Snapshot {
+    /// A snapshot of `srcs` (entry -> source, as planned), whose entries the writer
+    /// fetches `runs[e]` times, with entry sizes `bytes`.
+    pub(super) fn new(
+        num_params: usize,
+        srcs: Vec<Source>,
+        runs: Vec<usize>,
+        bytes: Vec<usize>,
+        budget: usize,
+    ) -> Snapshot {
+        let mut slots = vec![Slot::Free; num_params];
+        let mut by_param: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut entries = Vec::with_capacity(srcs.len());
+        for (e, (src, b)) in srcs.into_iter().zip(bytes).enumerate() {
+            let i = match &src {
+                Source::State { i, .. } | Source::Param(i) => *i,
+            };
+            if runs[e] > 0 {
+                slots[i] = Slot::Pending;
+                by_param.entry(i).or_default().push(e);
+            }
+            entries.push((i, src, b));
+        }
+        let total = entries
+            .iter()
+            .zip(&runs)
+            .map(|((_, _, b), &r)| (b * r) as u64)
+            .sum();
+        let budget = if budget == 0 {
+            DEFAULT_STAGING_BUDGET
+        } else {
+            budget
+        };
+        Snapshot {
+            inner: Mutex::new(Inner {
+                slots,
+                staged: HashMap::new(),
+                runs_left: runs,
+                used: 0,
+                released: false,
+                held: false,
+                stats: SnapshotStats {
+                    bytes_total: total,
+                    staging_budget: budget as u64,
+                    ..Default::default()
+                },
+            }),
+            cv: Condvar::new(),
+            budget,
+            entries,
+            by_param,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves counters only; keep going.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
+        self.cv.wait(g).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Entries of `i` the writer still fetches.
+    fn left_of(&self, g: &Inner, i: usize) -> Vec<usize> {
+        self.by_param.get(&i).map_or(vec![], |es| {
+            es.iter().copied().filter(|e| g.runs_left[*e] > 0).collect()
+        })
+    }
+
+    /// Copies parameter `i` as its remaining entries `es` need it.
+    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize]) -> Result<Copy> {
+        let needs_param = es.iter().any(|&e| reads_param(&self.entries[e].1));
+        Ok(Copy {
+            state: opt.staged_state(i)?.map(std::borrow::Cow::into_owned),
+            param: if needs_param {
+                Some(opt.param_tensor(i)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Copies parameter `i` now, outside the pool (device state at the call: the step's
+    /// kernels would change it where the writer cannot see).
+    pub(super) fn stage_now(&self, opt: &Optimizer, i: usize) -> Result<()> {
+        let es = self.left_of(&self.lock(), i);
+        if es.is_empty() {
+            return Ok(());
+        }
+        let c = self.copy(opt, i, &es)?;
+        let mut g = self.lock();
+        g.stats.device_staged += c.nbytes() as u64;
+        g.staged.insert(i, (Arc::new(c), 0));
+        g.slots[i] = Slot::Free;
+        Ok(())
+    }
+
+    /// Called before anything changes parameter `i`'s state or memory: copies what the
+    /// writer still needs of it into the pool, or waits (see the module doc).
+    pub(crate) fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()> {
+        let mut g = self.lock();
+        let (es, need) = loop {
+            if g.released || i >= g.slots.len() {
+                return Ok(());
+            }
+            match g.slots[i] {
+                Slot::Free => return Ok(()),
+                Slot::Reading | Slot::Copying => g = self.wait(g),
+                Slot::Pending => {
+                    let es = self.left_of(&g, i);
+                    let param = if es.iter().any(|&e| reads_param(&self.entries[e].1)) {
+                        opt.param(i).nbytes()
+                    } else {
+                        0
+                    };
+                    let need = opt.state_bytes(i) + param;
+                    // A copy that does not fit waits: the writer frees the pool as it
+                    // writes copies, or reads this parameter itself (it gets there in order).
+                    if g.used + need <= self.budget {
+                        g.used += need;
+                        g.stats.staging_high_water = g.stats.staging_high_water.max(g.used as u64);
+                        g.slots[i] = Slot::Copying;
+                        break (es, need);
+                    }
+                    g = self.wait(g);
+                }
+            }
+        };
+        drop(g);
+        let copied = self.copy(opt, i, &es);
+        let mut g = self.lock();
+        match copied {
+            Ok(c) if c.nbytes() <= need => {
+                g.used -= need - c.nbytes();
+                let b = c.nbytes();
+                g.staged.insert(i, (Arc::new(c), b));
+                g.slots[i] = Slot::Free;
+                g.stats.copies += 1;
+                self.cv.notify_all();
+                Ok(())
+            }
+            other => {
+                g.used -= need;
+                g.slots[i] = Slot::Pending;
+                self.cv.notify_all();
+                match other {
+                    Err(err) => Err(err),
+                    Ok(c) => Err(Error::Internal(format!(
+                        "async save: parameter {i} copied as {} bytes, {need} reserved",
+                        c.nbytes()
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// The writer's fetch of entry `e`: from the parameter's copy when there is one, else
+    /// from the live state while the parameter is held `Reading`. `read(i, copy, src)`
+    /// computes the entry (`copy` None: from the live state).
+    pub(super) fn take(&self, e: usize, read: &mut ReadEntry<'_>) -> Result<Tensor> {
+        let (i, src, b) = &self.entries[e];
+        let mut g = self.lock();
+        while g.held {
+            g = self.wait(g);
+        }
+        g.stats.bytes_written += *b as u64;
+        if g.runs_left[e] == 0 {
+            return Err(Error::Internal(format!(
+                "async save: entry {e} fetched more often than planned"
+            )));
+        }
+        loop {
+            if let Some((c, _)) = g.staged.get(i) {
+                let c = c.clone();
+                drop(g);
+                let empty = ParamState {
+                    step: 0,
+                    m: None,
+                    v: None,
+                    error_bits: None,
+                    m_valid: false,
+                };
+                let t = read(
+                    *i,
+                    Some((c.state.as_ref().unwrap_or(&empty), c.param.clone())),
+                    src,
+                );
+                drop(c);
+                let mut g = self.lock();
+                g.runs_left[e] -= 1;
+                if self.left_of(&g, *i).is_empty() {
+                    if let Some((_, held)) = g.staged.remove(i) {
+                        g.used -= held;
+                    }
+                    self.cv.notify_all();
+                }
+                return t;
+            }
+            match g.slots[*i] {
+                Slot::Copying => g = self.wait(g),
+                Slot::Pending => break,
+                s => {
+                    return Err(Error::Internal(format!(
+                        "async save: entry {e} is neither staged nor pending ({s:?})"
+                    )))
+                }
+            }
+        }
+        g.slots[*i] = Slot::Reading;
+        drop(g);
+        let t = read(*i, None, src);
+        let mut g = self.lock();
+        g.runs_left[e] -= 1;
+        g.slots[*i] = if self.left_of(&g, *i).is_empty() {
+            Slot::Free
+        } else {
+            Slot::Pending
+        };
+        self.cv.notify_all();
+        t
+    }
+
+    /// The writer is done with the optimizer (finished, or failed): mutators go ahead,
+    /// and the pool is emptied.
+    pub(super) fn release(&self) {
+        let mut g = self.lock();
+        g.released = true;
+        g.staged.clear();
+        g.used = 0;
+        self.cv.notify_all();
+    }
+
+    /// Holds (or lets go of) the writer before its next fetch: for tests that need a
+    /// save to stay in flight.
+    pub(super) fn hold(&self, on: bool) {
+        self.lock().held = on;
+        self.cv.notify_all();
+    }
+
+    /// Whether the writer still reads the optimizer.
+    pub fn is_reading(&self) -> bool {
+        !self.lock().released
+    }
+
+    /// Blocks until the writer no longer reads the optimizer (its drop waits here).
+    pub fn wait_released(&self) {
+        let mut g = self.lock();
+        while !g.released {
+            g = self.wait(g);
+        }
+    }
+
+    pub fn stats(&self) -> SnapshotStats {
+        self.lock().stats
+    }
+}
+
+/// What the writer thread reads the live state through: a detached copy of the
+/// optimizer's tables (groups, parameter views; no state) and a pointer to each planned
+/// parameter's live state, taken at the call.
+pub(super) struct LiveReader {
+    pub(super) view: Optimizer,
+    pub(super) live: Vec<Option<*const ParamState>>,
+}
+
+// SAFETY: the pointers are dereferenced only by the writer, for a parameter held
+// `Reading` in the snapshot, during which every mutator of that parameter waits (see the
+// module doc); the view holds parameter views of caller memory under the same rule.
+unsafe impl Send for LiveReader {}
+
+impl LiveReader {
+    pub(super) fn new(opt: &Optimizer) -> LiveReader {
+        LiveReader {
+            view: opt.detached_view(),
+            live: (0..opt.num_params())
+                .map(|i| opt.params[i].state.as_ref().map(|s| s as *const ParamState))
+                .collect(),
+        }
+    }
+
+    /// Entry `src` of parameter `i`, from `copy` (a staged copy of its state and
+    /// elements) or, when None, from the live state.
+    ///
+    /// # Safety
+    /// With `copy` None, parameter `i` must be held `Reading` by the snapshot.
+    pub(super) unsafe fn read(
+        &self,
+        i: usize,
+        copy: Option<(&ParamState, Option<Tensor>)>,
+        src: &Source,
+    ) -> Result<Tensor> {
+        let (state, param) = match copy {
+            Some((st, param)) => (Some(st), param),
+            None => (self.live[i].map(|p| &*p), None),
+        };
+        let mut sp = StagedParam {
+            i,
+            state: state.map(std::borrow::Cow::Borrowed),
+            param,
+        };
+        fetch_entry(&self.view, &mut sp, src)
+    }
+}

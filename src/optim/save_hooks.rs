@@ -1,0 +1,60 @@
+//! The optimizer's side of an async save (`ckpt::async_save`): the hook every mutation
+//! of a parameter's state or memory calls first, the detached view the save's writer
+//! reads the tables through, and the drop that waits for the writer.
+use std::sync::Arc;
+
+use super::optimizer::{Optimizer, Param};
+use crate::ckpt::snapshot::Snapshot;
+use crate::error::Result;
+
+impl Drop for Optimizer {
+    /// Never frees state a save in flight still reads: waits for its writer to let go.
+    fn drop(&mut self) {
+        if let Some(s) = self.save.take() {
+            s.wait_released();
+        }
+    }
+}
+
+impl Optimizer {
+    /// Called before anything writes parameter `i`'s state or memory: while an async save
+    /// still needs them, they are copied for it first (or this waits for its writer).
+    pub(crate) fn before_write(&self, i: usize) -> Result<()> {
+        match &self.save {
+            Some(s) => s.before_write(self, i),
+            None => Ok(()),
+        }
+    }
+
+    /// The async save still reading this optimizer, if any.
+    pub(crate) fn save_in_flight(&self) -> Option<&Arc<Snapshot>> {
+        self.save.as_ref().filter(|s| s.is_reading())
+    }
+
+    /// A copy of the optimizer's tables (groups, parameter names, views and specs) with
+    /// no state, for an async save's writer: what it reads of the optimizer besides the
+    /// live state, so that nothing the caller's thread changes meanwhile is shared.
+    pub(crate) fn detached_view(&self) -> Optimizer {
+        Optimizer {
+            groups: self.groups.clone(),
+            params: self
+                .params
+                .iter()
+                .map(|p| Param {
+                    fqn: p.fqn.clone(),
+                    tensor: p.tensor.clone(),
+                    spec: p.spec.clone(),
+                    group: p.group,
+                    state: None,
+                    device: p.device,
+                    gpu: None,
+                    mirror: None,
+                })
+                .collect(),
+            ranges: Vec::new(),
+            stream: self.stream,
+            pinned: self.params.iter().map(|_| None).collect(),
+            save: None,
+        }
+    }
+}
