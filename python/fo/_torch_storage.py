@@ -90,6 +90,18 @@ class Storage:
         self._sync()
         ckpt.save(self._fo, directory, rank=rank, world_size=world_size, mode=mode, **kwargs)
 
+    def save_checkpoint_async(self, directory, rank=None, world_size=None, mode="compressed", **kwargs):
+        """`save_checkpoint` in the background (`fo.ckpt.save_async`): returns once a
+        copy-on-write snapshot is registered, with an object whose `wait()` returns when the
+        checkpoint is committed. `step()` goes on meanwhile; the checkpoint holds the state
+        as of this call. Until `wait()`, add no param group."""
+        from . import ckpt
+
+        rank, world_size = _rank_world(rank, world_size)
+        self._flush()
+        self._sync()
+        return ckpt.save_async(self._fo, directory, rank=rank, world_size=world_size, mode=mode, **kwargs)
+
     def load_checkpoint(self, directory, strict=True):
         """Loads a checkpoint written by `save_checkpoint` (or any fo / DCP HuggingFace
         checkpoint of these parameters, resharded) into this optimizer, state and group

@@ -227,7 +227,7 @@ def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: i
     writer). With `comm`, every rank calls this and `wait()` (the commit runs there)."""
     o = SaveOptions(_options(rank, world_size, mode, params, write_unsharded, save_id), int(staging_budget))
     h = _P()
-    check(_save_async(opt._handle, str(directory).encode(), ctypes.byref(o), None if comm is None else comm._h,
+    check(_save_async(opt._handle, os.fsencode(directory), ctypes.byref(o), None if comm is None else comm._h,
                       ctypes.byref(h)))
     return AsyncSave(h, opt, comm)
 

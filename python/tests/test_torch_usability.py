@@ -195,6 +195,23 @@ def test_save_checkpoint_writes_the_compressed_form_in_one_call_and_loads_back(t
     assert params_equal(a, b)  # the compressed state loads back bit for bit
 
 
+
+def test_save_checkpoint_async_equals_a_sync_save_at_the_call_while_training_goes_on(tmp_path):
+    a = make_model()
+    oa = fo.torch.AdamW(a.named_parameters(), lr=1e-2)
+    train(a, oa, 3)
+    oa.save_checkpoint(tmp_path / "sync", save_id="s")
+    pending = oa.save_checkpoint_async(tmp_path / "async", save_id="s", staging_budget=1 << 10)
+    train(a, oa, 2, start=3)  # steps while the save is in flight
+    pending.wait()
+    assert pending.done()
+
+    def files(d):
+        return {f.name: f.read_bytes() for f in sorted(d.iterdir()) if not f.name.startswith(".")}
+
+    assert files(tmp_path / "async") == files(tmp_path / "sync") and files(tmp_path / "sync")
+    fo.ckpt.verify(tmp_path / "async")
+
 # -- 5. fused / foreach / capturable -----------------------------------------------------
 def test_fused_and_foreach_are_accepted_and_capturable_is_refused_saying_what_to_write():
     ps = list(make_model().parameters())
