@@ -2,9 +2,12 @@
 //!
 //! SIGINT, SIGTERM and SIGHUP are blocked in every thread at start (threads inherit the
 //! mask; `std::process::Command` resets it for children) and taken by one thread with
-//! `sigwait`, which runs ordinary code: it removes every registered path, says so on
-//! stderr, then dies of the same signal (a shell sees an interrupted process, not a
-//! failure). Registration and publishing share a lock, so a destination is either still
+//! `sigwait`, which runs ordinary code. Worker threads may still be writing into a
+//! registered path, so removing it while they run can lose the race (a directory made
+//! again after it was removed): the thread forks a one-thread child first, and the
+//! process dies of the same signal at once (a shell sees an interrupted process, not a
+//! failure); the child waits until the process is gone, then removes every registered
+//! path and says so on stderr (a caller reading stderr to its end has waited for it). Registration and publishing share a lock, so a destination is either still
 //! staged (and removed) or already in place (and kept), never half moved. SIGKILL cannot
 //! be caught: the staging names carry the process id, and the next run removes those of
 //! processes that no longer exist (`dst.rs`).
@@ -40,19 +43,27 @@ pub fn install() {
             if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
                 continue;
             }
-            let removed = remove_all();
             let name = match sig {
                 libc::SIGINT => "SIGINT",
                 libc::SIGTERM => "SIGTERM",
                 _ => "SIGHUP",
             };
-            if removed.is_empty() {
-                eprintln!("fo: interrupted ({name})");
-            } else {
-                eprintln!(
-                    "fo: interrupted ({name}); removed the partial output {}",
-                    removed.join(", ")
-                );
+            let paths = take_registered();
+            // SAFETY: getpid/fork. The child runs this thread alone and uses only file
+            // removal (glibc's allocator is fork-safe) and write(2), no lock another
+            // thread may have held at the fork.
+            let parent = unsafe { libc::getpid() };
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                while unsafe { libc::getppid() } == parent {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                report(name, &remove_all(&paths));
+                unsafe { libc::_exit(0) };
+            }
+            if pid < 0 {
+                // No child: remove from here, racing the workers as well as can be.
+                report(name, &remove_all(&paths));
             }
             // SAFETY: restore the default action, unblock here and re-raise: the process
             // ends by this signal, as it would have without fo's handling.
@@ -70,12 +81,18 @@ pub fn install() {
     }
 }
 
-/// Removes the registered paths (the lock stays held: nothing is published after this).
-fn remove_all() -> Vec<String> {
+/// The registered paths; the lock stays held, so nothing is published after this.
+fn take_registered() -> Vec<PathBuf> {
     let reg = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+    let paths = reg.iter().map(|(_, p)| p.clone()).collect();
+    std::mem::forget(reg);
+    paths
+}
+
+/// Removes `paths`, retrying a path some thread is still writing into.
+fn remove_all(paths: &[PathBuf]) -> Vec<String> {
     let mut removed = Vec::new();
-    for (_, p) in reg.iter() {
-        // Worker threads may still be creating files in it: retry until it is gone.
+    for p in paths {
         for _ in 0..50 {
             if remove_path(p) {
                 break;
@@ -83,8 +100,22 @@ fn remove_all() -> Vec<String> {
         }
         removed.push(p.display().to_string());
     }
-    std::mem::forget(reg);
     removed
+}
+
+/// One line on stderr through write(2): no lock of Rust's stderr, which a thread of the
+/// parent may have held at the fork.
+fn report(name: &str, removed: &[String]) {
+    let line = if removed.is_empty() {
+        format!("fo: interrupted ({name})\n")
+    } else {
+        format!(
+            "fo: interrupted ({name}); removed the partial output {}\n",
+            removed.join(", ")
+        )
+    };
+    // SAFETY: a valid buffer of that length; a short or failed write only loses the note.
+    unsafe { libc::write(2, line.as_ptr() as *const libc::c_void, line.len()) };
 }
 
 /// Removes a file or a directory tree; true when nothing is left at `p`.
