@@ -14,7 +14,7 @@ use fo::optim::StateFormat;
 use fo::{DType, ShardSpec};
 
 fn shard(dir: &Path, r: usize) -> PathBuf {
-    dir.join(fo::ckpt::format::shard_file_name(r))
+    dir.join(fo::ckpt::naming::shard_file_name(r))
 }
 
 /// A 2-rank fp32 checkpoint of the test model, and rank 0's optimizer after 2 steps.
@@ -150,11 +150,11 @@ fn directory_mixing_two_saves_is_refused() {
     // One rank of two saved: nothing is committed, the file waits in the staging directory.
     assert!(!shard(&other, 1).exists() && Checkpoint::open(&other).is_err());
     let staged =
-        fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::format::shard_file_name(1));
+        fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::naming::shard_file_name(1));
     std::fs::copy(staged, shard(&dir, 1)).unwrap();
     assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
     // Without the record (fo 0.1.0's directories), the save ids still tell.
-    std::fs::remove_file(dir.join(fo::ckpt::commit::COMMIT_FILE)).unwrap();
+    std::fs::remove_file(dir.join(fo::ckpt::naming::COMMIT_FILE)).unwrap();
     assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
 }
 

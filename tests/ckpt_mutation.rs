@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::commit::COMMIT_FILE;
-use fo::ckpt::format::{encode_header, header_digest, read_header, shard_file_name, DIGEST_KEY};
+use fo::ckpt::format::{encode_header, header_digest, read_header, DIGEST_KEY};
+use fo::ckpt::naming::shard_file_name;
+use fo::ckpt::naming::COMMIT_FILE;
 use fo::ckpt::{save_optimizer, Checkpoint, Mode, SaveOptions};
 use fo::optim::StateFormat;
 use fo::DType;
@@ -106,7 +107,7 @@ fn write(path: &Path, mut p: Parsed, redigest: bool) {
         let rec = path.parent().unwrap().join(COMMIT_FILE);
         let mut c: Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
         let rank =
-            fo::ckpt::format::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap())
+            fo::ckpt::naming::parse_shard_file_name(path.file_name().unwrap().to_str().unwrap())
                 .unwrap();
         c["digests"][rank] = Value::String(d);
         std::fs::write(&rec, c.to_string()).unwrap();

@@ -10,9 +10,8 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::format::{
-    encode_header, header_digest, read_header, shard_file_name, TensorEntry, DIGEST_KEY,
-};
+use fo::ckpt::format::{encode_header, header_digest, read_header, TensorEntry, DIGEST_KEY};
+use fo::ckpt::naming::shard_file_name;
 use fo::ckpt::{
     consolidate, load, save_optimizer, verify, Checkpoint, LoadOptions, Mode, SaveOptions,
 };
@@ -55,10 +54,10 @@ fn rewrite(
         let d = header_digest(&meta, &tensors);
         meta.insert(DIGEST_KEY.into(), d.clone());
         // ... and names the new digest in the commit record too.
-        let rec = path.parent().unwrap().join(fo::ckpt::commit::COMMIT_FILE);
+        let rec = path.parent().unwrap().join(fo::ckpt::naming::COMMIT_FILE);
         if let Ok(b) = std::fs::read(&rec) {
             let mut c: Value = serde_json::from_slice(&b).unwrap();
-            let rank = fo::ckpt::format::parse_shard_file_name(
+            let rank = fo::ckpt::naming::parse_shard_file_name(
                 path.file_name().unwrap().to_str().unwrap(),
             )
             .unwrap();

@@ -20,8 +20,8 @@ from typing import Any, Union
 import numpy as np
 
 from . import _codes as C
-from ._ffi import MAX_DIMS, check, declare
-from .layout import torch_param_group, torch_state_dict
+from ._ffi import MAX_DIMS, FoError, check, declare
+from . import layout
 from .optim import Optimizer, _string, numpy_dtype
 
 PathLike = Union[str, bytes, "os.PathLike[str]"]
@@ -264,3 +264,67 @@ def info(directory: PathLike) -> dict[str, Any]:
     not write), "keys": {key: {"dtype", "shape", "compressed"}}}, a quant8 pair
     `K::quantized` + `K::scales` listed as the one key `K` (dtype "F32", what it decodes to)."""
     return json.loads(_string(_info, os.fsencode(directory)))
+
+
+def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "index", flatten: bool = False,
+                     framework: str = "pt") -> dict[Any, Any]:
+    """The optimizer state of `source` (an `fo.Optimizer`, or an fo checkpoint directory
+    written by `fo.ckpt.save` on any number of ranks) in torch's layout.
+
+    key_by: "index" (torch's `Optimizer.state_dict()`: params numbered group by group, what
+    `optimizer.load_state_dict` takes) or "fqn" (`get_optimizer_state_dict`'s layout, what
+    `set_optimizer_state_dict` takes). flatten=True gives the flattened form
+    (`StateDictOptions(flatten_optimizer_state_dict=True)`; implies FQN keys).
+    framework: "pt" (torch tensors) or "numpy". An optimizer gives its local shards; a
+    checkpoint directory gives full (unsharded) tensors.
+    """
+    layout.check_options(key_by, flatten, framework)
+    if isinstance(source, (str, os.PathLike)):
+        groups, state = _checkpoint_state(source)
+    else:
+        groups, state = layout.optimizer_state(source)
+    return layout.arrange(groups, state, key_by, flatten, framework)
+
+
+def _checkpoint_state(directory):
+    """Every rank's state of an fo checkpoint directory, assembled to full tensors and
+    decoded to float32 by fo's loader (exact: dequantized with the groups it was saved with,
+    whatever the saved sharding), then read back as from an optimizer."""
+    # The library reads the committed save's files (validated) and names its keys: a
+    # compressed pair is listed as its logical key, with the codes' global shape.
+    try:
+        toc = info(directory)
+    except FoError as e:
+        if e.status == C.FO_ERR_NOT_FOUND:
+            raise FileNotFoundError(f"{directory}: no fo checkpoint files ({e.message})") from e
+        raise
+    if toc["mode"] is None:
+        raise ValueError(f"{directory}: not written by fo (no `fo` metadata); torch's own files "
+                         "already load with torch.distributed.checkpoint")
+    groups = toc["param_groups"] or []
+    shapes = {k: tuple(v["shape"]) for k, v in toc["keys"].items()}
+    # A throwaway fp32 optimizer over zero params of the global shapes: loading into it runs
+    # fo's resharding and dequantization, so the numbers are exactly what a load would give.
+    opt = None
+    keep = []
+    for gi, g in enumerate(groups):
+        hp = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
+                                "decouple_lr", "initial_lr") if k in g}
+        alg = g["algorithm"].lower()
+        if opt is None:
+            opt = Optimizer(alg, state_format="fp32", master_weight_bits=0, **hp)
+        else:
+            opt.add_param_group(alg, state_format="fp32", master_weight_bits=0, **hp)
+        for fqn in g["params"]:
+            keys = (layout.state_key(fqn, n) for n in layout.STATE_NAMES[g["algorithm"]] if n != C.STEP)
+            shape = next((shapes[k] for k in keys if k in shapes), None)
+            if shape is None:
+                continue  # never stepped: no state, as in torch
+            w = np.zeros(shape, np.float32)
+            keep.append(w)
+            opt.add_param(fqn, w, group=gi)
+    if opt is None or not keep:
+        return groups, {}
+    load(opt, directory, strict=False, params=False, param_groups=False)
+    _, state = layout.optimizer_state(opt)
+    return groups, state

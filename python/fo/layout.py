@@ -1,8 +1,10 @@
-"""fo optimizer state in torch's nested `Optimizer.state_dict()` layout.
+"""Owns torch's optimizer layout: fo state (from an optimizer, or as `fo.ckpt` reads it from a
+directory) arranged as torch's nested `Optimizer.state_dict()`, by FQN, or flattened.
 
 fo's checkpoint keys are torch's *flattened* names (`state.<fqn>.exp_avg`), which
 `torch.optim.Optimizer.load_state_dict` does not understand: handed such a dict it keys
-nothing by a parameter and raises nothing. `torch_state_dict` builds what torch loads:
+nothing by a parameter and raises nothing. `fo.ckpt.torch_state_dict` builds what torch
+loads (this module arranges it; it reads nothing itself):
 
     {"state": {0: {"step", "exp_avg", "exp_avg_sq"}, 1: {"momentum_buffer"}, ...},
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize",
@@ -17,10 +19,11 @@ Compressed state (quant8, bf16/fp16 `param_dtype`) is decoded to float32; fo's e
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
+
+from . import _codes as N
 
 # Hyper-parameters torch's optimizers keep in every param group besides the ones fo stores.
 # Without all of them, `set_optimizer_state_dict(flatten_optimizer_state_dict=True)` fails
@@ -30,8 +33,9 @@ _ADAM_FLAGS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable
 _SGD_FLAGS = {"maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
 # torch's state names per fo algorithm (as fo's param_groups spell it), in torch's order.
-_STATE_NAMES = {"AdamW": ("step", "exp_avg", "exp_avg_sq"), "Adam": ("step", "exp_avg", "exp_avg_sq"),
-                "SGD": ("momentum_buffer",), "SGDW": ("momentum_buffer",), "Lion": ("exp_avg",)}
+_ADAM_STATE = (N.STEP, N.EXP_AVG, N.EXP_AVG_SQ)
+STATE_NAMES = {"AdamW": _ADAM_STATE, "Adam": _ADAM_STATE, "SGD": (N.MOMENTUM_BUFFER,),
+               "SGDW": (N.MOMENTUM_BUFFER,), "Lion": (N.EXP_AVG,)}
 
 
 def torch_param_group(group: dict[str, Any]) -> dict[str, Any]:
@@ -58,95 +62,38 @@ def torch_param_group(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _optimizer_state(opt):
-    """{fqn: {torch name: float32 array}} for every parameter of `opt` that has state."""
+def state_key(fqn: str, name: str) -> str:
+    """The flattened key of state `name` of parameter `fqn` (`state.<fqn>.<name>`)."""
+    return f"{N.STATE_PREFIX}{fqn}.{name}"
+
+
+def optimizer_state(opt):
+    """(param_groups, {fqn: {torch name: float32 array}}) for every parameter of `opt` (an
+    `fo.Optimizer`) that has state."""
     groups = opt.param_groups
     alg_of = {fqn: g["algorithm"] for g in groups for fqn in g["params"]}
     out = {}
     for i, fqn in enumerate(opt.fqns):
-        held = {k.split("::")[0] for k in opt.state_keys(i)}
-        names = [n for n in _STATE_NAMES[alg_of[fqn]] if n in held]
+        held = {k.split(N.PART_SEPARATOR)[0] for k in opt.state_keys(i)}
+        names = [n for n in STATE_NAMES[alg_of[fqn]] if n in held]
         if names:
             out[fqn] = {n: opt.get_state(i, n, dtype=np.float32) for n in names}
     return groups, out
 
 
-def _checkpoint_state(directory):
-    """Every rank's state of an fo checkpoint directory, assembled to full tensors and
-    decoded to float32 by fo's loader (exact: dequantized with the groups it was saved with,
-    whatever the saved sharding), then read back as from an optimizer."""
-    from . import ckpt
-    from ._codes import FO_ERR_NOT_FOUND
-    from ._ffi import FoError
-    from .optim import Optimizer
-
-    # The library reads the committed save's files (validated) and names its keys: a
-    # compressed pair is listed as its logical key, with the codes' global shape.
-    try:
-        toc = ckpt.info(directory)
-    except FoError as e:
-        if e.status == FO_ERR_NOT_FOUND:
-            raise FileNotFoundError(f"{directory}: no fo checkpoint files ({e.message})") from e
-        raise
-    if toc["mode"] is None:
-        raise ValueError(f"{directory}: not written by fo (no `fo` metadata); torch's own files "
-                         "already load with torch.distributed.checkpoint")
-    groups = toc["param_groups"] or []
-    shapes = {k: tuple(v["shape"]) for k, v in toc["keys"].items()}
-    # A throwaway fp32 optimizer over zero params of the global shapes: loading into it runs
-    # fo's resharding and dequantization, so the numbers are exactly what a load would give.
-    opt = None
-    keep = []
-    for gi, g in enumerate(groups):
-        hp = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
-                                "decouple_lr", "initial_lr") if k in g}
-        alg = g["algorithm"].lower()
-        if opt is None:
-            opt = Optimizer(alg, state_format="fp32", master_weight_bits=0, **hp)
-        else:
-            opt.add_param_group(alg, state_format="fp32", master_weight_bits=0, **hp)
-        for fqn in g["params"]:
-            shape = next((shapes[k] for k in _shape_keys(fqn, g["algorithm"]) if k in shapes), None)
-            if shape is None:
-                continue  # never stepped: no state, as in torch
-            w = np.zeros(shape, np.float32)
-            keep.append(w)
-            opt.add_param(fqn, w, group=gi)
-    if opt is None or not keep:
-        return groups, {}
-    ckpt.load(opt, directory, strict=False, params=False, param_groups=False)
-    _, state = _optimizer_state(opt)
-    return groups, state
-
-
-def _shape_keys(fqn, alg):
-    for name in _STATE_NAMES[alg]:
-        if name != "step":
-            yield f"state.{fqn}.{name}"
-
-
-def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "index", flatten: bool = False,
-                     framework: str = "pt") -> dict[Any, Any]:
-    """The optimizer state of `source` (an `fo.Optimizer`, or an fo checkpoint directory
-    written by `fo.ckpt.save` on any number of ranks) in torch's layout.
-
-    key_by: "index" (torch's `Optimizer.state_dict()`: params numbered group by group, what
-    `optimizer.load_state_dict` takes) or "fqn" (`get_optimizer_state_dict`'s layout, what
-    `set_optimizer_state_dict` takes). flatten=True gives the flattened form
-    (`StateDictOptions(flatten_optimizer_state_dict=True)`; implies FQN keys).
-    framework: "pt" (torch tensors) or "numpy". An optimizer gives its local shards; a
-    checkpoint directory gives full (unsharded) tensors.
-    """
+def check_options(key_by: str, flatten: bool, framework: str) -> str:
+    """The key_by that `arrange` uses (flatten implies FQN keys); ValueError on a bad option."""
     if key_by not in ("index", "fqn"):
         raise ValueError(f"key_by must be 'index' or 'fqn', got {key_by!r}")
     if framework not in ("pt", "numpy"):
         raise ValueError(f"framework must be 'pt' or 'numpy', got {framework!r}")
-    if flatten and key_by == "index":
-        key_by = "fqn"
-    if isinstance(source, (str, os.PathLike)):
-        groups, state = _checkpoint_state(source)
-    else:
-        groups, state = _optimizer_state(source)
+    return "fqn" if flatten else key_by
+
+
+def arrange(groups, state, key_by: str = "index", flatten: bool = False, framework: str = "pt") -> dict[Any, Any]:
+    """fo's param groups and {fqn: {name: float32 array}} in torch's layout (see
+    `fo.ckpt.torch_state_dict` for the options)."""
+    key_by = check_options(key_by, flatten, framework)
     if framework == "pt":
         import torch
         # np.ascontiguousarray makes a 0-dim array 1-dim: reshape keeps `step` 0-dim, as torch's
@@ -160,7 +107,7 @@ def torch_state_dict(source: Union[Any, str, os.PathLike[str]], key_by: str = "i
         state = {index[f]: s for f, s in state.items()}
     if not flatten:
         return {"state": state, "param_groups": torch_groups}
-    flat = {f"state.{fqn}.{n}": v for fqn, s in state.items() for n, v in s.items()}
+    flat = {state_key(fqn, n): v for fqn, s in state.items() for n, v in s.items()}
     for g in torch_groups:
         for fqn in g["params"]:
             flat.update({f"param_groups.{fqn}.{k}": v for k, v in g.items() if k != "params"})

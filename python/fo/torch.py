@@ -24,6 +24,7 @@ import ctypes
 
 import torch
 
+from . import _codes as _names
 from . import _torch_compile as _compile
 from . import optim as _optim
 from ._ffi import check, tensor_array
@@ -230,10 +231,10 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
         native = self._fo.state_keys(i)
         out = {}
         for key in PORTABLE:
-            if key in native or key + "::quantized" in native:
+            if key in native or key + _names.CODES_SUFFIX in native:
                 out[key] = self._get(i, key, p)
-        if "error_bits" in native:
-            out["master"] = self._get(i, "master", p)
+        if _names.ERROR_BITS in native:
+            out[_names.MASTER] = self._get(i, _names.MASTER, p)
         if not local_only:
             out = {k: (v if k == "step" else like_param(v, p)) for k, v in out.items()}
         return out

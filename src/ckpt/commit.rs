@@ -19,14 +19,12 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::checksum::xxh64;
-use super::format::{
-    parse_part_file_name, parse_shard_file_name, part_file_name, read_header, shard_file_name,
-    DIGEST_KEY,
+use super::format::{read_header, DIGEST_KEY};
+use super::naming::{
+    parse_part_file_name, parse_shard_file_name, part_file_name, shard_file_name, tmp_prefix,
+    COMMIT_FILE, COMMIT_STAGE_PREFIX as STAGE_PREFIX,
 };
 use crate::error::{Error, Result};
-
-/// The commit record's file name.
-pub const COMMIT_FILE: &str = "fo-commit.json";
 
 /// `fo-commit.json`: which save is the checkpoint, and each rank file's header digest.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -61,8 +59,6 @@ fn one() -> usize {
     1
 }
 
-const STAGE_PREFIX: &str = ".fo-stage-";
-
 /// The staging directory of save `save_id` (hashed: ids may hold any characters).
 pub fn stage_dir(dir: &Path, save_id: &str) -> PathBuf {
     dir.join(format!("{STAGE_PREFIX}{:016x}", xxh64(save_id.as_bytes())))
@@ -80,7 +76,8 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(
-        ".{name}.tmp-{}-{:?}",
+        "{}{}-{:?}",
+        tmp_prefix(name),
         std::process::id(),
         std::thread::current().id()
     ));
@@ -246,7 +243,8 @@ pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> 
 fn publish_commit(dir: &Path, commit: &Commit) -> Result<()> {
     let path = dir.join(COMMIT_FILE);
     let tmp = dir.join(format!(
-        ".{COMMIT_FILE}.tmp-{}-{:?}",
+        "{}{}-{:?}",
+        tmp_prefix(COMMIT_FILE),
         std::process::id(),
         std::thread::current().id()
     ));
@@ -405,7 +403,7 @@ mod tests {
         let left: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .filter(|n| n.contains(".tmp-"))
+            .filter(|n| n.contains(super::super::naming::TMP_MARKER))
             .collect();
         assert!(left.is_empty(), "temporary record left: {left:?}");
         std::fs::remove_dir_all(&dir).unwrap();

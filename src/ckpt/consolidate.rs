@@ -8,7 +8,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::format::{encode_header, TensorEntry};
-use super::pack::num_groups;
 use super::reader::Checkpoint;
 use super::writer::write_atomic;
 use crate::dtype::DType;
@@ -16,8 +15,7 @@ use crate::error::{Error, Result};
 use crate::shard::ShardSpec;
 use crate::tensor::Tensor;
 
-pub const CONSOLIDATED_FILE: &str = "model-00001-of-00001.safetensors";
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+use super::naming::{codes_key, num_groups, split_part, Part, CONSOLIDATED_FILE, INDEX_FILE};
 
 /// What was written.
 #[derive(Debug, Clone)]
@@ -31,10 +29,9 @@ pub struct Consolidated {
     pub requantized: Vec<String>,
 }
 
-/// The base of a compressed pair key (`state.w.exp_avg::quantized` -> `state.w.exp_avg`).
-fn pair_base(key: &str) -> Option<&str> {
-    key.strip_suffix("::quantized")
-        .or_else(|| key.strip_suffix("::scales"))
+/// The base and part of a key of a compressed pair that `ck` holds whole.
+fn pair_of<'a>(ck: &Checkpoint, key: &'a str) -> Option<(&'a str, Part)> {
+    split_part(key).filter(|(b, _)| ck.is_compressed(b))
 }
 
 /// Consolidates checkpoint `dir` into `out`. `progress(done_bytes, total_bytes)` is
@@ -48,23 +45,16 @@ pub fn consolidate(
     let mut entries = Vec::new();
     let mut at = 0u64;
     for (key, info) in &ck.keys {
-        let shape = match pair_base(key) {
-            Some(base) if ck.is_compressed(base) && key.ends_with("::scales") => {
-                vec![num_groups(
-                    ck.key(&format!("{base}::quantized"))?
-                        .global_shape
-                        .iter()
-                        .product(),
-                )]
+        let (shape, dtype) = match pair_of(&ck, key) {
+            Some((base, Part::Scales)) => {
+                let codes = ck.key(&codes_key(base))?;
+                (
+                    vec![num_groups(codes.global_shape.iter().product())],
+                    DType::F16,
+                )
             }
-            _ => info.global_shape.clone(),
+            _ => (info.global_shape.clone(), info.dtype),
         };
-        let dtype =
-            if key.ends_with("::scales") && pair_base(key).is_some_and(|b| ck.is_compressed(b)) {
-                DType::F16
-            } else {
-                info.dtype
-            };
         let n = (shape.iter().product::<usize>() * dtype.size()) as u64;
         entries.push(TensorEntry {
             name: key.clone(),
@@ -87,10 +77,10 @@ pub fn consolidate(
     let mut requantized = Vec::new();
     write_atomic(&file, &head, &mut |f| {
         for e in &entries {
-            let t = match pair_base(&e.name).filter(|b| ck.is_compressed(b)) {
-                Some(base) => {
+            let t = match pair_of(&ck, &e.name) {
+                Some((base, part)) => {
                     if pair_cache.as_ref().map(|(b, _)| b.as_str()) != Some(base) {
-                        let codes = ck.key(&format!("{base}::quantized"))?;
+                        let codes = ck.key(&codes_key(base))?;
                         let spec = ShardSpec::unsharded(codes.global_shape.clone())?;
                         let q = ck.read_quant8(base, &spec, codes.dtype == DType::I8)?;
                         if !q.exact {
@@ -99,7 +89,7 @@ pub fn consolidate(
                         pair_cache = Some((base.to_string(), q));
                     }
                     let q = &pair_cache.as_ref().unwrap().1;
-                    if e.name.ends_with("::quantized") {
+                    if part == Part::Codes {
                         q.codes.clone()
                     } else {
                         q.scales.clone()

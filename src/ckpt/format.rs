@@ -27,53 +27,6 @@ pub const FORMAT_VERSION: u32 = 2;
 /// The `__metadata__` entry holding [`header_digest`].
 pub const DIGEST_KEY: &str = "fo_digest";
 
-/// The file rank `rank` (0-based) writes, named as PyTorch's HuggingFace writer names it.
-pub fn shard_file_name(rank: usize) -> String {
-    format!("shard-{:05}-model-00001-of-00001.safetensors", rank + 1)
-}
-
-/// The 0-based rank of a shard file name, or None for any other name.
-pub fn parse_shard_file_name(name: &str) -> Option<usize> {
-    let n = name
-        .strip_prefix("shard-")?
-        .strip_suffix("-model-00001-of-00001.safetensors")?;
-    if n.len() != 5 || !n.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    n.parse::<usize>().ok()?.checked_sub(1)
-}
-
-/// The file holding part `j` (of `num_parts`) of rank `rank`'s state. Part 0 is the rank
-/// file ([`shard_file_name`]); a rank whose strided shard of some key is several boxes
-/// stores box `j` in part `j`, named like a file of torch's HuggingFace writer, so every
-/// file holds a key at most once and torch's reader sees the boxes as chunks of one key.
-pub fn part_file_name(rank: usize, j: usize, num_parts: usize) -> String {
-    if j == 0 {
-        shard_file_name(rank)
-    } else {
-        format!(
-            "shard-{:05}-model-{:05}-of-{:05}.safetensors",
-            rank + 1,
-            j + 1,
-            num_parts
-        )
-    }
-}
-
-/// `(rank, j, num_parts)` of an extra part file name (`j >= 1`), or None for any other name.
-pub fn parse_part_file_name(name: &str) -> Option<(usize, usize, usize)> {
-    let rest = name.strip_prefix("shard-")?.strip_suffix(".safetensors")?;
-    let num = |s: &str| {
-        (s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| s.parse::<usize>().ok())
-            .flatten()
-    };
-    let (r, rest) = rest.split_once("-model-")?;
-    let (j, n) = rest.split_once("-of-")?;
-    let (r, j, n) = (num(r)?.checked_sub(1)?, num(j)?.checked_sub(1)?, num(n)?);
-    (j >= 1 && j < n).then_some((r, j, n))
-}
-
 /// fo's per-file metadata, stored as a JSON string under `__metadata__["fo"]`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct FoMeta {
@@ -375,31 +328,6 @@ pub fn parse_sharding_info(path: &Path, s: &str) -> Result<BTreeMap<String, Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shard_file_names_round_trip() {
-        assert_eq!(
-            shard_file_name(0),
-            "shard-00001-model-00001-of-00001.safetensors"
-        );
-        assert_eq!(part_file_name(0, 0, 3), shard_file_name(0));
-        assert_eq!(
-            part_file_name(1, 2, 3),
-            "shard-00002-model-00003-of-00003.safetensors"
-        );
-        assert_eq!(
-            parse_part_file_name(&part_file_name(1, 2, 3)),
-            Some((1, 2, 3))
-        );
-        assert_eq!(parse_part_file_name(&shard_file_name(1)), None);
-        assert_eq!(parse_shard_file_name(&part_file_name(1, 2, 3)), None);
-        assert_eq!(parse_shard_file_name(&shard_file_name(41)), Some(41));
-        assert_eq!(parse_shard_file_name("model.safetensors"), None);
-        assert_eq!(
-            parse_shard_file_name("shard-00000-model-00001-of-00001.safetensors"),
-            None
-        );
-    }
 
     #[test]
     fn header_is_padded_to_eight_bytes_and_parses_back() {

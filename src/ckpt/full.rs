@@ -8,8 +8,11 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::consolidate::CONSOLIDATED_FILE;
-use super::format::{parse_part_file_name, parse_shard_file_name, read_header, FoKey};
+use super::format::{read_header, FoKey};
+use super::naming::{
+    codes_key, parse_part_file_name, parse_shard_file_name, scales_key, split_part, Part,
+    COMMIT_FILE, CONSOLIDATED_FILE,
+};
 use super::reader::{Checkpoint, KeyInfo, SavedChunk};
 use crate::error::{Error, Result};
 
@@ -39,9 +42,9 @@ pub fn single_file(path: &Path) -> Result<Option<PathBuf>> {
         .map_err(|e| Error::io(path, e))?
         .filter_map(|e| e.ok())
         .any(|e| {
-            e.file_name().to_str().is_some_and(|n| {
-                parse_shard_file_name(n).is_some() || n == super::commit::COMMIT_FILE
-            })
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| parse_shard_file_name(n).is_some() || n == COMMIT_FILE)
         });
     Ok((!sharded).then_some(full))
 }
@@ -64,14 +67,9 @@ pub(super) fn keys(path: &Path, file: &File) -> Result<BTreeMap<String, KeyInfo>
             placements: vec!["R".into()],
             group_scales_of: scales_of,
         };
-        let fo = match (
-            t.name.strip_suffix("::quantized"),
-            t.name.strip_suffix("::scales"),
-        ) {
-            (Some(b), _) if has(&format!("{b}::scales")) => Some(unsharded(None)),
-            (_, Some(b)) if has(&format!("{b}::quantized")) => {
-                Some(unsharded(Some(format!("{b}::quantized"))))
-            }
+        let fo = match split_part(&t.name) {
+            Some((b, Part::Codes)) if has(&scales_key(b)) => Some(unsharded(None)),
+            Some((b, Part::Scales)) if has(&codes_key(b)) => Some(unsharded(Some(codes_key(b)))),
             _ => None,
         };
         let numel: usize = t.shape.iter().product();

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use super::quant::{codes_key, scales_key};
+use super::naming::{codes_key, scales_key, split_part};
 use super::reader::Checkpoint;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -29,10 +29,7 @@ pub fn logical_keys(
 ) -> BTreeMap<String, LogicalKey> {
     let mut out = BTreeMap::new();
     for (key, dtype, shape) in raw {
-        let base = key
-            .strip_suffix("::quantized")
-            .or_else(|| key.strip_suffix("::scales"));
-        match base {
+        match split_part(&key).map(|(b, _)| b) {
             Some(b) if has(&codes_key(b)) && has(&scales_key(b)) => {
                 if key == codes_key(b) {
                     let k = LogicalKey {

@@ -35,6 +35,7 @@ pub mod consolidate;
 pub mod format;
 pub mod full;
 pub mod info;
+pub mod naming;
 pub mod optim;
 pub mod pack;
 pub mod quant;

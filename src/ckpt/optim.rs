@@ -6,8 +6,11 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::naming::{
+    self, codes_key, num_groups, part_key, scales_key, split_state_name, state_key, Part,
+    ERROR_BITS, EXP_AVG_SQ, MASTER, STEP,
+};
 use super::pack::{EntryMeta, Layout, PackOptions, Packed};
-use super::quant::{codes_key, scales_key};
 use super::reader::Checkpoint;
 use super::writer::{finish, resolve_save_id, stage_rank_file};
 use crate::dtype::DType;
@@ -105,7 +108,7 @@ pub(super) fn plan_entries(
             Some(ParamsAs::Master) => {
                 let src = Source::State {
                     i,
-                    key: "master".into(),
+                    key: MASTER.into(),
                     dtype: DType::F32,
                 };
                 push(
@@ -122,26 +125,24 @@ pub(super) fn plan_entries(
         let keys = opt.state_keys(i);
         let mut done = BTreeSet::new();
         for k in &keys {
-            let (name, raw) = k
-                .split_once("::")
-                .map_or((k.as_str(), None), |(n, r)| (n, Some(r)));
-            let full = |n: &str| format!("state.{fqn}.{n}");
+            let (name, raw) = split_state_name(k);
+            let full = |n: &str| state_key(fqn, n);
             let st = |key: &str, dtype| Source::State {
                 i,
                 key: key.into(),
                 dtype,
             };
-            let wide_v = name == "exp_avg_sq" && cfg.state_format == StateFormat::Quant8Wide;
+            let wide_v = name == EXP_AVG_SQ && cfg.state_format == StateFormat::Quant8Wide;
             match (name, raw) {
-                ("step", _) => push(
-                    full("step"),
+                (STEP, _) => push(
+                    full(STEP),
                     DType::F32,
                     vec![],
                     None,
                     Layout::Elementwise,
-                    st("step", DType::F32),
+                    st(STEP, DType::F32),
                 ),
-                ("error_bits", _) => {
+                (ERROR_BITS, _) => {
                     let d = if cfg.master_weight_bits == 32 {
                         DType::I16
                     } else {
@@ -168,8 +169,8 @@ pub(super) fn plan_entries(
                         );
                     }
                 }
-                (_, Some("quantized")) => {
-                    let d = if name == "exp_avg_sq" {
+                (_, Some(naming::CODES_PART)) => {
+                    let d = if name == EXP_AVG_SQ {
                         DType::U8
                     } else {
                         DType::I8
@@ -184,8 +185,8 @@ pub(super) fn plan_entries(
                     )
                 }
                 (_, Some(_)) => {
-                    let g = crate::optim::quant8::num_groups(p.numel());
-                    let of = full(&format!("{name}::quantized"));
+                    let g = num_groups(p.numel());
+                    let of = full(&codes_key(name));
                     push(
                         full(k),
                         DType::F16,
@@ -349,7 +350,7 @@ const RAW_PARAM: &str = "\0param";
 
 /// The base name of a saved state key (`exp_avg::scales` -> `exp_avg`).
 fn base(name: &str) -> &str {
-    name.split_once("::").map_or(name, |(b, _)| b)
+    split_state_name(name).0
 }
 
 /// Loads checkpoint `dir` into `opt`, resharding to each param's spec. Everything is
@@ -362,7 +363,7 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
     let mut staged: Vec<(usize, Vec<(String, Tensor)>)> = Vec::new();
     // A rank whose shard of a param is empty takes nothing but expects nothing either.
     for i in (0..opt.num_params()).filter(|&i| opt.param(i).numel() == 0) {
-        let prefix = format!("state.{}.", opt.param_fqn(i));
+        let prefix = state_key(opt.param_fqn(i), "");
         taken.extend(ck.keys.keys().filter(|k| k.starts_with(&prefix)).cloned());
     }
     for i in packed_params(opt) {
@@ -373,7 +374,7 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
             None => ShardSpec::unsharded(p.shape().to_vec())?,
         };
         let cfg = opt.group_config(opt.param_group(i)).clone();
-        let prefix = format!("state.{fqn}.");
+        let prefix = state_key(&fqn, "");
         let saved: BTreeSet<String> = ck
             .keys
             .keys()
@@ -393,26 +394,26 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
             let key = format!("{prefix}{name}");
             let has_bits =
                 cfg.master_weight_bits != 0 && matches!(p.dtype(), DType::BF16 | DType::F16);
-            if name == "error_bits" && !has_bits {
+            if name == ERROR_BITS && !has_bits {
                 continue; // no master split here: reported as unexpected below
             }
             for k in [key.clone(), codes_key(&key), scales_key(&key)] {
                 taken.insert(k);
             }
             let quantized = cfg.state_format == StateFormat::Quant8
-                || (cfg.state_format == StateFormat::Quant8Wide && name != "exp_avg_sq");
-            let moment = matches!(name.as_str(), "exp_avg" | "exp_avg_sq" | "momentum_buffer");
-            if moment && quantized && ck.is_compressed(&key) {
-                let q = ck.read_quant8(&key, &dest, name != "exp_avg_sq")?;
+                || (cfg.state_format == StateFormat::Quant8Wide && name != EXP_AVG_SQ);
+            let signed = naming::moment_signed(name);
+            if let (Some(signed), true) = (signed, quantized && ck.is_compressed(&key)) {
+                let q = ck.read_quant8(&key, &dest, signed)?;
                 if !q.exact {
                     report.requantized.push(key.clone());
                 }
-                entries.push((format!("{name}::quantized"), q.codes));
-                entries.push((format!("{name}::scales"), q.scales));
-            } else if moment {
+                entries.push((part_key(name, Part::Codes), q.codes));
+                entries.push((part_key(name, Part::Scales), q.scales));
+            } else if signed.is_some() {
                 let v = ck.read_f32(&key, &dest)?;
                 entries.push((name.clone(), Tensor::from_f32(dest.local_shape(), &v)?));
-            } else if name == "step" {
+            } else if name == STEP {
                 entries.push((name.clone(), ck.read_full(&key)?));
             } else {
                 entries.push((name.clone(), ck.read(&key, &dest)?));
@@ -430,7 +431,7 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
                 let v = t
                     .to_f32()
                     .map_err(|e| Error::Dtype(format!("key {fqn}: {e}")))?;
-                entries.push(("master".into(), Tensor::from_f32(dest.local_shape(), &v)?));
+                entries.push((MASTER.into(), Tensor::from_f32(dest.local_shape(), &v)?));
             }
             report.loaded.push(fqn.clone());
         }

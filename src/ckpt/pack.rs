@@ -6,14 +6,11 @@ use std::collections::{BTreeMap, HashSet};
 use serde_json::Value;
 
 use super::format::FoKey;
+use super::naming::num_groups;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{mesh_coords, Placement, ShardSpec};
 use crate::tensor::{contiguous_strides, Tensor};
-
-/// Elements per quant8 group (FlashOptim): one fp16 scale per 32 consecutive elements of
-/// a rank's flattened local tensor.
-pub const GROUP: usize = 32;
 
 /// How an entry's local tensor relates to its global tensor.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,11 +156,6 @@ pub fn owner_coords(spec: &ShardSpec) -> Vec<ShardSpec> {
         .map(|c| spec.at_coord(c).unwrap())
         .filter(is_owner)
         .collect()
-}
-
-/// quant8 groups of a local tensor of `numel` elements.
-pub fn num_groups(numel: usize) -> usize {
-    numel.div_ceil(GROUP)
 }
 
 /// Where the owner at `spec`'s coordinate puts its scales in the 1-D scales tensor, and

@@ -11,7 +11,8 @@
 //! - variance (unsigned sqrt):  |sqrt(v') - sqrt(v)| <= a' * (1/510 + 2^-10)
 //!   (half a code step of the decode map, whose slope is at most 2 for softsign and 1
 //!   for sqrt, plus the fp16 rounding of the new scale). `tests/ckpt_quant.rs` checks it.
-use super::pack::{num_groups, owner_coords, GROUP};
+use super::naming::{codes_key, num_groups, scales_key, GROUP};
+use super::pack::owner_coords;
 use super::reader::{Checkpoint, KeyInfo};
 use super::reshard::{overlap_runs, BoxIn};
 use crate::dtype::DType;
@@ -29,14 +30,6 @@ pub struct Quant8 {
     pub scales: Tensor,
     /// True when copied bit for bit (same layout), false when requantized.
     pub exact: bool,
-}
-
-pub fn codes_key(base: &str) -> String {
-    format!("{base}::quantized")
-}
-
-pub fn scales_key(base: &str) -> String {
-    format!("{base}::scales")
 }
 
 impl Checkpoint {
@@ -183,7 +176,7 @@ impl Checkpoint {
         }
         let x = self.read_f32(base, dest)?;
         let shape = dest.local_shape();
-        let g = quant8::num_groups(x.len());
+        let g = num_groups(x.len());
         let mut codes = vec![0u8; x.len()];
         let mut scales = vec![half::f16::ZERO; g];
         if signed {

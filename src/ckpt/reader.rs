@@ -6,11 +6,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_sum, chunk_binding};
-use super::commit::{committed_file, committed_files, read_commit, Commit, COMMIT_FILE};
-use super::format::{
-    parse_shard_file_name, parse_sharding_info, part_file_name, read_header, shard_file_name,
-    FoKey, FoMeta,
-};
+use super::commit::{committed_file, committed_files, read_commit, Commit};
+use super::format::{parse_sharding_info, read_header, FoKey, FoMeta};
+use super::naming::{parse_shard_file_name, part_file_name, shard_file_name, COMMIT_FILE};
 use super::reshard::{overlap_runs, BoxIn, Run};
 use super::validate;
 use crate::dtype::DType;

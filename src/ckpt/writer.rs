@@ -17,9 +17,10 @@ use std::path::{Path, PathBuf};
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
 use super::commit::{clear_marker, finish_rank, stage_dir, sync_dir};
 use super::format::{
-    encode_header, header_digest, part_file_name, sharding_info, FoMeta, FoTensor, TensorEntry,
-    DIGEST_KEY, FORMAT_VERSION,
+    encode_header, header_digest, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
+    FORMAT_VERSION,
 };
+use super::naming::{part_file_name, tmp_prefix};
 use super::pack::{chunk_bytes, ChunkMeta, EntryMeta, PackOptions, Packed, Plan};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -217,7 +218,7 @@ pub fn stage_rank_file<'t>(
         let name = part_file_name(opts.rank, j, num_parts);
         remove_stale_temps(&stage, &name)?;
         let staged = Staged {
-            tmp: stage.join(format!(".{name}.tmp-{}", std::process::id())),
+            tmp: stage.join(format!("{}{}", tmp_prefix(&name), std::process::id())),
             dest: stage.join(&name),
             digest: String::new(),
             rank: opts.rank,
@@ -324,7 +325,7 @@ fn layout(chunks: &[&ChunkMeta]) -> Vec<TensorEntry> {
 /// Removes temporary files a killed writer of the same file left behind (one writer per
 /// rank file at a time, so any such file is dead).
 fn remove_stale_temps(dir: &Path, name: &str) -> Result<()> {
-    let prefix = format!(".{name}.tmp-");
+    let prefix = tmp_prefix(name);
     for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let p = e.map_err(|e| Error::io(dir, e))?.path();
         if p.file_name()
@@ -450,7 +451,7 @@ pub fn write_atomic(
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let staged = Staged {
-        tmp: dir.join(format!(".{name}.tmp-{}", std::process::id())),
+        tmp: dir.join(format!("{}{}", tmp_prefix(name), std::process::id())),
         dest: path.to_path_buf(),
         digest: String::new(),
         rank: 0,

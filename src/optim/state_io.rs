@@ -10,6 +10,10 @@ use super::optimizer::Optimizer;
 use super::quant8;
 use super::staging::StagedParam;
 use super::state::{ErrorBits, Moment, ParamState};
+use crate::ckpt::naming::{
+    self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
+    SCALES_PART, STEP,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -17,9 +21,9 @@ use crate::tensor::Tensor;
 /// The name of the momentum-like state of an algorithm.
 fn m_name(a: Algorithm) -> &'static str {
     if a.is_sgd() {
-        "momentum_buffer"
+        MOMENTUM_BUFFER
     } else {
-        "exp_avg"
+        EXP_AVG
     }
 }
 
@@ -27,8 +31,8 @@ fn moment_keys(name: &str, m: &Moment, out: &mut Vec<String>) {
     match m {
         Moment::F32(_) | Moment::Half(..) => out.push(name.to_string()),
         Moment::Signed { .. } | Moment::Unsigned { .. } => {
-            out.push(format!("{name}::quantized"));
-            out.push(format!("{name}::scales"));
+            out.push(naming::codes_key(name));
+            out.push(naming::scales_key(name));
         }
     }
 }
@@ -73,16 +77,16 @@ impl Optimizer {
         let a = self.groups[p.group].algorithm;
         let mut out = Vec::new();
         if a.is_adam() {
-            out.push("step".to_string());
+            out.push(STEP.to_string());
         }
         if let Some(m) = &st.m {
             moment_keys(m_name(a), m, &mut out);
         }
         if let Some(v) = &st.v {
-            moment_keys("exp_avg_sq", v, &mut out);
+            moment_keys(EXP_AVG_SQ, v, &mut out);
         }
         if st.error_bits.is_some() {
-            out.push("error_bits".to_string());
+            out.push(ERROR_BITS.to_string());
         }
         out
     }
@@ -135,7 +139,7 @@ impl Optimizer {
         let i = sp.i;
         let p = &self.params[i];
         let shape = p.tensor.shape().to_vec();
-        if key == "master" {
+        if key == MASTER {
             return Ok(f32_tensor(&shape, &self.master_staged(sp)?));
         }
         let st = sp.state.as_deref().ok_or_else(|| {
@@ -152,10 +156,10 @@ impl Optimizer {
                 self.state_keys(i).join(", ")
             ))
         };
-        if key == "step" {
+        if key == STEP {
             return Ok(f32_tensor(&[], &[st.step as f32]));
         }
-        if key == "error_bits" {
+        if key == ERROR_BITS {
             return match st.error_bits.as_ref().ok_or_else(missing)? {
                 ErrorBits::I8(e) => Ok(Tensor {
                     dtype: DType::I8,
@@ -169,12 +173,10 @@ impl Optimizer {
                 }),
             };
         }
-        let (name, raw) = key
-            .split_once("::")
-            .map_or((key, None), |(n, r)| (n, Some(r)));
+        let (name, raw) = split_state_name(key);
         let m = if name == m_name(a) {
             st.m.as_ref()
-        } else if name == "exp_avg_sq" {
+        } else if name == EXP_AVG_SQ {
             st.v.as_ref()
         } else {
             None
@@ -182,23 +184,24 @@ impl Optimizer {
         .ok_or_else(missing)?;
         match (raw, m) {
             (None, m) => Ok(f32_tensor(&shape, &m.decode())),
-            (Some("quantized"), Moment::Signed { codes, .. }) => Ok(Tensor {
+            (Some(CODES_PART), Moment::Signed { codes, .. }) => Ok(Tensor {
                 dtype: DType::I8,
                 shape,
                 data: le_bytes(codes, i8::to_le_bytes),
             }),
-            (Some("quantized"), Moment::Unsigned { codes, .. }) => Ok(Tensor {
+            (Some(CODES_PART), Moment::Unsigned { codes, .. }) => Ok(Tensor {
                 dtype: DType::U8,
                 shape,
                 data: codes.clone(),
             }),
-            (Some("scales"), Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. }) => {
-                Ok(Tensor {
-                    dtype: DType::F16,
-                    shape: vec![scales.len()],
-                    data: le_bytes(scales, |s| s.to_le_bytes()),
-                })
-            }
+            (
+                Some(SCALES_PART),
+                Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. },
+            ) => Ok(Tensor {
+                dtype: DType::F16,
+                shape: vec![scales.len()],
+                data: le_bytes(scales, |s| s.to_le_bytes()),
+            }),
             _ => Err(missing()),
         }
     }
@@ -271,9 +274,7 @@ impl Optimizer {
         };
         for (key, t) in entries {
             let key = key.as_str();
-            let (name, raw) = key
-                .split_once("::")
-                .map_or((key, None), |(n, r)| (n, Some(r)));
+            let (name, raw) = split_state_name(key);
             if seen.contains(&name) && raw.is_none() || seen.contains(&key) {
                 return Err(Error::invalid(
                     "entries",
@@ -282,7 +283,7 @@ impl Optimizer {
             }
             seen.push(if raw.is_none() { name } else { key });
             match (name, raw) {
-                ("step", None) => {
+                (STEP, None) => {
                     let v = match t.dtype {
                         DType::I64 if t.numel() == 1 => i64::from_le_bytes(t.data[..8].try_into().unwrap()) as f64,
                         DType::I32 if t.numel() == 1 => i32::from_le_bytes(t.data[..4].try_into().unwrap()) as f64,
@@ -297,13 +298,13 @@ impl Optimizer {
                     }
                     st.step = v as u64;
                 }
-                ("master", None) => {
+                (MASTER, None) => {
                     if t.shape != shape {
                         return Err(bad_shape(key, t, &shape));
                     }
                     master = Some(values(key, t)?);
                 }
-                ("error_bits", None) => {
+                (ERROR_BITS, None) => {
                     if t.shape != shape {
                         return Err(bad_shape(key, t, &shape));
                     }
@@ -314,7 +315,7 @@ impl Optimizer {
                     }
                     error_bits = Some(t);
                 }
-                (nm, None) if nm == m_name(a) || nm == "exp_avg_sq" => {
+                (nm, None) if nm == m_name(a) || nm == EXP_AVG_SQ => {
                     if t.shape != shape {
                         return Err(bad_shape(key, t, &shape));
                     }
@@ -330,22 +331,22 @@ impl Optimizer {
                             ),
                         ));
                     }
-                    if nm == "exp_avg_sq" && vals.iter().any(|x| *x < 0.0) {
+                    if nm == EXP_AVG_SQ && vals.iter().any(|x| *x < 0.0) {
                         return Err(Error::invalid(
                             key,
                             format!("parameter {fqn}: exp_avg_sq holds negative values"),
                         ));
                     }
-                    let target = if nm == "exp_avg_sq" {
+                    let target = if nm == EXP_AVG_SQ {
                         st.v.as_mut()
                     } else {
                         st.m.as_mut()
                     };
                     let target = target.ok_or_else(|| Error::NotFound(format!("parameter {fqn} keeps no {nm}")))?;
                     target.encode(&vals);
-                    st.m_valid |= nm != "exp_avg_sq";
+                    st.m_valid |= nm != EXP_AVG_SQ;
                 }
-                (nm, Some(r @ ("quantized" | "scales"))) if nm == m_name(a) || nm == "exp_avg_sq" => {
+                (nm, Some(r @ (CODES_PART | SCALES_PART))) if nm == m_name(a) || nm == EXP_AVG_SQ => {
                     raw_pending.push((nm, r, t));
                 }
                 _ => {
@@ -361,10 +362,10 @@ impl Optimizer {
         for (nm, _, _) in &raw_pending {
             let q = raw_pending
                 .iter()
-                .find(|(n2, r, _)| n2 == nm && *r == "quantized");
+                .find(|(n2, r, _)| n2 == nm && *r == CODES_PART);
             let s = raw_pending
                 .iter()
-                .find(|(n2, r, _)| n2 == nm && *r == "scales");
+                .find(|(n2, r, _)| n2 == nm && *r == SCALES_PART);
             let (Some((_, _, q)), Some((_, _, s))) = (q, s) else {
                 return Err(Error::invalid(
                     "entries",
@@ -373,7 +374,7 @@ impl Optimizer {
                     ),
                 ));
             };
-            let target = if *nm == "exp_avg_sq" {
+            let target = if *nm == EXP_AVG_SQ {
                 st.v.as_mut()
             } else {
                 st.m.as_mut()
@@ -381,7 +382,7 @@ impl Optimizer {
             let target =
                 target.ok_or_else(|| Error::NotFound(format!("parameter {fqn} keeps no {nm}")))?;
             set_raw(target, q, s, &fqn, nm, &shape, n)?;
-            st.m_valid |= *nm != "exp_avg_sq";
+            st.m_valid |= *nm != EXP_AVG_SQ;
         }
         // `master` rounds into the param and splits its error bits; explicit `error_bits`
         // (raw state as stored) then take precedence, so a checkpoint holding the bf16

@@ -6,7 +6,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use fo::ckpt::{save, Checkpoint, PackOptions, Packed, StateEntry};
+use fo::ckpt::{naming, save, Checkpoint, PackOptions, Packed, StateEntry};
 use fo::optim::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
@@ -149,7 +149,11 @@ fn bench(
                         fill(s.local_numel(), seed * 1000 + (k * world + r) as u64),
                     )
                     .unwrap();
-                    StateEntry::new(format!("state.layer{k}.exp_avg"), t, Some(s))
+                    StateEntry::new(
+                        naming::state_key(&format!("layer{k}"), naming::EXP_AVG),
+                        t,
+                        Some(s),
+                    )
                 })
                 .collect();
             let mut o = PackOptions::new(r, world);
@@ -219,7 +223,8 @@ fn bench(
                 let mut codes = vec![0i8; x.len()];
                 let mut scales = vec![half::f16::ZERO; quant8::num_groups(x.len())];
                 quant8::quantize_signed(&x, &mut codes, &mut scales);
-                let ck = format!("state.layer{k}.exp_avg::quantized");
+                let base = naming::state_key(&format!("layer{k}"), naming::EXP_AVG);
+                let ck = naming::codes_key(&base);
                 let codes = Tensor::new(
                     DType::I8,
                     t.shape.clone(),
@@ -240,11 +245,7 @@ fn bench(
                     codes,
                     Some(spec(rows, world, p.opts.rank)),
                 ));
-                entries.push(StateEntry::group_scales(
-                    format!("state.layer{k}.exp_avg::scales"),
-                    sc,
-                    ck,
-                ));
+                entries.push(StateEntry::group_scales(naming::scales_key(&base), sc, ck));
             }
             Packed::new(
                 entries,
@@ -340,8 +341,11 @@ fn load(dir: &Path, rows: usize, world: usize) -> Result<(), String> {
                 let ck = &ck;
                 sc.spawn(move || {
                     for k in 0..TENSORS {
-                        ck.read(&format!("state.layer{k}.exp_avg"), &spec(rows, world, r))
-                            .map_err(|e| e.to_string())?;
+                        ck.read(
+                            &naming::state_key(&format!("layer{k}"), naming::EXP_AVG),
+                            &spec(rows, world, r),
+                        )
+                        .map_err(|e| e.to_string())?;
                     }
                     Ok::<(), String>(())
                 })

@@ -13,10 +13,10 @@ pub const MARKER: &str = ".fo-bench-ckpt";
 /// files, commit record, staging directories and temporaries, the plain file, the
 /// compressed checkpoint, the marker.
 fn is_bench_entry(name: &str) -> bool {
-    use fo::ckpt::format::{parse_part_file_name, parse_shard_file_name};
+    use fo::ckpt::naming::{parse_part_file_name, parse_shard_file_name, COMMIT_FILE};
     parse_shard_file_name(name).is_some()
         || parse_part_file_name(name).is_some()
-        || name == fo::ckpt::commit::COMMIT_FILE
+        || name == COMMIT_FILE
         || name.starts_with(".fo-stage-")
         || name.contains(".tmp-")
         || [MARKER, "plain.bin", "compressed", "sync", "async"].contains(&name)
@@ -99,12 +99,12 @@ impl BenchDir {
             "compressed",
             "sync",
             "async",
-            fo::ckpt::commit::COMMIT_FILE,
+            fo::ckpt::naming::COMMIT_FILE,
         ]
         .iter()
         .map(|n| self.dir.join(n))
         .collect();
-        paths.extend((0..world).map(|r| self.dir.join(fo::ckpt::format::shard_file_name(r))));
+        paths.extend((0..world).map(|r| self.dir.join(fo::ckpt::naming::shard_file_name(r))));
         paths.push(fo::ckpt::commit::stage_dir(
             &self.dir,
             &format!("bench-{seed}"),

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{dst, progress};
-use fo::ckpt::{consolidate, verify, Checkpoint};
+use fo::ckpt::{consolidate, naming, verify, Checkpoint};
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:
@@ -157,7 +157,10 @@ fn inspect(dir: &Path) -> Result<(), String> {
             bytes
         );
     }
-    let compressed = ck.keys.keys().any(|k| k.ends_with("::quantized"));
+    let compressed = ck
+        .keys
+        .keys()
+        .any(|k| matches!(naming::split_part(k), Some((_, naming::Part::Codes))));
     println!(
         "{} keys, {total} bytes of tensor data; state is {}",
         ck.keys.len(),

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
-use fo::ckpt::pack::{num_groups, EntryMeta, Layout, PackOptions};
+use fo::ckpt::naming::num_groups;
+use fo::ckpt::pack::{EntryMeta, Layout, PackOptions};
 use fo::ckpt::{save_streaming, Checkpoint};
 use fo::shard::{rank_to_coord, Placement, ShardSpec};
 use fo::{DType, Tensor};

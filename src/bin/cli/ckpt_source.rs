@@ -8,9 +8,9 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::consolidate::CONSOLIDATED_FILE;
 use fo::ckpt::format::{read_header, TensorEntry};
 use fo::ckpt::info::logical_keys;
+use fo::ckpt::naming::CONSOLIDATED_FILE;
 use fo::ckpt::Checkpoint;
 pub use fo::ckpt::LogicalKey;
 use fo::optim::quant8;

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions};
-use fo::ckpt::consolidate::CONSOLIDATED_FILE;
+use fo::ckpt::naming::{self, CONSOLIDATED_FILE};
 use fo::ckpt::{self, Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions};
 use fo::{DType, HostTensor, Result, Tensor};
 
@@ -137,15 +137,15 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
                 host_view(rank.params[i].as_mut_ptr() as *mut u8, DType::BF16, &local)?,
             ),
             (
-                format!("state.{name}.exp_avg"),
+                naming::state_key(name, naming::EXP_AVG),
                 host_view(b.exp_avg.as_mut_ptr() as *mut u8, DType::F32, &local)?,
             ),
             (
-                format!("state.{name}.exp_avg_sq"),
+                naming::state_key(name, naming::EXP_AVG_SQ),
                 host_view(b.exp_avg_sq.as_mut_ptr() as *mut u8, DType::F32, &local)?,
             ),
             (
-                format!("state.{name}.error_bits"),
+                naming::state_key(name, naming::ERROR_BITS),
                 host_view(b.error_bits.as_mut_ptr() as *mut u8, DType::I8, &local)?,
             ),
         ];
@@ -161,7 +161,7 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
         let step = host_view(&mut b.step as *mut f32 as *mut u8, DType::F32, &[])?;
         shard_bytes += 4;
         dests.push(BroadcastDest {
-            key: format!("state.{name}.step"),
+            key: naming::state_key(name, naming::STEP),
             tensor: step,
             spec: None,
             device: -1,
@@ -184,17 +184,20 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
     for (i, b) in bufs.iter().enumerate() {
         let local = rank.specs[i].local_shape();
         let entries = vec![
-            ("step".to_string(), Tensor::from_f32(vec![], &[b.step])?),
             (
-                "exp_avg".to_string(),
+                naming::STEP.to_string(),
+                Tensor::from_f32(vec![], &[b.step])?,
+            ),
+            (
+                naming::EXP_AVG.to_string(),
                 Tensor::from_f32(local.clone(), &b.exp_avg)?,
             ),
             (
-                "exp_avg_sq".to_string(),
+                naming::EXP_AVG_SQ.to_string(),
                 Tensor::from_f32(local.clone(), &b.exp_avg_sq)?,
             ),
             (
-                "error_bits".to_string(),
+                naming::ERROR_BITS.to_string(),
                 Tensor::new(
                     DType::I8,
                     local,
