@@ -163,6 +163,21 @@
 #define FO_WRITE_UNSHARDED_RANK0 -1
 
 /*
+ `fo_convert_options.to`: the moments keep SRC's format.
+ */
+#define FO_CONVERT_FORMAT_KEEP 0
+
+/*
+ `fo_convert_options.to`: f32 moments (what torch loads).
+ */
+#define FO_CONVERT_FORMAT_PORTABLE 1
+
+/*
+ `fo_convert_options.to`: quant8 moments (int8/uint8 codes + fp16 scales per 32 elements).
+ */
+#define FO_CONVERT_FORMAT_COMPRESSED 2
+
+/*
  `fo_broadcast_options.strategy`: each rank receives only its shard.
  */
 #define FO_BROADCAST_STRATEGY_SCATTER 0
@@ -314,6 +329,37 @@ typedef struct fo_load_report {
 } fo_load_report;
 
 /*
+ One mesh dim's placement. `kind`: `FO_PLACEMENT_REPLICATE`, `FO_PLACEMENT_SHARD`,
+ `FO_PLACEMENT_STRIDED_SHARD` (torch `_StridedShard`) or `FO_PLACEMENT_PARTIAL`. `dim`
+ is the tensor dim for the two shard kinds; `split_factor` (>= 1) is read for
+ `FO_PLACEMENT_STRIDED_SHARD` only.
+ */
+typedef struct fo_placement {
+  int32_t kind;
+  int32_t dim;
+  int32_t split_factor;
+} fo_placement;
+
+/*
+ How to convert. `to`: `FO_CONVERT_FORMAT_KEEP` (the moments as SRC has them),
+ `_PORTABLE` (f32) or `_COMPRESSED` (quant8; moments saved in another sharding are
+ requantized in the new groups). `ranks`: world size of DST, 1..=1024 (0: SRC's, or the
+ product of `mesh`). `mesh`/`mesh_ndim`: DST's mesh shape (`mesh_ndim` 0: `[ranks]`).
+ `placements`/`num_placements`: one per mesh dim (0: `Shard(0)` on every mesh dim; a
+ placement naming a dim a key lacks becomes Replicate for that key). `force`: 1 replaces
+ a non-empty DST.
+ */
+typedef struct fo_convert_options {
+  int32_t to;
+  int32_t ranks;
+  int32_t mesh_ndim;
+  const int64_t *mesh;
+  int32_t num_placements;
+  const struct fo_placement *placements;
+  int32_t force;
+} fo_convert_options;
+
+/*
  The host's collectives. Each returns 0 on success; any other value fails the fo call
  with FO_ERR_COMM naming the operation. `user` is passed back to every callback.
  - `broadcast`: copy root's `nbytes` at `buf` into every rank's `buf`.
@@ -358,18 +404,6 @@ typedef struct fo_broadcast_source {
   const char *key;
   struct fo_tensor tensor;
 } fo_broadcast_source;
-
-/*
- One mesh dim's placement. `kind`: `FO_PLACEMENT_REPLICATE`, `FO_PLACEMENT_SHARD`,
- `FO_PLACEMENT_STRIDED_SHARD` (torch `_StridedShard`) or `FO_PLACEMENT_PARTIAL`. `dim`
- is the tensor dim for the two shard kinds; `split_factor` (>= 1) is read for
- `FO_PLACEMENT_STRIDED_SHARD` only.
- */
-typedef struct fo_placement {
-  int32_t kind;
-  int32_t dim;
-  int32_t split_factor;
-} fo_placement;
 
 /*
  Where a local tensor lies in its global (DTensor) tensor: the global shape
@@ -692,6 +726,41 @@ fo_status fo_checkpoint_verify(const char *dir);
  dtype `"F32"` (what it decodes to), shape the global shape.
  */
 fo_status fo_checkpoint_info_json(const char *dir, char *buf, size_t capacity, size_t *out_len);
+
+/*
+ Converts checkpoint `src` (fo's or PyTorch DCP HuggingFace files, sharded or
+ consolidated) into directory `dst`: resharded onto `options`' world size / mesh /
+ placements, moments in `options.to`'s format (`options` NULL: SRC's world size,
+ Shard(0), SRC's format, no force). DST must not exist or be empty (unless
+ `options.force`) and is never SRC, inside SRC or a directory holding SRC. Everything is
+ written into a staging directory beside DST and renamed onto it: on any error nothing
+ is left at DST (a DST being replaced stays as it was).
+ */
+fo_status fo_checkpoint_convert(const char *src,
+                                const char *dst,
+                                const struct fo_convert_options *options);
+
+/*
+ Compares checkpoints `a` and `b` (directories of any sharding, consolidated directories
+ or .safetensors files; compressed state as its dequantized values) key by key and sets
+ `*out_json` to a JSON report, freed with `fo_string_free`: `{"a", "b", "rtol", "atol",
+ "keys": [{"key", "status" ("equal", "within", "differs", "mismatch", "missing"),
+ "shape", "numel", "max_abs", "max_rel", "out_of_tolerance", "reason"}],
+ "keys_compared", "keys_differing", "equal"}`. An element is within tolerance when
+ `|a - b| <= atol + rtol * |b|` (NaN equals NaN); `rtol`, `atol` finite and >= 0.
+ Differing checkpoints are FO_OK (the report says so); an unreadable one is an error,
+ and `*out_json` is then NULL.
+ */
+fo_status fo_checkpoint_diff_json(const char *a,
+                                  const char *b,
+                                  double rtol,
+                                  double atol,
+                                  char **out_json);
+
+/*
+ Frees a string the library allocated (`fo_checkpoint_diff_json`'s report). NULL-safe.
+ */
+void fo_string_free(char *s);
 
 /*
  A communicator whose collectives are the host's callbacks (`*cb` is copied; `user`

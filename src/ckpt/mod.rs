@@ -32,11 +32,15 @@ pub mod checksum;
 pub mod collective;
 pub mod commit;
 pub mod consolidate;
+pub mod convert;
+pub mod diff;
 pub mod format;
 pub mod full;
 pub mod info;
+pub mod logical;
 pub mod naming;
 pub mod optim;
+pub mod output;
 pub mod pack;
 pub mod quant;
 pub mod reader;
@@ -49,6 +53,8 @@ pub mod writer;
 pub use async_save::{save_async, save_async_held, AsyncSave};
 pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
+pub use convert::{convert, ConvertOptions, ConvertReport};
+pub use diff::{diff, DiffOptions, DiffReport};
 pub use info::{info_json, LogicalKey};
 pub use optim::{
     load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions,

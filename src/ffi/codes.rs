@@ -76,6 +76,13 @@ pub const FO_PACK_PARAMS_MASTER: i32 = 2;
 /// whether this rank does).
 pub const FO_WRITE_UNSHARDED_RANK0: i32 = -1;
 
+/// `fo_convert_options.to`: the moments keep SRC's format.
+pub const FO_CONVERT_FORMAT_KEEP: i32 = 0;
+/// `fo_convert_options.to`: f32 moments (what torch loads).
+pub const FO_CONVERT_FORMAT_PORTABLE: i32 = 1;
+/// `fo_convert_options.to`: quant8 moments (int8/uint8 codes + fp16 scales per 32 elements).
+pub const FO_CONVERT_FORMAT_COMPRESSED: i32 = 2;
+
 /// `fo_broadcast_options.strategy`: each rank receives only its shard.
 pub const FO_BROADCAST_STRATEGY_SCATTER: i32 = 0;
 /// `fo_broadcast_options.strategy`: every rank receives every full tensor.

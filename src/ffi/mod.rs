@@ -12,6 +12,7 @@ mod types;
 
 mod ckpt;
 mod ckpt_info;
+mod ckpt_tools;
 mod comm;
 mod gpu;
 mod optim;
@@ -20,6 +21,7 @@ mod shard;
 
 pub use ckpt::*;
 pub use ckpt_info::*;
+pub use ckpt_tools::*;
 pub use codes::*;
 pub use comm::*;
 pub use gpu::*;

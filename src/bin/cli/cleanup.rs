@@ -118,14 +118,7 @@ fn report(name: &str, removed: &[String]) {
     unsafe { libc::write(2, line.as_ptr() as *const libc::c_void, line.len()) };
 }
 
-/// Removes a file or a directory tree; true when nothing is left at `p`.
-pub fn remove_path(p: &Path) -> bool {
-    match std::fs::symlink_metadata(p) {
-        Err(_) => true,
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p).is_ok() || !p.exists(),
-        Ok(_) => std::fs::remove_file(p).is_ok(),
-    }
-}
+pub use fo::ckpt::output::remove_path;
 
 /// A path removed if the process is interrupted while this guard lives.
 pub struct Guard(u64);

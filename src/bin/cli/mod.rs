@@ -23,7 +23,6 @@ mod bench_step;
 mod ckpt;
 mod ckpt_convert;
 mod ckpt_diff;
-mod ckpt_source;
 pub mod cleanup;
 mod demo;
 mod dst;

@@ -1,25 +1,28 @@
-//! What `fo ckpt diff` compares: a sharded checkpoint directory (fo's or torch DCP's), or
-//! one full safetensors file (a consolidated checkpoint, torch's `full.safetensors`),
-//! read as logical keys of values: a compressed pair `K::quantized` + `K::scales` is the
-//! single key `K`, dequantized. Reads go slab by slab (rows of dim 0), so memory stays
-//! bounded by the slab size whatever the key's size.
+//! The logical checkpoint reader: a sharded checkpoint directory (fo's or torch DCP's), a
+//! directory holding a consolidated file, or one full safetensors file, read as logical keys.
+//!
+//! A compressed pair `K::quantized` + `K::scales` is the single key `K`, dequantized; every
+//! other key is read as saved, as f64 values. Reads go slab by slab (rows of dim 0), so
+//! memory stays bounded by the slab size whatever the key's size (`diff.rs` compares two).
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::format::{read_header, TensorEntry};
-use fo::ckpt::info::logical_keys;
-use fo::ckpt::naming::CONSOLIDATED_FILE;
-use fo::ckpt::Checkpoint;
-pub use fo::ckpt::LogicalKey;
-use fo::optim::quant8;
-use fo::shard::{Placement, ShardSpec};
-use fo::{DType, Tensor};
+use super::format::{read_header, TensorEntry};
+use super::info::{logical_keys, LogicalKey};
+use super::naming::{codes_key, scales_key, CONSOLIDATED_FILE, GROUP};
+use super::reader::Checkpoint;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::quant8;
+use crate::shard::{Placement, ShardSpec};
+use crate::tensor::Tensor;
 
 /// Elements per slab read (64 MiB of f64 values per side at most, rows permitting).
 pub const SLAB_ELEMS: usize = 1 << 23;
 
+/// A checkpoint read as logical keys.
 pub enum Source {
     Sharded(Box<Checkpoint>),
     Full {
@@ -30,13 +33,9 @@ pub enum Source {
     },
 }
 
-fn err(e: fo::Error) -> String {
-    e.to_string()
-}
-
 impl Source {
     /// A directory of shard files, a directory holding a consolidated file, or a file.
-    pub fn open(p: &Path) -> Result<Source, String> {
+    pub fn open(p: &Path) -> Result<Source> {
         let file_path = if p.is_file() {
             Some(p.to_path_buf())
         } else if p.join(CONSOLIDATED_FILE).is_file() {
@@ -45,12 +44,10 @@ impl Source {
             None
         };
         let Some(path) = file_path else {
-            return Checkpoint::open(p)
-                .map(|c| Source::Sharded(Box::new(c)))
-                .map_err(err);
+            return Checkpoint::open(p).map(|c| Source::Sharded(Box::new(c)));
         };
-        let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let h = read_header(&path, &file).map_err(err)?;
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let h = read_header(&path, &file)?;
         let tensors = h.tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
         Ok(Source::Full {
             path,
@@ -88,7 +85,7 @@ impl Source {
 
     /// The slabs `shape` is read in: Shard(0) over as many ranks as it takes to keep each
     /// under `slab_elems` elements (one unsharded slab for 0-dim and small tensors).
-    pub fn slabs(shape: &[usize], slab_elems: usize) -> Result<Vec<ShardSpec>, String> {
+    pub fn slabs(shape: &[usize], slab_elems: usize) -> Result<Vec<ShardSpec>> {
         let numel: usize = shape.iter().product();
         let n = if shape.is_empty() {
             1
@@ -96,33 +93,27 @@ impl Source {
             numel.div_ceil(slab_elems.max(1)).clamp(1, shape[0].max(1))
         };
         if n == 1 {
-            return Ok(vec![ShardSpec::unsharded(shape.to_vec()).map_err(err)?]);
+            return Ok(vec![ShardSpec::unsharded(shape.to_vec())?]);
         }
         (0..n)
-            .map(|i| {
-                ShardSpec::new(shape.to_vec(), vec![n], vec![i], vec![Placement::Shard(0)])
-                    .map_err(err)
-            })
+            .map(|i| ShardSpec::new(shape.to_vec(), vec![n], vec![i], vec![Placement::Shard(0)]))
             .collect()
     }
 
     /// The values of logical `key` in `slab` (one of `slabs(shape)`), as f64.
-    pub fn read(&self, key: &str, k: &LogicalKey, slab: &ShardSpec) -> Result<Vec<f64>, String> {
+    pub fn read(&self, key: &str, k: &LogicalKey, slab: &ShardSpec) -> Result<Vec<f64>> {
         match self {
-            Source::Sharded(ck) if k.compressed => Ok(ck
-                .read_f32(key, slab)
-                .map_err(err)?
-                .into_iter()
-                .map(f64::from)
-                .collect()),
-            Source::Sharded(ck) => values(&ck.read(key, slab).map_err(err)?),
+            Source::Sharded(ck) if k.compressed => {
+                Ok(ck.read_f32(key, slab)?.into_iter().map(f64::from).collect())
+            }
+            Source::Sharded(ck) => values(&ck.read(key, slab)?),
             Source::Full { .. } if k.compressed => self.read_full_quant8(key, slab),
             Source::Full { .. } => values(&self.read_rows(key, slab)?),
         }
     }
 
     /// The rows of `slab` (a dim-0 range, contiguous in a full file) of raw key `key`.
-    fn read_rows(&self, key: &str, slab: &ShardSpec) -> Result<Tensor, String> {
+    fn read_rows(&self, key: &str, slab: &ShardSpec) -> Result<Tensor> {
         let Source::Full {
             path,
             file,
@@ -134,7 +125,7 @@ impl Source {
         };
         let t = tensors
             .get(key)
-            .ok_or_else(|| format!("key {key} is not in {}", path.display()))?;
+            .ok_or_else(|| Error::NotFound(format!("key {key} is not in {}", path.display())))?;
         let local = slab.local_shape();
         let row_bytes = t.shape.iter().skip(1).product::<usize>() * t.dtype.size();
         let first_row = slab.global_offset().first().copied().unwrap_or(0);
@@ -143,13 +134,13 @@ impl Source {
             &mut buf,
             data_start + t.start + (first_row * row_bytes) as u64,
         )
-        .map_err(|e| format!("{}: key {key}: {e}", path.display()))?;
-        Tensor::new(t.dtype, local, buf).map_err(err)
+        .map_err(|e| Error::io(path, e))?;
+        Tensor::new(t.dtype, local, buf)
     }
 
     /// FlashOptim's unsharded layout: codes of the full tensor, one fp16 scale per 32
     /// consecutive elements of it.
-    fn read_full_quant8(&self, base: &str, slab: &ShardSpec) -> Result<Vec<f64>, String> {
+    fn read_full_quant8(&self, base: &str, slab: &ShardSpec) -> Result<Vec<f64>> {
         let Source::Full {
             path,
             file,
@@ -159,30 +150,31 @@ impl Source {
         else {
             unreachable!()
         };
-        let codes = self.read_rows(&format!("{base}::quantized"), slab)?;
-        let st = &tensors[&format!("{base}::scales")];
+        let (ck, sk) = (codes_key(base), scales_key(base));
+        let codes = self.read_rows(&ck, slab)?;
+        let st = &tensors[&sk];
         if st.dtype != DType::F16 || st.shape.len() != 1 {
-            return Err(format!(
-                "key {base}::scales: expected 1-dim F16 scales, found {} {:?}",
-                st.dtype, st.shape
+            return Err(Error::corrupt(
+                path,
+                format!(
+                    "key {sk}: expected 1-dim F16 scales, found {} {:?}",
+                    st.dtype, st.shape
+                ),
             ));
         }
         // Only the slab's groups are read, not the whole scales tensor.
         let row: usize = codes.shape.iter().skip(1).product();
         let e0 = slab.global_offset().first().copied().unwrap_or(0) * row;
-        let (g0, g1) = (
-            e0 / quant8::GROUP,
-            (e0 + codes.numel()).div_ceil(quant8::GROUP),
-        );
+        let (g0, g1) = (e0 / GROUP, (e0 + codes.numel()).div_ceil(GROUP));
         if g1 > st.shape[0] {
-            return Err(format!(
-                "key {base}::scales holds {} groups, its codes need {g1}",
-                st.shape[0]
+            return Err(Error::corrupt(
+                path,
+                format!("key {sk} holds {} groups, its codes need {g1}", st.shape[0]),
             ));
         }
         let mut buf = vec![0u8; (g1 - g0) * 2];
         file.read_exact_at(&mut buf, data_start + st.start + (g0 * 2) as u64)
-            .map_err(|e| format!("{}: key {base}::scales: {e}", path.display()))?;
+            .map_err(|e| Error::io(path, e))?;
         let scales: Vec<half::f16> = buf
             .chunks_exact(2)
             .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
@@ -191,9 +183,9 @@ impl Source {
             DType::I8 => true,
             DType::U8 => false,
             other => {
-                return Err(format!(
-                    "key {base}::quantized: quant8 codes must be I8 or U8, found {other}"
-                ))
+                return Err(Error::Dtype(format!(
+                    "key {ck}: quant8 codes must be I8 or U8, found {other}"
+                )))
             }
         };
         Ok(codes
@@ -201,7 +193,7 @@ impl Source {
             .iter()
             .enumerate()
             .map(|(i, &q)| {
-                let scale = scales[(e0 + i) / quant8::GROUP - g0];
+                let scale = scales[(e0 + i) / GROUP - g0];
                 let mut x = [0f32];
                 if signed {
                     quant8::decode_signed_group(&[q as i8], scale, &mut x);
@@ -215,7 +207,7 @@ impl Source {
 }
 
 /// Every element as f64 (integers above 2^53 lose their low bits; bool is 0/1).
-pub fn values(t: &Tensor) -> Result<Vec<f64>, String> {
+pub fn values(t: &Tensor) -> Result<Vec<f64>> {
     let b = &t.data;
     Ok(match t.dtype {
         DType::F64 => b
@@ -236,11 +228,6 @@ pub fn values(t: &Tensor) -> Result<Vec<f64>, String> {
             .chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
             .collect(),
-        _ => t
-            .to_f32()
-            .map_err(err)?
-            .into_iter()
-            .map(f64::from)
-            .collect(),
+        _ => t.to_f32()?.into_iter().map(f64::from).collect(),
     })
 }
