@@ -318,6 +318,39 @@ std::vector<Case> cases() {
   E("fo_checkpoint_consolidate", "out_dir under /proc", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), "/proc/fo-no/such"); });
   E("fo_checkpoint_consolidate", "dir empty string", [](Fx& f) { return fo_checkpoint_consolidate("", f.outdir.c_str()); });
   E("fo_checkpoint_consolidate", "out_dir empty string", [](Fx& f) { return fo_checkpoint_consolidate(f.dir.c_str(), ""); });
+  // Offline tools: NULL paths and out pointers, unknown codes and counts fail at the call,
+  // and nothing is written at the destination.
+  E("fo_checkpoint_convert", "src NULL", [](Fx& f) { return fo_checkpoint_convert(nullptr, f.outdir.c_str(), nullptr); });
+  E("fo_checkpoint_convert", "dst NULL", [](Fx& f) { return fo_checkpoint_convert(f.dir.c_str(), nullptr, nullptr); });
+  E("fo_checkpoint_convert", "src missing", [](Fx& f) { return fo_checkpoint_convert("/tmp/fo-no-such-dir-x", f.outdir.c_str(), nullptr); });
+  E("fo_checkpoint_convert", "dst = src", [](Fx& f) { return fo_checkpoint_convert(f.dir.c_str(), f.dir.c_str(), nullptr); });
+  E("fo_checkpoint_convert", "to 9", [](Fx& f) {
+    fo_convert_options o{9, 0, 0, nullptr, 0, nullptr, 0};
+    return fo_checkpoint_convert(f.dir.c_str(), f.outdir.c_str(), &o);
+  });
+  E("fo_checkpoint_convert", "mesh NULL for 2 dims", [](Fx& f) {
+    fo_convert_options o{FO_CONVERT_FORMAT_KEEP, 0, 2, nullptr, 0, nullptr, 0};
+    return fo_checkpoint_convert(f.dir.c_str(), f.outdir.c_str(), &o);
+  });
+  E("fo_checkpoint_convert", "num_placements -1", [](Fx& f) {
+    fo_placement pl{FO_PLACEMENT_SHARD, 0, 0};
+    fo_convert_options o{FO_CONVERT_FORMAT_KEEP, 0, 0, nullptr, -1, &pl, 0};
+    return fo_checkpoint_convert(f.dir.c_str(), f.outdir.c_str(), &o);
+  });
+  E("fo_checkpoint_convert", "ranks 5000", [](Fx& f) {
+    fo_convert_options o{FO_CONVERT_FORMAT_KEEP, 5000, 0, nullptr, 0, nullptr, 0};
+    return fo_checkpoint_convert(f.dir.c_str(), f.outdir.c_str(), &o);
+  });
+  E("fo_checkpoint_convert", "force 2", [](Fx& f) {
+    fo_convert_options o{FO_CONVERT_FORMAT_KEEP, 0, 0, nullptr, 0, nullptr, 2};
+    return fo_checkpoint_convert(f.dir.c_str(), f.outdir.c_str(), &o);
+  });
+  E("fo_checkpoint_diff_json", "a NULL", [](Fx& f) { char* s; return fo_checkpoint_diff_json(nullptr, f.dir.c_str(), 0, 0, &s); });
+  E("fo_checkpoint_diff_json", "out_json NULL", [](Fx& f) { return fo_checkpoint_diff_json(f.dir.c_str(), f.dir.c_str(), 0, 0, nullptr); });
+  E("fo_checkpoint_diff_json", "b missing", [](Fx& f) { char* s; return fo_checkpoint_diff_json(f.dir.c_str(), "/tmp/fo-no-such-dir-x", 0, 0, &s); });
+  E("fo_checkpoint_diff_json", "rtol NaN", [](Fx& f) { char* s; return fo_checkpoint_diff_json(f.dir.c_str(), f.dir.c_str(), NAN, 0, &s); });
+  E("fo_checkpoint_diff_json", "atol -1", [](Fx& f) { char* s; return fo_checkpoint_diff_json(f.dir.c_str(), f.dir.c_str(), 0, -1, &s); });
+  R("fo_string_free", "NULL", [](Fx&) { fo_string_free(nullptr); });
   E("fo_checkpoint_verify", "dir NULL", [](Fx&) { return fo_checkpoint_verify(nullptr); });
   E("fo_checkpoint_verify", "dir missing", [](Fx&) { return fo_checkpoint_verify("/tmp/fo-no-such-dir-x"); });
   E("fo_checkpoint_info_json", "dir NULL", [](Fx&) { char b[64]; size_t n; return fo_checkpoint_info_json(nullptr, b, 64, &n); });

@@ -8,6 +8,8 @@ save, load with resharding, consolidate, verify. Torch's vocabulary: FQNs, `exp_
     pending.wait()                                   # raises FoError if the save failed
     report = fo.ckpt.load(opt2, "ckpt/")            # any sharding of the same params
     fo.ckpt.consolidate("ckpt/", "full/")            # one safetensors file + index
+    fo.ckpt.convert("ckpt/", "ckpt-3r/", ranks=3)   # offline reshard (and/or to="portable")
+    fo.ckpt.diff("ckpt/", "ckpt-3r/")["equal"]      # key by key, any shardings: True
     sd = fo.ckpt.torch_state_dict("ckpt/")          # torch's nested layout: torch_opt.load_state_dict(sd)
 """
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any, Union
 import numpy as np
 
 from . import _codes as C
-from ._ffi import MAX_DIMS, FoError, check, declare
 from . import layout
+from ._ffi import MAX_DIMS, FoError, Placement, check, declare
 from .optim import Optimizer, _string, numpy_dtype
+from .shard import placement as _placement
 
 PathLike = Union[str, bytes, "os.PathLike[str]"]
 
@@ -80,6 +83,21 @@ _load = declare("fo_state_load", [_P, ctypes.c_char_p, ctypes.POINTER(LoadOption
 _consolidate = declare("fo_checkpoint_consolidate", [ctypes.c_char_p, ctypes.c_char_p])
 _verify = declare("fo_checkpoint_verify", [ctypes.c_char_p])
 _info = declare("fo_checkpoint_info_json", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, _szp])
+
+
+class ConvertOptions(ctypes.Structure):
+    _fields_ = [("to", ctypes.c_int32), ("ranks", ctypes.c_int32), ("mesh_ndim", ctypes.c_int32),
+                ("mesh", ctypes.POINTER(ctypes.c_int64)), ("num_placements", ctypes.c_int32),
+                ("placements", ctypes.POINTER(Placement)), ("force", ctypes.c_int32)]
+
+
+CONVERT_FORMATS = {None: C.FO_CONVERT_FORMAT_KEEP, "portable": C.FO_CONVERT_FORMAT_PORTABLE,
+                   "compressed": C.FO_CONVERT_FORMAT_COMPRESSED}
+_cstr = ctypes.POINTER(ctypes.c_char)
+_convert = declare("fo_checkpoint_convert", [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ConvertOptions)])
+_diff = declare("fo_checkpoint_diff_json", [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_double, ctypes.c_double,
+                                             ctypes.POINTER(_cstr)])
+_string_free = declare("fo_string_free", [_cstr], None)
 
 
 def _options(rank, world_size, mode, params, write_unsharded, save_id):
@@ -328,3 +346,37 @@ def _checkpoint_state(directory):
     load(opt, directory, strict=False, params=False, param_groups=False)
     _, state = layout.optimizer_state(opt)
     return groups, state
+
+
+def convert(src: PathLike, dst: PathLike, to: str | None = None, ranks: int | None = None,
+            mesh: "list[int] | None" = None, placements: "list[Any] | None" = None, force: bool = False) -> None:
+    """Converts checkpoint `src` (fo's or torch DCP HuggingFace files, sharded or
+    consolidated) into directory `dst`, offline: resharded onto `ranks` ranks or a `mesh`
+    with one placement per mesh dim (`fo.shard.Shard(0)`, or the CLI's spelling "S0", "R",
+    "SS0:2"; default Shard(0) everywhere), moments `to` "portable" (f32) or "compressed"
+    (quant8), default as in `src`. `dst` must not exist or be empty unless `force`; on
+    error (FoError) nothing is left at `dst`. `fo ckpt convert` runs the same code."""
+    if to not in CONVERT_FORMATS:
+        raise ValueError(f"to must be None, 'portable' or 'compressed', got {to!r}")
+    dims = [int(d) for d in mesh] if mesh is not None else []
+    pls = [_placement(p) for p in placements] if placements is not None else []
+    mesh_arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+    pl_arr = (Placement * max(len(pls), 1))(*pls)
+    o = ConvertOptions(CONVERT_FORMATS[to], 0 if ranks is None else int(ranks), len(dims), mesh_arr, len(pls),
+                       pl_arr, int(bool(force)))
+    check(_convert(os.fsencode(src), os.fsencode(dst), ctypes.byref(o)))
+
+
+def diff(a: PathLike, b: PathLike, rtol: float = 0.0, atol: float = 0.0) -> dict[str, Any]:
+    """Compares checkpoints `a` and `b` (directories of any sharding, consolidated ones or
+    .safetensors files; quant8 state as its dequantized values) key by key: {"a", "b",
+    "rtol", "atol", "keys": [{"key", "status", "shape", "numel", "max_abs", "max_rel",
+    "out_of_tolerance", "reason"}], "keys_compared", "keys_differing", "equal"}. status is
+    "equal", "within" (|a - b| <= atol + rtol * |b|), "differs", "mismatch" (shapes) or
+    "missing" (one side only). `fo ckpt diff --json` prints the same report."""
+    out = _cstr()
+    check(_diff(os.fsencode(a), os.fsencode(b), float(rtol), float(atol), ctypes.byref(out)))
+    try:
+        return json.loads(ctypes.string_at(out).decode())
+    finally:
+        _string_free(out)
