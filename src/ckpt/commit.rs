@@ -269,6 +269,54 @@ enum Step {
     AfterRename,
 }
 
+/// A rank's shard file is missing from checkpoint `dir`.
+pub fn missing(dir: &Path, rank: usize, why: String) -> Error {
+    Error::NotFound(format!(
+        "checkpoint {}: shard file {} is missing ({why})",
+        dir.display(),
+        shard_file_name(rank)
+    ))
+}
+
+/// The shard files of a directory without a commit record (fo 0.1.0's or torch's): every
+/// `shard-*` file, ranks 0..n with none missing.
+pub fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::NotFound(format!(
+            "checkpoint directory {} does not exist",
+            dir.display()
+        )),
+        _ => Error::io(dir, e),
+    })?;
+    let mut ranks = Vec::new();
+    for e in rd {
+        let name = e.map_err(|e| Error::io(dir, e))?.file_name();
+        if let Some(r) = name.to_str().and_then(parse_shard_file_name) {
+            ranks.push(r);
+        }
+    }
+    ranks.sort_unstable();
+    if ranks.is_empty() {
+        return Err(Error::NotFound(format!(
+            "no shard-*-model-00001-of-00001.safetensors files in {}",
+            dir.display()
+        )));
+    }
+    for (i, &r) in ranks.iter().enumerate() {
+        if r != i {
+            return Err(missing(
+                dir,
+                i,
+                format!("{} exists", shard_file_name(*ranks.last().unwrap())),
+            ));
+        }
+    }
+    Ok(ranks
+        .iter()
+        .map(|&r| dir.join(shard_file_name(r)))
+        .collect())
+}
+
 #[cfg(test)]
 thread_local! {
     static FAULT: std::cell::Cell<Option<Step>> = const { std::cell::Cell::new(None) };

@@ -9,11 +9,12 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::format::{read_header, FoKey};
+use super::index::{KeyInfo, SavedChunk};
 use super::naming::{
     codes_key, parse_part_file_name, parse_shard_file_name, scales_key, split_part, Part,
     COMMIT_FILE, CONSOLIDATED_FILE,
 };
-use super::reader::{Checkpoint, KeyInfo, SavedChunk};
+use super::reader::Checkpoint;
 use crate::error::{Error, Result};
 
 /// The full file `path` names: `path` itself when it is a file, or a directory's

@@ -36,7 +36,9 @@ pub mod convert;
 pub mod diff;
 pub mod format;
 pub mod full;
+pub mod index;
 pub mod info;
+pub mod load;
 pub mod logical;
 pub mod naming;
 pub mod optim;
@@ -55,13 +57,13 @@ pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
 pub use convert::{convert, ConvertOptions, ConvertReport};
 pub use diff::{diff, DiffOptions, DiffReport};
+pub use index::{KeyInfo, SavedChunk};
 pub use info::{info_json, LogicalKey};
-pub use optim::{
-    load, pack, save as save_optimizer, LoadOptions, LoadReport, Mode, ParamsAs, SaveOptions,
-};
+pub use load::{load, LoadOptions, LoadReport};
+pub use optim::{pack, save as save_optimizer, Mode, ParamsAs, SaveOptions};
 pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};
 pub use quant::Quant8;
-pub use reader::{Checkpoint, KeyInfo, SavedChunk};
+pub use reader::Checkpoint;
 pub use reshard::local_shard;
 pub use snapshot::{SnapshotStats, DEFAULT_STAGING_BUDGET};
 pub use verify::verify;

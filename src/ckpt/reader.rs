@@ -6,48 +6,15 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_sum, chunk_binding};
-use super::commit::{committed_file, committed_files, read_commit, Commit};
-use super::format::{parse_sharding_info, read_header, FoKey, FoMeta};
-use super::naming::{parse_shard_file_name, part_file_name, shard_file_name, COMMIT_FILE};
+use super::commit::{committed_file, committed_files, legacy_files, missing, read_commit, Commit};
+use super::format::{parse_sharding_info, read_header, FoMeta};
+use super::index::{KeyInfo, SavedChunk};
+use super::naming::{part_file_name, COMMIT_FILE};
 use super::reshard::{overlap_runs, BoxIn, Run};
 use super::validate;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Chunk, ShardSpec};
 use crate::tensor::Tensor;
-
-/// One saved chunk: a box of its key's global tensor stored row-major in one file.
-#[derive(Debug, Clone)]
-pub struct SavedChunk {
-    pub file: usize,
-    pub name: String,
-    pub global_offset: Vec<usize>,
-    pub shape: Vec<usize>,
-    pub data_start: u64,
-    pub nbytes: usize,
-    /// fo's block checksums (None in files torch wrote).
-    pub checksums: Option<String>,
-    /// The seed binding the checksums to key, dtype, shape and offset (0: fo 0.1.0's).
-    pub bind: u64,
-}
-
-impl SavedChunk {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
-/// Everything saved for one key.
-#[derive(Debug, Clone)]
-pub struct KeyInfo {
-    pub key: String,
-    pub dtype: DType,
-    pub global_shape: Vec<usize>,
-    /// Non-empty chunks only (torch also writes empty local shards; they hold nothing).
-    pub chunks: Vec<SavedChunk>,
-    /// How fo saved it (None for torch's files).
-    pub fo: Option<FoKey>,
-}
 
 /// An open checkpoint directory.
 #[derive(Debug)]
@@ -497,51 +464,4 @@ impl Checkpoint {
         }
         Ok(())
     }
-}
-
-fn missing(dir: &Path, rank: usize, why: String) -> Error {
-    Error::NotFound(format!(
-        "checkpoint {}: shard file {} is missing ({why})",
-        dir.display(),
-        shard_file_name(rank)
-    ))
-}
-
-/// The shard files of a directory without a commit record (fo 0.1.0's or torch's): every
-/// `shard-*` file, ranks 0..n with none missing.
-fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::NotFound(format!(
-            "checkpoint directory {} does not exist",
-            dir.display()
-        )),
-        _ => Error::io(dir, e),
-    })?;
-    let mut ranks = Vec::new();
-    for e in rd {
-        let name = e.map_err(|e| Error::io(dir, e))?.file_name();
-        if let Some(r) = name.to_str().and_then(parse_shard_file_name) {
-            ranks.push(r);
-        }
-    }
-    ranks.sort_unstable();
-    if ranks.is_empty() {
-        return Err(Error::NotFound(format!(
-            "no shard-*-model-00001-of-00001.safetensors files in {}",
-            dir.display()
-        )));
-    }
-    for (i, &r) in ranks.iter().enumerate() {
-        if r != i {
-            return Err(missing(
-                dir,
-                i,
-                format!("{} exists", shard_file_name(*ranks.last().unwrap())),
-            ));
-        }
-    }
-    Ok(ranks
-        .iter()
-        .map(|&r| dir.join(shard_file_name(r)))
-        .collect())
 }

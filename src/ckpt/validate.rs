@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::format::{header_digest, FoMeta, Header, DIGEST_KEY, FORMAT_VERSION};
-use super::reader::{KeyInfo, SavedChunk};
+use super::index::{KeyInfo, SavedChunk};
 use crate::error::{Error, Result};
 
 /// fo's metadata of a file (None: torch wrote it), its version readable and, from format

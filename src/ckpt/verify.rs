@@ -3,7 +3,8 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::reader::{Checkpoint, SavedChunk};
+use super::index::SavedChunk;
+use super::reader::Checkpoint;
 use crate::error::{Error, Result};
 
 /// What `verify` checked.

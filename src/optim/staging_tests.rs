@@ -5,7 +5,8 @@
 //! saying why, where g++ cannot build the host kernel.
 use std::sync::Mutex;
 
-use crate::ckpt::optim::{load, save, LoadOptions, Mode, ParamsAs, SaveOptions};
+use crate::ckpt::load::{load, LoadOptions};
+use crate::ckpt::optim::{save, Mode, ParamsAs, SaveOptions};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
