@@ -11,7 +11,10 @@ use fo::optim::{
 use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
-use super::bench_step::{best, best_step, fill, param_bytes};
+use super::bench_util::{best, best_step, fill, param_bytes};
+
+/// The algorithms of the arithmetic table, as `fo bench step --algs` spells them.
+pub const ALGS: [&str; 4] = ["adamw", "adam", "lion", "sgd"];
 
 /// Bytes per parameter of the compressed step: bf16 p (read + write), bf16 g (read),
 /// int8 m, uint8 v, int8 error bits (read + write each), and fp16 scales of m and v
@@ -199,7 +202,7 @@ pub fn run(o: &Opts) -> Result<(), String> {
         }
         let s = step_time(o.n, Algorithm::AdamW, false, Arithmetic::Exact, o.iters)?;
         row("fo fp32 AdamW", o.n, s, c, torch);
-        for ((name, a), short) in algs.into_iter().zip(super::bench_step::ALGS) {
+        for ((name, a), short) in algs.into_iter().zip(ALGS) {
             if !o.algs.iter().any(|x| x.eq_ignore_ascii_case(short)) {
                 continue;
             }

@@ -8,7 +8,7 @@ use fo::comm::Comm;
 use fo::{DType, HostTensor};
 
 use super::args::Count;
-use super::bench_step::{best, fill};
+use super::bench_util::{best, fill};
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:

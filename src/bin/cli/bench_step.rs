@@ -8,12 +8,11 @@ use fo::{DType, HostTensor};
 use rayon::prelude::*;
 
 use super::args::{non_empty_csv, positive_f64, Bounded, Count, Csv, MAX_RANKS};
+use super::bench_arith::ALGS;
+use super::bench_util::{best, best_step, fill, param_bytes};
 
 /// Thread counts: 1..=1024, the optimizer pool's limit.
 type Threads = Bounded<1, MAX_RANKS>;
-
-/// The algorithms of the arithmetic table, as `--algs` spells them.
-pub const ALGS: [&str; 4] = ["adamw", "adam", "lion", "sgd"];
 
 fn alg_list(s: &str) -> Result<Csv<String>, String> {
     let v: Csv<String> = non_empty_csv(s)?;
@@ -42,25 +41,6 @@ fn arith_list(s: &str) -> Result<Csv<String>, String> {
 /// writes p, m, v, error bits, plus 2 fp16 scales per 32 elements each way.
 const FP32_BYTES: f64 = 28.0;
 const COMPRESSED_BYTES: f64 = 2.0 + 2.0 + 3.0 + 2.0 + 3.0 + 2.0 * 4.0 / 32.0;
-
-/// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
-pub(super) fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
-
-/// The fastest of the timed steps: on a shared machine interference only ever adds time,
-/// so the minimum is the most repeatable estimate of what the code itself costs.
-pub(super) fn best(v: Vec<f64>) -> f64 {
-    v.into_iter().fold(f64::INFINITY, f64::min)
-}
 
 /// Seconds per pass of the no-math AdamW memory pattern over n elements.
 fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
@@ -95,17 +75,6 @@ fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
         }
     }
     Ok(best(times))
-}
-
-/// The bytes of a benchmark's params or grads: bf16 for the compressed step, else f32.
-pub(super) fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
-    if compressed {
-        v.iter()
-            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
-            .collect()
-    } else {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
 }
 
 /// Seconds per optimizer step over `n` parameters split into `tensors` tensors.
@@ -151,23 +120,6 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         .map(|g| view(g).map(Some))
         .collect::<Result<_, _>>()?;
     best_step(&mut opt, &gs, iters)
-}
-
-/// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
-pub(super) fn best_step(
-    opt: &mut Optimizer,
-    gs: &[Option<HostTensor>],
-    iters: usize,
-) -> Result<f64, String> {
-    let mut times = Vec::new();
-    for it in 0..=iters {
-        let t0 = Instant::now();
-        unsafe { opt.step(gs).map_err(|e| e.to_string())? };
-        if it > 0 {
-            times.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    Ok(best(times))
 }
 
 fn row(label: &str, n: usize, secs: f64, bytes: f64, ceiling_rate: f64) {

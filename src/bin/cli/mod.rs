@@ -20,6 +20,7 @@ mod bench_ckpt_async;
 mod bench_clip;
 mod bench_dir;
 mod bench_step;
+mod bench_util;
 mod ckpt;
 mod ckpt_convert;
 mod ckpt_diff;
@@ -30,6 +31,7 @@ mod mem;
 pub mod out;
 pub mod progress;
 mod selftest;
+mod selftest_cases;
 #[cfg(feature = "cuda")]
 mod selftest_gpu;
 mod shard;

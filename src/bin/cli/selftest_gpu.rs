@@ -9,8 +9,8 @@ use fo::optim::gpu::table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, HostTensor};
 
-use super::bench_step::{best, fill};
-use super::selftest::{rules, state_mismatches, SelftestArgs, FORMATS};
+use super::bench_util::{best, fill};
+use super::selftest_cases::{rules, state_mismatches, FORMATS};
 
 /// Why there is no GPU to test, or None when the driver reports at least one device.
 pub fn no_gpu() -> Option<String> {
@@ -338,8 +338,9 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
     Ok((cases, totals, elems))
 }
 
-pub fn run(a: &SelftestArgs) -> Result<(), String> {
-    let ordinal = a.device;
+/// `fo selftest` on CUDA device `ordinal`: `size` parameters per throughput case, the best
+/// of `iters` timed steps.
+pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
     // fo compiles its kernels here (NVRTC), so a GPU it cannot use fails now, clearly.
     fo::optim::gpu::open_device(ordinal).map_err(|e| e.to_string())?;
     let dev = cuda("cuDeviceGet", cu::device::get(ordinal))?;
@@ -376,22 +377,22 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
         "fo_clip_grad_norm, {cases} cases (f32/bf16/f16/f64 x p = 2, 1, inf, 3) on device vs host gradients: \
          {bad_totals} mismatching totals, {bad_clip} mismatching elements after the clip"
     );
-    let n = a.size.0.max(64);
+    let n = size.max(64);
     let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
     (fp32.state_format, fp32.master_weight_bits) = (StateFormat::Fp32, 0);
     let q8 = OptimConfig::default_for(Algorithm::AdamW);
     println!(
         "throughput, {n} parameters in 64 tensors, best of {} steps:",
-        a.iters
+        iters
     );
     for (label, cfg, dtype) in [
         ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
         ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
     ] {
-        let (t, per_param) = step_time(ordinal, &cfg, dtype, n, a.iters)?;
+        let (t, per_param) = step_time(ordinal, &cfg, dtype, n, iters)?;
         // A copy of S bytes reads S and writes S: the step's bytes are B = 2S.
         let bytes = per_param * n as f64;
-        let tc = copy_time((bytes / 2.0) as usize, a.iters)?;
+        let tc = copy_time((bytes / 2.0) as usize, iters)?;
         println!(
             "  {label}: {:.1} G params/s, {:.0} GB/s at {per_param:.3} B/param = {:.2}x a device-to-device copy of the same bytes ({:.0} GB/s)",
             n as f64 / t / 1e9,

@@ -1,0 +1,53 @@
+//! Measurement helpers of the `fo bench` and `fo selftest` commands: deterministic inputs,
+//! the best-of-N timing rule, and one timed optimizer step loop.
+use std::time::Instant;
+
+use fo::optim::Optimizer;
+use fo::HostTensor;
+
+/// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
+pub fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+/// The fastest of the timed steps: on a shared machine interference only ever adds time,
+/// so the minimum is the most repeatable estimate of what the code itself costs.
+pub fn best(v: Vec<f64>) -> f64 {
+    v.into_iter().fold(f64::INFINITY, f64::min)
+}
+
+/// The bytes of a benchmark's params or grads: bf16 for the compressed step, else f32.
+pub fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
+    if compressed {
+        v.iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect()
+    } else {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
+/// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
+pub fn best_step(
+    opt: &mut Optimizer,
+    gs: &[Option<HostTensor>],
+    iters: usize,
+) -> Result<f64, String> {
+    let mut times = Vec::new();
+    for it in 0..=iters {
+        let t0 = Instant::now();
+        unsafe { opt.step(gs).map_err(|e| e.to_string())? };
+        if it > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(best(times))
+}
