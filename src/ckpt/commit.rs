@@ -1,4 +1,5 @@
-//! All-or-nothing saves across ranks.
+//! All-or-nothing saves across ranks: the staging directory, the done markers, the commit
+//! record, and which files make up a checkpoint (committed ones, or a legacy directory's).
 //!
 //! Every rank writes its file for save `S` into the staging directory
 //! `DIR/.fo-stage-<hash of S>/`, then a done marker `done-<rank>.json` naming `S`, the

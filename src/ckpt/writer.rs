@@ -1,4 +1,5 @@
-//! Atomic, streaming writes of rank files, committed together (`commit.rs`).
+//! Atomic, streaming writes of rank files (temporary name, header, tensors, fsync, rename),
+//! committed together by `commit.rs`.
 //!
 //! Each file is written to a temporary name in the save's staging directory, header
 //! first with placeholder checksums and digest of the final length, then tensor by tensor

@@ -162,7 +162,7 @@ mod tests {
             fo_checkpoint_diff_json(a.as_ptr(), a.as_ptr(), 0.0, 0.0, std::ptr::null_mut())
         };
         assert_ne!(st, 0);
-        let mut out: *mut c_char = 1 as *mut c_char;
+        let mut out: *mut c_char = std::ptr::dangling_mut::<c_char>();
         let st = unsafe { fo_checkpoint_diff_json(a.as_ptr(), a.as_ptr(), -1.0, 0.0, &mut out) };
         assert_ne!(st, 0);
         assert!(out.is_null());

@@ -1,4 +1,5 @@
-//! What an interrupted `fo` removes: partial output registered while a command writes it.
+//! What an interrupted `fo` removes: partial output registered while a command writes it,
+//! removed by a forked child once the interrupted process is gone.
 //!
 //! SIGINT, SIGTERM and SIGHUP are blocked in every thread at start (threads inherit the
 //! mask; `std::process::Command` resets it for children) and taken by one thread with
