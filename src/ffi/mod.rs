@@ -15,6 +15,7 @@ mod ckpt_info;
 mod comm;
 mod gpu;
 mod optim;
+mod overlap;
 mod save;
 mod shard;
 
@@ -24,6 +25,7 @@ pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;
+pub use overlap::*;
 pub use save::*;
 pub use shard::*;
 pub use status::*;

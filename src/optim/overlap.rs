@@ -164,8 +164,8 @@ impl Optimizer {
             return Ok(());
         }
         Err(Error::Busy(format!(
-            "{call}: the optimizer has an overlapped step open (step_begin); finish it with \
-             step_end first"
+            "{call}: the optimizer has an overlapped step open (fo_optimizer_step_begin); \
+             finish it with fo_optimizer_step_end first"
         )))
     }
 
@@ -324,6 +324,15 @@ impl Optimizer {
             delivery.dones.extend(dones);
         });
         Ok(())
+    }
+
+    /// Fails the open step (if any) with `e` as a bad gradient would; returns `e`. For
+    /// callers whose bucket could not even be read (the C ABI).
+    pub fn fail_step(&mut self, e: Error) -> Error {
+        if let Some(open) = self.open.as_mut() {
+            open.failed.get_or_insert_with(|| copy_error(&e));
+        }
+        e
     }
 
     /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
