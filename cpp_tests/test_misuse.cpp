@@ -609,6 +609,63 @@ std::vector<Case> cases() {
   E("fo_optimizer_step", "grad ndim 9", step([](T& g, size_t&) { g.ndim = 9; }));
   E("fo_optimizer_step", "grad device 1", step([](T& g, size_t&) { g.device = 1; }));
 
+  // The overlapped step: each case opens its own step where it needs one.
+  auto opened = [](Fx& f) {
+    Fx::must(fo_optimizer_step_begin(f.opt, nullptr), "step_begin");
+    return f.opt;
+  };
+  auto ready = [opened](std::function<void(int32_t&, T&, size_t&)> edit) {
+    return [opened, edit](Fx& f) {
+      int32_t i = 0;
+      T g = f.grad();
+      size_t n = 1;
+      edit(i, g, n);
+      return fo_optimizer_grads_ready(opened(f), &i, &g, n);
+    };
+  };
+  auto begin_with = [](std::function<void(fo_overlap_options&)> edit) {
+    return [edit](Fx& f) {
+      fo_overlap_options o;
+      fo_overlap_options_default(&o);
+      edit(o);
+      return fo_optimizer_step_begin(f.opt, &o);
+    };
+  };
+  R("fo_overlap_options_default", "out NULL", [](Fx&) { fo_overlap_options_default(nullptr); });
+  E("fo_optimizer_step_begin", "opt NULL", [](Fx&) { return fo_optimizer_step_begin(nullptr, nullptr); });
+  E("fo_optimizer_step_begin", "a step already open", [opened](Fx& f) { return fo_optimizer_step_begin(opened(f), nullptr); });
+  E("fo_optimizer_step_begin", "max_norm NaN", begin_with([](fo_overlap_options& o) { o.max_norm = kNaN; }));
+  E("fo_optimizer_step_begin", "norm_type -1", begin_with([](fo_overlap_options& o) { o.max_norm = 1, o.norm_type = -1; }));
+  E("fo_optimizer_step_begin", "norm_type NaN", begin_with([](fo_overlap_options& o) { o.max_norm = 1, o.norm_type = kNaN; }));
+  E("fo_optimizer_step_begin", "error_if_nonfinite 7", begin_with([](fo_overlap_options& o) { o.error_if_nonfinite = 7; }));
+  E("fo_optimizer_grads_ready", "opt NULL", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_ready(nullptr, &i, &g, 1); });
+  E("fo_optimizer_grads_ready", "no step open", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_ready(f.opt, &i, &g, 1); });
+  E("fo_optimizer_grads_ready", "indices NULL, n 1", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_grads_ready(opened(f), nullptr, &g, 1); });
+  E("fo_optimizer_grads_ready", "grads NULL, n 1", [opened](Fx& f) { int32_t i = 0; return fo_optimizer_grads_ready(opened(f), &i, nullptr, 1); });
+  E("fo_optimizer_grads_ready", "n SIZE_MAX", ready([](int32_t&, T&, size_t& n) { n = SIZE_MAX; }));
+  E("fo_optimizer_grads_ready", "index -1", ready([](int32_t& i, T&, size_t&) { i = -1; }));
+  E("fo_optimizer_grads_ready", "index INT32_MAX", ready([](int32_t& i, T&, size_t&) { i = kI32Max; }));
+  E("fo_optimizer_grads_ready", "grad dtype I8", ready([](int32_t&, T& g, size_t&) { g.dtype = FO_DTYPE_I8; }));
+  E("fo_optimizer_grads_ready", "grad shape differs", ready([](int32_t&, T& g, size_t&) { g.shape = shape5; }));
+  E("fo_optimizer_grads_ready", "grad device 1", ready([](int32_t&, T& g, size_t&) { g.device = 1; }));
+  E("fo_optimizer_grads_ready", "handed over twice", [opened](Fx& f) {
+    int32_t i = 0;
+    T g = f.grad();
+    Fx::must(fo_optimizer_grads_ready(opened(f), &i, &g, 1), "grads_ready");
+    return fo_optimizer_grads_ready(f.opt, &i, &g, 1);
+  });
+  E("fo_optimizer_step_end", "opt NULL", [](Fx&) { return fo_optimizer_step_end(nullptr, nullptr, nullptr); });
+  E("fo_optimizer_step_end", "no step open", [](Fx& f) { return fo_optimizer_step_end(f.opt, nullptr, nullptr); });
+  E("fo_optimizer_step_end", "after a bad gradient", [opened](Fx& f) {
+    int32_t i = 0;
+    T g = f.grad();
+    g.dtype = FO_DTYPE_I8;
+    fo_optimizer_grads_ready(opened(f), &i, &g, 1);
+    fo_overlap_stats st;
+    return fo_optimizer_step_end(f.opt, nullptr, &st);
+  });
+  E("fo_optimizer_step", "a step open", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_step(opened(f), &g, 1); });
+
   auto get = [](std::function<void(int32_t&, const char*&, T&)> edit) {
     return [edit](Fx& f) {
       int32_t i = 0;

@@ -499,6 +499,45 @@ typedef struct fo_optim_config {
 } fo_optim_config;
 
 /*
+ How an overlapped step clips, and how much it may keep to undo early steps
+ (`fo_overlap_options_default` fills the defaults; all-zero is valid too).
+ `max_norm` > 0 clips the gradients' total `norm_type`-norm (> 0, or INFINITY) to it as
+ `fo_clip_grad_norm` does; <= 0: no clipping. `error_if_nonfinite` (0/1): a non-finite
+ total fails the step, nothing changed or scaled. `undo_budget_bytes`: the most the
+ undo records of parameters stepped before `fo_optimizer_step_end` may hold (parameter
+ bytes + state bytes); parameters past it are stepped at `fo_optimizer_step_end`;
+ 0: no bound.
+ */
+typedef struct fo_overlap_options {
+  double max_norm;
+  double norm_type;
+  int32_t error_if_nonfinite;
+  uint64_t undo_budget_bytes;
+} fo_overlap_options;
+
+/*
+ What an overlapped step did, written by `fo_optimizer_step_end` (also when it fails).
+ `handed_over`: parameters whose gradients were handed over; of those `speculative`
+ were stepped before step_end (with an undo record) and `deferred` at step_end (past
+ the undo budget, or device work). `rolled_back`, `rolled_back_bytes`, `rollback_ns`:
+ early steps undone (the clip coefficient was < 1, or the step failed), the bytes
+ copied back and the time it took. `undo_high_water_bytes`: the most the undo records
+ held. `total_norm`: the gradients' total norm, `fo_clip_grad_norm`'s bits (-1 when not
+ clipping). `clipped`: 1 when the gradients were scaled and every parameter re-stepped.
+ */
+typedef struct fo_overlap_stats {
+  uint64_t handed_over;
+  uint64_t speculative;
+  uint64_t deferred;
+  uint64_t rolled_back;
+  uint64_t rolled_back_bytes;
+  uint64_t rollback_ns;
+  uint64_t undo_high_water_bytes;
+  double total_norm;
+  int32_t clipped;
+} fo_overlap_stats;
+
+/*
  How to save asynchronously: `pack` as for `fo_state_save`, and
  `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
  mutation of state the writer has not taken yet copies it into the pool first, or waits
@@ -1081,6 +1120,57 @@ fo_status fo_set_num_threads(int32_t n);
  The number of threads the next step will use.
  */
 fo_status fo_get_num_threads(int32_t *out);
+
+/*
+ Fills `out` with the defaults: no clipping (`max_norm` 0), `norm_type` 2,
+ `error_if_nonfinite` 0, no undo bound.
+ */
+void fo_overlap_options_default(struct fo_overlap_options *out);
+
+/*
+ Opens an overlapped step: hand gradients over with `fo_optimizer_grads_ready` as
+ backward makes them final, then close it with `fo_optimizer_step_end`. The result
+ (parameters, state, step counters) has the bits of one `fo_optimizer_step` with the
+ same gradients (with clipping: of `fo_clip_grad_norm` over the handed-over gradients
+ in parameter order, then `fo_optimizer_step`). `options` NULL: the defaults. Until
+ step_end every other call on `opt` but `fo_optimizer_num_params`,
+ `fo_optimizer_get_group_config` and `fo_optimizer_param_groups_json` is refused with
+ FO_ERR_BUSY; `fo_optimizer_destroy` waits for the step's work, then puts the
+ parameters back as they were and frees. A step already open: FO_ERR_INVALID_ARGUMENT.
+ */
+fo_status fo_optimizer_step_begin(struct fo_optimizer *opt,
+                                  const struct fo_overlap_options *options);
+
+/*
+ Hands over the final gradients of `n` parameters (`indices[k]`'s gradient is
+ `grads[k]`, as for `fo_optimizer_step`: F32/BF16/F16, any strides on the host, on the
+ parameter's device or, for a host parameter, on a device; `data == NULL`: no gradient,
+ the entry is ignored) and returns while fo steps
+ them on its thread pool. Any order, any number of calls; parameters never handed over
+ are skipped. The gradients' memory must stay valid, and unchanged by the caller, until
+ `fo_optimizer_step_end` returns (with clipping it may scale them in place). A bad
+ gradient, an index out of range or handed over twice is returned at once (nothing of
+ this call is taken) and fails the step at step_end, which then changes nothing. No
+ step open: FO_ERR_INVALID_ARGUMENT.
+ */
+fo_status fo_optimizer_grads_ready(struct fo_optimizer *opt,
+                                   const int32_t *indices,
+                                   const struct fo_tensor *grads,
+                                   size_t n);
+
+/*
+ Closes the overlapped step: waits for fo's pool, and returns the step's status. With
+ clipping, combines the total norm through `comm` (collective: every rank calls
+ step_end; NULL: this rank alone), and if `max_norm / (total + 1e-6)` < 1 puts the early
+ steps back, scales the handed-over gradients in place exactly as `fo_clip_grad_norm`
+ does (they stay scaled, as after it) and steps every handed-over parameter again. On
+ error no parameter and no state has changed. `stats` (NULL: not wanted) is written
+ either way. No step open: FO_ERR_INVALID_ARGUMENT; `comm` busy: FO_ERR_BUSY with the
+ step still open (call again).
+ */
+fo_status fo_optimizer_step_end(struct fo_optimizer *opt,
+                                struct fo_comm *comm,
+                                struct fo_overlap_stats *stats);
 
 /*
  Starts saving the optimizer's state into `dir` in the background and returns once a

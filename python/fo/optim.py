@@ -89,6 +89,27 @@ _set_stream = declare("fo_optimizer_set_stream", [_P, ctypes.c_void_p])
 _set_mirror = declare("fo_optimizer_set_mirror", [_P, ctypes.c_int32, _tp])
 
 
+class OverlapOptions(ctypes.Structure):
+    """`fo_overlap_options`, field for field."""
+    _fields_ = [("max_norm", ctypes.c_double), ("norm_type", ctypes.c_double),
+                ("error_if_nonfinite", ctypes.c_int32), ("undo_budget_bytes", ctypes.c_uint64)]
+
+
+class OverlapStats(ctypes.Structure):
+    """`fo_overlap_stats`, field for field."""
+    _fields_ = [("handed_over", ctypes.c_uint64), ("speculative", ctypes.c_uint64),
+                ("deferred", ctypes.c_uint64), ("rolled_back", ctypes.c_uint64),
+                ("rolled_back_bytes", ctypes.c_uint64), ("rollback_ns", ctypes.c_uint64),
+                ("undo_high_water_bytes", ctypes.c_uint64), ("total_norm", ctypes.c_double),
+                ("clipped", ctypes.c_int32)]
+
+
+_overlap_default = declare("fo_overlap_options_default", [ctypes.POINTER(OverlapOptions)], None)
+_step_begin = declare("fo_optimizer_step_begin", [_P, ctypes.POINTER(OverlapOptions)])
+_grads_ready = declare("fo_optimizer_grads_ready", [_P, _i32p, _tp, ctypes.c_size_t])
+_step_end = declare("fo_optimizer_step_end", [_P, ctypes.c_void_p, ctypes.POINTER(OverlapStats)])
+
+
 def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
     """FlashOptim's defaults for `algorithm`, then `hp` (lr, betas=(b1, b2), eps,
     weight_decay, momentum, dampening, nesterov, decouple_lr, initial_lr,
@@ -182,6 +203,45 @@ class Optimizer:
         args = [None if g is None else TensorArg(g) for g in grads]
         arr = tensor_array(args)
         check(_step(self._handle, arr, len(args)))
+
+    def step_begin(self, max_norm: float | None = None, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False, undo_budget_bytes: int = 0) -> None:
+        """Opens an overlapped step: hand gradients over with `grads_ready` as they become
+        final, then `step_end`. Same bits as `step` (with `max_norm`: as
+        `fo.clip_grad_norm` over the handed-over gradients in parameter order, then
+        `step`). `undo_budget_bytes`: 0 = no bound. See `fo_optimizer_step_begin`."""
+        o = OverlapOptions()
+        _overlap_default(ctypes.byref(o))
+        o.max_norm = 0.0 if max_norm is None else max_norm
+        o.norm_type = norm_type
+        o.error_if_nonfinite = int(error_if_nonfinite)
+        o.undo_budget_bytes = undo_budget_bytes
+        check(_step_begin(self._handle, ctypes.byref(o)))
+        self._overlap_refs: list[Any] = []
+
+    def grads_ready(self, indices: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        """Hands over the final gradients of parameters `indices` (any strides); fo steps
+        them on its pool and this returns at once. The arrays are kept referenced until
+        `step_end` (fo reads them until then, and with clipping may scale them in place)."""
+        if len(indices) != len(grads):
+            raise ValueError(f"{len(indices)} indices for {len(grads)} gradients")
+        args = [TensorArg(g) for g in grads]
+        idx = (ctypes.c_int32 * max(len(args), 1))(*indices)
+        self.__dict__.setdefault("_overlap_refs", []).append(args)
+        check(_grads_ready(self._handle, idx, tensor_array(args), len(args)))
+
+    def step_end(self, comm: Any = None) -> dict[str, Any]:
+        """Closes the overlapped step (waits for fo's pool) and returns its stats as a dict
+        (`speculative`, `rolled_back`, `undo_high_water_bytes`, `total_norm`, ...). `comm`:
+        a `fo.Comm` for the clip norm across ranks (every rank calls step_end), or None."""
+        st = OverlapStats()
+        status = _step_end(self._handle, None if comm is None else comm._h, ctypes.byref(st))
+        if status != C.FO_ERR_BUSY:  # busy: the step is still open and reads the gradients
+            self.__dict__.pop("_overlap_refs", None)
+        check(status)
+        out: dict[str, Any] = {f: getattr(st, f) for f, _ in OverlapStats._fields_}
+        out["clipped"] = bool(out["clipped"])
+        return out
 
     def state_info(self, index: int, key: str) -> tuple[int, tuple[int, ...]]:
         dt, nd = ctypes.c_int32(0), ctypes.c_int32(0)

@@ -37,12 +37,8 @@ struct Partial {
     nonfinite: f64,
 }
 
-unsafe fn local_partial(
-    grads: &[ClipGrad],
-    max_norm: f64,
-    p: f64,
-    stream: usize,
-) -> Result<Partial> {
+/// `max_norm` >= 0 and `norm_type` > 0 (or infinity).
+pub(crate) fn check_norm_args(max_norm: f64, p: f64) -> Result<()> {
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::invalid(
             "max_norm",
@@ -55,6 +51,16 @@ unsafe fn local_partial(
             format!("must be > 0 or infinity, got {p}"),
         ));
     }
+    Ok(())
+}
+
+unsafe fn local_partial(
+    grads: &[ClipGrad],
+    max_norm: f64,
+    p: f64,
+    stream: usize,
+) -> Result<Partial> {
+    check_norm_args(max_norm, p)?;
     for (i, c) in grads.iter().enumerate() {
         let g = &c.tensor;
         if !matches!(
@@ -83,13 +89,20 @@ unsafe fn local_partial(
             })?;
         }
     }
+    let norms = norms::norms(grads, p, stream)?;
+    Ok(fold(grads.iter().map(|g| g.is_shard).zip(norms), p))
+}
+
+/// Adds up per-gradient `(largest |g|, sum |g|^p)` in list order: shards into one sum,
+/// replicated gradients into another (max for the infinity norm).
+fn fold(per: impl Iterator<Item = (bool, (f64, f64))>, p: f64) -> Partial {
     let mut part = Partial {
         shard_max: 0.0,
         shard_sum: 0.0,
         replicated: 0.0,
         nonfinite: 0.0,
     };
-    for (g, (mx, sum)) in grads.iter().zip(norms::norms(grads, p, stream)?) {
+    for (is_shard, (mx, sum)) in per {
         part.nonfinite = part.nonfinite.max(if mx.is_nan() {
             2.0
         } else if mx.is_infinite() {
@@ -97,7 +110,7 @@ unsafe fn local_partial(
         } else {
             0.0
         });
-        if g.is_shard {
+        if is_shard {
             part.shard_max = part.shard_max.max(mx);
             part.shard_sum += sum;
         } else if p.is_infinite() {
@@ -106,7 +119,7 @@ unsafe fn local_partial(
             part.replicated += sum;
         }
     }
-    Ok(part)
+    part
 }
 
 /// The total `norm_type`-norm of all ranks' gradients (`f64::INFINITY`: the max norm);
@@ -149,7 +162,31 @@ pub unsafe fn clip_grad_norm_checked(
 ) -> Result<f64> {
     let local =
         grads.and_then(|g| local_partial(&g, max_norm, norm_type, comm.stream()).map(|p| (g, p)));
-    let (grads, part) = agree(comm, local)?;
+    let (grads, part) = match local {
+        Ok((g, p)) => (g, Ok(p)),
+        Err(e) => (Vec::new(), Err(e)),
+    };
+    let total = reduce_total(comm, part, max_norm, norm_type, error_if_nonfinite)?;
+    let coef = clip_coef(max_norm, total);
+    if needs_scaling(coef) {
+        norms::scale_all(&grads, coef, comm.stream())?;
+    }
+    Ok(total)
+}
+
+/// The collective half of `clip_grad_norm`: every rank's partial results (or its local
+/// error, which then fails every rank alike) combined into the total norm, with the
+/// checks that every rank passed the same arguments and `error_if_nonfinite`'s refusal.
+/// The overlapped step (`optim::overlap`) combines its per-gradient partials here too,
+/// so its total has `clip_grad_norm`'s bits.
+fn reduce_total(
+    comm: &Comm,
+    local: Result<Partial>,
+    max_norm: f64,
+    norm_type: f64,
+    error_if_nonfinite: bool,
+) -> Result<f64> {
+    let part = agree(comm, local)?;
     // Replicated gradients are identical on every rank: counted once, and made
     // bit-identical by the max (their |g|^p sum for finite p, their max for infinity).
     // The same all-reduce checks that every rank passed the same norm_type, max_norm and
@@ -206,11 +243,55 @@ pub unsafe fn clip_grad_norm_checked(
             "the total {norm_type}-norm of the gradients is {total}; nothing was scaled"
         )));
     }
-    let coef = max_norm / (total + EPS);
-    if coef < 1.0 || coef.is_nan() {
-        norms::scale_all(&grads, coef, comm.stream())?;
-    }
     Ok(total)
+}
+
+/// `clip_grad_norm`'s total from per-gradient `(is_shard, (largest |g|, sum |g|^p))` in
+/// list order (each from `grad_norms`), or this rank's local error; collective as
+/// `clip_grad_norm`.
+pub(crate) fn total_from_partials(
+    comm: &Comm,
+    local: Result<Vec<(bool, (f64, f64))>>,
+    max_norm: f64,
+    norm_type: f64,
+    error_if_nonfinite: bool,
+) -> Result<f64> {
+    let local = local.and_then(|per| {
+        check_norm_args(max_norm, norm_type)?;
+        Ok(fold(per.into_iter(), norm_type))
+    });
+    reduce_total(comm, local, max_norm, norm_type, error_if_nonfinite)
+}
+
+/// torch's clip coefficient `max_norm / (total + 1e-6)` (used unclamped: it scales only
+/// when `needs_scaling`, which is torch's `clamp(max=1)` without a multiply by 1).
+pub(crate) fn clip_coef(max_norm: f64, total: f64) -> f64 {
+    max_norm / (total + EPS)
+}
+
+/// Whether `clip_grad_norm` scales the gradients for clip coefficient `coef`.
+pub(crate) fn needs_scaling(coef: f64) -> bool {
+    coef < 1.0 || coef.is_nan()
+}
+
+/// Each gradient's `(largest |g|, sum of |g|^p)`, as `clip_grad_norm` computes it.
+///
+/// # Safety
+/// As `clip_grad_norm`; the gradients are F32, BF16 or F16 (on a device: contiguous).
+pub(crate) unsafe fn grad_norms(
+    grads: &[ClipGrad],
+    p: f64,
+    stream: usize,
+) -> Result<Vec<(f64, f64)>> {
+    norms::norms(grads, p, stream)
+}
+
+/// Scales every gradient by `coef` as `clip_grad_norm` does.
+///
+/// # Safety
+/// As `clip_grad_norm`.
+pub(crate) unsafe fn scale_grads(grads: &[ClipGrad], coef: f64, stream: usize) -> Result<()> {
+    norms::scale_all(grads, coef, stream)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod ckpt_tools;
 mod comm;
 mod gpu;
 mod optim;
+mod overlap;
 mod save;
 mod shard;
 
@@ -26,6 +27,7 @@ pub use codes::*;
 pub use comm::*;
 pub use gpu::*;
 pub use optim::*;
+pub use overlap::*;
 pub use save::*;
 pub use shard::*;
 pub use status::*;

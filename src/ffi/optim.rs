@@ -111,12 +111,17 @@ impl fo_optim_config {
 }
 
 /// The optimizer behind `p`, held for `call` (the exported function's name) until the
-/// returned guard drops: FO_ERR_BUSY if another call holds it.
+/// returned guard drops: FO_ERR_BUSY if another call holds it, or if an overlapped step
+/// is open and `call` is not one it lets through (`overlap::ALLOWED_WHILE_OPEN`).
 pub(super) unsafe fn enter_opt<'a>(
     p: *const fo_optimizer,
     call: &'static str,
 ) -> Result<Entered<'a, Optimizer>> {
-    enter(p, call)
+    let opt = enter(p, call)?;
+    if !super::overlap::ALLOWED_WHILE_OPEN.contains(&call) {
+        opt.refuse_if_step_open(call)?;
+    }
+    Ok(opt)
 }
 
 pub(super) fn index(i: i32, what: &str) -> Result<usize> {

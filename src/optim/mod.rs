@@ -13,7 +13,8 @@
 //!   `staging`: device parameters and state seen from the host, for state_io and checkpoints;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan; `offload_step`:
 //!   host parameters with device gradients and device mirrors;
-//!   `threads`: fo's thread pool;
+//!   `threads`: fo's thread pool; `overlap`: the overlapped step (parameters stepped
+//!   as their gradients arrive, bit-identical to one step, clipping included);
 //! - `gpu`: the GPU kernels' source (proven on the host), the launch table, and with
 //!   feature `cuda` the launch path and device state; `device_step`: the device half of
 //!   the step (not run on a GPU yet).
@@ -27,6 +28,9 @@ pub mod numerics;
 pub mod offload;
 mod offload_step;
 pub mod optimizer;
+pub mod overlap;
+mod overlap_end;
+mod overlap_task;
 pub mod quant8;
 pub mod rule;
 mod save_hooks;

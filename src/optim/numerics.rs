@@ -8,9 +8,10 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::config::OptimConfig;
 use super::kernel::CHUNK;
 use super::master_split::Half;
-use super::optimizer::Optimizer;
+use super::optimizer::{Optimizer, Param};
 use super::quant8::GROUP;
 use super::state::{Moment, ParamState};
 use crate::dtype::DType;
@@ -74,40 +75,83 @@ pub(crate) unsafe fn check(
     bytes: &[Option<&[u8]>],
 ) -> Result<()> {
     for (i, p) in opt.params.iter().enumerate() {
-        let cfg = &opt.groups[p.group];
-        let (Some(b), Some(g)) = (bytes[i], &grads[i]) else {
-            continue;
-        };
-        if !cfg.check_numerics || p.tensor.numel() == 0 {
-            continue;
-        }
-        if let Some(j) = non_finite_at(b, g.dtype()) {
-            return Err(Error::Numerics(format!(
-                "gradient of {} holds a non-finite value at flat index {j}; nothing was updated",
-                p.fqn
-            )));
-        }
-        if cfg.lr == 0.0 {
-            continue;
-        }
-        let maxabs = max_abs(&p.tensor) as f64;
-        if maxabs <= 0.0 || !maxabs.is_finite() {
-            continue;
-        }
-        let needed = log2_min_step(p.tensor.dtype(), maxabs, cfg.master_weight_bits);
-        if needed > cfg.lr.log2() {
-            return Err(Error::Numerics(format!(
-                "parameter {}: learning rate {:.3e} yields steps that may be too small to change its largest \
-                 value {maxabs:.4e} ({} with master_weight_bits {}; resolution {:.4e}); nothing was updated",
-                p.fqn,
-                cfg.lr,
-                p.tensor.dtype(),
-                cfg.master_weight_bits,
-                needed.exp2()
-            )));
+        if let (Some(b), Some(g)) = (bytes[i], &grads[i]) {
+            check_param(p, &opt.groups[p.group], b, g.dtype())?;
         }
     }
     Ok(())
+}
+
+/// `check` for one host parameter `p` of a group with config `cfg`, given its gradient's
+/// contiguous bytes `b` of dtype `grad_dtype`.
+///
+/// # Safety
+/// `p`'s memory must be valid for reads.
+pub(crate) unsafe fn check_param(
+    p: &Param,
+    cfg: &OptimConfig,
+    b: &[u8],
+    grad_dtype: DType,
+) -> Result<()> {
+    if !cfg.check_numerics || p.tensor.numel() == 0 {
+        return Ok(());
+    }
+    if let Some(j) = non_finite_at(b, grad_dtype) {
+        return Err(Error::Numerics(format!(
+            "gradient of {} holds a non-finite value at flat index {j}; nothing was updated",
+            p.fqn
+        )));
+    }
+    if cfg.lr == 0.0 {
+        return Ok(());
+    }
+    let maxabs = max_abs(&p.tensor) as f64;
+    if maxabs <= 0.0 || !maxabs.is_finite() {
+        return Ok(());
+    }
+    let needed = log2_min_step(p.tensor.dtype(), maxabs, cfg.master_weight_bits);
+    if needed > cfg.lr.log2() {
+        return Err(Error::Numerics(format!(
+            "parameter {}: learning rate {:.3e} yields steps that may be too small to change its largest \
+             value {maxabs:.4e} ({} with master_weight_bits {}; resolution {:.4e}); nothing was updated",
+            p.fqn,
+            cfg.lr,
+            p.tensor.dtype(),
+            cfg.master_weight_bits,
+            needed.exp2()
+        )));
+    }
+    Ok(())
+}
+
+/// What in stepped host parameter `p` is non-finite, if anything: its memory, or a
+/// moment of its state (named for `Undo::check_result`'s message).
+///
+/// # Safety
+/// `p`'s memory must be valid for reads.
+pub(crate) unsafe fn result_non_finite(p: &Param) -> Option<String> {
+    let b = p
+        .tensor
+        .contiguous_bytes()
+        .expect("parameters are contiguous");
+    if let Some(j) = non_finite_at(b, p.tensor.dtype()) {
+        return Some(format!("parameter {} at flat index {j}", p.fqn));
+    }
+    let st = p.state.as_ref()?;
+    [("exp_avg", &st.m), ("exp_avg_sq", &st.v)]
+        .into_iter()
+        .find_map(|(name, m)| {
+            let j = moment_non_finite_at(m.as_ref()?)?;
+            Some(format!("state {name} of {} at flat index {j}", p.fqn))
+        })
+}
+
+/// The message of a step that made `what` non-finite.
+pub(crate) fn non_finite_result(what: &str) -> Error {
+    Error::Numerics(format!(
+        "the step made {what} non-finite (check the hyper-parameters and the loss \
+         scale); nothing was updated"
+    ))
 }
 
 /// What a step with `check_numerics` on may have to put back: the bytes and state of
@@ -144,23 +188,7 @@ impl Undo {
     /// After the step: if a recorded parameter, or its state, holds a non-finite value,
     /// puts every recorded parameter back and fails with `Error::Numerics` naming it.
     pub(crate) unsafe fn check_result(self, opt: &mut Optimizer) -> Result<()> {
-        let bad = self.saved.iter().find_map(|&(i, _, _)| {
-            let p = &opt.params[i];
-            let b = p
-                .tensor
-                .contiguous_bytes()
-                .expect("parameters are contiguous");
-            if let Some(j) = non_finite_at(b, p.tensor.dtype()) {
-                return Some(format!("parameter {} at flat index {j}", p.fqn));
-            }
-            let st = p.state.as_ref()?;
-            [("exp_avg", &st.m), ("exp_avg_sq", &st.v)]
-                .into_iter()
-                .find_map(|(name, m)| {
-                    let j = moment_non_finite_at(m.as_ref()?)?;
-                    Some(format!("state {name} of {} at flat index {j}", p.fqn))
-                })
-        });
+        let bad = (self.saved.iter()).find_map(|&(i, _, _)| result_non_finite(&opt.params[i]));
         let Some(what) = bad else {
             return Ok(());
         };
@@ -172,10 +200,7 @@ impl Undo {
                 .copy_from_slice(&bytes);
             p.state = state;
         }
-        Err(Error::Numerics(format!(
-            "the step made {what} non-finite (check the hyper-parameters and the loss \
-             scale); nothing was updated"
-        )))
+        Err(non_finite_result(&what))
     }
 }
 

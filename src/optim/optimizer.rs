@@ -11,6 +11,7 @@ use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
 use super::offload_step::{Mirror, Pinned};
+use super::overlap::OpenStep;
 use super::rule::Rule;
 use super::state::ParamState;
 use super::threads;
@@ -72,6 +73,9 @@ pub struct Optimizer {
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
     pub(crate) save: Option<Arc<Snapshot>>,
+    /// The overlapped step in progress (`overlap`), if any: while it is open every other
+    /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
+    pub(crate) open: Option<Box<OpenStep>>,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -104,6 +108,7 @@ impl Optimizer {
             stream: 0,
             pinned: Vec::new(),
             save: None,
+            open: None,
         })
     }
 
@@ -136,6 +141,7 @@ impl Optimizer {
     /// bits fix the layout of state already created, so they cannot change.
     pub fn set_group_config(&mut self, group: usize, cfg: OptimConfig) -> Result<()> {
         self.check_group(group)?;
+        self.refuse_if_step_open("set_group_config")?;
         cfg.validate()?;
         let old = &self.groups[group];
         for (name, same) in [
@@ -213,6 +219,7 @@ impl Optimizer {
         device: i32,
     ) -> Result<usize> {
         self.check_group(group)?;
+        self.refuse_if_step_open("add_param")?;
         if self.save_in_flight().is_some() {
             // The writer reads parameters through the table; it must not move.
             return Err(Error::invalid(
@@ -358,6 +365,40 @@ impl Optimizer {
         StateLayout::of(&self.groups[p.group], p.tensor.dtype()).zeroed(p.tensor.numel())
     }
 
+    /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
+    /// dtype and device, and that it does not overlap parameter memory the step writes.
+    pub(crate) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+        let p = &self.params[i];
+        if g.shape() != p.tensor.shape() {
+            return Err(Error::Shape(format!(
+                "gradient of {}: shape {:?} does not match the parameter's {:?}",
+                p.fqn,
+                g.shape(),
+                p.tensor.shape()
+            )));
+        }
+        if !is_param_dtype(g.dtype()) {
+            return Err(Error::Dtype(format!(
+                "gradient of {}: dtype {} is not one of F32, BF16, F16",
+                p.fqn,
+                g.dtype()
+            )));
+        }
+        self.check_grad_device(i, g, device)?;
+        // Parameters are written while gradients are read, from several threads (or
+        // GPU threads: the check compares addresses only).
+        if let Some(q) = self.overlapping_param(g) {
+            return Err(Error::invalid(
+                "grads",
+                format!(
+                    "the gradient of {} overlaps the memory of parameter {}, which the step writes",
+                    p.fqn, self.params[q].fqn
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// One optimizer step. `grads[i]` is parameter `i`'s gradient, `None` to skip it
     /// (no state is created for it). Everything is validated before anything is written:
     /// on error, parameters and state are unchanged.
@@ -379,6 +420,7 @@ impl Optimizer {
     /// As `step`; device gradients must be memory of their device, valid until the
     /// launched kernels have run.
     pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
+        self.refuse_if_step_open("step")?;
         if devices.len() != grads.len() {
             return Err(Error::invalid(
                 "devices",
@@ -401,38 +443,12 @@ impl Optimizer {
         }
         // Strided gradients are gathered into contiguous copies first.
         let mut gathered: Vec<Option<Vec<u8>>> = Vec::with_capacity(grads.len());
-        for (i, (p, g)) in self.params.iter().zip(grads).enumerate() {
+        for (i, g) in grads.iter().enumerate() {
             let Some(g) = g else {
                 gathered.push(None);
                 continue;
             };
-            if g.shape() != p.tensor.shape() {
-                return Err(Error::Shape(format!(
-                    "gradient of {}: shape {:?} does not match the parameter's {:?}",
-                    p.fqn,
-                    g.shape(),
-                    p.tensor.shape()
-                )));
-            }
-            if !is_param_dtype(g.dtype()) {
-                return Err(Error::Dtype(format!(
-                    "gradient of {}: dtype {} is not one of F32, BF16, F16",
-                    p.fqn,
-                    g.dtype()
-                )));
-            }
-            self.check_grad_device(i, g, devices[i])?;
-            // Parameters are written while gradients are read, from several threads (or
-            // GPU threads: the check compares addresses only).
-            if let Some(q) = self.overlapping_param(g) {
-                return Err(Error::invalid(
-                    "grads",
-                    format!(
-                        "the gradient of {} overlaps the memory of parameter {}, which the step writes",
-                        p.fqn, self.params[q].fqn
-                    ),
-                ));
-            }
+            self.check_grad(i, g, devices[i])?;
             gathered.push(if g.is_contiguous() || devices[i] >= 0 {
                 None
             } else {

@@ -55,6 +55,7 @@ impl Optimizer {
             stream: self.stream,
             pinned: self.params.iter().map(|_| None).collect(),
             save: None,
+            open: None,
         }
     }
 }

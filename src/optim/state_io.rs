@@ -253,6 +253,7 @@ impl Optimizer {
     /// anything changes; on error nothing is modified.
     pub fn set_states(&mut self, i: usize, entries: &[(String, Tensor)]) -> Result<()> {
         self.check_index(i)?;
+        self.refuse_if_step_open("set_state")?;
         let mut st: ParamState = match self.staged_state(i)? {
             Some(s) => s.into_owned(),
             None => self.new_state(i),

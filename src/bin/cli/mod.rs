@@ -19,6 +19,7 @@ mod bench_ckpt;
 mod bench_ckpt_async;
 mod bench_clip;
 mod bench_dir;
+mod bench_overlap;
 mod bench_step;
 mod bench_util;
 mod ckpt;
@@ -105,6 +106,9 @@ pub enum BenchCommand {
     Ckpt(bench_ckpt::BenchCkptArgs),
     /// fo_clip_grad_norm on host gradients (norm, norm + scale) vs a copy of the same bytes.
     Clip(bench_clip::ClipArgs),
+    /// The overlapped step (step_begin / grads_ready / step_end) behind a synthetic backward:
+    /// iteration times and the exposed step vs backward-then-step, with and without clipping.
+    Overlap(bench_overlap::OverlapArgs),
 }
 
 /// Parses the command line. Every command takes negative numbers as values, so
@@ -142,6 +146,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
             BenchCommand::Broadcast(a) => bench_broadcast::run(&a),
             BenchCommand::Ckpt(a) => bench_ckpt::run(&a),
             BenchCommand::Clip(a) => bench_clip::run(&a),
+            BenchCommand::Overlap(a) => bench_overlap::run(&a),
         },
         Command::Completions { shell } => {
             // Generated into memory first: clap_complete panics on a write error, and a

@@ -1,0 +1,213 @@
+// The overlapped step through the C ABI (fo_optimizer_step_begin / _grads_ready /
+// _step_end): bit-identical to fo_optimizer_step with the same gradients, handed over in
+// reverse order and in buckets; with clipping, to fo_clip_grad_norm then
+// fo_optimizer_step (clipping that triggers and that does not); a bad gradient fails the
+// step with nothing changed; misuse is an error; destroy with a step open restores.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "check.hpp"
+
+namespace {
+
+const std::vector<std::vector<int64_t>> kShapes = {{300}, {7, 9}, {2048 + 77}, {5}};
+
+uint16_t bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+int64_t numel(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+// Deterministic values in [-scale, scale] as bf16 bits.
+std::vector<uint16_t> values(int64_t n, uint32_t seed, float scale) {
+  std::vector<uint16_t> v((size_t)n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (auto& e : v) {
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    e = bf16(((float)(x % 20001) / 10000.0f - 1.0f) * scale);
+  }
+  return v;
+}
+
+fo_tensor view(void* data, const std::vector<int64_t>& shape) {
+  return fo_tensor{data, FO_DTYPE_BF16, (int32_t)shape.size(), shape.data(), nullptr, FO_DEVICE_HOST};
+}
+
+struct Model {
+  fo_optimizer* opt = nullptr;
+  std::vector<std::vector<uint16_t>> params;
+  Model() {
+    fo_optim_config cfg;
+    fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);  // quant8 state, 24-bit masters
+    cfg.lr = cfg.initial_lr = 1e-2;
+    CHECK_OK(fo_optimizer_create(&cfg, &opt));
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      params.push_back(values(numel(kShapes[i]), 7 + (uint32_t)i, 1.0f));
+      fo_tensor t = view(params[i].data(), kShapes[i]);
+      int32_t idx = -1;
+      CHECK_OK(fo_optimizer_add_param(opt, ("p" + std::to_string(i)).c_str(), &t, nullptr, &idx));
+    }
+  }
+  ~Model() { fo_optimizer_destroy(opt); }
+  // Parameters and every state entry, raw.
+  std::string bits() const {
+    std::string out;
+    for (auto& p : params) out.append((const char*)p.data(), p.size() * 2);
+    for (int32_t i = 0; i < (int32_t)params.size(); ++i) {
+      char keys[1024];
+      size_t len = 0;
+      CHECK_OK(fo_optimizer_state_keys(opt, i, keys, sizeof keys, &len));
+      std::string all(keys), key;
+      for (size_t at = 0; at <= all.size(); ++at) {
+        if (at < all.size() && all[at] != '\n') {
+          key += all[at];
+          continue;
+        }
+        if (key.empty()) continue;
+        int32_t dt = 0, nd = 0;
+        int64_t shape[FO_MAX_DIMS];
+        CHECK_OK(fo_optimizer_state_info(opt, i, key.c_str(), &dt, &nd, shape));
+        int64_t n = 1;
+        for (int d = 0; d < nd; ++d) n *= shape[d];
+        size_t width = dt == FO_DTYPE_F32 || dt == FO_DTYPE_I32 ? 4 : dt == FO_DTYPE_I64 || dt == FO_DTYPE_F64 ? 8
+                       : dt == FO_DTYPE_I8 || dt == FO_DTYPE_U8 ? 1 : 2;
+        std::string buf((size_t)n * width + 1, '\0');
+        std::vector<int64_t> sh(shape, shape + nd);
+        fo_tensor t{&buf[0], dt, nd, sh.data(), nullptr, FO_DEVICE_HOST};
+        CHECK_OK(fo_optimizer_get_state(opt, i, key.c_str(), &t));
+        out += key + buf;
+        key.clear();
+      }
+    }
+    return out;
+  }
+};
+
+struct Grads {
+  std::vector<std::vector<uint16_t>> data;
+  std::vector<fo_tensor> views;
+  Grads(uint32_t seed, float scale) {
+    for (size_t i = 0; i < kShapes.size(); ++i) data.push_back(values(numel(kShapes[i]), seed * 31 + (uint32_t)i, scale));
+    for (size_t i = 0; i < kShapes.size(); ++i) views.push_back(view(data[i].data(), kShapes[i]));
+  }
+};
+
+// Hands everything over in reverse order, two buckets, and ends the step.
+fo_status overlapped(Model& m, Grads& g, const fo_overlap_options* o, fo_overlap_stats* st) {
+  CHECK_OK(fo_optimizer_step_begin(m.opt, o));
+  int32_t late[2] = {3, 2}, early[2] = {1, 0};
+  fo_tensor a[2] = {g.views[3], g.views[2]}, b[2] = {g.views[1], g.views[0]};
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, late, a, 2));
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, early, b, 2));
+  return fo_optimizer_step_end(m.opt, nullptr, st);
+}
+
+void same_bits_as_one_step() {
+  Model a, b;
+  for (uint32_t s = 0; s < 3; ++s) {
+    Grads ga(s, 1.0f), gb(s, 1.0f);
+    CHECK_OK(fo_optimizer_step(a.opt, ga.views.data(), ga.views.size()));
+    fo_overlap_stats st;
+    CHECK_OK(overlapped(b, gb, nullptr, &st));
+    CHECK(st.handed_over == 4 && st.speculative == 4 && st.rolled_back == 0 && st.total_norm == -1.0);
+    CHECK(st.undo_high_water_bytes > 0);
+    CHECK(a.bits() == b.bits());
+  }
+}
+
+void clipping_equals_clip_then_step() {
+  fo_comm* comm = nullptr;
+  CHECK_OK(fo_comm_create_local_group(1, 5.0, &comm));
+  for (double max_norm : {0.5, 1e6}) {
+    Model a, b;
+    for (uint32_t s = 0; s < 2; ++s) {
+      Grads ga(s + 10, 1.0f), gb(s + 10, 1.0f);
+      std::vector<fo_clip_grad> cg;
+      for (auto& v : ga.views) cg.push_back(fo_clip_grad{v, 0});
+      double total = 0;
+      CHECK_OK(fo_clip_grad_norm(comm, cg.data(), (int64_t)cg.size(), max_norm, 2.0, 0, &total));
+      CHECK_OK(fo_optimizer_step(a.opt, ga.views.data(), ga.views.size()));
+      fo_overlap_options o;
+      fo_overlap_options_default(&o);
+      o.max_norm = max_norm;
+      fo_overlap_stats st;
+      CHECK_OK(overlapped(b, gb, &o, &st));
+      CHECK(std::memcmp(&st.total_norm, &total, sizeof total) == 0);
+      bool clips = max_norm / (total + 1e-6) < 1.0;
+      CHECK(st.clipped == (clips ? 1 : 0));
+      CHECK(st.rolled_back == (clips ? 4u : 0u));
+      CHECK(ga.data == gb.data);  // scaled alike (or not at all)
+      CHECK(a.bits() == b.bits());
+    }
+  }
+  fo_comm_destroy(comm);
+}
+
+void a_bad_gradient_changes_nothing() {
+  Model m;
+  Grads g(3, 1.0f);
+  CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
+  std::string before = m.bits();
+  CHECK_OK(fo_optimizer_step_begin(m.opt, nullptr));
+  int32_t ok[2] = {0, 1};
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, ok, g.views.data(), 2));
+  int32_t bad = 2;
+  fo_tensor wrong = g.views[3];  // p3's shape for p2
+  CHECK_ERR(fo_optimizer_grads_ready(m.opt, &bad, &wrong, 1), FO_ERR_SHAPE, "gradient of p2");
+  fo_overlap_stats st;
+  CHECK_ERR(fo_optimizer_step_end(m.opt, nullptr, &st), FO_ERR_SHAPE, "gradient of p2");
+  CHECK(st.rolled_back == 2 && st.rollback_ns > 0);
+  CHECK(m.bits() == before);
+}
+
+void misuse_is_an_error() {
+  Model m;
+  Grads g(5, 1.0f);
+  int32_t i0 = 0;
+  CHECK_ERR(fo_optimizer_grads_ready(m.opt, &i0, g.views.data(), 1), FO_ERR_INVALID_ARGUMENT, "no overlapped step is open");
+  CHECK_ERR(fo_optimizer_step_end(m.opt, nullptr, nullptr), FO_ERR_INVALID_ARGUMENT, "no overlapped step is open");
+  CHECK_OK(fo_optimizer_step_begin(m.opt, nullptr));
+  CHECK_ERR(fo_optimizer_step_begin(m.opt, nullptr), FO_ERR_INVALID_ARGUMENT, "already open");
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, &i0, g.views.data(), 1));
+  CHECK_ERR(fo_optimizer_step(m.opt, g.views.data(), g.views.size()), FO_ERR_BUSY, "fo_optimizer_step: ");
+  uint64_t bytes = 0;
+  CHECK_ERR(fo_optimizer_state_bytes(m.opt, -1, &bytes), FO_ERR_BUSY, "overlapped step open");
+  int32_t n = 0;
+  CHECK_OK(fo_optimizer_num_params(m.opt, &n));
+  CHECK_ERR(fo_optimizer_grads_ready(m.opt, &i0, g.views.data(), 1), FO_ERR_INVALID_ARGUMENT, "already handed over");
+  CHECK(fo_optimizer_step_end(m.opt, nullptr, nullptr) == FO_ERR_INVALID_ARGUMENT);
+  CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
+}
+
+void destroy_with_a_step_open_restores() {
+  auto* m = new Model();
+  std::vector<std::vector<uint16_t>> before = m->params;
+  Grads g(9, 1.0f);
+  CHECK_OK(fo_optimizer_step_begin(m->opt, nullptr));
+  int32_t all[4] = {0, 1, 2, 3};
+  CHECK_OK(fo_optimizer_grads_ready(m->opt, all, g.views.data(), 4));
+  fo_optimizer_destroy(m->opt);
+  m->opt = nullptr;
+  CHECK(m->params == before);
+  delete m;
+}
+
+}  // namespace
+
+int main() {
+  same_bits_as_one_step();
+  clipping_equals_clip_then_step();
+  a_bad_gradient_changes_nothing();
+  misuse_is_an_error();
+  destroy_with_a_step_open_restores();
+  return fo_test::summary("test_overlap");
+}

@@ -1,0 +1,113 @@
+"""The overlapped step from Python (`Optimizer.step_begin` / `grads_ready` / `step_end`):
+the same bits as `step`, and with clipping as `fo.clip_grad_norm` then `step`, whatever
+the order and bucketing; failures change nothing; misuse raises."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fo
+
+SHAPES = [(300,), (7, 9), (2125,), (5,), (0,)]
+
+
+def make(seed, dtype=ml_dtypes.bfloat16, **hp):
+    rng = np.random.default_rng(seed)
+    opt = fo.Optimizer("adamw", lr=1e-2, **hp)
+    params = [rng.uniform(-1, 1, s).astype(dtype) for s in SHAPES]
+    for i, p in enumerate(params):
+        opt.add_param(f"p{i}", p)
+    return opt, params
+
+
+def grads(seed, dtype=np.float32):
+    rng = np.random.default_rng(1000 + seed)
+    return [rng.uniform(-1, 1, s).astype(dtype) for s in SHAPES]
+
+
+def state(opt):
+    return {(i, k): opt.get_state(i, k).tobytes() for i in range(opt.num_params) for k in opt.state_keys(i)}
+
+
+def overlapped(opt, gs, rng, **options):
+    order = rng.permutation(len(gs))
+    opt.step_begin(**options)
+    at = 0
+    while at < len(order):
+        n = int(rng.integers(1, len(order) - at + 1))
+        idx = [int(i) for i in order[at:at + n]]
+        opt.grads_ready(idx, [gs[i] for i in idx])
+        at += n
+    return opt.step_end()
+
+
+@pytest.mark.parametrize("state_format,bits,dtype", [("quant8", 24, ml_dtypes.bfloat16), ("fp32", 0, np.float32),
+                                                     ("quant8", 0, np.float16)])
+def test_overlapped_step_has_the_bits_of_step(state_format, bits, dtype):
+    a, pa = make(1, dtype, state_format=state_format, master_weight_bits=bits)
+    b, pb = make(1, dtype, state_format=state_format, master_weight_bits=bits)
+    rng = np.random.default_rng(7)
+    for s in range(3):
+        ga, gb = grads(s), grads(s)
+        gb[1] = np.asfortranarray(gb[1])  # a strided gradient
+        a.step(ga)
+        st = overlapped(b, gb, rng)
+        # The empty array has no data pointer: no gradient, in step() as here.
+        assert st["speculative"] == st["handed_over"] == len(SHAPES) - 1
+        assert st["rolled_back"] == 0 and st["total_norm"] == -1
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(pa, pb))
+        assert state(a) == state(b)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clipping_has_the_bits_of_clip_grad_norm_then_step(max_norm):
+    comm = fo.Comm.local_group(1)[0]
+    a, pa = make(2)
+    b, pb = make(2)
+    rng = np.random.default_rng(3)
+    for s in range(2):
+        ga, gb = grads(s), grads(s)
+        total = fo.clip_grad_norm(comm, [(g, False) for g in ga], max_norm)
+        a.step(ga)
+        st = overlapped(b, gb, rng, max_norm=max_norm)
+        assert st["total_norm"] == total
+        assert st["clipped"] == (max_norm / (total + 1e-6) < 1)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(ga, gb)), "gradients scaled alike"
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(pa, pb))
+        assert state(a) == state(b)
+
+
+def test_a_bad_gradient_fails_the_step_and_changes_nothing():
+    opt, params = make(4)
+    gs = grads(0)
+    opt.step(gs)
+    before = [p.copy() for p in params], state(opt)
+    opt.step_begin()
+    opt.grads_ready([0, 2], [gs[0], gs[2]])
+    with pytest.raises(fo.FoError, match="gradient of p1") as e:
+        opt.grads_ready([1], [gs[0]])
+    assert e.value.name == "FO_ERR_SHAPE"
+    with pytest.raises(fo.FoError, match="FO_ERR_SHAPE"):
+        opt.step_end()
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(before[0], params)) and state(opt) == before[1]
+
+
+def test_misuse_raises_and_other_calls_wait_for_step_end():
+    opt, _ = make(5)
+    gs = grads(1)
+    with pytest.raises(fo.FoError, match="no overlapped step is open"):
+        opt.grads_ready([0], [gs[0]])
+    with pytest.raises(fo.FoError, match="no overlapped step is open"):
+        opt.step_end()
+    opt.step_begin()
+    with pytest.raises(fo.FoError, match="already open"):
+        opt.step_begin()
+    opt.grads_ready([0], [gs[0]])
+    with pytest.raises(fo.FoError, match="FO_ERR_BUSY") as e:
+        opt.step(gs)
+    assert "fo_optimizer_step_end" in e.value.message
+    assert opt.num_params == len(SHAPES)
+    with pytest.raises(fo.FoError, match="already handed over"):
+        opt.grads_ready([0], [gs[0]])
+    with pytest.raises(fo.FoError):
+        opt.step_end()
+    opt.step(gs)

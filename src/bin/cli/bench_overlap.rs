@@ -1,0 +1,250 @@
+//! `fo bench overlap`: the host step hidden behind backward. A model of `--layers` equal
+//! bf16 layers (AdamW, quant8 state, 24-bit masters: fo's defaults); a "backward" on the
+//! calling thread produces each layer's gradient in reverse order with a fixed amount of
+//! memory-touching work per layer (calibrated so backward takes about as long as the
+//! step), while fo's pool (the other cores) steps. Per round, interleaved: the sequential
+//! iteration (backward, then clip if any, then step) and the overlapped one
+//! (`step_begin`, `grads_ready` after each layer, `step_end`), with no clipping, clipping
+//! that does not trigger and clipping that triggers. Reported: medians [min-max] of the
+//! iteration times, and the exposed step (last `grads_ready` returned -> `step_end`
+//! returned) as a share of the sequential step.
+use std::time::Instant;
+
+use fo::clip::clip_grad_norm;
+use fo::comm::Comm;
+use fo::optim::overlap::{OverlapOptions, OverlapStats};
+use fo::optim::{threads, Algorithm, OptimConfig, Optimizer};
+use fo::{DType, HostTensor};
+
+use super::args::Count;
+use super::bench_step::fill;
+
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  fo bench overlap
+  fo bench overlap --layers 32 --layer-size 512K --rounds 9")]
+pub struct OverlapArgs {
+    /// Equal layers in the model (16..=4096).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(16..=4096))]
+    pub layers: u32,
+    /// Elements per layer (K and M suffixes: 1M = 2^20), 1K..=64M.
+    #[arg(long, default_value = "1M")]
+    pub layer_size: Count,
+    /// Interleaved rounds per case (1..=1000); medians and ranges are over them.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub rounds: u32,
+}
+
+/// The model: parameters, gradients (what backward writes) and backward's own buffer.
+struct Model {
+    opt: Optimizer,
+    grads: Vec<Vec<u16>>,
+    work: Vec<f32>,
+    n: usize,
+}
+
+fn bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+impl Model {
+    /// One layer's backward: `passes` memory-touching sweeps of its buffer, then its
+    /// gradient (a function of the buffer, so the work cannot be skipped).
+    fn backward_layer(&mut self, l: usize, passes: usize) {
+        let w = &mut self.work;
+        for _ in 0..passes {
+            w.iter_mut().for_each(|x| *x = *x * 0.999_9 + 1e-4);
+        }
+        let s = 1e-3 * (1.0 + l as f32 / 16.0);
+        for (g, x) in self.grads[l].iter_mut().zip(w.iter()) {
+            *g = bf16((x - 0.5) * s);
+        }
+        std::hint::black_box(&self.grads[l]);
+    }
+
+    fn grad(&mut self, l: usize) -> HostTensor {
+        // SAFETY: the gradient buffers live as long as the model and are not resized.
+        unsafe {
+            HostTensor::new(
+                self.grads[l].as_mut_ptr() as *mut u8,
+                DType::BF16,
+                &[self.n as i64],
+                None,
+                "g",
+            )
+        }
+        .expect("a valid view")
+    }
+}
+
+fn median_range(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn fmt_ms(v: &[f64]) -> String {
+    let (m, lo, hi) = median_range(v.to_vec());
+    format!("{:8.2} ms [{:.2}-{:.2}]", m * 1e3, lo * 1e3, hi * 1e3)
+}
+
+#[derive(Default)]
+struct Case {
+    backward: Vec<f64>,
+    seq_step: Vec<f64>,
+    seq_iter: Vec<f64>,
+    ovl_iter: Vec<f64>,
+    exposed: Vec<f64>,
+    stats: Vec<OverlapStats>,
+}
+
+pub fn run(a: &OverlapArgs) -> Result<(), String> {
+    let (layers, n) = (a.layers as usize, a.layer_size.0);
+    if !(1024..=64 << 20).contains(&n) {
+        return Err(format!("--layer-size {n} is outside 1K..=64M elements"));
+    }
+    // Per element: param 2 + grad 2 + state ~5.1 + undo ~5.1, and backward's 4 bytes per layer element.
+    let need = (layers as u64 * n as u64)
+        .checked_mul(15)
+        .and_then(|b| b.checked_add(4 * n as u64));
+    super::mem::check_memory(need, &format!("--layers {layers} --layer-size {n}"))?;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    threads::set_num_threads(cores.saturating_sub(1).max(1)).map_err(|e| e.to_string())?;
+    let mut params: Vec<Vec<u16>> = (0..layers)
+        .map(|l| fill(n, 10 + l as u64, 1.0).into_iter().map(bf16).collect())
+        .collect();
+    let mut opt =
+        Optimizer::new(OptimConfig::default_for(Algorithm::AdamW)).map_err(|e| e.to_string())?;
+    for (l, p) in params.iter_mut().enumerate() {
+        // SAFETY: `params` outlives the optimizer (dropped at the end of this function).
+        unsafe {
+            let t = HostTensor::new(
+                p.as_mut_ptr() as *mut u8,
+                DType::BF16,
+                &[n as i64],
+                None,
+                "p",
+            )
+            .map_err(|e| e.to_string())?;
+            opt.add_param(&format!("layers.{l}.weight"), t, None, 0)
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let mut m = Model {
+        opt,
+        grads: (0..layers).map(|_| vec![0u16; n]).collect(),
+        work: fill(n, 3, 1.0),
+        n,
+    };
+    let comm = Comm::local_group(1)
+        .pop()
+        .ok_or("cannot create a one-rank group")?;
+    // Calibration: the step alone, and one backward sweep, so backward ~= step.
+    let gs: Vec<Option<HostTensor>> = (0..layers).map(|l| Some(m.grad(l))).collect();
+    let mut step_t = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        unsafe { m.opt.step(&gs) }.map_err(|e| e.to_string())?;
+        step_t.push(t.elapsed().as_secs_f64());
+    }
+    let t = Instant::now();
+    m.backward_layer(0, 4);
+    let sweep = t.elapsed().as_secs_f64() / 4.0;
+    let step_s = median_range(step_t).0;
+    let passes = ((step_s / layers as f64 / sweep).round() as usize).max(1);
+    println!(
+        "fo bench overlap: {layers} layers x {n} bf16 elements (AdamW, quant8, 24-bit masters); \
+         {cores} cores: backward on the calling thread, fo's pool {} thread(s); \
+         backward: {passes} sweeps/layer (calibrated to the step's {:.1} ms); {} rounds",
+        threads::num_threads().map_err(|e| e.to_string())?,
+        step_s * 1e3,
+        a.rounds
+    );
+    let cases = [
+        ("no clipping", 0.0),
+        ("clip, not triggering", 1e12),
+        ("clip, triggering", 1e-6),
+    ];
+    let mut results: Vec<Case> = cases.iter().map(|_| Case::default()).collect();
+    for _ in 0..a.rounds {
+        for (c, &(_, max_norm)) in cases.iter().enumerate() {
+            let r = &mut results[c];
+            // Sequential: backward, then (clip and) step.
+            let t0 = Instant::now();
+            for l in (0..layers).rev() {
+                m.backward_layer(l, passes);
+            }
+            let t1 = Instant::now();
+            let gs: Vec<Option<HostTensor>> = (0..layers).map(|l| Some(m.grad(l))).collect();
+            if max_norm > 0.0 {
+                let list: Vec<(HostTensor, bool)> =
+                    (0..layers).map(|l| (m.grad(l), false)).collect();
+                unsafe { clip_grad_norm(&comm, &list, max_norm, 2.0, false) }
+                    .map_err(|e| e.to_string())?;
+            }
+            unsafe { m.opt.step(&gs) }.map_err(|e| e.to_string())?;
+            let t2 = Instant::now();
+            r.backward.push((t1 - t0).as_secs_f64());
+            r.seq_step.push((t2 - t1).as_secs_f64());
+            r.seq_iter.push((t2 - t0).as_secs_f64());
+            // Overlapped: each layer handed over as backward finishes it.
+            let t0 = Instant::now();
+            let opts = OverlapOptions {
+                max_norm,
+                ..OverlapOptions::default()
+            };
+            unsafe { m.opt.step_begin(opts) }.map_err(|e| e.to_string())?;
+            for l in (0..layers).rev() {
+                m.backward_layer(l, passes);
+                let g = m.grad(l);
+                unsafe { m.opt.grads_ready(&[l], &[g], &[-1]) }.map_err(|e| e.to_string())?;
+            }
+            let t1 = Instant::now();
+            let mut st = OverlapStats::default();
+            unsafe { m.opt.step_end(Some(&comm), &mut st) }.map_err(|e| e.to_string())?;
+            let t2 = Instant::now();
+            r.ovl_iter.push((t2 - t0).as_secs_f64());
+            r.exposed.push((t2 - t1).as_secs_f64());
+            r.stats.push(st);
+        }
+    }
+    for ((label, _), r) in cases.iter().zip(&results) {
+        let (seq, _, _) = median_range(r.seq_step.clone());
+        let (bwd, _, _) = median_range(r.backward.clone());
+        let pct: Vec<f64> = r
+            .exposed
+            .iter()
+            .zip(&r.seq_step)
+            .map(|(e, s)| e / s)
+            .collect();
+        let (p, plo, phi) = median_range(pct);
+        let (oi, _, _) = median_range(r.ovl_iter.clone());
+        let st = r.stats.last().copied().unwrap_or_default();
+        println!("{label}:");
+        println!("  backward            {}", fmt_ms(&r.backward));
+        println!("  sequential step     {}", fmt_ms(&r.seq_step));
+        println!("  sequential iter     {}", fmt_ms(&r.seq_iter));
+        println!(
+            "  overlapped iter     {}  = {:.2}x max(backward, step)",
+            fmt_ms(&r.ovl_iter),
+            oi / bwd.max(seq)
+        );
+        println!(
+            "  exposed step        {}  = {:.1}% [{:.1}-{:.1}] of the sequential step",
+            fmt_ms(&r.exposed),
+            p * 100.0,
+            plo * 100.0,
+            phi * 100.0
+        );
+        println!(
+            "  undo high-water {:.1} MiB; rolled back {} params, {:.1} MiB in {:.2} ms (last round)",
+            st.undo_high_water_bytes as f64 / (1 << 20) as f64,
+            st.rolled_back,
+            st.rolled_back_bytes as f64 / (1 << 20) as f64,
+            st.rollback_ns as f64 / 1e6
+        );
+    }
+    threads::set_num_threads(0).map_err(|e| e.to_string())?;
+    drop(m);
+    drop(params);
+    Ok(())
+}

@@ -1,0 +1,399 @@
+//! The overlapped step: `step_begin` opens a step, `grads_ready` hands over the final
+//! gradients of some parameters (a bucket, any order, as backward produces them) and fo
+//! steps them on its pool while the caller goes on, `step_end` waits for the rest and
+//! returns the step's status. The result (parameters, state, step counters) has the bits
+//! of one `step_on` with the same gradients, clipping included:
+//!
+//! - Every early step is speculative: it keeps an undo record (the parameter's bytes and
+//!   state from before), so a bad gradient handed over later, a non-finite result under
+//!   `check_numerics` or a non-finite norm under `error_if_nonfinite` fails the whole
+//!   step at `step_end` with nothing changed. Undo records are bounded by
+//!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
+//!   device parameters (which `step_on` launches). A host parameter whose gradient is on
+//!   a device (the offload case) steps early too: its task brings the gradient down to the
+//!   parameter's pinned buffer first, and `step_end` writes its mirror.
+//! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
+//!   and combined at `step_end` in parameter order through `clip`'s own reduction, so the
+//!   total has the bits `fo_clip_grad_norm` gives over the handed-over gradients in
+//!   parameter order (`is_shard`: the parameter has a shard spec with a `Shard` or
+//!   `_StridedShard` placement). If the clip coefficient is below 1, the early steps are
+//!   rolled back, the gradients scaled in place exactly as `clip_grad_norm` scales them
+//!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
+//!   handed-over parameter is stepped again by `step_on`: clip-then-step, bit for bit.
+//!
+//! The background work lives in `overlap_task`, the end of the step in `overlap_end`.
+use super::optimizer::{Optimizer, Param};
+use super::overlap_task::{self, Fetch, Inbox, Item};
+use super::threads;
+use crate::clip;
+use crate::error::{Error, Result};
+use crate::tensor::HostTensor;
+
+/// How an overlapped step clips and how much it may keep to undo early steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OverlapOptions {
+    /// Clip the gradients' total norm to this (torch's `clip_grad_norm_`); <= 0: no clipping.
+    pub max_norm: f64,
+    /// The norm's order: > 0, or `f64::INFINITY` for the max norm (default 2).
+    pub norm_type: f64,
+    /// A non-finite total norm fails the step (nothing changed, nothing scaled).
+    pub error_if_nonfinite: bool,
+    /// The most the undo records of early steps may hold (parameter bytes + state bytes);
+    /// a parameter that would pass it waits for `step_end`. `usize::MAX`: no bound.
+    pub undo_budget_bytes: usize,
+}
+
+impl Default for OverlapOptions {
+    fn default() -> Self {
+        OverlapOptions {
+            max_norm: 0.0,
+            norm_type: 2.0,
+            error_if_nonfinite: false,
+            undo_budget_bytes: usize::MAX,
+        }
+    }
+}
+
+impl OverlapOptions {
+    pub(super) fn clipping(&self) -> bool {
+        self.max_norm > 0.0
+    }
+}
+
+/// What an overlapped step did (filled by `step_end`, also when it fails).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OverlapStats {
+    /// Parameters whose gradients were handed over.
+    pub handed_over: u64,
+    /// Of those, stepped on the pool before `step_end` (speculatively, with an undo record).
+    pub speculative: u64,
+    /// Of those, kept for `step_end` (past the undo budget, or device work).
+    pub deferred: u64,
+    /// Early steps undone (the clip scaled the gradients, or the step failed).
+    pub rolled_back: u64,
+    /// Bytes the rollbacks copied back (parameters and state).
+    pub rolled_back_bytes: u64,
+    /// Time spent rolling back, in nanoseconds.
+    pub rollback_ns: u64,
+    /// The most the undo records held at once.
+    pub undo_high_water_bytes: u64,
+    /// The total gradient norm (`clip_grad_norm`'s bits); -1 when not clipping.
+    pub total_norm: f64,
+    /// The clip coefficient was below 1: the gradients were scaled and re-stepped.
+    pub clipped: bool,
+}
+
+/// A handed-over gradient.
+pub(super) struct Given {
+    pub grad: HostTensor,
+    pub device: i32,
+    pub early: bool,
+}
+
+/// The step in progress (`Optimizer::open`).
+///
+/// SAFETY (the invariant that makes the background work sound): a parameter handed to
+/// the pool is touched by its task alone until `step_end` (or drop) has waited for it.
+/// Its state is moved out of the optimizer's table into the task, so nothing else can
+/// reach it; its memory is written through the task's view, and nothing else reads or
+/// writes it because (1) a parameter is handed over once per step (`ready twice` is
+/// refused), (2) while a step is open every other call that reads or writes parameters or
+/// state refuses (`refuse_if_step_open` in the core's mutators; the C ABI refuses every
+/// other call on the handle), (3) registration keeps parameter memory disjoint and
+/// `check_grad` keeps gradients off it, (4) `step_end` and `Drop` wait for every task
+/// before anything else touches the memory, and the caller keeps gradients valid and
+/// unchanged until `step_end` (the contract of `grads_ready`).
+pub(crate) struct OpenStep {
+    pub(super) opts: OverlapOptions,
+    pub(super) given: Vec<Option<Given>>,
+    pub(super) inbox: std::sync::Arc<Inbox>,
+    /// Kept alive (and so its threads) until every task is back.
+    pub(super) pool: std::sync::Arc<rayon::ThreadPool>,
+    pub(super) undo_bytes: usize,
+    /// The first bad gradient handed over: the step fails at `step_end`.
+    pub(super) failed: Option<Error>,
+    pub(super) stats: OverlapStats,
+}
+
+impl Drop for OpenStep {
+    /// An open step dropped without `step_end` (the optimizer destroyed meanwhile) is
+    /// abandoned: waits for its tasks, then puts the parameters' memory back.
+    fn drop(&mut self) {
+        for d in self.inbox.wait_all() {
+            // SAFETY: the task is over; the parameter memory outlives the optimizer.
+            unsafe { d.restore_memory() };
+        }
+    }
+}
+
+/// A copy of `e` (errors are not `Clone`: an I/O error keeps its kind and text).
+fn copy_error(e: &Error) -> Error {
+    match e {
+        Error::InvalidArgument { name, reason } => Error::invalid(name.clone(), reason.clone()),
+        Error::Dtype(m) => Error::Dtype(m.clone()),
+        Error::Shape(m) => Error::Shape(m.clone()),
+        Error::NotFound(m) => Error::NotFound(m.clone()),
+        Error::Io { path, source } => Error::io(
+            path.clone(),
+            std::io::Error::new(source.kind(), source.to_string()),
+        ),
+        Error::Corrupt { path, detail } => Error::corrupt(path.clone(), detail.clone()),
+        Error::Comm(m) => Error::Comm(m.clone()),
+        Error::Numerics(m) => Error::Numerics(m.clone()),
+        Error::Unsupported(m) => Error::Unsupported(m.clone()),
+        Error::Timeout(m) => Error::Timeout(m.clone()),
+        Error::Internal(m) => Error::Internal(m.clone()),
+        Error::Busy(m) => Error::Busy(m.clone()),
+    }
+}
+
+pub(super) fn no_step(call: &str) -> Error {
+    Error::invalid(
+        "opt",
+        format!("{call}: no overlapped step is open (call step_begin first)"),
+    )
+}
+
+impl Optimizer {
+    /// Whether an overlapped step is open.
+    pub fn step_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// `Error::Busy` naming `call` while an overlapped step is open.
+    pub(crate) fn refuse_if_step_open(&self, call: &str) -> Result<()> {
+        if self.open.is_none() {
+            return Ok(());
+        }
+        Err(Error::Busy(format!(
+            "{call}: the optimizer has an overlapped step open (fo_optimizer_step_begin); \
+             finish it with fo_optimizer_step_end first"
+        )))
+    }
+
+    /// Opens an overlapped step (see the module doc).
+    ///
+    /// # Safety
+    /// Until `step_end` (or the optimizer is dropped), the caller calls no method of this
+    /// optimizer other than `grads_ready`, `step_end` and the table readers (`num_params`,
+    /// `param_fqn`, `group_config`, ...): parameters and state belong to the step's tasks.
+    /// The mutators (`step`, `add_param`, `set_states`, `set_group_config`) refuse; the C
+    /// ABI refuses every other call on the handle.
+    pub unsafe fn step_begin(&mut self, opts: OverlapOptions) -> Result<()> {
+        if self.open.is_some() {
+            return Err(Error::invalid(
+                "opt",
+                "step_begin: an overlapped step is already open (finish it with step_end)",
+            ));
+        }
+        if opts.max_norm.is_nan() {
+            return Err(Error::invalid("max_norm", "is NaN"));
+        }
+        if opts.clipping() {
+            clip::check_norm_args(opts.max_norm, opts.norm_type)?;
+        }
+        self.open = Some(Box::new(OpenStep {
+            opts,
+            given: (0..self.params.len()).map(|_| None).collect(),
+            inbox: Inbox::new(),
+            pool: threads::pool()?,
+            undo_bytes: 0,
+            failed: None,
+            stats: OverlapStats {
+                total_norm: -1.0,
+                ..OverlapStats::default()
+            },
+        }));
+        Ok(())
+    }
+
+    /// Hands over the final gradients of parameters `indices` (`grads[k]` on
+    /// `devices[k]`, -1 for host memory) and returns while fo steps them. Each gradient is
+    /// checked as `step_on` checks it; a bad one, an index out of range or one handed over
+    /// twice in this step is returned at once (nothing of this bucket is taken) and fails
+    /// the step at `step_end`, which then changes nothing.
+    ///
+    /// # Safety
+    /// Every gradient must stay valid, and unchanged by the caller, until `step_end`
+    /// returns (with clipping, writable: `step_end` may scale it in place).
+    pub unsafe fn grads_ready(
+        &mut self,
+        indices: &[usize],
+        grads: &[HostTensor],
+        devices: &[i32],
+    ) -> Result<()> {
+        let r = self.take_bucket(indices, grads, devices);
+        if let (Err(e), Some(open)) = (&r, self.open.as_mut()) {
+            open.failed.get_or_insert_with(|| copy_error(e));
+        }
+        r
+    }
+
+    unsafe fn take_bucket(
+        &mut self,
+        indices: &[usize],
+        grads: &[HostTensor],
+        devices: &[i32],
+    ) -> Result<()> {
+        let open = self.open.as_ref().ok_or_else(|| no_step("grads_ready"))?;
+        if let Some(e) = &open.failed {
+            return Err(Error::invalid(
+                "opt",
+                format!(
+                    "grads_ready: this step already failed ({e}); call step_end, which \
+                     reports it and changes nothing"
+                ),
+            ));
+        }
+        if grads.len() != indices.len() || devices.len() != indices.len() {
+            return Err(Error::invalid(
+                "grads",
+                format!(
+                    "{} indices, {} gradients and {} devices given; one each per parameter",
+                    indices.len(),
+                    grads.len(),
+                    devices.len()
+                ),
+            ));
+        }
+        for (k, ((&i, g), &d)) in indices.iter().zip(grads).zip(devices).enumerate() {
+            self.check_index(i).map_err(|_| {
+                Error::invalid(
+                    format!("indices[{k}]"),
+                    format!("{i} is out of range ({} parameters)", self.params.len()),
+                )
+            })?;
+            if open.given[i].is_some() || indices[..k].contains(&i) {
+                return Err(Error::invalid(
+                    format!("indices[{k}]"),
+                    format!(
+                        "the gradient of {} was already handed over in this step",
+                        self.params[i].fqn
+                    ),
+                ));
+            }
+            self.check_grad(i, g, d)?;
+        }
+        // Early (speculative) steps need an undo record within the budget and a host
+        // parameter with a host gradient; the rest waits for step_end's `step_on`.
+        let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
+        let mut early = Vec::with_capacity(indices.len());
+        for ((&i, &d), g) in indices.iter().zip(devices).zip(grads) {
+            let p = &self.params[i];
+            let need = p.tensor.nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
+            // A host parameter with a device gradient (the offload case) comes down first.
+            let host_step = p.device < 0 && (d < 0 || g.nbytes() > 0);
+            let fits = host_step && used.saturating_add(need) <= budget;
+            if fits {
+                used += need;
+            }
+            early.push(fits);
+        }
+        // An async save in flight takes what it still needs first (a failure here has
+        // taken nothing).
+        let mut fetches = Vec::with_capacity(indices.len());
+        for (((&i, g), &d), &e) in indices.iter().zip(grads).zip(devices).zip(&early) {
+            if e {
+                self.before_write(i)?;
+            }
+            fetches.push(match e && d >= 0 {
+                true => Some(Fetch {
+                    src: g.as_ptr() as u64,
+                    dst: self.pinned_for(i, g, d)?,
+                    bytes: g.nbytes(),
+                    device: d,
+                    stream: self.stream,
+                }),
+                false => None,
+            });
+        }
+        let mut items = Vec::new();
+        let bucket = indices
+            .iter()
+            .zip(grads)
+            .zip(devices)
+            .zip(&early)
+            .zip(fetches);
+        for ((((&i, g), &d), &early), fetch) in bucket {
+            if early {
+                items.push(self.item(i, g.clone(), fetch));
+            }
+            let open = self.open.as_mut().expect("checked above");
+            let n = if early {
+                &mut open.stats.speculative
+            } else {
+                &mut open.stats.deferred
+            };
+            *n += 1;
+            open.stats.handed_over += 1;
+            open.given[i] = Some(Given {
+                grad: g.clone(),
+                device: d,
+                early,
+            });
+        }
+        let open = self.open.as_mut().expect("checked above");
+        open.undo_bytes = used;
+        open.stats.undo_high_water_bytes = open.undo_bytes as u64;
+        if items.is_empty() {
+            return Ok(());
+        }
+        let clip_p = open.opts.clipping().then_some(open.opts.norm_type);
+        let mut delivery = open.inbox.expect();
+        // SAFETY: see `OpenStep`: each item's parameter is this task's alone until
+        // step_end or drop waits for it; the gradients are the caller's to keep valid.
+        open.pool.spawn(move || {
+            let dones = unsafe { overlap_task::run(items, clip_p) };
+            delivery.dones.extend(dones);
+        });
+        Ok(())
+    }
+
+    /// Fails the open step (if any) with `e` as a bad gradient would; returns `e`. For
+    /// callers whose bucket could not even be read (the C ABI).
+    pub fn fail_step(&mut self, e: Error) -> Error {
+        if let Some(open) = self.open.as_mut() {
+            open.failed.get_or_insert_with(|| copy_error(&e));
+        }
+        e
+    }
+
+    /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
+    fn item(&mut self, i: usize, grad: HostTensor, fetch: Option<Fetch>) -> Item {
+        let fresh = self.params[i].state.is_none();
+        let state = match self.params[i].state.take() {
+            Some(s) => s,
+            None => self.new_state(i),
+        };
+        let p = &self.params[i];
+        Item {
+            i,
+            param: Param {
+                fqn: p.fqn.clone(),
+                tensor: p.tensor.clone(),
+                spec: None,
+                group: p.group,
+                state: Some(state),
+                device: -1,
+                gpu: None,
+                mirror: None,
+            },
+            cfg: self.groups[p.group].clone(),
+            grad,
+            fresh,
+            fetch,
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "overlap_tests.rs"]
+pub(super) mod tests;
+
+#[cfg(test)]
+#[path = "overlap_clip_tests.rs"]
+mod clip_tests;
+
+#[cfg(test)]
+#[path = "overlap_offload_tests.rs"]
+mod offload_tests;

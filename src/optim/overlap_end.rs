@@ -1,0 +1,188 @@
+//! The end of an overlapped step (`overlap`): wait for the pool, put the state back,
+//! combine the clip norm, and either keep the early steps (stepping what was deferred),
+//! or roll them back and step everything again with the clipped gradients, or roll them
+//! back and fail.
+use std::time::Instant;
+
+use super::optimizer::Optimizer;
+use super::overlap::{no_step, Given, OpenStep, OverlapStats};
+use super::overlap_task::Done;
+use crate::clip::{self, ClipGrad};
+use crate::comm::Comm;
+use crate::error::Result;
+
+impl Optimizer {
+    /// Closes the overlapped step: waits for the pool, combines the clip norm (through
+    /// `comm`, every rank's `step_end` taking part; None: this rank alone), re-steps
+    /// after a clip or steps what was deferred, and returns the step's status. On error,
+    /// no parameter and no state has changed (gradients may have been scaled, as
+    /// `fo_clip_grad_norm` leaves them before a failing step). `stats` is filled either way.
+    ///
+    /// # Safety
+    /// As `step_on` for the handed-over gradients; registered parameters still valid.
+    pub unsafe fn step_end(&mut self, comm: Option<&Comm>, stats: &mut OverlapStats) -> Result<()> {
+        let mut open = self.open.take().ok_or_else(|| no_step("step_end"))?;
+        let mut dones = open.inbox.wait_all();
+        dones.sort_by_key(|d| d.i);
+        for d in dones.iter_mut() {
+            self.params[d.i].state = d.param.state.take();
+        }
+        let r = self.finish(&mut open, &mut dones, comm);
+        if r.is_err() {
+            self.roll_back(&mut dones, &mut open.stats);
+        }
+        *stats = open.stats;
+        r
+    }
+
+    unsafe fn finish(
+        &mut self,
+        open: &mut OpenStep,
+        dones: &mut [Done],
+        comm: Option<&Comm>,
+    ) -> Result<()> {
+        let failed = open.failed.take();
+        let handed: Vec<usize> = (0..open.given.len())
+            .filter(|&i| open.given[i].is_some())
+            .collect();
+        if open.opts.clipping() {
+            let single;
+            let comm = match comm {
+                Some(c) => c,
+                None => {
+                    single = Comm::local_group(1).pop().expect("one rank");
+                    &single
+                }
+            };
+            let local = match failed {
+                Some(e) => Err(e),
+                None => self.partials(open, dones, &handed, comm.stream()),
+            };
+            let o = open.opts;
+            let total = clip::total_from_partials(
+                comm,
+                local,
+                o.max_norm,
+                o.norm_type,
+                o.error_if_nonfinite,
+            )?;
+            open.stats.total_norm = total;
+            let coef = clip::clip_coef(o.max_norm, total);
+            if clip::needs_scaling(coef) {
+                open.stats.clipped = true;
+                self.roll_back(dones, &mut open.stats);
+                let grads: Vec<ClipGrad> = handed
+                    .iter()
+                    .map(|&i| {
+                        let g = open.given[i].as_ref().expect("handed over");
+                        ClipGrad {
+                            tensor: g.grad.clone(),
+                            is_shard: false,
+                            device: g.device,
+                        }
+                    })
+                    .collect();
+                clip::scale_grads(&grads, coef, comm.stream())?;
+                return self.step_given(open, |_| true);
+            }
+        } else if let Some(e) = failed {
+            return Err(e);
+        }
+        // No scaling: the early steps stand unless one of them failed.
+        if let Some(e) = dones.iter_mut().find_map(|d| d.error.take()) {
+            return Err(e);
+        }
+        if let Some(what) = dones.iter().find_map(|d| d.bad_result.clone()) {
+            return Err(super::numerics::non_finite_result(&what));
+        }
+        if open.stats.deferred > 0 {
+            self.step_given(open, |g| !g.early)?;
+        }
+        for d in dones.iter() {
+            self.refresh_mirror(d.i)?;
+        }
+        Ok(())
+    }
+
+    /// `step_on` over the handed-over gradients that `which` picks.
+    unsafe fn step_given(&mut self, open: &OpenStep, which: impl Fn(&Given) -> bool) -> Result<()> {
+        let mut grads = Vec::with_capacity(open.given.len());
+        let mut devices = Vec::with_capacity(open.given.len());
+        for g in &open.given {
+            let g = g.as_ref().filter(|g| which(g));
+            grads.push(g.map(|g| g.grad.clone()));
+            devices.push(g.map_or(-1, |g| g.device));
+        }
+        self.step_on(&grads, &devices)
+    }
+
+    /// Every handed-over gradient's `(is_shard, (largest |g|, sum |g|^p))`, in parameter
+    /// order: taken on the pool for early steps, here for the rest.
+    unsafe fn partials(
+        &self,
+        open: &OpenStep,
+        dones: &mut [Done],
+        handed: &[usize],
+        stream: usize,
+    ) -> Result<Vec<(bool, (f64, f64))>> {
+        let mut out = Vec::with_capacity(handed.len());
+        for &i in handed {
+            let g = open.given[i].as_ref().expect("handed over");
+            let done = dones.binary_search_by_key(&i, |d| d.i).ok();
+            let partial = match done.and_then(|k| dones[k].partial) {
+                Some(p) => p,
+                None => {
+                    if let Some(e) = done.and_then(|k| dones[k].error.take()) {
+                        return Err(e);
+                    }
+                    let c = ClipGrad {
+                        tensor: g.grad.clone(),
+                        is_shard: false,
+                        device: g.device,
+                    };
+                    clip::grad_norms(&[c], open.opts.norm_type, stream)?[0]
+                }
+            };
+            out.push((self.is_shard(i), partial));
+        }
+        Ok(out)
+    }
+
+    /// Whether parameter `i`'s gradient counts as a shard in the clip norm: it was
+    /// registered with a shard spec placing it by `Shard` or `_StridedShard`.
+    fn is_shard(&self, i: usize) -> bool {
+        self.params[i]
+            .spec
+            .as_ref()
+            .is_some_and(|s| s.placements().iter().any(|p| p.shard_dim().is_some()))
+    }
+
+    /// Puts every early-stepped parameter back as it was before the step (memory and
+    /// state; a state the step created is dropped).
+    fn roll_back(&mut self, dones: &mut [Done], stats: &mut OverlapStats) {
+        let t = Instant::now();
+        let mut n = 0;
+        for d in dones.iter_mut() {
+            let bytes = d.undo_bytes();
+            match d.undo.take() {
+                Some(u) => {
+                    // SAFETY: the task is over and the step is closed: the memory is ours.
+                    unsafe {
+                        let dst = self.params[d.i].tensor.contiguous_bytes_mut();
+                        dst.expect("parameters are contiguous")
+                            .copy_from_slice(&u.bytes)
+                    };
+                    self.params[d.i].state = u.state;
+                    stats.rolled_back += 1;
+                    stats.rolled_back_bytes += bytes as u64;
+                    n += 1;
+                }
+                None if d.fresh => self.params[d.i].state = None,
+                None => {}
+            }
+        }
+        if n > 0 {
+            stats.rollback_ns += t.elapsed().as_nanos() as u64;
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The background half of an overlapped step (`overlap`): one bucket of host parameters
+//! stepped on fo's pool while the caller goes on. Each parameter travels as an `Item`
+//! that owns its state (moved out of the optimizer's table while the step is open) and a
+//! view of its memory; it comes back as a `Done` carrying the undo record (the bytes and
+//! state from before the step), the gradient's share of the clip norm, and what went
+//! wrong, if anything. The arithmetic is `step_on`'s: the same `push_param_jobs` over the
+//! same chunk jobs, the same `numerics` checks, so a parameter gets the same bits here.
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+
+use rayon::prelude::*;
+
+use super::config::OptimConfig;
+use super::kernel::{self, Job};
+use super::numerics;
+use super::optimizer::{push_param_jobs, Param};
+use super::state::ParamState;
+use crate::clip::{grad_norms, ClipGrad};
+use crate::error::{Error, Result};
+use crate::tensor::{try_with_capacity, HostTensor};
+
+/// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
+/// `fresh`), owned here until the item comes back.
+pub(super) struct Item {
+    pub i: usize,
+    pub param: Param,
+    pub cfg: OptimConfig,
+    pub grad: HostTensor,
+    pub fresh: bool,
+    /// The offload case: the gradient is on a device and comes down first.
+    pub fetch: Option<Fetch>,
+}
+
+/// A device gradient's way down to its parameter's pinned buffer (`dst`, `bytes` long),
+/// after the work queued on `stream`.
+pub(super) struct Fetch {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: usize,
+    pub device: i32,
+    pub stream: usize,
+}
+
+/// What a parameter's memory and state were before its speculative step.
+pub(super) struct Saved {
+    pub bytes: Vec<u8>,
+    /// None when the step created the state.
+    pub state: Option<ParamState>,
+}
+
+/// One parameter back from the pool.
+pub(super) struct Done {
+    pub i: usize,
+    pub param: Param,
+    pub cfg: OptimConfig,
+    grad: HostTensor,
+    /// A contiguous copy of a strided gradient.
+    gathered: Option<Vec<u8>>,
+    pub fresh: bool,
+    /// Taken before the step; None when the parameter was not stepped.
+    pub undo: Option<Saved>,
+    /// The gradient's `(largest |g|, sum |g|^p)` for the clip norm.
+    pub partial: Option<(f64, f64)>,
+    /// A failure before the step (the gradient check, the undo's allocation, a panic):
+    /// the parameter was not stepped.
+    pub error: Option<Error>,
+    /// What the step made non-finite (groups with `check_numerics`).
+    pub bad_result: Option<String>,
+}
+
+impl Done {
+    /// The undo record's size (what a rollback copies back).
+    pub fn undo_bytes(&self) -> usize {
+        self.undo.as_ref().map_or(0, |u| {
+            u.bytes.len() + u.state.as_ref().map_or(0, ParamState::nbytes)
+        })
+    }
+
+    /// Puts the parameter's memory back as it was before its step (the state is the
+    /// caller's to put back: `undo.state`).
+    ///
+    /// # Safety
+    /// The parameter's memory must be valid and not in use by anyone else.
+    pub unsafe fn restore_memory(&self) {
+        if let Some(u) = &self.undo {
+            let dst = self.param.tensor.contiguous_bytes_mut();
+            dst.expect("parameters are contiguous")
+                .copy_from_slice(&u.bytes);
+        }
+    }
+}
+
+fn panic_error(what: &str, p: Box<dyn std::any::Any + Send>) -> Error {
+    let msg = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    Error::Internal(format!("{what} panicked: {msg}"))
+}
+
+/// Checks and records one parameter before its step: gathers a strided gradient,
+/// takes its share of the clip norm (`clip_p`: the norm type when clipping), runs
+/// `check_numerics`' checks and captures the undo record.
+///
+/// # Safety
+/// As `run`.
+unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
+    let mut d = Done {
+        i: it.i,
+        param: it.param,
+        cfg: it.cfg,
+        grad: it.grad,
+        gathered: None,
+        fresh: it.fresh,
+        undo: None,
+        partial: None,
+        error: None,
+        bad_result: None,
+    };
+    let r = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
+        if let Some(f) = it.fetch {
+            // From here on the gradient is the pinned host copy, as in `step_offloaded`.
+            super::offload_step::download(f.src, f.dst, f.bytes, f.device, f.stream)?;
+            let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
+            d.grad = HostTensor::new(f.dst as *mut u8, d.grad.dtype(), &shape, None, "grads")?;
+        }
+        if !d.grad.is_contiguous() {
+            d.gathered = Some(d.grad.try_to_tensor("grads")?.data);
+        }
+        if let Some(p) = clip_p {
+            let g = ClipGrad {
+                tensor: d.grad.clone(),
+                is_shard: false,
+                device: -1,
+            };
+            d.partial = Some(grad_norms(&[g], p, 0)?[0]);
+        }
+        let g = match &d.gathered {
+            Some(v) => &v[..],
+            None => d.grad.contiguous_bytes().expect("contiguous"),
+        };
+        numerics::check_param(&d.param, &d.cfg, g, d.grad.dtype())?;
+        let now = d.param.tensor.contiguous_bytes();
+        let now = now.expect("parameters are contiguous");
+        let mut bytes = try_with_capacity(now.len(), "the overlapped step's undo record")?;
+        bytes.extend_from_slice(now);
+        let state = if d.fresh { None } else { d.param.state.clone() };
+        d.undo = Some(Saved { bytes, state });
+        Ok(())
+    }));
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => d.error = Some(e),
+        Err(p) => d.error = Some(panic_error("checking a gradient", p)),
+    }
+    d
+}
+
+/// Steps one bucket: checks and undo records for every parameter (in parallel), then the
+/// chunk jobs of every parameter that passed (in parallel, as `step_on` runs them), then
+/// `check_numerics`' look at the results. Runs on fo's pool.
+///
+/// # Safety
+/// Each item's parameter memory must be valid and touched by nothing else until the
+/// items come back; each gradient valid for reads and unchanged meanwhile.
+pub(super) unsafe fn run(items: Vec<Item>, clip_p: Option<f64>) -> Vec<Done> {
+    let mut dones: Vec<Done> = items
+        .into_par_iter()
+        .map(|it| prepare(it, clip_p))
+        .collect();
+    let stepped = catch_unwind(AssertUnwindSafe(|| {
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        for d in dones.iter_mut().filter(|d| d.undo.is_some()) {
+            let Done {
+                param,
+                cfg,
+                grad,
+                gathered,
+                ..
+            } = d;
+            let g = match gathered {
+                Some(v) => &v[..],
+                None => grad.contiguous_bytes().expect("contiguous"),
+            };
+            push_param_jobs(&mut jobs, param, cfg, g, grad.dtype());
+        }
+        jobs.into_par_iter().for_each(kernel::run);
+    }));
+    if let Err(p) = stepped {
+        let e = panic_error("the step's kernels", p);
+        for d in dones.iter_mut().filter(|d| d.undo.is_some()) {
+            d.error.get_or_insert(Error::Internal(e.to_string()));
+        }
+        return dones;
+    }
+    for d in dones.iter_mut() {
+        if d.undo.is_some() && d.cfg.check_numerics {
+            d.bad_result = numerics::result_non_finite(&d.param);
+        }
+    }
+    dones
+}
+
+/// Where buckets come back: how many are still on the pool, and the parameters of those
+/// that are done.
+pub(super) struct Inbox {
+    state: Mutex<(usize, Vec<Done>)>,
+    landed: Condvar,
+}
+
+impl Inbox {
+    pub fn new() -> Arc<Inbox> {
+        Arc::new(Inbox {
+            state: Mutex::new((0, Vec::new())),
+            landed: Condvar::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Vec<Done>)> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a bucket going to the pool; the returned delivery hands its parameters back
+    /// when dropped (also if the task unwinds), so a wait never hangs.
+    pub fn expect(self: &Arc<Inbox>) -> Delivery {
+        self.lock().0 += 1;
+        Delivery {
+            inbox: self.clone(),
+            dones: Vec::new(),
+        }
+    }
+
+    /// Waits until every bucket sent to the pool is back; takes their parameters.
+    /// The work always ends (kernels over finite memory), so no timeout.
+    pub fn wait_all(&self) -> Vec<Done> {
+        let mut g = self.lock();
+        while g.0 > 0 {
+            g = self.landed.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        std::mem::take(&mut g.1)
+    }
+}
+
+/// A bucket's way back to its `Inbox`.
+pub(super) struct Delivery {
+    inbox: Arc<Inbox>,
+    pub dones: Vec<Done>,
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        let mut g = self.inbox.lock();
+        g.1.append(&mut self.dones);
+        g.0 -= 1;
+        self.inbox.landed.notify_all();
+    }
+}
