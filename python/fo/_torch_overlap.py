@@ -76,6 +76,7 @@ def _hook(ref):
         opt = ref()
         if opt is not None and not opt._accumulating:
             opt._hand_over(p)
+            opt._in_backward += 1
     return hook
 
 
@@ -86,7 +87,7 @@ class Overlap:
     def _overlap_init(self, options):
         self._ov = options
         self._accumulating = False
-        self._open = False
+        self._open, self._in_backward = False, 0
         self._handed = {}  # param -> the TorchArg fo reads its gradient through until step_end
         self._hooks = []
         self._clip_comm = None
@@ -161,7 +162,7 @@ class Overlap:
         opts.error_if_nonfinite = int(o["error_if_nonfinite"])
         opts.undo_budget_bytes = o["undo_budget_bytes"]
         check(_optim._step_begin(self._fo._handle, ctypes.byref(opts)))
-        self._open, self._handed = True, {}
+        self._open, self._handed, self._in_backward = True, {}, 0
 
     def _hand_over(self, p, opening=True):
         """Hands p's gradient to fo (opening the step if none is). A gradient fo refuses
@@ -236,7 +237,7 @@ class Overlap:
         stats = _optim.OverlapStats()
         status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
         self._open, self._handed = False, {}
-        self.last_step_stats = _stats_dict(stats)
+        self.last_step_stats = dict(_stats_dict(stats), handed_over_in_backward=self._in_backward)
         check(status)
 
     def _overlap_zero_grad(self, set_to_none=True):

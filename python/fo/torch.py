@@ -19,6 +19,12 @@ and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e
 (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
 handle from the decoded state. Under `torch.compile` the step is one opaque op (`fo::step`).
+
+`overlap=True` (any optimizer here) steps each parameter on fo's pool as backward makes its
+gradient final (post-accumulate-grad hooks; FSDP2 runs them on the reduced shard), and
+`step()` waits for the rest: the same bits as `overlap=False`. Clip with the optimizer's
+`max_grad_norm=` (and `norm_type=`, `error_if_nonfinite=`), accumulate gradients under
+`with opt.no_handover():`, read `opt.last_step_stats`; see `fo._torch_overlap`.
 """
 import ctypes
 
@@ -380,7 +386,9 @@ class AdamW(_FoOptimizer):
     - `arithmetic="fast"` (default: within fo's stated bound of exact per step, a quant8 step
       ~3.5x faster than "exact" (scripts/bench_torch_step.py); "exact": FlashOptim's bits, as
       fo's device kernels; fp32 state steps the same under both).
-    `fused`/`foreach` are accepted and change nothing (fo's step is fused)."""
+    `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
+    optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
+    `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap)."""
 
     algorithm = "adamw"
 

@@ -81,7 +81,8 @@ def test_overlap_has_the_bits_of_the_plain_step(rule, state_format, clip):
     stats = train(model, opt)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
     for r, s in zip(ref_stats, stats):
-        assert s["handed_over"] == 6 and s["speculative"] == 6  # every gradient, on fo's pool
+        assert s["handed_over"] == s["handed_over_in_backward"] == 6  # by the hooks, during backward
+        assert s["speculative"] == 6  # every gradient stepped on fo's pool before step()
         if clip is None:
             assert r is None and s["total_norm"] == -1 and s["rolled_back"] == 0
         else:
@@ -125,7 +126,7 @@ def test_gradient_accumulation_hands_over_only_the_last_micro_batch(clip):
     train(ref_model, ref, micro=2)
     stats = train(model, opt, micro=2)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
-    assert all(s["handed_over"] == 6 for s in stats)
+    assert all(s["handed_over"] == s["handed_over_in_backward"] == 6 for s in stats)
 
 
 def test_a_second_backward_without_no_handover_abandons_the_step_and_says_what_to_do():
@@ -173,6 +174,7 @@ def test_step_without_any_hook_is_the_plain_step():
                 p.grad = torch.randn_like(p)
         ref.step()
         opt.step()
+        assert opt.last_step_stats["handed_over"] == 6 and opt.last_step_stats["handed_over_in_backward"] == 0
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
 
 
