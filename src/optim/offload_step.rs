@@ -252,6 +252,42 @@ impl Optimizer {
     }
 }
 
+impl Optimizer {
+    /// The pinned buffer gradient `g` (on `device`) of host parameter `i` comes down to,
+    /// allocated if needed (the overlapped step's offload case): its address.
+    pub(crate) fn pinned_for(&mut self, i: usize, g: &HostTensor, device: i32) -> Result<u64> {
+        let mut grads = vec![None; self.params.len()];
+        let mut devices = vec![-1; self.params.len()];
+        (grads[i], devices[i]) = (Some(g.clone()), device);
+        self.prepare_offload(&grads, &devices)?;
+        Ok(self.pinned[i].as_ref().map_or(0, |b| b.ptr))
+    }
+}
+
+/// `bytes` of device memory at `src` (on `device`) into pinned host memory at `dst`,
+/// after the work queued on `stream` (the overlapped step's offload case).
+///
+/// # Safety
+/// As `copy_down`: `src` is device memory of `device`, `dst` holds `bytes`.
+pub(crate) unsafe fn download(
+    src: u64,
+    dst: u64,
+    bytes: usize,
+    device: i32,
+    stream: usize,
+) -> Result<()> {
+    copy_down(
+        Download {
+            i: 0,
+            src,
+            dst,
+            bytes,
+        },
+        device,
+        stream,
+    )
+}
+
 /// One gradient, device to its pinned buffer, after the work queued on `stream`.
 unsafe fn copy_down(d: Download, device: i32, stream: usize) -> Result<()> {
     if d.bytes == 0 {

@@ -9,7 +9,9 @@
 //!   `check_numerics` or a non-finite norm under `error_if_nonfinite` fails the whole
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
-//!   device parameters and device gradients (which `step_on` steps).
+//!   device parameters (which `step_on` launches). A host parameter whose gradient is on
+//!   a device (the offload case) steps early too: its task brings the gradient down to the
+//!   parameter's pinned buffer first, and `step_end` writes its mirror.
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
 //!   and combined at `step_end` in parameter order through `clip`'s own reduction, so the
 //!   total has the bits `fo_clip_grad_norm` gives over the handed-over gradients in
@@ -21,7 +23,7 @@
 //!
 //! The background work lives in `overlap_task`, the end of the step in `overlap_end`.
 use super::optimizer::{Optimizer, Param};
-use super::overlap_task::{self, Inbox, Item};
+use super::overlap_task::{self, Fetch, Inbox, Item};
 use super::threads;
 use crate::clip;
 use crate::error::{Error, Result};
@@ -276,10 +278,12 @@ impl Optimizer {
         // parameter with a host gradient; the rest waits for step_end's `step_on`.
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early = Vec::with_capacity(indices.len());
-        for (&i, &d) in indices.iter().zip(devices) {
+        for ((&i, &d), g) in indices.iter().zip(devices).zip(grads) {
             let p = &self.params[i];
             let need = p.tensor.nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
-            let fits = p.device < 0 && d < 0 && used.saturating_add(need) <= budget;
+            // A host parameter with a device gradient (the offload case) comes down first.
+            let host_step = p.device < 0 && (d < 0 || g.nbytes() > 0);
+            let fits = host_step && used.saturating_add(need) <= budget;
             if fits {
                 used += need;
             }
@@ -287,13 +291,32 @@ impl Optimizer {
         }
         // An async save in flight takes what it still needs first (a failure here has
         // taken nothing).
-        for (&i, _) in indices.iter().zip(&early).filter(|(_, &e)| e) {
-            self.before_write(i)?;
+        let mut fetches = Vec::with_capacity(indices.len());
+        for (((&i, g), &d), &e) in indices.iter().zip(grads).zip(devices).zip(&early) {
+            if e {
+                self.before_write(i)?;
+            }
+            fetches.push(match e && d >= 0 {
+                true => Some(Fetch {
+                    src: g.as_ptr() as u64,
+                    dst: self.pinned_for(i, g, d)?,
+                    bytes: g.nbytes(),
+                    device: d,
+                    stream: self.stream,
+                }),
+                false => None,
+            });
         }
         let mut items = Vec::new();
-        for (((&i, g), &d), &early) in indices.iter().zip(grads).zip(devices).zip(&early) {
+        let bucket = indices
+            .iter()
+            .zip(grads)
+            .zip(devices)
+            .zip(&early)
+            .zip(fetches);
+        for ((((&i, g), &d), &early), fetch) in bucket {
             if early {
-                items.push(self.item(i, g.clone()));
+                items.push(self.item(i, g.clone(), fetch));
             }
             let open = self.open.as_mut().expect("checked above");
             let n = if early {
@@ -336,7 +359,7 @@ impl Optimizer {
     }
 
     /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
-    fn item(&mut self, i: usize, grad: HostTensor) -> Item {
+    fn item(&mut self, i: usize, grad: HostTensor, fetch: Option<Fetch>) -> Item {
         let fresh = self.params[i].state.is_none();
         let state = match self.params[i].state.take() {
             Some(s) => s,
@@ -358,6 +381,7 @@ impl Optimizer {
             cfg: self.groups[p.group].clone(),
             grad,
             fresh,
+            fetch,
         }
     }
 }
@@ -369,3 +393,7 @@ pub(super) mod tests;
 #[cfg(test)]
 #[path = "overlap_clip_tests.rs"]
 mod clip_tests;
+
+#[cfg(test)]
+#[path = "overlap_offload_tests.rs"]
+mod offload_tests;

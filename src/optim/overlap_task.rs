@@ -27,6 +27,18 @@ pub(super) struct Item {
     pub cfg: OptimConfig,
     pub grad: HostTensor,
     pub fresh: bool,
+    /// The offload case: the gradient is on a device and comes down first.
+    pub fetch: Option<Fetch>,
+}
+
+/// A device gradient's way down to its parameter's pinned buffer (`dst`, `bytes` long),
+/// after the work queued on `stream`.
+pub(super) struct Fetch {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: usize,
+    pub device: i32,
+    pub stream: usize,
 }
 
 /// What a parameter's memory and state were before its speculative step.
@@ -107,6 +119,12 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         bad_result: None,
     };
     let r = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
+        if let Some(f) = it.fetch {
+            // From here on the gradient is the pinned host copy, as in `step_offloaded`.
+            super::offload_step::download(f.src, f.dst, f.bytes, f.device, f.stream)?;
+            let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
+            d.grad = HostTensor::new(f.dst as *mut u8, d.grad.dtype(), &shape, None, "grads")?;
+        }
         if !d.grad.is_contiguous() {
             d.gathered = Some(d.grad.try_to_tensor("grads")?.data);
         }

@@ -1,0 +1,99 @@
+//! The overlapped step's offload case on the emulated device: host parameters whose
+//! gradients are on the device step early (each task brings its gradient down to the
+//! parameter's pinned buffer first) with the bits of an all-host step and of the
+//! pipelined `step_on`, mirrors follow, and clipping matches `clip_grad_norm` then step.
+use super::{OverlapOptions, OverlapStats};
+use crate::clip::{clip_grad_norm_checked, ClipGrad};
+use crate::comm::Comm;
+use crate::dtype::DType;
+use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
+use crate::optim::Optimizer;
+use crate::tensor::HostTensor;
+
+const SIZES: [usize; 3] = [100, 2048 + 33, 67];
+const DT: DType = DType::BF16;
+
+fn view(b: &mut [u8], n: usize) -> HostTensor {
+    unsafe { HostTensor::new(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
+}
+
+fn build(mem: &mut [Vec<u8>]) -> Optimizer {
+    let mut c = OptimConfig::default_for(Algorithm::AdamW);
+    (c.lr, c.state_format, c.master_weight_bits) = (1e-2, StateFormat::Quant8, 24);
+    let mut opt = Optimizer::new(c).unwrap();
+    for (i, b) in mem.iter_mut().enumerate() {
+        unsafe { opt.add_param(&format!("p{i}"), view(b, SIZES[i]), None, 0) }.unwrap();
+    }
+    opt
+}
+
+fn params() -> Vec<Vec<u8>> {
+    (SIZES.iter().enumerate())
+        .map(|(i, &n)| encode(DT, &values(n, i as u64)))
+        .collect()
+}
+
+fn grads(s: u64) -> Vec<Vec<u8>> {
+    (SIZES.iter().enumerate())
+        .map(|(i, &n)| encode(DT, &values(n, 40 + s * 3 + i as u64)))
+        .collect()
+}
+
+#[test]
+fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_follow() {
+    if emulated::skip() {
+        return;
+    }
+    let comm = Comm::local_group(1).pop().unwrap();
+    for max_norm in [0.0, 0.05, 1e9] {
+        let (mut ha, mut oa) = (params(), params());
+        let mut host = build(&mut ha);
+        let mut off = build(&mut oa);
+        let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
+        for (i, m) in mirrors.iter_mut().enumerate() {
+            unsafe { off.set_mirror(i, Some((view(m, SIZES[i]), EMULATED))) }.unwrap();
+        }
+        for s in 0..3 {
+            let (mut gh, mut gd) = (grads(s), grads(s));
+            let vh: Vec<HostTensor> = (gh.iter_mut().enumerate())
+                .map(|(i, b)| view(b, SIZES[i]))
+                .collect();
+            if max_norm > 0.0 {
+                let list = vh.iter().map(|t| ClipGrad {
+                    tensor: t.clone(),
+                    is_shard: false,
+                    device: -1,
+                });
+                unsafe { clip_grad_norm_checked(&comm, Ok(list.collect()), max_norm, 2.0, false) }
+                    .unwrap();
+            }
+            unsafe { host.step(&vh.iter().cloned().map(Some).collect::<Vec<_>>()) }.unwrap();
+            // The device gradients, handed over last to first, one per call.
+            let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+                .map(|(i, b)| view(b, SIZES[i]))
+                .collect();
+            let opts = OverlapOptions {
+                max_norm,
+                ..OverlapOptions::default()
+            };
+            let mut st = OverlapStats::default();
+            unsafe {
+                off.step_begin(opts).unwrap();
+                for i in (0..SIZES.len()).rev() {
+                    off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+                        .unwrap();
+                }
+                off.step_end(Some(&comm), &mut st).unwrap();
+            }
+            emulated::synchronize_all();
+            assert_eq!(st.speculative, SIZES.len() as u64, "{st:?}");
+            assert_eq!(ha, oa, "max_norm {max_norm} step {s}");
+            assert_eq!(mirrors, oa, "max_norm {max_norm} step {s}: mirrors follow");
+            assert_eq!(gh, gd, "gradients scaled alike");
+            if max_norm == 0.05 {
+                assert!(st.clipped && st.rolled_back == SIZES.len() as u64, "{st:?}");
+            }
+        }
+    }
+}
