@@ -82,7 +82,7 @@ def _hook(ref):
 
 class Overlap:
     """Mixed into fo.torch's optimizers (which provide `_fo`, `_index`, `_name`, `_names`,
-    `_flush`, `_sync`, `_plain_step` and `state`)."""
+    `_flush`, `_sync`, `_group_hp`, `_pushed` and `param_groups`)."""
 
     def _overlap_init(self, options):
         self._ov = options
@@ -164,12 +164,10 @@ class Overlap:
         check(_optim._step_begin(self._fo._handle, ctypes.byref(opts)))
         self._open, self._handed, self._in_backward = True, {}, 0
 
-    def _hand_over(self, p, opening=True):
+    def _hand_over(self, p):
         """Hands p's gradient to fo (opening the step if none is). A gradient fo refuses
         fails the step: it is closed at once (nothing changed) and the error raised."""
         if not self._open:
-            if not opening:
-                return
             self._begin()
         name = self._name.get(p, "?")
         if p in self._handed:
