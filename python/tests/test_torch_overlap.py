@@ -239,3 +239,15 @@ def test_remove_hooks_returns_to_the_plain_step():
     assert not opt._open
     opt.step()
     assert opt.last_step_stats is None
+
+
+def test_reading_state_between_backward_and_step_says_the_step_is_open():
+    model, opt = build("adamw", True)
+    train(model, opt, steps=1)
+    opt.zero_grad()
+    backward(model, 1)
+    with pytest.raises(fo.FoError, match="overlapped step open"):
+        opt.state_dict()
+    opt.step()  # the step is still whole
+    assert opt.last_step_stats["handed_over_in_backward"] == 6
+    assert opt.state_dict()["state"][0]["step"].item() == 2
