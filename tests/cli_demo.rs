@@ -18,7 +18,12 @@ fn short_demo_passes_its_own_checks() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("all 7 checks passed"), "{stdout}");
+    assert!(stdout.contains("all 8 checks passed"), "{stdout}");
+    assert!(
+        stdout.contains("[ok] overlapped step (clipping through step_end) follows the sequential run bit for bit")
+            && stdout.contains("exposed step time (last gradient ready -> step done)"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("restart on 3 ranks (same sharding) is identical"),
         "{stdout}"

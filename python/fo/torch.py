@@ -19,6 +19,12 @@ and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e
 (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
 handle from the decoded state. Under `torch.compile` the step is one opaque op (`fo::step`).
+
+`overlap=True` (any optimizer here) steps each parameter on fo's pool as backward makes its
+gradient final (post-accumulate-grad hooks; FSDP2 runs them on the reduced shard), and
+`step()` waits for the rest: the same bits as `overlap=False`. Clip with the optimizer's
+`max_grad_norm=` (and `norm_type=`, `error_if_nonfinite=`), accumulate gradients under
+`with opt.no_handover():`, read `opt.last_step_stats`; see `fo._torch_overlap`.
 """
 import ctypes
 
@@ -29,6 +35,7 @@ from . import _torch_compile as _compile
 from . import optim as _optim
 from ._ffi import check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import FO_KEYS, Storage
 
@@ -67,7 +74,7 @@ def _arithmetic_name(value):
     return next(k for k, v in ARITHMETIC.items() if v == code)
 
 
-class _FoOptimizer(Storage, torch.optim.Optimizer):
+class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
 
     def __init__(self, params, defaults):
@@ -76,9 +83,12 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         defaults["arithmetic"] = _arithmetic_name(defaults.get("arithmetic", DEFAULT_ARITHMETIC))
         _optim.STATE_FORMATS[defaults["state_format"]]  # KeyError names a bad format early
+        options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
+        self._ov, self._hooked = options, False  # add_param_group (called by torch's __init__) reads them
         super().__init__(params, defaults)
         self.state = State(self)  # torch's __init__ set a defaultdict
+        self._overlap_init(options)
 
     def _fresh(self):
         """The fo side, empty: built at the first step or load."""
@@ -99,6 +109,8 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
         if "arithmetic" in param_group:
             param_group["arithmetic"] = _arithmetic_name(param_group["arithmetic"])
         super().add_param_group(param_group)
+        if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
+            self._hook_params(self.param_groups[-1]["params"])
 
     # -- hyper-parameters -------------------------------------------------------------
     def _hp(self, group):
@@ -199,6 +211,12 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
         return loss
 
     def _step(self):
+        if self._ov["overlap"]:
+            self._end()
+            self.state.after_step()
+            return
+        if self._ov["max_grad_norm"] is not None:
+            self._clip_now()
         self._flush()
         self._sync()
         n = len(self._index)
@@ -321,13 +339,16 @@ class _FoOptimizer(Storage, torch.optim.Optimizer):
         unpickled optimizer steps on its own parameters and state."""
         self._flush()
         state = {p: self._export(p) for p in self._index if self._has_state(p)}
-        return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups}
+        return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups, "fo_overlap": self._ov}
 
     def __setstate__(self, saved):
         saved = dict(saved)
         state = saved.pop("state", {})
+        options = saved.pop("fo_overlap", None) or overlap_options()
         self._fresh()
+        self._ov, self._hooked = options, False
         super().__setstate__(saved)  # torch's: hooks, the patched step
+        self._overlap_init(options)  # overlap=True: hooks on this copy's parameters
         if state:
             self._sync(also=set(state))
             for p, entries in state.items():
@@ -343,7 +364,7 @@ def _sparse_message(opt, name):
             "instead")
 
 
-def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None):
+def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, **overlap):
     """torch's implementation flags. fo's step is always one fused kernel per parameter, so
     `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
     them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors."""
@@ -351,7 +372,7 @@ def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=
         raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
                                  "fo.torch steps host tensors: drop capturable (fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                fused=fused)
+                fused=fused, **overlap_options(**overlap))
 
 
 def _fo_args(state_format, master_weight_bits, arithmetic):
@@ -366,7 +387,9 @@ class AdamW(_FoOptimizer):
     - `arithmetic="fast"` (default: within fo's stated bound of exact per step, a quant8 step
       ~3.5x faster than "exact" (scripts/bench_torch_step.py); "exact": FlashOptim's bits, as
       fo's device kernels; fp32 state steps the same under both).
-    `fused`/`foreach` are accepted and change nothing (fo's step is fused)."""
+    `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
+    optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
+    `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap)."""
 
     algorithm = "adamw"
 

@@ -48,3 +48,29 @@ def test_dcp_save_on_4_ranks_load_on_2_continues_the_loss_curve(runs):
     assert runs[2]["loaded_step"] == 10
     # the 2-rank run after loading follows the 4-rank run that kept going
     assert runs[2]["continued"] == pytest.approx(runs[4]["continued"], rel=1e-5)
+
+
+OVERLAP_WORKER = ROOT / "python" / "tests" / "torch_fsdp2_overlap_worker.py"
+
+
+@pytest.mark.parametrize("clip", ["noclip", "clip"])
+def test_overlap_under_fsdp2_cpu_offload_has_the_bits_of_the_plain_step(tmp_path_factory, clip):
+    """FSDP2 runs the sharded parameters' post-accumulate-grad hooks after reduce-scatter:
+    each rank hands its shard's gradient over during backward, clipping through the
+    default group, and every rank ends with the plain step's bits."""
+    out = overlap_runs(tmp_path_factory)[clip]
+    assert out["same_bits_on_every_rank"]
+    assert all(s["handed_over_in_backward"] == 6 and s["speculative"] == 6 for s in out["stats"])
+    if clip == "clip":
+        assert all(s["clipped"] and s["rolled_back"] == 6 for s in out["stats"])
+
+
+_OVERLAP = {}
+
+
+def overlap_runs(tmp_path_factory):
+    if not _OVERLAP:
+        d = tmp_path_factory.mktemp("fsdp2_overlap")
+        torchrun(2, OVERLAP_WORKER, d / "r.json")
+        _OVERLAP.update(json.loads((d / "r.json").read_text()))
+    return _OVERLAP

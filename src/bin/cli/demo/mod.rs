@@ -6,7 +6,9 @@
 //! 2. restart on N ranks from the compressed checkpoint (same sharding: must be identical);
 //! 3. restart on N-1 ranks, resharding the compressed checkpoint on load;
 //! 4. restart on N-1 ranks from the consolidated portable checkpoint, which rank 0 reads
-//!    and `broadcast_state_dict` scatters (each rank receives only its shard).
+//!    and `broadcast_state_dict` scatters (each rank receives only its shard);
+//! 5. the reference run again with the overlapped step (`step_begin`, gradients handed
+//!    over layer by layer, `step_end` clipping): the same bits, and the exposed step time.
 mod mlp;
 mod rank;
 mod restore;
@@ -23,6 +25,9 @@ use restore::Start;
 struct Trace {
     losses: Vec<f64>,
     step_ms: f64,
+    /// Mean time from the last gradient ready to the step done (the whole clip + step
+    /// when sequential; what `step_end` still had to do when overlapped).
+    exposed_ms: f64,
     state_bytes_per_param: f64,
     broadcast: Option<restore::BroadcastReport>,
 }
@@ -111,6 +116,7 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
         batch: 64,
         lr: 1e-2,
         max_norm: 1.0,
+        overlap: false,
         offloaded: offloaded.clone(),
     };
     let half = steps / 2;
@@ -134,7 +140,7 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
     }
     println!("(no GPU here: both groups step on the host; the split is what a hybrid optimizer would use)\n");
 
-    println!("[1/4] reference run on {ranks} ranks, checkpoint at step {half}");
+    println!("[1/5] reference run on {ranks} ranks, checkpoint at step {half}");
     let reference = phase(
         ranks,
         &setup,
@@ -143,7 +149,7 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
         Some((half, out)),
     )
     .map_err(e)?;
-    println!("[2/4] restart on {ranks} ranks from the compressed checkpoint (same sharding)");
+    println!("[2/5] restart on {ranks} ranks from the compressed checkpoint (same sharding)");
     let same = phase(
         ranks,
         &setup,
@@ -153,7 +159,7 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
     )
     .map_err(e)?;
     println!(
-        "[3/4] restart on {} ranks from the compressed checkpoint (resharded on load)",
+        "[3/5] restart on {} ranks from the compressed checkpoint (resharded on load)",
         ranks - 1
     );
     let resharded = phase(
@@ -165,7 +171,7 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
     )
     .map_err(e)?;
     println!(
-        "[4/4] restart on {} ranks: rank 0 reads the consolidated checkpoint, broadcast_state_dict scatters",
+        "[4/5] restart on {} ranks: rank 0 reads the consolidated checkpoint, broadcast_state_dict scatters",
         ranks - 1
     );
     let consolidated = out.join("consolidated");
@@ -178,10 +184,24 @@ fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String>
         None,
     )
     .map_err(e)?;
+    println!("[5/5] the reference run again with the overlapped step (gradients handed over layer by layer)");
+    let overlap_setup = Setup {
+        overlap: true,
+        ..setup.clone()
+    };
+    let overlapped = phase(
+        ranks,
+        &overlap_setup,
+        Start::Fresh(mlp::init_params(seed)),
+        0..steps,
+        None,
+    )
+    .map_err(e)?;
 
-    let checks = summary::report(
+    let mut checks = summary::report(
         &setup, ranks, out, &reference, &same, &resharded, &broadcast,
     )?;
+    summary::report_overlap(&mut checks, &reference, &overlapped);
     if checks.iter().all(|(ok, _)| *ok) {
         println!("\nall {} checks passed", checks.len());
         Ok(())
@@ -247,6 +267,7 @@ fn run_rank(
     let report_every = (setup.steps / 10).max(1);
     let mut losses = Vec::new();
     let mut step_time = 0f64;
+    let mut exposed = 0f64;
     let mut timed = 0usize;
     for step in steps {
         if let Some((at, dir)) = save {
@@ -255,8 +276,9 @@ fn run_rank(
             }
         }
         let ts = Instant::now();
-        let (loss, norm) = rank.step(setup, step)?;
+        let (loss, norm, exposed_s) = rank.step(setup, step)?;
         step_time += ts.elapsed().as_secs_f64();
+        exposed += exposed_s;
         timed += 1;
         losses.push(loss);
         if rank.comm.rank() == 0 && (step % report_every == 0 || step + 1 == setup.steps) {
@@ -275,6 +297,7 @@ fn run_rank(
     Ok(Trace {
         losses,
         step_ms: step_time * 1e3 / timed.max(1) as f64,
+        exposed_ms: exposed * 1e3 / timed.max(1) as f64,
         state_bytes_per_param: rank.opt.total_state_bytes() as f64 / numel as f64,
         broadcast,
     })

@@ -1,7 +1,10 @@
 //! One rank of the demo's data-parallel, FSDP2-style training: it holds a `Shard(0)`
 //! slice of every parameter in bf16, all-gathers full weights for forward/backward,
-//! all-reduces gradients, clips the global norm and steps its shards with fo.
+//! all-reduces gradients, clips the global norm and steps its shards with fo: in one
+//! sequential step (`clip_grad_norm`, then `step`), or overlapped (`step_begin`, each
+//! layer's gradient handed over in backward's order, `step_end` clipping through the comm).
 use fo::comm::{Comm, ReduceOp};
+use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::shard::{chunk_range, Placement, ShardSpec};
 use fo::{DType, HostTensor, Result};
@@ -16,6 +19,8 @@ pub struct Setup {
     pub batch: usize,
     pub lr: f64,
     pub max_norm: f64,
+    /// Step with the overlapped step (`step_begin` / `grads_ready` / `step_end`).
+    pub overlap: bool,
     /// Per parameter: true when the offload planner put it on the host.
     pub offloaded: Vec<bool>,
 }
@@ -128,8 +133,9 @@ impl Rank {
         Ok(out)
     }
 
-    /// One training step; returns (global mean loss, global grad norm before clipping).
-    pub fn step(&mut self, setup: &Setup, step: usize) -> Result<(f64, f64)> {
+    /// One training step; returns (global mean loss, global grad norm before clipping,
+    /// the exposed step time in seconds: from the last gradient ready to the step done).
+    pub fn step(&mut self, setup: &Setup, step: usize) -> Result<(f64, f64, f64)> {
         let full = self.gather_full()?;
         let mut grads: Vec<Vec<f32>> = full.iter().map(|v| vec![0f32; v.len()]).collect();
         let mine = chunk_range(setup.batch, self.comm.world_size(), self.comm.rank());
@@ -158,17 +164,46 @@ impl Rank {
                 &spec.local_shape(),
             )?);
         }
+        for g in 0..self.opt.num_groups() {
+            self.opt.set_group_lr(g, setup.lr_at(step))?;
+        }
+        let loss = l[0] / setup.batch as f64;
+        if setup.overlap {
+            let (norm, exposed) = self.overlapped(setup, &views)?;
+            return Ok((loss, norm, exposed));
+        }
+        let t = std::time::Instant::now();
         let with_flags: Vec<(HostTensor, bool)> = views.iter().map(|v| (v.clone(), true)).collect();
         // SAFETY: the views point into `shards`, alive and unaliased for these calls.
         let norm = unsafe {
             fo::clip::clip_grad_norm(&self.comm, &with_flags, setup.max_norm, 2.0, true)?
         };
-        for g in 0..self.opt.num_groups() {
-            self.opt.set_group_lr(g, setup.lr_at(step))?;
-        }
         let grads: Vec<Option<HostTensor>> = views.into_iter().map(Some).collect();
         unsafe { self.opt.step(&grads)? };
-        Ok((l[0] / setup.batch as f64, norm))
+        Ok((loss, norm, t.elapsed().as_secs_f64()))
+    }
+
+    /// The overlapped step: each layer's gradient handed over last layer first (the order
+    /// backward makes them final), the clip norm combined at `step_end` through the comm.
+    /// Returns (total norm, seconds from the last gradient handed over to step_end done).
+    fn overlapped(&mut self, setup: &Setup, views: &[HostTensor]) -> Result<(f64, f64)> {
+        let opts = OverlapOptions {
+            max_norm: setup.max_norm,
+            error_if_nonfinite: true,
+            ..OverlapOptions::default()
+        };
+        let mut stats = OverlapStats::default();
+        // SAFETY: the views point into the caller's gradient buffers, alive and unchanged
+        // until step_end returns; nothing else touches `opt` meanwhile.
+        unsafe {
+            self.opt.step_begin(opts)?;
+            for i in (0..views.len()).rev() {
+                self.opt.grads_ready(&[i], &views[i..i + 1], &[-1])?;
+            }
+            let t = std::time::Instant::now();
+            self.opt.step_end(Some(&self.comm), &mut stats)?;
+            Ok((stats.total_norm, t.elapsed().as_secs_f64()))
+        }
     }
 
     /// Local parameter elements (what the optimizer steps on this rank).

@@ -163,3 +163,31 @@ pub(super) fn report(
     }
     Ok(checks)
 }
+
+/// The overlapped run against the reference: the same losses bit for bit, and the step
+/// time left exposed after the last gradient both ways.
+pub(super) fn report_overlap(checks: &mut Checks, reference: &[Trace], overlapped: &[Trace]) {
+    let (r, o) = (&reference[0], &overlapped[0]);
+    println!(
+        "  exposed step time (last gradient ready -> step done), mean per step on rank 0: \
+         sequential clip + step {:.3} ms, overlapped step_end {:.3} ms",
+        r.exposed_ms, o.exposed_ms
+    );
+    println!(
+        "  (here every gradient is final at once, after the all-reduce: there is no backward to \
+         hide the step behind; `fo bench overlap` measures that)"
+    );
+    let same = r
+        .losses
+        .iter()
+        .zip(&o.losses)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    check(
+        checks,
+        same && r.losses.len() == o.losses.len(),
+        format!(
+            "overlapped step (clipping through step_end) follows the sequential run bit for bit: {} losses identical",
+            o.losses.len()
+        ),
+    );
+}

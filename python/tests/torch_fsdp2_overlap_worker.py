@@ -1,0 +1,46 @@
+"""One torchrun rank of test_torch_fsdp2.py's overlap test: FSDP2 with CPUOffloadPolicy on
+gloo, fo.torch.AdamW with overlap=True against overlap=False, clipping by max_grad_norm
+(the norm all-reduced over the default group). FSDP2 runs the sharded parameters'
+post-accumulate-grad hooks once their gradient is reduce-scattered (and copied to the host).
+
+    torchrun --nproc-per-node N torch_fsdp2_overlap_worker.py OUT_JSON
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fo.torch
+from torch_fsdp2_worker import build, exit_skipping_finalization, train_step
+
+
+def main():
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    res = {}
+    for clip, name in ((None, "noclip"), (0.05, "clip")):
+        ref, mine = build(mesh), build(mesh)
+        r_opt = fo.torch.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
+        o_opt = fo.torch.AdamW(mine.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip, overlap=True)
+        same, stats = True, []
+        for s in range(6):
+            train_step(ref, r_opt, s)
+            train_step(mine, o_opt, s)
+            stats.append(o_opt.last_step_stats)
+            same &= all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ref.parameters(), mine.parameters()))
+            same &= (clip is None) or o_opt.last_step_stats["total_norm"] == r_opt.last_step_stats["total_norm"]
+        flags = torch.tensor([int(same)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        res[name] = {"same_bits_on_every_rank": bool(flags.item()), "stats": stats}
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    exit_skipping_finalization(0)
