@@ -664,6 +664,8 @@ std::vector<Case> cases() {
     fo_overlap_stats st;
     return fo_optimizer_step_end(f.opt, nullptr, &st);
   });
+  E("fo_optimizer_step_abort", "opt NULL", [](Fx&) { return fo_optimizer_step_abort(nullptr, nullptr); });
+  E("fo_optimizer_step_abort", "no step open", [](Fx& f) { return fo_optimizer_step_abort(f.opt, nullptr); });
   E("fo_optimizer_step", "a step open", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_step(opened(f), &g, 1); });
 
   auto get = [](std::function<void(int32_t&, const char*&, T&)> edit) {

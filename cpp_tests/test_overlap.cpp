@@ -169,6 +169,24 @@ void a_bad_gradient_changes_nothing() {
   CHECK(m.bits() == before);
 }
 
+void abort_puts_every_early_step_back() {
+  Model m;
+  Grads g(4, 1.0f);
+  CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
+  std::string before = m.bits();
+  CHECK_ERR(fo_optimizer_step_abort(m.opt, nullptr), FO_ERR_INVALID_ARGUMENT, "no overlapped step is open");
+  CHECK_OK(fo_optimizer_step_begin(m.opt, nullptr));
+  int32_t all[4] = {0, 1, 2, 3};
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, all, g.views.data(), 4));
+  fo_overlap_stats st;
+  CHECK_OK(fo_optimizer_step_abort(m.opt, &st));
+  CHECK(st.handed_over == 4 && st.rolled_back == st.speculative);
+  CHECK(m.bits() == before);
+  // The step is closed: the handle takes a plain step again.
+  CHECK_ERR(fo_optimizer_step_end(m.opt, nullptr, nullptr), FO_ERR_INVALID_ARGUMENT, "no overlapped step is open");
+  CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
+}
+
 void misuse_is_an_error() {
   Model m;
   Grads g(5, 1.0f);
@@ -208,6 +226,7 @@ int main() {
   clipping_equals_clip_then_step();
   a_bad_gradient_changes_nothing();
   misuse_is_an_error();
+  abort_puts_every_early_step_back();
   destroy_with_a_step_open_restores();
   return fo_test::summary("test_overlap");
 }

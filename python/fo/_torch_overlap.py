@@ -202,18 +202,13 @@ class Overlap:
         raise error
 
     def _abandon(self):
-        """Closes the open step changing nothing: a bucket fo cannot read (index -1) fails
-        the step, and a failed step_end puts every early step back (fo.h's contract)."""
-        idx = (ctypes.c_int32 * 1)(-1)
-        arr = (_optim.Tensor * 1)()
-        _optim._grads_ready(self._fo._handle, idx, arr, 1)  # refused by design: fails the step
+        """Closes the open step changing nothing (fo_optimizer_step_abort puts every early
+        step back; local to this rank, no collective)."""
         stats = _optim.OverlapStats()
-        status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
+        status = _optim._step_abort(self._fo._handle, ctypes.byref(stats))
         self._open, self._handed = False, {}
         self.last_step_stats = _stats_dict(stats)
-        if status == 0:
-            raise FoError(FO_ERR_INVALID_ARGUMENT, "FO_ERR_INVALID_ARGUMENT",
-                          "internal: abandoning an overlapped step did not fail it")
+        check(status)
 
     def _end(self):
         """optimizer.step() with overlap=True: hands over the gradients no hook handed over

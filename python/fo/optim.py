@@ -108,6 +108,7 @@ _overlap_default = declare("fo_overlap_options_default", [ctypes.POINTER(Overlap
 _step_begin = declare("fo_optimizer_step_begin", [_P, ctypes.POINTER(OverlapOptions)])
 _grads_ready = declare("fo_optimizer_grads_ready", [_P, _i32p, _tp, ctypes.c_size_t])
 _step_end = declare("fo_optimizer_step_end", [_P, ctypes.c_void_p, ctypes.POINTER(OverlapStats)])
+_step_abort = declare("fo_optimizer_step_abort", [_P, ctypes.POINTER(OverlapStats)])
 
 
 def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
@@ -239,9 +240,17 @@ class Optimizer:
         if status != C.FO_ERR_BUSY:  # busy: the step is still open and reads the gradients
             self.__dict__.pop("_overlap_refs", None)
         check(status)
-        out: dict[str, Any] = {f: getattr(st, f) for f, _ in OverlapStats._fields_}
-        out["clipped"] = bool(out["clipped"])
-        return out
+        return _overlap_stats(st)
+
+    def step_abort(self) -> dict[str, Any]:
+        """Closes the open overlapped step changing nothing (fo puts back every parameter
+        it stepped early; no collective) and returns its stats as `step_end` does."""
+        st = OverlapStats()
+        status = _step_abort(self._handle, ctypes.byref(st))
+        if status != C.FO_ERR_BUSY:
+            self.__dict__.pop("_overlap_refs", None)
+        check(status)
+        return _overlap_stats(st)
 
     def state_info(self, index: int, key: str) -> tuple[int, tuple[int, ...]]:
         dt, nd = ctypes.c_int32(0), ctypes.c_int32(0)
@@ -334,3 +343,9 @@ def get_num_threads() -> int:
     n = ctypes.c_int32(0)
     check(_get_threads(ctypes.byref(n)))
     return n.value
+
+
+def _overlap_stats(st: OverlapStats) -> dict[str, Any]:
+    out: dict[str, Any] = {f: getattr(st, f) for f, _ in OverlapStats._fields_}
+    out["clipped"] = bool(out["clipped"])
+    return out

@@ -111,3 +111,18 @@ def test_misuse_raises_and_other_calls_wait_for_step_end():
     with pytest.raises(fo.FoError):
         opt.step_end()
     opt.step(gs)
+
+
+def test_step_abort_puts_every_early_step_back():
+    opt, params = make(6)
+    gs = grads(2)
+    opt.step(gs)
+    before = [p.copy() for p in params], state(opt)
+    with pytest.raises(fo.FoError, match="no overlapped step is open"):
+        opt.step_abort()
+    opt.step_begin()
+    opt.grads_ready(list(range(len(gs))), gs)
+    stats = opt.step_abort()
+    assert stats["handed_over"] == len(gs) and stats["rolled_back"] == stats["speculative"]
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(before[0], params)) and state(opt) == before[1]
+    opt.step(gs)  # the step is closed

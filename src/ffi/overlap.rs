@@ -17,6 +17,7 @@ pub(super) const ALLOWED_WHILE_OPEN: &[&str] = &[
     "fo_optimizer_step_begin",
     "fo_optimizer_grads_ready",
     "fo_optimizer_step_end",
+    "fo_optimizer_step_abort",
     "fo_optimizer_num_params",
     "fo_optimizer_get_group_config",
     "fo_optimizer_param_groups_json",
@@ -202,6 +203,28 @@ pub unsafe extern "C" fn fo_optimizer_step_end(
         };
         let mut st = OverlapStats::default();
         let r = opt.step_end(comm.as_deref(), &mut st);
+        if let Some(out) = stats.as_mut() {
+            *out = st.into();
+        }
+        r
+    })
+}
+
+/// Closes the open overlapped step changing nothing: waits for fo's pool and puts every
+/// parameter stepped early back as it was (memory and state). Local to this rank (no
+/// collective, unlike `fo_optimizer_step_end`); the handed-over gradients are released
+/// untouched. For a training loop that drops a step after backward started handing
+/// gradients over (torch's `zero_grad` before `step`). `stats` (NULL: not wanted): what
+/// was rolled back. No step open: FO_ERR_INVALID_ARGUMENT.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_step_abort(
+    opt: *mut fo_optimizer,
+    stats: *mut fo_overlap_stats,
+) -> fo_status {
+    guard(|| {
+        let mut opt = enter_opt(opt, "fo_optimizer_step_abort")?;
+        let mut st = OverlapStats::default();
+        let r = opt.step_abort(&mut st);
         if let Some(out) = stats.as_mut() {
             *out = st.into();
         }

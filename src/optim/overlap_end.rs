@@ -35,6 +35,23 @@ impl Optimizer {
         r
     }
 
+    /// Closes the open overlapped step changing nothing: waits for the pool and puts every
+    /// parameter stepped early back as it was (memory and state; a state the step created
+    /// is dropped). Local to this rank: no collective, so one rank may abort while others
+    /// do too (torch's `zero_grad` between backward and `step`). `stats` says what was
+    /// rolled back.
+    pub fn step_abort(&mut self, stats: &mut OverlapStats) -> Result<()> {
+        let mut open = self.open.take().ok_or_else(|| no_step("step_abort"))?;
+        let mut dones = open.inbox.wait_all();
+        dones.sort_by_key(|d| d.i);
+        for d in dones.iter_mut() {
+            self.params[d.i].state = d.param.state.take();
+        }
+        self.roll_back(&mut dones, &mut open.stats);
+        *stats = open.stats;
+        Ok(())
+    }
+
     unsafe fn finish(
         &mut self,
         open: &mut OpenStep,

@@ -332,6 +332,33 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
     }
 }
 
+#[test]
+fn abort_puts_every_early_step_back_and_drops_fresh_state() {
+    let cfg = OptimConfig::default_for(Algorithm::AdamW);
+    let mut m = model(&cfg, DType::BF16, 11, false).unwrap();
+    let mut rng = Rng::new(21);
+    let mut grads = Grads::new(&mut rng, 1.0, false);
+    let g = grads.views();
+    let before = snapshot(&m);
+    let mut st = OverlapStats::default();
+    assert!(m.opt.step_abort(&mut st).is_err(), "no step open");
+    unsafe {
+        // The first step creates state: an abort drops it again.
+        m.opt.step_begin(OverlapOptions::default()).unwrap();
+        let all: Vec<usize> = (0..g.len()).collect();
+        m.opt.grads_ready(&all, &g, &vec![-1; g.len()]).unwrap();
+    }
+    m.opt.step_abort(&mut st).unwrap();
+    assert_eq!(st.rolled_back, st.speculative, "{st:?}");
+    assert!(st.speculative > 0, "{st:?}");
+    assert!(snapshot(&m) == before);
+    assert!((0..g.len()).all(|i| !m.opt.has_state(i)));
+    assert!(!m.opt.step_open());
+    // The handle steps normally afterwards.
+    let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+    unsafe { m.opt.step(&all) }.unwrap();
+}
+
 /// `bytes` (elements of `dt`) with element 5 made NaN.
 pub(super) fn encode_like(bytes: &[u8], dt: DType) -> Vec<u8> {
     let mut out = bytes.to_vec();

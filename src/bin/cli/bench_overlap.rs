@@ -17,7 +17,7 @@ use fo::optim::{threads, Algorithm, OptimConfig, Optimizer};
 use fo::{DType, HostTensor};
 
 use super::args::Count;
-use super::bench_step::fill;
+use super::bench_util::fill;
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:
