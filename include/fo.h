@@ -733,7 +733,9 @@ fo_status fo_comm_create_nccl(void *nccl_comm,
  Frees a communicator (NULL is ignored). For an in-process group, the other ranks'
  pending and later collectives fail instead of waiting for this one. If another thread
  is inside a call on `comm`, waits for it to return first; called from inside a call
- on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message.
+ on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message. An async
+ save started with `comm` and not yet waited for: this waits for its writer, and its
+ `fo_save_wait` then returns FO_ERR_COMM (the commit cannot run without `comm`).
  */
 void fo_comm_destroy(struct fo_comm *comm);
 
@@ -1030,7 +1032,9 @@ fo_status fo_get_num_threads(int32_t *out);
  `comm` (NULL: none; else its rank and world size must be the options'): every rank
  must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
  the commit collective runs, on the calling thread; the writer thread never touches
- the communicator, which must outlive the save's wait. Without a communicator the
+ the communicator. `fo_comm_destroy` before that wait waits for the save's writer and
+ then detaches the save: its `fo_save_wait` returns FO_ERR_COMM (not committed; the
+ previous checkpoint stays the visible one), never touching the freed handle. Without a communicator the
  last rank to finish commits in the background, as `fo_state_save` does. Device-
  resident state is copied to the host at the call. `*out` receives the handle.
  */

@@ -412,6 +412,7 @@ impl Snapshot {
 /// - Heap buffers do not move while `i` is pending: nothing reallocates them without
 ///   `before_write(i)` first. A `Vec<Param>` reallocation (`add_param`, refused anyway
 ///   while a save reads) would move only the headers, which the writer does not read.
+///
 /// Whoever adds a path that mutates state or parameter memory (e.g. an overlapped step)
 /// must call `before_write(i)` before creating any `&mut` over parameter `i`'s state
 /// buffers or elements.
