@@ -128,9 +128,14 @@ fn start(
 ) -> Result<AsyncSave> {
     // The previous save's writer must be done with the optimizer (one snapshot at a
     // time); its files commit on their own (no communicator) or at its wait.
-    if let Some(prev) = opt.save.take() {
-        prev.wait_released();
-    }
+    // Its pool's kept buffers serve this save's copies (`stage_copy`).
+    let recycled = match opt.save.take() {
+        Some(prev) => {
+            prev.wait_released();
+            prev.take_recycled()
+        }
+        None => Default::default(),
+    };
     let save_id = match comm {
         Some(c) => {
             let local = if o.rank != c.rank() || o.world_size != c.world_size() {
@@ -188,6 +193,7 @@ fn start(
         runs,
         bytes,
         staging_budget,
+        recycled,
     ));
     for i in devices {
         snap.stage_now(opt, i)?;

@@ -19,6 +19,10 @@
 //! whose doc states the aliasing invariant that makes the writer's reads sound): the
 //! writer reads a parameter's heap buffers only while it holds it `Reading`, and no
 //! mutator creates a `&mut` over them before `before_write` has returned.
+#[path = "stage_copy.rs"]
+pub(super) mod stage_copy;
+use stage_copy::{copy_state, Recycled};
+
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -95,6 +99,10 @@ impl Copy {
 /// One save's snapshot, shared by the optimizer (its mutators) and the writer thread.
 pub struct Snapshot {
     inner: Mutex<Inner>,
+    /// Buffers of copies the writer is done with, for later copies (`stage_copy`); kept
+    /// bytes plus `Inner::used` stay within the budget. Locked after `inner`, never
+    /// before it.
+    recycled: Mutex<Recycled>,
     cv: Condvar,
     budget: usize,
     /// Entry -> (parameter, source, bytes).
@@ -137,6 +145,7 @@ impl Snapshot {
         runs: Vec<usize>,
         bytes: Vec<usize>,
         budget: usize,
+        mut recycled: Recycled,
     ) -> Snapshot {
         let mut slots = vec![Slot::Free; num_params];
         let mut by_param: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -161,7 +170,9 @@ impl Snapshot {
         } else {
             budget
         };
+        recycled.trim(budget);
         Snapshot {
+            recycled: Mutex::new(recycled),
             inner: Mutex::new(Inner {
                 slots,
                 staged: HashMap::new(),
@@ -199,10 +210,15 @@ impl Snapshot {
     }
 
     /// Copies parameter `i` as its remaining entries `es` need it.
-    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize]) -> Result<Copy> {
+    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize], kit: &mut Recycled) -> Result<Copy> {
         let needs_param = es.iter().any(|&e| reads_param(&self.entries[e].1));
         Ok(Copy {
-            state: opt.staged_state(i)?.map(std::borrow::Cow::into_owned),
+            // A host parameter's state is borrowed: copied into huge pages (the step's
+            // cost); a device one's was just read back into a fresh buffer.
+            state: opt.staged_state(i)?.map(|c| match c {
+                std::borrow::Cow::Borrowed(st) => copy_state(st, kit),
+                std::borrow::Cow::Owned(st) => st,
+            }),
             param: if needs_param {
                 Some(opt.param_tensor(i)?)
             } else {
@@ -218,7 +234,7 @@ impl Snapshot {
         if es.is_empty() {
             return Ok(());
         }
-        let c = self.copy(opt, i, &es)?;
+        let c = self.copy(opt, i, &es, &mut Recycled::default())?;
         let mut g = self.lock();
         g.stats.device_staged += c.nbytes() as u64;
         g.staged.insert(i, (Arc::new(c), 0));
@@ -230,7 +246,7 @@ impl Snapshot {
     /// writer still needs of it into the pool, or waits (see the module doc).
     pub(crate) fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()> {
         let mut g = self.lock();
-        let (es, need) = loop {
+        let (es, need, mut kit) = loop {
             if g.released || i >= g.slots.len() {
                 return Ok(());
             }
@@ -251,18 +267,28 @@ impl Snapshot {
                         g.used += need;
                         g.stats.staging_high_water = g.stats.staging_high_water.max(g.used as u64);
                         g.slots[i] = Slot::Copying;
-                        break (es, need);
+                        // The kept buffers this copy reuses; the rest stay within what
+                        // the budget leaves.
+                        let mut r = self.recycled();
+                        let kit = match opt.staged_state(i) {
+                            Ok(Some(std::borrow::Cow::Borrowed(st))) => r.kit_for(st),
+                            _ => Recycled::default(),
+                        };
+                        r.trim(self.budget - g.used);
+                        break (es, need, kit);
                     }
                     g = self.wait(g);
                 }
             }
         };
         drop(g);
-        let copied = self.copy(opt, i, &es);
+        let copied = self.copy(opt, i, &es, &mut kit);
         let mut g = self.lock();
         match copied {
             Ok(c) if c.nbytes() <= need => {
                 g.used -= need - c.nbytes();
+                let room = self.budget - g.used;
+                self.recycled().absorb(kit, room);
                 let b = c.nbytes();
                 g.staged.insert(i, (Arc::new(c), b));
                 g.slots[i] = Slot::Free;
@@ -320,8 +346,9 @@ impl Snapshot {
                 let mut g = self.lock();
                 g.runs_left[e] -= 1;
                 if self.left_of(&g, *i).is_empty() {
-                    if let Some((_, held)) = g.staged.remove(i) {
+                    if let Some((c, held)) = g.staged.remove(i) {
                         g.used -= held;
+                        self.recycle(c, self.budget - g.used);
                     }
                     self.cv.notify_all();
                 }
@@ -356,9 +383,31 @@ impl Snapshot {
     pub(super) fn release(&self) {
         let mut g = self.lock();
         g.released = true;
-        g.staged.clear();
+        for (_, (c, _)) in std::mem::take(&mut g.staged) {
+            self.recycle(c, self.budget);
+        }
         g.used = 0;
         self.cv.notify_all();
+    }
+
+    fn recycled(&self) -> MutexGuard<'_, Recycled> {
+        self.recycled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps the buffers of a copy the writer is done with (while within `max` bytes).
+    fn recycle(&self, c: Arc<Copy>, max: usize) {
+        if let Ok(Copy {
+            state: Some(st), ..
+        }) = Arc::try_unwrap(c)
+        {
+            self.recycled().put_state(st, max);
+        }
+    }
+
+    /// The buffers this save kept, for the next save of the same optimizer (its writer
+    /// must be done: `wait_released`).
+    pub(super) fn take_recycled(&self) -> Recycled {
+        std::mem::take(&mut *self.recycled())
     }
 
     /// Holds (or lets go of) the writer before its next fetch: for tests that need a
