@@ -17,6 +17,8 @@ use crate::error::Error;
 /// `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
 /// mutation of state the writer has not taken yet copies it into the pool first, or waits
 /// for the writer when the pool is full: the budget bounds memory, never correctness.
+/// The pool keeps its copies' buffers for the next save of the same optimizer (at most
+/// the budget; freed with the optimizer), so later saves copy without page faults.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_save_options {
