@@ -2,7 +2,9 @@
 // the writer works, fo_save_wait returns the whole save's status, and the files equal a
 // synchronous save of the state as of the call; poll and stats report progress and the
 // staging pool's high-water mark within its budget; a write error surfaces at wait with
-// FO_ERR_IO and the path; a communicator save commits at wait on every rank.
+// FO_ERR_IO and the path; a communicator save commits at wait on every rank; a second
+// save waits for the first's writer; destroying the communicator before the wait fails
+// the save (FO_ERR_COMM), never a use-after-free.
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -172,10 +174,67 @@ static void two_ranks_commit_at_wait_through_a_communicator() {
   fs::remove_all(asy);
 }
 
+// Lifecycle: a second save while one is in flight waits for the first's writer (both
+// files hold their call's state).
+static void a_second_save_waits_for_the_first_and_both_hold_their_call_state() {
+  Rank r(1, 0);
+  r.step(0);
+  std::string sa = tmpdir("2-sa"), sb = tmpdir("2-sb"), a = tmpdir("2-a"), b = tmpdir("2-b");
+  fo_pack_options px{0, 1, 0, 1, -1, "x"}, py{0, 1, 0, 1, -1, "y"};
+  fo_save *s1 = nullptr, *s2 = nullptr;
+  CHECK_OK(fo_state_save(r.opt, sa.c_str(), &px));
+  fo_save_options sx{px, 4096}, sy{py, 0};
+  CHECK_OK(fo_state_save_async(r.opt, a.c_str(), &sx, nullptr, &s1));
+  r.step(1);
+  CHECK_OK(fo_state_save(r.opt, sb.c_str(), &py));
+  CHECK_OK(fo_state_save_async(r.opt, b.c_str(), &sy, nullptr, &s2));
+  r.step(2);
+  CHECK_OK(fo_save_wait(s2, -1.0));
+  CHECK_OK(fo_save_wait(s1, -1.0));
+  fo_save_destroy(s2);
+  fo_save_destroy(s1);
+  same_files(a, sa);
+  same_files(b, sb);
+  for (auto& d : {sa, sb, a, b}) fs::remove_all(d);
+}
+
+// Lifecycle: the communicator destroyed before the save's wait. The destroy waits for
+// the writer and detaches the save; the wait fails with FO_ERR_COMM (not committed:
+// the previous checkpoint stays the visible one) and never touches the freed handle.
+static void destroying_the_comm_before_wait_fails_the_save_and_keeps_the_previous() {
+  std::string dir = tmpdir("cd"), ref = tmpdir("cd-ref");
+  fo_comm* comm = nullptr;
+  CHECK_OK(fo_comm_create_local_group(1, 60.0, &comm));
+  Rank r(1, 0);
+  r.step(0);
+  fo_pack_options first{0, 1, 0, 0, -1, "first"};
+  CHECK_OK(fo_state_save_comm(r.opt, dir.c_str(), &first, comm));
+  CHECK_OK(fo_state_save(r.opt, ref.c_str(), &first));
+  r.step(1);
+  fo_save_options so{{0, 1, 0, 0, -1, "second"}, 0};
+  fo_save* s = nullptr;
+  CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &so, comm, &s));
+  r.step(2);
+  fo_comm_destroy(comm);
+  int32_t done = 0;
+  CHECK_OK(fo_save_poll(s, &done, nullptr));
+  CHECK(done == 1);  // the destroy waited for the writer
+  CHECK(fo_save_wait(s, -1.0) == FO_ERR_COMM);
+  CHECK(fo_test::last_error().find("destroyed before fo_save_wait") != std::string::npos);
+  CHECK(fo_save_wait(s, 0.0) == FO_ERR_COMM);  // the same outcome again
+  fo_save_destroy(s);
+  same_files(dir, ref);
+  CHECK_OK(fo_checkpoint_verify(dir.c_str()));
+  fs::remove_all(dir);
+  fs::remove_all(ref);
+}
+
 int main() {
   async_save_equals_sync_save_while_steps_run();
   a_write_error_surfaces_at_wait_with_the_path();
   destroying_the_optimizer_before_the_save_is_safe();
   two_ranks_commit_at_wait_through_a_communicator();
+  a_second_save_waits_for_the_first_and_both_hold_their_call_state();
+  destroying_the_comm_before_wait_fails_the_save_and_keeps_the_previous();
   return fo_test::summary("test_save_async");
 }

@@ -542,6 +542,8 @@ typedef struct fo_overlap_stats {
  `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
  mutation of state the writer has not taken yet copies it into the pool first, or waits
  for the writer when the pool is full: the budget bounds memory, never correctness.
+ The pool keeps its copies' buffers for the next save of the same optimizer (at most
+ the budget; freed with the optimizer), so later saves copy without page faults.
  */
 typedef struct fo_save_options {
   struct fo_pack_options pack;
@@ -841,7 +843,9 @@ fo_status fo_comm_create_nccl(void *nccl_comm,
  Frees a communicator (NULL is ignored). For an in-process group, the other ranks'
  pending and later collectives fail instead of waiting for this one. If another thread
  is inside a call on `comm`, waits for it to return first; called from inside a call
- on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message.
+ on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message. An async
+ save started with `comm` and not yet waited for: this waits for its writer, and its
+ `fo_save_wait` then returns FO_ERR_COMM (the commit cannot run without `comm`).
  */
 void fo_comm_destroy(struct fo_comm *comm);
 
@@ -1189,7 +1193,9 @@ fo_status fo_optimizer_step_end(struct fo_optimizer *opt,
  `comm` (NULL: none; else its rank and world size must be the options'): every rank
  must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
  the commit collective runs, on the calling thread; the writer thread never touches
- the communicator, which must outlive the save's wait. Without a communicator the
+ the communicator. `fo_comm_destroy` before that wait waits for the save's writer and
+ then detaches the save: its `fo_save_wait` returns FO_ERR_COMM (not committed; the
+ previous checkpoint stays the visible one), never touching the freed handle. Without a communicator the
  last rank to finish commits in the background, as `fo_state_save` does. Device-
  resident state is copied to the host at the call. `*out` receives the handle.
  */

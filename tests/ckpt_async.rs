@@ -58,6 +58,12 @@ impl Big {
     }
 
     fn step(&mut self, t: usize) {
+        self.step_some(t, &|_| true)
+    }
+
+    /// A step where only the parameters `which` selects have gradients (the others are
+    /// left alone, as a frozen layer is).
+    fn step_some(&mut self, t: usize, which: &dyn Fn(usize) -> bool) {
         let mut grads: Vec<Buf> = BIG
             .iter()
             .zip(&self.specs)
@@ -69,7 +75,11 @@ impl Big {
                 ))
             })
             .collect();
-        let views: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| Some(g.view())).collect();
+        let views: Vec<Option<HostTensor>> = grads
+            .iter_mut()
+            .enumerate()
+            .map(|(k, g)| which(k).then(|| g.view()))
+            .collect();
         unsafe { self.opt.step(&views).unwrap() };
     }
 
@@ -184,6 +194,49 @@ fn async_save_is_byte_identical_to_a_sync_save_while_steps_and_set_state_run() {
     }
     // The steps ran while the writer was at work: the snapshot copied state for them.
     assert!(copies > 0, "no step ever met a save in flight");
+}
+
+/// Steps without pause (alternately half the parameters, then all) from the moment an
+/// async save starts until its writer is done, many times over with pools from tiny
+/// (every copy waits for the writer) to the default: each file is the state at its call,
+/// byte for byte. The writer reads the live state of parameters the step does not touch
+/// while the step holds the optimizer mutably (the aliasing invariant on
+/// `snapshot::LiveReader`).
+#[test]
+fn steps_running_without_pause_during_many_saves_never_change_what_they_write() {
+    let mut stepped_during = 0;
+    for (format, bits, dtype) in [
+        (StateFormat::Quant8, 24, DType::BF16),
+        (StateFormat::Fp32, 0, DType::F32),
+    ] {
+        let cfg = config(format, bits);
+        let mut b = Big::new(1, 0, &cfg, dtype);
+        b.step(0);
+        let mut t = 1;
+        for (round, budget) in [4096, 200_000, 0, 4096, 1 << 20, 0].into_iter().enumerate() {
+            let id = format!("r{round}");
+            let (sync, asy) = (
+                tmp(&format!("async-stress-sync-{round}")),
+                tmp(&format!("async-stress-{round}")),
+            );
+            save_optimizer(&b.opt, &sync, &options(0, 1, &id)).unwrap();
+            let mut save = save_async(&mut b.opt, &asy, &options(0, 1, &id), None, budget).unwrap();
+            while !save.is_done() {
+                let half = t % 2;
+                b.step_some(t, &|k| t % 3 == 0 || k % 2 == half);
+                t += 1;
+                stepped_during += 1;
+            }
+            save.wait(None, None).unwrap();
+            let st = save.stats();
+            assert!(st.staging_high_water <= st.staging_budget, "{st:?}");
+            assert_same_files(&asy, &sync);
+            for d in [sync, asy] {
+                std::fs::remove_dir_all(d).unwrap();
+            }
+        }
+    }
+    assert!(stepped_during > 0, "no step ran while a save was in flight");
 }
 
 #[test]

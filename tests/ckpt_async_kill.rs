@@ -6,16 +6,16 @@
 //! generation, bit-exact: each committed rank file equals a synchronous save of the
 //! state that generation's call saw (the previous generation or the new one).
 mod ckpt_util;
+mod kill_loop;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use ckpt_util::{config, Rank};
 use fo::ckpt::commit::{committed_files, read_commit};
 use fo::ckpt::{save_async, save_optimizer, verify, Mode, SaveOptions};
 use fo::optim::StateFormat;
 use fo::DType;
+use kill_loop::{child_args, KillLoop};
 
 fn options(rank: usize, g: u64) -> SaveOptions {
     let mut o = SaveOptions::new(rank, 2, Mode::Compressed);
@@ -27,19 +27,22 @@ fn rank(r: usize) -> Rank {
     Rank::new(2, r, config(StateFormat::Quant8, 24), DType::BF16)
 }
 
+const LOOP: KillLoop = KillLoop {
+    child: "async_saver_child",
+    var: "FO_KILL_ASYNC_SAVER",
+    seed: 0x5A5E,
+    kills: 100,
+    require_success: true,
+};
+
 /// The child side: generation `g` is the state after `g` steps, saved asynchronously
 /// while steps `g`, `g + 1`, `g + 2` run.
 #[test]
 fn async_saver_child() {
-    let Ok(v) = std::env::var("FO_KILL_ASYNC_SAVER") else {
+    let Some((dir, r, g)) = child_args(LOOP.var) else {
         return;
     };
-    let p: Vec<&str> = v.split(':').collect();
-    let (dir, r, g): (&Path, usize, u64) = (
-        Path::new(p[0]),
-        p[1].parse().unwrap(),
-        p[2].parse().unwrap(),
-    );
+    let dir: &Path = &dir;
     let mut me = rank(r);
     for t in 0..g as usize {
         me.step(t);
@@ -49,19 +52,6 @@ fn async_saver_child() {
         me.step(g as usize + t);
     }
     save.wait(None, None).unwrap();
-}
-
-fn spawn(dir: &Path, rank: usize, g: u64) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "async_saver_child", "--test-threads", "1"])
-        .env(
-            "FO_KILL_ASYNC_SAVER",
-            format!("{}:{rank}:{g}", dir.display()),
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
 }
 
 /// A synchronous save of generation `g` by both ranks: the bytes of each rank file.
@@ -118,71 +108,31 @@ fn async_saves_killed_at_random_points_leave_the_previous_or_the_new_checkpoint_
         at: 0,
         dir: ckpt_util::tmp("async-kill-ref"),
     };
-    let start = Instant::now();
-    let mut both = [spawn(&dir, 0, 1), spawn(&dir, 1, 1)];
-    for c in &mut both {
-        assert!(c.wait().unwrap().success());
-    }
-    let full = start.elapsed();
-    let mut expected = vec![(1u64, reference.files(1))];
-    let lookup = |exp: &Vec<(u64, Vec<Vec<u8>>)>| {
-        let exp = exp.clone();
-        move |g: u64| {
-            exp.iter()
-                .find(|(h, _)| *h == g)
-                .map(|(_, f)| f.clone())
-                .unwrap_or_else(|| panic!("generation {g} was never saved here"))
-        }
+    // Only the generation the directory holds and the one being saved may be found.
+    let mut expected: Vec<(u64, Vec<Vec<u8>>)> = Vec::new();
+    let r = {
+        let expected = std::cell::RefCell::new(&mut expected);
+        LOOP.run(
+            &dir,
+            &mut |g, last| {
+                let mut e = expected.borrow_mut();
+                e.retain(|(h, _)| *h == last);
+                e.push((g, reference.files(g)));
+            },
+            &mut |d| {
+                let e = expected.borrow();
+                check(d, &|g| {
+                    e.iter()
+                        .find(|(h, _)| *h == g)
+                        .map(|(_, f)| f.clone())
+                        .unwrap_or_else(|| panic!("generation {g} was never saved here"))
+                })
+            },
+        )
     };
-    assert_eq!(check(&dir, &lookup(&expected)), 1);
-    let mut rng = 0x5A5E_u64;
-    let mut next = |n: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % n.max(1)
-    };
-    let (mut last, mut killed, mut committed) = (1u64, 0usize, 0usize);
-    let span = (full.as_micros() as u64).max(1000);
-    let mut g = 1u64;
-    while killed < 100 {
-        g += 1;
-        assert!(g < 400, "only {killed} kills landed in {g} saves");
-        let mut kids = [spawn(&dir, 0, g), spawn(&dir, 1, g)];
-        let t0 = Instant::now();
-        let at = [
-            Duration::from_micros(next(span)),
-            Duration::from_micros(next(span)),
-        ];
-        // Only the previous generation and this one may be found.
-        expected.retain(|(h, _)| *h == last);
-        expected.push((g, reference.files(g)));
-        let mut was_killed = false;
-        for (c, t) in kids.iter_mut().zip(at) {
-            while t0.elapsed() < t && c.try_wait().unwrap().is_none() {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            if c.try_wait().unwrap().is_none() {
-                c.kill().unwrap(); // SIGKILL
-                was_killed = true;
-            } else {
-                // A child that finished must have succeeded.
-                assert!(c.wait().unwrap().success(), "saver of {g} failed");
-            }
-            c.wait().unwrap();
-        }
-        killed += was_killed as usize;
-        let now = check(&dir, &lookup(&expected));
-        assert!(
-            now == last || now == g,
-            "after killing save {g}: generation {now}, previous {last}"
-        );
-        committed += (now == g) as usize;
-        last = now;
-    }
     eprintln!(
-        "{} async saves (2 ranks each, full run {full:?}): {killed} with a rank SIGKILLed, every one left a whole generation bit-exact; {committed} committed the new one",
-        g - 1
+        "{} async saves (2 ranks each, full run {:?}): {} with a rank SIGKILLed, every one left a whole generation bit-exact; {} committed the new one",
+        r.saves, r.full, r.killed, r.committed
     );
     for d in [dir, reference.dir] {
         std::fs::remove_dir_all(d).unwrap();

@@ -111,17 +111,25 @@ def _options(rank, world_size, mode, params, write_unsharded, save_id):
     return PackOptions(rank, world_size, MODES[mode], PARAMS[params], w, None if save_id is None else save_id.encode())
 
 
-class Packed:
-    """A rank's packed state: `entries()` lists its chunks (key, dtype, shapes, global
-    offsets, data) for a host that writes them itself; `save(dir)` writes fo's file."""
+class _Owned:
+    """An fo handle this object frees: `close()` (also on leaving a `with` block and on
+    garbage collection) frees it once through `_free`, then `_release` drops whatever the
+    handle kept alive."""
 
     def __init__(self, handle):
         self._handle = handle
 
+    def _free(self, handle) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        pass
+
     def close(self) -> None:
         if self._handle is not None:
-            _pdestroy(self._handle)
+            self._free(self._handle)
             self._handle = None
+            self._release()
 
     def __del__(self):
         self.close()
@@ -131,6 +139,14 @@ class Packed:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Packed(_Owned):
+    """A rank's packed state: `entries()` lists its chunks (key, dtype, shapes, global
+    offsets, data) for a host that writes them itself; `save(dir)` writes fo's file."""
+
+    def _free(self, handle) -> None:
+        _pdestroy(handle)
 
     def entries(self) -> list[dict[str, Any]]:
         n = ctypes.c_size_t(0)
@@ -183,16 +199,23 @@ def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1
         check(_save_comm(opt._handle, os.fsencode(directory), ctypes.byref(o), comm._h))
 
 
-class AsyncSave:
+class AsyncSave(_Owned):
     """A save in flight (`fo_state_save_async`): `wait(timeout=None)` returns once the
     whole save (its commit included) is done and raises `FoError` if it failed (FO_ERR_TIMEOUT
     when `timeout` seconds pass first; the save goes on); `done()` and `bytes_written` never
     block; `stats()` adds the staging pool's high-water mark. It keeps the optimizer (and
-    the communicator) alive until it is closed; closing waits for the writer."""
+    the communicator) alive until it is closed; closing frees the handle after waiting for
+    the writer (a save with a communicator that was never waited for is not committed)."""
 
     def __init__(self, handle, opt, comm):
-        self._handle = handle
+        super().__init__(handle)
         self._keep = (opt, comm)
+
+    def _free(self, handle) -> None:
+        _save_destroy(handle)
+
+    def _release(self) -> None:
+        self._keep = None
 
     def wait(self, timeout: float | None = None) -> None:
         if self._handle is None:
@@ -216,22 +239,6 @@ class AsyncSave:
         check(_save_stats(self._handle, ctypes.byref(st)))
         return {name: int(getattr(st, name)) for name, _ in SaveStats._fields_}
 
-    def close(self) -> None:
-        """Frees the handle after waiting for the writer (a save with a communicator that
-        was never waited for is not committed)."""
-        if self._handle is not None:
-            _save_destroy(self._handle)
-            self._handle = None
-            self._keep = None
-
-    def __del__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1, mode: str = "compressed",
@@ -242,7 +249,7 @@ def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: i
     while `opt.step`, `set_state` and `load` go on. Until the save is waited for, change the
     params only through `opt.step` and register no new ones. `staging_budget`: bytes the
     snapshot's copy pool may hold (0: 256 MiB; a fuller pool makes the step wait for the
-    writer). With `comm`, every rank calls this and `wait()` (the commit runs there)."""
+    writer; its buffers are kept for the optimizer's next save, within the budget). With `comm`, every rank calls this and `wait()` (the commit runs there)."""
     o = SaveOptions(_options(rank, world_size, mode, params, write_unsharded, save_id), int(staging_budget))
     h = _P()
     check(_save_async(opt._handle, os.fsencode(directory), ctypes.byref(o), None if comm is None else comm._h,

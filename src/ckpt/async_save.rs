@@ -128,9 +128,14 @@ fn start(
 ) -> Result<AsyncSave> {
     // The previous save's writer must be done with the optimizer (one snapshot at a
     // time); its files commit on their own (no communicator) or at its wait.
-    if let Some(prev) = opt.save.take() {
-        prev.wait_released();
-    }
+    // Its pool's kept buffers serve this save's copies (`stage_copy`).
+    let recycled = match opt.save.take() {
+        Some(prev) => {
+            prev.wait_released();
+            prev.take_recycled()
+        }
+        None => Default::default(),
+    };
     let save_id = match comm {
         Some(c) => {
             let local = if o.rank != c.rank() || o.world_size != c.world_size() {
@@ -188,6 +193,7 @@ fn start(
         runs,
         bytes,
         staging_budget,
+        recycled,
     ));
     for i in devices {
         snap.stage_now(opt, i)?;
@@ -278,24 +284,13 @@ impl AsyncSave {
 
     /// Waits up to `timeout` (None: forever) for the background work; false on timeout.
     fn wait_background(&self, timeout: Option<Duration>) -> bool {
-        let (m, cv) = &*self.outcome;
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
-        while !g.done {
-            g = match deadline {
-                None => cv.wait(g).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return false;
-                    }
-                    cv.wait_timeout(g, d - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                }
-            };
-        }
-        true
+        self.background().wait(timeout)
+    }
+
+    /// A handle that waits for this save's background work, usable from another owner
+    /// (a communicator's destroy waits for the saves that would commit through it).
+    pub fn background(&self) -> Background {
+        Background(self.outcome.clone())
     }
 
     /// The whole save's outcome, its commit included: waits up to `timeout` for the
@@ -304,14 +299,26 @@ impl AsyncSave {
     /// every rank must wait). A failure names the path and cause; it leaves the previous
     /// checkpoint the visible one. Later waits return the same outcome.
     pub fn wait(&mut self, timeout: Option<Duration>, comm: Option<&Comm>) -> Result<()> {
-        if let Some(s) = &self.settled {
-            return s.as_ref().map(|_| ()).map_err(copy_err);
-        }
-        if self.commit_pending && comm.is_none() {
+        if self.commit_pending && comm.is_none() && self.settled.is_none() {
             return Err(Error::invalid(
                 "comm",
                 "this save was started with a communicator: its commit runs at wait, on the same communicator",
             ));
+        }
+        self.settle(timeout, comm.map(Ok))
+    }
+
+    /// `wait` for a save whose communicator is gone before its commit ran (the C ABI's
+    /// `fo_comm_destroy`): waits for the writer like `wait`, then settles the save as
+    /// failed with `why` (or the writer's own failure), never committed.
+    pub fn wait_without_commit(&mut self, timeout: Option<Duration>, why: Error) -> Result<()> {
+        self.settle(timeout, Some(Err(why)))
+    }
+
+    /// `wait`'s body: `comm` is the communicator to commit through, or why there is none.
+    fn settle(&mut self, timeout: Option<Duration>, comm: Option<Result<&Comm>>) -> Result<()> {
+        if let Some(s) = &self.settled {
+            return s.as_ref().map(|_| ()).map_err(copy_err);
         }
         if !self.wait_background(timeout) {
             return Err(Error::Timeout(format!(
@@ -332,14 +339,46 @@ impl AsyncSave {
                 .unwrap_or_else(|| Err(Error::Internal("the save's writer left no outcome".into())))
         };
         let result = match (self.commit_pending, comm) {
-            (true, Some(c)) => {
+            (true, Some(Ok(c))) => {
                 self.commit_pending = false;
                 commit_collective(c, &self.dir, &self.save_id, self.world_size, bg)
+            }
+            (true, Some(Err(why))) => {
+                self.commit_pending = false;
+                bg.and(Err(why))
             }
             _ => bg,
         };
         self.settled = Some(result.as_ref().map(|_| ()).map_err(copy_err));
         result
+    }
+}
+
+/// Waits for an async save's writer (see [`AsyncSave::background`]).
+#[derive(Clone)]
+pub struct Background(Arc<(Mutex<Outcome>, Condvar)>);
+
+impl Background {
+    /// Waits up to `timeout` (None: forever) for the writer to be done; false on timeout.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        let (m, cv) = &*self.0;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
+        while !g.done {
+            g = match deadline {
+                None => cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    cv.wait_timeout(g, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
+        true
     }
 }
 

@@ -52,7 +52,7 @@ pub mod validate;
 pub mod verify;
 pub mod writer;
 
-pub use async_save::{save_async, save_async_held, AsyncSave};
+pub use async_save::{save_async, save_async_held, AsyncSave, Background};
 pub use collective::save_optimizer_comm;
 pub use consolidate::consolidate;
 pub use convert::{convert, ConvertOptions, ConvertReport};

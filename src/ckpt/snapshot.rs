@@ -15,10 +15,16 @@
 //!
 //! Granularity: one parameter's state is copied at once (the unit a step writes). A parameter is read by the writer while its slot is `Reading`, and every
 //! mutator of that parameter waits meanwhile; a mutator copying it holds it `Copying`.
-//! The live state is reached through a pointer taken at the call: the optimizer refuses
-//! `add_param` while a save reads it (its parameter table must not move), and replaces
-//! a parameter's state only after `before_write`.
+//! The live state is reached through shallow copies taken at the call (`LiveReader`,
+//! whose doc states the aliasing invariant that makes the writer's reads sound): the
+//! writer reads a parameter's heap buffers only while it holds it `Reading`, and no
+//! mutator creates a `&mut` over them before `before_write` has returned.
+#[path = "stage_copy.rs"]
+pub(super) mod stage_copy;
+use stage_copy::{copy_state, Recycled};
+
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::optim::Source;
@@ -93,6 +99,10 @@ impl Copy {
 /// One save's snapshot, shared by the optimizer (its mutators) and the writer thread.
 pub struct Snapshot {
     inner: Mutex<Inner>,
+    /// Buffers of copies the writer is done with, for later copies (`stage_copy`); kept
+    /// bytes plus `Inner::used` stay within the budget. Locked after `inner`, never
+    /// before it.
+    recycled: Mutex<Recycled>,
     cv: Condvar,
     budget: usize,
     /// Entry -> (parameter, source, bytes).
@@ -135,6 +145,7 @@ impl Snapshot {
         runs: Vec<usize>,
         bytes: Vec<usize>,
         budget: usize,
+        mut recycled: Recycled,
     ) -> Snapshot {
         let mut slots = vec![Slot::Free; num_params];
         let mut by_param: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -159,7 +170,9 @@ impl Snapshot {
         } else {
             budget
         };
+        recycled.trim(budget);
         Snapshot {
+            recycled: Mutex::new(recycled),
             inner: Mutex::new(Inner {
                 slots,
                 staged: HashMap::new(),
@@ -197,10 +210,15 @@ impl Snapshot {
     }
 
     /// Copies parameter `i` as its remaining entries `es` need it.
-    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize]) -> Result<Copy> {
+    fn copy(&self, opt: &Optimizer, i: usize, es: &[usize], kit: &mut Recycled) -> Result<Copy> {
         let needs_param = es.iter().any(|&e| reads_param(&self.entries[e].1));
         Ok(Copy {
-            state: opt.staged_state(i)?.map(std::borrow::Cow::into_owned),
+            // A host parameter's state is borrowed: copied into huge pages (the step's
+            // cost); a device one's was just read back into a fresh buffer.
+            state: opt.staged_state(i)?.map(|c| match c {
+                std::borrow::Cow::Borrowed(st) => copy_state(st, kit),
+                std::borrow::Cow::Owned(st) => st,
+            }),
             param: if needs_param {
                 Some(opt.param_tensor(i)?)
             } else {
@@ -216,7 +234,7 @@ impl Snapshot {
         if es.is_empty() {
             return Ok(());
         }
-        let c = self.copy(opt, i, &es)?;
+        let c = self.copy(opt, i, &es, &mut Recycled::default())?;
         let mut g = self.lock();
         g.stats.device_staged += c.nbytes() as u64;
         g.staged.insert(i, (Arc::new(c), 0));
@@ -228,7 +246,7 @@ impl Snapshot {
     /// writer still needs of it into the pool, or waits (see the module doc).
     pub(crate) fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()> {
         let mut g = self.lock();
-        let (es, need) = loop {
+        let (es, need, mut kit) = loop {
             if g.released || i >= g.slots.len() {
                 return Ok(());
             }
@@ -249,18 +267,28 @@ impl Snapshot {
                         g.used += need;
                         g.stats.staging_high_water = g.stats.staging_high_water.max(g.used as u64);
                         g.slots[i] = Slot::Copying;
-                        break (es, need);
+                        // The kept buffers this copy reuses; the rest stay within what
+                        // the budget leaves.
+                        let mut r = self.recycled();
+                        let kit = match opt.staged_state(i) {
+                            Ok(Some(std::borrow::Cow::Borrowed(st))) => r.kit_for(st),
+                            _ => Recycled::default(),
+                        };
+                        r.trim(self.budget - g.used);
+                        break (es, need, kit);
                     }
                     g = self.wait(g);
                 }
             }
         };
         drop(g);
-        let copied = self.copy(opt, i, &es);
+        let copied = self.copy(opt, i, &es, &mut kit);
         let mut g = self.lock();
         match copied {
             Ok(c) if c.nbytes() <= need => {
                 g.used -= need - c.nbytes();
+                let room = self.budget - g.used;
+                self.recycled().absorb(kit, room);
                 let b = c.nbytes();
                 g.staged.insert(i, (Arc::new(c), b));
                 g.slots[i] = Slot::Free;
@@ -318,8 +346,9 @@ impl Snapshot {
                 let mut g = self.lock();
                 g.runs_left[e] -= 1;
                 if self.left_of(&g, *i).is_empty() {
-                    if let Some((_, held)) = g.staged.remove(i) {
+                    if let Some((c, held)) = g.staged.remove(i) {
                         g.used -= held;
+                        self.recycle(c, self.budget - g.used);
                     }
                     self.cv.notify_all();
                 }
@@ -354,9 +383,31 @@ impl Snapshot {
     pub(super) fn release(&self) {
         let mut g = self.lock();
         g.released = true;
-        g.staged.clear();
+        for (_, (c, _)) in std::mem::take(&mut g.staged) {
+            self.recycle(c, self.budget);
+        }
         g.used = 0;
         self.cv.notify_all();
+    }
+
+    fn recycled(&self) -> MutexGuard<'_, Recycled> {
+        self.recycled.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps the buffers of a copy the writer is done with (while within `max` bytes).
+    fn recycle(&self, c: Arc<Copy>, max: usize) {
+        if let Ok(Copy {
+            state: Some(st), ..
+        }) = Arc::try_unwrap(c)
+        {
+            self.recycled().put_state(st, max);
+        }
+    }
+
+    /// The buffers this save kept, for the next save of the same optimizer (its writer
+    /// must be done: `wait_released`).
+    pub(super) fn take_recycled(&self) -> Recycled {
+        std::mem::take(&mut *self.recycled())
     }
 
     /// Holds (or lets go of) the writer before its next fetch: for tests that need a
@@ -385,16 +436,42 @@ impl Snapshot {
 }
 
 /// What the writer thread reads the live state through: a detached copy of the
-/// optimizer's tables (groups, parameter views; no state) and a pointer to each planned
-/// parameter's live state, taken at the call.
+/// optimizer's tables (groups, parameter views; no state) and, per planned parameter, a
+/// shallow copy of its live state taken at the call (its own `Vec` headers and scalars,
+/// pointing at the optimizer's heap buffers; never dropped).
+///
+/// # The aliasing invariant (why the writer's reads are sound)
+/// The caller's thread keeps `&mut Optimizer` and steps while the writer reads, so the
+/// writer must never read memory over which that thread may create a `&mut` (even one
+/// that writes nothing: a `&mut` asserts exclusive access to every byte it covers).
+/// - The writer never reads the optimizer's own memory (the `Optimizer` struct, its
+///   `Vec<Param>` buffer, the `ParamState` headers inside each `Param`): those are
+///   reborrowed mutably all the time (`params.iter_mut()` in the step covers every
+///   parameter, stepped or not). It reads its detached view and its shallow copies.
+/// - It reads the *heap buffers* of parameter `i`'s state (`Moment` / `ErrorBits`
+///   vectors) and the caller's memory of parameter `i` only while the snapshot holds `i`
+///   `Reading`. Every mutation of `i` — anything that writes, reallocates, frees or
+///   mutably borrows those buffers or the parameter's elements (`&mut [T]` over them):
+///   the step's kernels, `set_states`, `store_state`, a load, `write_param`, a numerics
+///   roll-back — runs only after `Optimizer::before_write(i)` has returned, which waits
+///   while `i` is `Reading` and returns with `i` `Free` (its entries staged into the
+///   pool or already written), after which the writer never reads `i`'s live memory
+///   again. The hand-off is through the snapshot's mutex (acquire/release), so the
+///   writer's reads happen-before the mutation.
+/// - Heap buffers do not move while `i` is pending: nothing reallocates them without
+///   `before_write(i)` first. A `Vec<Param>` reallocation (`add_param`, refused anyway
+///   while a save reads) would move only the headers, which the writer does not read.
+///
+/// Whoever adds a path that mutates state or parameter memory (e.g. an overlapped step)
+/// must call `before_write(i)` before creating any `&mut` over parameter `i`'s state
+/// buffers or elements.
 pub(super) struct LiveReader {
     pub(super) view: Optimizer,
-    pub(super) live: Vec<Option<*const ParamState>>,
+    live: Vec<Option<ManuallyDrop<ParamState>>>,
 }
 
-// SAFETY: the pointers are dereferenced only by the writer, for a parameter held
-// `Reading` in the snapshot, during which every mutator of that parameter waits (see the
-// module doc); the view holds parameter views of caller memory under the same rule.
+// SAFETY: the shallow copies' buffers and the view's parameter memory are read only by
+// the writer, under the invariant above; nothing in them is thread-bound.
 unsafe impl Send for LiveReader {}
 
 impl LiveReader {
@@ -402,7 +479,14 @@ impl LiveReader {
         LiveReader {
             view: opt.detached_view(),
             live: (0..opt.num_params())
-                .map(|i| opt.params[i].state.as_ref().map(|s| s as *const ParamState))
+                .map(|i| {
+                    opt.params[i].state.as_ref().map(|s| {
+                        // SAFETY: a bitwise copy sharing `s`'s heap buffers; wrapped in
+                        // ManuallyDrop it never frees them, and it is read only while
+                        // the invariant above keeps them alive and unchanged.
+                        ManuallyDrop::new(unsafe { std::ptr::read(s) })
+                    })
+                })
                 .collect(),
         }
     }
@@ -411,7 +495,8 @@ impl LiveReader {
     /// elements) or, when None, from the live state.
     ///
     /// # Safety
-    /// With `copy` None, parameter `i` must be held `Reading` by the snapshot.
+    /// With `copy` None, parameter `i` must be held `Reading` by the snapshot (see the
+    /// invariant on [`LiveReader`]).
     pub(super) unsafe fn read(
         &self,
         i: usize,
@@ -420,7 +505,7 @@ impl LiveReader {
     ) -> Result<Tensor> {
         let (state, param) = match copy {
             Some((st, param)) => (Some(st), param),
-            None => (self.live[i].map(|p| &*p), None),
+            None => (self.live[i].as_deref(), None),
         };
         let mut sp = StagedParam {
             i,

@@ -2,10 +2,12 @@
 //! `fo_clip_grad_norm`. Argument conversion failures are handed to the core's `_checked`
 //! entry points, so a bad argument on one rank becomes every rank's error, not a hang.
 use std::ffi::c_void;
+use std::sync::{Mutex, Weak};
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
-use super::handle::{destroy, enter, Guarded, Handle};
+use super::handle::{enter, Guarded, Handle};
+use super::save::{detach_saves, CommLink};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::broadcast::{
@@ -21,6 +23,9 @@ use crate::tensor::HostTensor;
 /// thread only: the other ranks see the caller's collective as usual).
 pub struct fo_comm {
     inner: Handle<Comm>,
+    /// The async saves that commit through this communicator at their `fo_save_wait`:
+    /// `fo_comm_destroy` waits for their writers and detaches them (`ffi::save`).
+    pub(crate) saves: Mutex<Vec<Weak<CommLink>>>,
 }
 
 impl Guarded for fo_comm {
@@ -34,6 +39,7 @@ impl Guarded for fo_comm {
 fn boxed(c: Comm) -> *mut fo_comm {
     Box::into_raw(Box::new(fo_comm {
         inner: Handle::new("the communicator", c),
+        saves: Mutex::new(Vec::new()),
     }))
 }
 
@@ -291,10 +297,20 @@ pub unsafe extern "C" fn fo_comm_create_nccl(
 /// Frees a communicator (NULL is ignored). For an in-process group, the other ranks'
 /// pending and later collectives fail instead of waiting for this one. If another thread
 /// is inside a call on `comm`, waits for it to return first; called from inside a call
-/// on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message.
+/// on `comm` (a callback), frees nothing and records FO_ERR_BUSY's message. An async
+/// save started with `comm` and not yet waited for: this waits for its writer, and its
+/// `fo_save_wait` then returns FO_ERR_COMM (the commit cannot run without `comm`).
 #[no_mangle]
 pub unsafe extern "C" fn fo_comm_destroy(comm: *mut fo_comm) {
-    guard_void(|| destroy(comm, "fo_comm_destroy"))
+    guard_void(|| {
+        let Some(c) = comm.as_ref() else {
+            return Ok(());
+        };
+        c.handle().wait_idle("fo_comm_destroy")?;
+        detach_saves(&c.saves);
+        drop(Box::from_raw(comm));
+        Ok(())
+    })
 }
 
 /// Sets the CUDA stream (`cudaStream_t` / `CUstream`) on which `fo_clip_grad_norm` and

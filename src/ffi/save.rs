@@ -1,6 +1,7 @@
 //! The async save C ABI: `fo_state_save_async`, `fo_save_wait`, `fo_save_poll`,
 //! `fo_save_stats`, `fo_save_destroy`. Thin: check, call `crate::ckpt::async_save`.
 use std::ffi::c_char;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use super::args::{arg_mut, arg_path, arg_ref};
@@ -9,13 +10,15 @@ use super::comm::fo_comm;
 use super::handle::{destroy, enter, Guarded, Handle};
 use super::optim::{enter_opt, fo_optimizer};
 use super::status::{fo_status, guard, guard_void};
-use crate::ckpt::{self, AsyncSave};
+use crate::ckpt::{self, AsyncSave, Background};
 use crate::error::Error;
 
 /// How to save asynchronously: `pack` as for `fo_state_save`, and
 /// `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
 /// mutation of state the writer has not taken yet copies it into the pool first, or waits
 /// for the writer when the pool is full: the budget bounds memory, never correctness.
+/// The pool keeps its copies' buffers for the next save of the same optimizer (at most
+/// the budget; freed with the optimizer), so later saves copy without page faults.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct fo_save_options {
@@ -51,12 +54,39 @@ pub(crate) struct SaveState {
     save: AsyncSave,
     /// The communicator given at the call: the commit collective runs on it in
     /// `fo_save_wait`, entered there like any call on it (never from the writer thread).
-    comm: *const fo_comm,
+    comm: Option<Arc<CommLink>>,
 }
 
-// The communicator pointer is only dereferenced inside `fo_save_wait`, through the
-// communicator's own guard; the caller keeps it alive until then (documented).
-unsafe impl Send for SaveState {}
+/// An async save's claim on the communicator it commits through, registered with it
+/// (`fo_comm.saves`): `fo_comm_destroy` waits for the save's writer, then detaches the
+/// save (nulls `comm`) before freeing, so `fo_save_wait` never enters a freed handle.
+pub(crate) struct CommLink {
+    comm: Mutex<*const fo_comm>,
+    background: Background,
+}
+
+// SAFETY: the pointer is dereferenced only in `fo_save_wait`, under `comm`'s lock, and
+// only while it is non-null: `fo_comm_destroy` nulls it under the same lock before it
+// frees the communicator, and a wait that entered the communicator first holds its guard,
+// which destroy waits for.
+unsafe impl Send for CommLink {}
+unsafe impl Sync for CommLink {}
+
+/// `fo_comm_destroy`'s part (the communicator is held by the destroy, so no wait can
+/// enter it meanwhile): waits for the writers of the saves that would commit through it,
+/// then detaches them; their `fo_save_wait` then fails with FO_ERR_COMM, not committed.
+pub(crate) fn detach_saves(saves: &Mutex<Vec<Weak<CommLink>>>) {
+    let links: Vec<Arc<CommLink>> = lock(saves).drain(..).filter_map(|w| w.upgrade()).collect();
+    for l in links {
+        l.background.wait(None);
+        *lock(&l.comm) = std::ptr::null();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks; a poisoned one is still consistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl Guarded for fo_save {
     type Inner = SaveState;
@@ -82,7 +112,9 @@ impl Guarded for fo_save {
 /// `comm` (NULL: none; else its rank and world size must be the options'): every rank
 /// must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
 /// the commit collective runs, on the calling thread; the writer thread never touches
-/// the communicator, which must outlive the save's wait. Without a communicator the
+/// the communicator. `fo_comm_destroy` before that wait waits for the save's writer and
+/// then detaches the save: its `fo_save_wait` returns FO_ERR_COMM (not committed; the
+/// previous checkpoint stays the visible one), never touching the freed handle. Without a communicator the
 /// last rank to finish commits in the background, as `fo_state_save` does. Device-
 /// resident state is copied to the host at the call. `*out` receives the handle.
 #[no_mangle]
@@ -107,6 +139,16 @@ pub unsafe extern "C" fn fo_state_save_async(
             false => Some(enter(comm, "fo_state_save_async")?),
         };
         let save = ckpt::save_async(&mut o, dir, &so, c.as_deref(), budget)?;
+        let comm = comm.as_ref().map(|fc| {
+            let link = Arc::new(CommLink {
+                comm: Mutex::new(fc as *const fo_comm),
+                background: save.background(),
+            });
+            let mut saves = lock(&fc.saves);
+            saves.retain(|w| w.strong_count() > 0);
+            saves.push(Arc::downgrade(&link));
+            link
+        });
         let state = SaveState { save, comm };
         *out = Box::into_raw(Box::new(fo_save {
             inner: Handle::new("the save", state),
@@ -134,11 +176,26 @@ pub unsafe extern "C" fn fo_save_wait(save: *mut fo_save, timeout_s: f64) -> fo_
                 Error::invalid("timeout_s", format!("{timeout_s} is not a duration: {e}"))
             })?)
         };
-        let c = match s.comm.is_null() {
-            true => None,
-            false => Some(enter(s.comm, "fo_save_wait")?),
+        let Some(link) = s.comm.clone() else {
+            return s.save.wait(timeout, None);
         };
-        s.save.wait(timeout, c.as_deref())
+        // Entered under the link's lock: a destroy either detached the save before (null)
+        // or waits for this call's guard before it frees the communicator.
+        let c = {
+            let p = lock(&link.comm);
+            if p.is_null() {
+                drop(p);
+                let why = Error::Comm(
+                    "the communicator given to fo_state_save_async was destroyed before \
+                     fo_save_wait: the save is not committed (a later save into the same \
+                     directory removes its staged files)"
+                        .into(),
+                );
+                return s.save.wait_without_commit(timeout, why);
+            }
+            enter(*p, "fo_save_wait")?
+        };
+        s.save.wait(timeout, Some(&c))
     })
 }
 
