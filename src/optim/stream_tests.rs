@@ -110,3 +110,35 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
     emulated::synchronize_all();
     assert_eq!(dp, hp, "the three steps ran in order");
 }
+
+#[test]
+fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_runs() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device().unwrap();
+    let stream = emulated::create_stream(EMULATED);
+    let mut hp = encode(DType::F32, &values(N, 6));
+    let mut dp = hp.clone();
+    let (mut host, mut opt) = (adamw(), adamw());
+    unsafe {
+        host.add_param("p", view(&mut hp), None, 0).unwrap();
+        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
+            .unwrap();
+    }
+    opt.set_stream(stream).unwrap();
+    let mut grads: Vec<Vec<u8>> = (0..3)
+        .map(|s| encode(DType::F32, &values(N, 20 + s)))
+        .collect();
+    for g in grads.iter_mut() {
+        // The stream is busy: the table's copy runs after `step_on` returned, when its
+        // host buffer would be gone were it not the ring's pinned slot.
+        dev.stall(stream, 20);
+        let g = Some(view(g));
+        unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
+        unsafe { opt.step_on(&[g], &[EMULATED]) }.unwrap();
+    }
+    // Panics, naming the copy, where a queued copy read pageable or freed host memory.
+    emulated::synchronize_all();
+    assert_eq!(dp, hp, "the steps read their tables");
+}

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use super::norm_table::NormTable;
+use super::ring::Ring;
 use super::table::StepTable;
 use crate::error::Result;
 use crate::tensor::HostTensor;
@@ -51,12 +52,64 @@ pub trait Backend: Send + Sync {
     /// `ptr` came from `alloc_pinned` of this backend and is not used afterwards.
     unsafe fn free_pinned(&self, ptr: u64);
 
-    /// Launches one param group's table on `stream` without waiting for it.
+    /// `bytes` (at least 1) of device memory, allocated in order on `stream` (its
+    /// contents undefined), for `free_async` on the same stream.
     ///
     /// # Safety
-    /// Every address in the table must be memory of this device that stays valid until
-    /// the kernel has run; `stream` valid or 0.
-    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()>;
+    /// `stream` must be 0 or a valid stream of this device.
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64>;
+
+    /// Frees memory from `alloc_async` in order on `stream`, after the work queued there.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_async` and no work on another stream still uses it.
+    unsafe fn free_async(&self, ptr: u64, stream: usize);
+
+    /// Copies `bytes` from pinned host memory `src` (from `alloc_pinned`) to device memory
+    /// `dst`, in order on `stream`; returns at once. `src` must stay allocated and
+    /// unchanged until an event recorded after the copy has completed (`Ring` does this).
+    ///
+    /// # Safety
+    /// `dst` must be `bytes` writable bytes of this device; `stream` valid or 0.
+    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Copies `bytes` from device memory `src` to pinned host memory `dst`, in order on
+    /// `stream`; returns at once (the data is there once an event recorded after it
+    /// completed).
+    ///
+    /// # Safety
+    /// As `copy_to_device`, the other way.
+    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Records an event on `stream` (after the work queued there so far): a handle for
+    /// `wait_event`.
+    ///
+    /// # Safety
+    /// `stream` valid or 0.
+    unsafe fn record_event(&self, stream: usize) -> Result<u64>;
+
+    /// Waits (on the host) until `event` has completed, and releases it.
+    ///
+    /// # Safety
+    /// `event` came from `record_event` of this backend and is waited for once.
+    unsafe fn wait_event(&self, event: u64) -> Result<()>;
+
+    /// This device's pinned staging ring (asynchronous copies go through it).
+    fn ring(&self) -> &Ring;
+
+    /// Launches `fo_step_kernel` on `stream` over a table already in device memory
+    /// (`count` tensors spanning `total_groups` groups), without waiting for it.
+    ///
+    /// # Safety
+    /// `table` and every address in it must be memory of this device that stays valid
+    /// until the kernel has run; `stream` valid or 0.
+    unsafe fn launch_step(
+        &self,
+        table: u64,
+        count: i32,
+        total_groups: u64,
+        stream: usize,
+    ) -> Result<()>;
 
     /// The norm kernels over `table` (`power` 1: sum of |x|, 2: of x*x) after the work
     /// queued on `stream`: `[sum, largest |x|]` per global chunk, waited for.
@@ -86,6 +139,31 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// Both streams pass `check_stream`.
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()>;
+}
+
+/// Launches one param group's table on `b`'s `stream` without waiting for it: the table
+/// goes to stream-ordered device memory through the device's pinned ring (a pageable
+/// source could be gone before an asynchronous copy reads it), the kernel runs, and the
+/// table's memory is freed after it, all in stream order.
+///
+/// # Safety
+/// Every address in the table must be memory of `b`'s device that stays valid until the
+/// kernel has run; `stream` valid or 0.
+pub unsafe fn launch(b: &dyn Backend, table: &StepTable, stream: usize) -> Result<()> {
+    if table.tensors.is_empty() {
+        return Ok(());
+    }
+    let count = i32::try_from(table.tensors.len()).map_err(|_| {
+        crate::error::Error::invalid("params", "more than 2^31 device tensors in one param group")
+    })?;
+    let bytes = table.as_bytes();
+    let d = b.alloc_async(bytes.len(), stream)?;
+    let out = b
+        .ring()
+        .upload(b, d, bytes, stream)
+        .and_then(|()| b.launch_step(d, count, table.total_groups, stream));
+    b.free_async(d, stream);
+    out
 }
 
 /// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.

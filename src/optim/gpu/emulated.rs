@@ -10,7 +10,11 @@
 //! legacy default one of each device, and every `create_stream`) runs its work on its
 //! own thread after random delays; only events (`order_streams`) and waits order two
 //! streams; a stream of one device is refused by the other; fresh memory holds
-//! `POISON_NEW` until its zeroing runs, freed memory `POISON_FREED`.
+//! `POISON_NEW` until its zeroing runs, freed memory `POISON_FREED`. An asynchronous copy
+//! checks, when it runs, that its host side is pinned memory of the device still
+//! allocated; a violation is recorded and reported by `synchronize_all` (a pageable or
+//! freed source would be read late on a GPU). Pinned and stream-ordered device bytes
+//! are counted with their high-water marks, so tests can bound fo's staging memory.
 use std::alloc::{alloc, dealloc, Layout};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
@@ -21,7 +25,8 @@ use std::time::Duration;
 
 use super::backend::Backend;
 use super::norm_table::{FoNormTensor, NormTable};
-use super::table::{FoStepTensor, StepTable};
+use super::ring::Ring;
+use super::table::FoStepTensor;
 use crate::error::{Error, Result};
 
 /// The ordinal tests register emulated device parameters on (far above any real GPU's).
@@ -202,9 +207,30 @@ pub struct Emulated {
     default: Arc<Worker>,
     /// Live allocations and their sizes; tests check that every one is freed.
     live: Mutex<HashMap<u64, usize>>,
+    /// Live pinned host allocations (a subset of `live`), read by queued copies.
+    pinned: Arc<Mutex<HashMap<u64, usize>>>,
     /// Freed blocks, poisoned, not yet returned to the allocator.
     freed: Mutex<VecDeque<(u64, usize)>>,
+    /// What queued copies found wrong when they ran (see the module doc).
+    violations: Arc<Mutex<Vec<String>>>,
+    /// Recorded events not yet waited for.
+    events: Mutex<HashMap<u64, Arc<Event>>>,
+    /// Bytes now and at most: pinned, and stream-ordered device memory (`alloc_async`).
+    usage: Mutex<Usage>,
+    ring: Ring,
 }
+
+/// Staging bytes held by an emulated device, now and at their high-water mark.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Usage {
+    pub pinned: usize,
+    pub pinned_peak: usize,
+    pub stream_ordered: usize,
+    pub stream_ordered_peak: usize,
+}
+
+/// A CUDA event: set by its stream's worker when the work before it has run.
+type Event = (Mutex<bool>, Condvar);
 
 const ALIGN: usize = 256;
 
@@ -220,6 +246,64 @@ pub fn downloads_on_this_thread() -> usize {
 impl Emulated {
     pub fn live_allocations(&self) -> usize {
         self.live.lock().unwrap().len()
+    }
+
+    /// Staging bytes now and their high-water marks since the last `reset_peaks`.
+    pub fn usage(&self) -> Usage {
+        *self.usage.lock().unwrap()
+    }
+
+    /// Starts the high-water marks again from what is held now.
+    pub fn reset_peaks(&self) {
+        let mut u = self.usage.lock().unwrap();
+        (u.pinned_peak, u.stream_ordered_peak) = (u.pinned, u.stream_ordered);
+    }
+
+    /// Takes the violations recorded so far (see the module doc).
+    pub fn take_violations(&self) -> Vec<String> {
+        std::mem::take(&mut *self.violations.lock().unwrap())
+    }
+
+    fn count(&self, pinned: isize, stream_ordered: isize) {
+        let mut u = self.usage.lock().unwrap();
+        u.pinned = u.pinned.checked_add_signed(pinned).expect("pinned bytes");
+        u.stream_ordered = u
+            .stream_ordered
+            .checked_add_signed(stream_ordered)
+            .expect("device bytes");
+        u.pinned_peak = u.pinned_peak.max(u.pinned);
+        u.stream_ordered_peak = u.stream_ordered_peak.max(u.stream_ordered);
+    }
+
+    /// A copy job that checks, when it runs, that `[host, host + n)` lies in pinned memory
+    /// of this device still allocated, then copies `n` bytes `from` -> `to`.
+    fn checked_copy(
+        &self,
+        host: usize,
+        from: usize,
+        to: usize,
+        n: usize,
+        what: &'static str,
+    ) -> Job {
+        let (pinned, violations, ordinal) =
+            (self.pinned.clone(), self.violations.clone(), self.ordinal);
+        Box::new(move || {
+            let ok = pinned
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(&p, &len)| p as usize <= host && host + n <= p as usize + len);
+            if !ok {
+                violations.lock().unwrap().push(format!(
+                    "emulated device {ordinal}: {what} of {n} bytes at host address {host:#x}, \
+                     which is not pinned memory of this device allocated when the copy ran \
+                     (pageable or freed memory)"
+                ));
+                return;
+            }
+            // SAFETY: both sides checked or the caller's to keep valid (as on a GPU).
+            unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, n) }
+        })
     }
 
     /// The worker of `stream` on this device; a stream of another device is refused as
@@ -289,6 +373,7 @@ impl Emulated {
             .unwrap()
             .remove(&ptr)
             .expect("freeing memory the emulated device did not allocate");
+        self.pinned.lock().unwrap().remove(&ptr);
         std::ptr::write_bytes(ptr as *mut u8, POISON_FREED, bytes);
         let mut q = self.freed.lock().unwrap();
         q.push_back((ptr, bytes));
@@ -299,8 +384,11 @@ impl Emulated {
     }
 }
 
-/// The emulated devices: ordinals `EMULATED` and `EMULATED + 1`.
-pub const EMULATED_DEVICES: i32 = 2;
+/// The emulated devices: ordinals `EMULATED`, `EMULATED + 1` and `CHECKER`.
+pub const EMULATED_DEVICES: i32 = 3;
+/// The device tests provoke violations on (to prove the checks): `synchronize_all`
+/// leaves its violations to those tests.
+pub const CHECKER: i32 = EMULATED + 2;
 
 fn devices() -> Option<&'static [Arc<Emulated>]> {
     static D: OnceLock<Option<Vec<Arc<Emulated>>>> = OnceLock::new();
@@ -315,7 +403,12 @@ fn devices() -> Option<&'static [Arc<Emulated>]> {
                         run,
                         default: Worker::spawn(ordinal, 0x77 + k as u64),
                         live: Mutex::new(HashMap::new()),
+                        pinned: Default::default(),
                         freed: Mutex::new(VecDeque::new()),
+                        violations: Default::default(),
+                        events: Default::default(),
+                        usage: Default::default(),
+                        ring: Ring::default(),
                     })
                 })
                 .collect(),
@@ -343,9 +436,15 @@ pub fn device() -> Option<Arc<Emulated>> {
 
 /// Waits for every stream of every emulated device (before a test reads "device" memory
 /// on the host).
+/// Panics, listing them, if a queued copy found its host memory unpinned or freed.
 pub fn synchronize_all() {
     for d in devices().into_iter().flatten() {
         d.synchronize();
+        if d.ordinal == CHECKER {
+            continue;
+        }
+        let v = d.take_violations();
+        assert!(v.is_empty(), "{}", v.join("\n"));
     }
 }
 
@@ -389,11 +488,96 @@ impl Backend for Emulated {
     }
 
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
-        self.raw_alloc(bytes)
+        let p = self.raw_alloc(bytes)?;
+        self.pinned.lock().unwrap().insert(p, bytes.max(1));
+        self.count(bytes.max(1) as isize, 0);
+        Ok(p)
     }
 
     unsafe fn free_pinned(&self, ptr: u64) {
-        self.raw_free(ptr)
+        let bytes = self.live.lock().unwrap().get(&ptr).copied().unwrap_or(0);
+        self.raw_free(ptr);
+        self.count(-(bytes as isize), 0);
+    }
+
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
+        self.worker(stream)?;
+        let p = self.raw_alloc(bytes)?;
+        self.count(0, bytes.max(1) as isize);
+        Ok(p)
+    }
+
+    unsafe fn free_async(&self, ptr: u64, stream: usize) {
+        let Ok(w) = self.worker(stream) else { return };
+        let d = device_at(self.ordinal).expect("an emulated device");
+        let at = Addr(ptr as usize);
+        w.push(Box::new(move || {
+            let at = at;
+            let bytes = d
+                .live
+                .lock()
+                .unwrap()
+                .get(&(at.0 as u64))
+                .copied()
+                .unwrap_or(0);
+            d.raw_free(at.0 as u64);
+            d.count(0, -(bytes as isize));
+        }));
+    }
+
+    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
+        w.push(self.checked_copy(
+            src as usize,
+            src as usize,
+            dst as usize,
+            bytes,
+            "a copy to the device",
+        ));
+        Ok(())
+    }
+
+    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let w = self.worker(stream)?;
+        w.push(self.checked_copy(
+            dst as usize,
+            src as usize,
+            dst as usize,
+            bytes,
+            "a copy to the host",
+        ));
+        Ok(())
+    }
+
+    unsafe fn record_event(&self, stream: usize) -> Result<u64> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let w = self.worker(stream)?;
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ev: Arc<Event> = Default::default();
+        self.events.lock().unwrap().insert(id, ev.clone());
+        w.push(Box::new(move || {
+            *ev.0.lock().unwrap() = true;
+            ev.1.notify_all();
+        }));
+        Ok(id)
+    }
+
+    unsafe fn wait_event(&self, event: u64) -> Result<()> {
+        let ev = self.events.lock().unwrap().remove(&event).ok_or_else(|| {
+            Error::Internal(format!(
+                "emulated device {}: no event {event}",
+                self.ordinal
+            ))
+        })?;
+        let mut done = ev.0.lock().unwrap();
+        while !*done {
+            done = ev.1.wait(done).unwrap();
+        }
+        Ok(())
+    }
+
+    fn ring(&self) -> &Ring {
+        &self.ring
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
@@ -424,14 +608,24 @@ impl Backend for Emulated {
         Ok(())
     }
 
-    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()> {
+    unsafe fn launch_step(
+        &self,
+        table: u64,
+        count: i32,
+        total_groups: u64,
+        stream: usize,
+    ) -> Result<()> {
         let w = self.worker(stream)?;
-        if !table.tensors.is_empty() {
-            let (run, t) = (self.run.step, table.clone());
-            w.push(Box::new(move || {
-                run(t.tensors.as_ptr(), t.tensors.len() as i32, t.total_groups)
-            }));
-        }
+        let (run, t) = (self.run.step, Addr(table as usize));
+        let failed = self.violations.clone();
+        w.push(Box::new(move || {
+            let t = t;
+            // After a violation the table may be garbage: a sticky error, as a fault on a
+            // GPU is, so the test reports the violation instead of crashing.
+            if failed.lock().unwrap().is_empty() {
+                run(t.0 as *const FoStepTensor, count, total_groups)
+            }
+        }));
         Ok(())
     }
 

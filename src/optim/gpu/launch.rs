@@ -1,8 +1,9 @@
 //! The launch path (feature `cuda`): NVRTC compiles `KERNEL_SOURCES` once per device to a
 //! CUBIN for that device's `sm_XY` (PTX for its `compute_XY` as the fallback, which needs
 //! a driver at least as new as NVRTC), and each (param group, step) uploads its tensor table and
-//! launches `fo_step_kernel` once on the caller's stream. Everything is stream-ordered
-//! (table allocation, copy, kernel, free): the host never waits for the device here.
+//! launches `fo_step_kernel` once on the caller's stream (`backend::launch`). Everything is
+//! stream-ordered (table allocation, copy from the pinned ring, kernel, free): the host
+//! never waits for the device there.
 //!
 //! Only the raw driver and NVRTC calls of cudarc are used, because fo borrows the
 //! caller's stream and the caller's current context must be left as it was: each entry
@@ -19,7 +20,7 @@ use cudarc::nvrtc::{result as nvr, sys as nvsys};
 use super::backend::Backend;
 use super::context::Current;
 use super::norm_table::{NormTable, LANES};
-use super::table::StepTable;
+use super::ring::Ring;
 use super::KERNEL_SOURCES;
 use crate::error::{Error, Result};
 
@@ -181,6 +182,7 @@ pub struct Device {
     /// `NORM_ENTRIES`, in order.
     norm: [cusys::CUfunction; 3],
     max_blocks: u32,
+    ring: Ring,
 }
 
 // SAFETY: a primary context and a function handle may be used from any thread once the
@@ -287,33 +289,7 @@ impl Device {
             func,
             norm,
             max_blocks: sms * BLOCKS_PER_SM,
-        })
-    }
-
-    /// Launches one param group's table on `stream` (null: the legacy default stream):
-    /// the table is copied into stream-ordered device memory, the kernel runs, the
-    /// memory is freed after it, all in stream order; nothing waits for the device.
-    ///
-    /// # Safety
-    /// `stream` must be a valid stream of this device (or null), and every address in
-    /// the table must be device memory of this device that stays valid until the kernel
-    /// has run.
-    pub unsafe fn launch_table(&self, table: &StepTable, stream: cusys::CUstream) -> Result<()> {
-        if table.tensors.is_empty() {
-            return Ok(());
-        }
-        let count = i32::try_from(table.tensors.len()).map_err(|_| {
-            Error::invalid("params", "more than 2^31 device tensors in one param group")
-        })?;
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        self.with_device_copy(table.as_bytes(), 0, stream, |d| {
-            let (mut t, mut n, mut total) = (d, count, table.total_groups);
-            let mut args = [
-                &mut t as *mut _ as *mut c_void,
-                &mut n as *mut _ as *mut c_void,
-                &mut total as *mut _ as *mut c_void,
-            ];
-            self.run(self.func, table.total_groups, stream, &mut args)
+            ring: Ring::default(),
         })
     }
 
@@ -333,10 +309,10 @@ impl Device {
             .map_err(|e| cuda_err("cuLaunchKernel", e))
     }
 
-    /// Copies `bytes` (a launch table) into stream-ordered device memory with `extra`
+    /// Copies `bytes` (a norm table) into stream-ordered device memory with `extra`
     /// more bytes after it, runs `body` with its address, then frees it in stream order.
-    /// The source is pageable: the copy returns once the bytes are staged, so `bytes`
-    /// may be dropped when this returns.
+    /// The source is pageable: callers wait for the stream before `bytes` is dropped
+    /// (the norm and the scale do; a step's launch goes through the ring instead).
     unsafe fn with_device_copy<T>(
         &self,
         bytes: &[u8],
@@ -418,8 +394,72 @@ impl Backend for Device {
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
-    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()> {
-        self.launch_table(table, stream_of(stream))
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        cu::malloc_async(stream_of(stream), bytes.max(1))
+            .map_err(|e| cuda_err("cuMemAllocAsync", e))
+    }
+
+    unsafe fn free_async(&self, ptr: u64, stream: usize) {
+        if let Ok(_cur) = Current::push(self.ctx) {
+            let _ = cu::free_async(ptr, stream_of(stream));
+        }
+    }
+
+    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        cusys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream_of(stream))
+            .result()
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+    }
+
+    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        cusys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream_of(stream))
+            .result()
+            .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))
+    }
+
+    unsafe fn record_event(&self, stream: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let ev = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_err("cuEventCreate", e))?;
+        if let Err(e) = cu::event::record(ev, stream_of(stream)) {
+            let _ = cu::event::destroy(ev);
+            return Err(cuda_err("cuEventRecord", e));
+        }
+        Ok(ev as u64)
+    }
+
+    unsafe fn wait_event(&self, event: u64) -> Result<()> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let ev = event as cusys::CUevent;
+        let r = cusys::cuEventSynchronize(ev)
+            .result()
+            .map_err(|e| cuda_err("cuEventSynchronize", e));
+        let _ = cu::event::destroy(ev);
+        r
+    }
+
+    fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    unsafe fn launch_step(
+        &self,
+        table: u64,
+        count: i32,
+        total_groups: u64,
+        stream: usize,
+    ) -> Result<()> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let (mut t, mut n, mut total) = (table, count, total_groups);
+        let mut args = [
+            &mut t as *mut _ as *mut c_void,
+            &mut n as *mut _ as *mut c_void,
+            &mut total as *mut _ as *mut c_void,
+        ];
+        self.run(self.func, total_groups, stream_of(stream), &mut args)
     }
 
     unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {

@@ -20,6 +20,7 @@ mod device_state;
 #[cfg(test)]
 pub mod emulated;
 pub mod norm_table;
+pub mod ring;
 pub mod table;
 
 #[cfg(feature = "cuda")]
@@ -103,7 +104,7 @@ pub fn stream_support() -> Result<()> {
 /// kernels have run; `stream` must be 0 or a valid stream of those devices.
 pub unsafe fn launch_tables(tables: &[(i32, StepTable)], stream: usize) -> Result<()> {
     for (device, t) in tables {
-        backend::backend(*device)?.launch(t, stream)?;
+        backend::launch(&*backend::backend(*device)?, t, stream)?;
     }
     Ok(())
 }
