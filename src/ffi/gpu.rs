@@ -44,9 +44,10 @@ pub unsafe extern "C" fn fo_optimizer_set_stream(
 /// checkpoint load that writes it. Copies are ordered on the optimizer's stream (see
 /// `fo_optimizer_set_stream`). With the mirror's gradient given on the device to
 /// `fo_optimizer_step` (the offload case: state and master weights on the host, the
-/// model on the GPU), the step brings each gradient down through a pinned buffer kept
-/// per parameter while the CPU steps those already down, and writes each mirror back as
-/// soon as its parameter is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
+/// model on the GPU), the step brings each gradient down in pieces through a small pinned
+/// ring per device (at most 16 MiB of pinned memory, whatever the gradient's size) while
+/// the CPU steps those already down, and writes each mirror back as soon as its parameter
+/// is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
 /// the `cuda` build feature or libcuda.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_set_mirror(

@@ -10,7 +10,7 @@ use super::gpu::{self, DeviceState};
 use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
-use super::offload_step::{Mirror, Pinned};
+use super::offload_step::Mirror;
 use super::rule::Rule;
 use super::state::ParamState;
 use super::threads;
@@ -67,8 +67,6 @@ pub struct Optimizer {
     pub(crate) ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
     pub(crate) stream: usize,
-    /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
-    pub(crate) pinned: Vec<Option<Pinned>>,
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
     pub(crate) save: Option<Arc<Snapshot>>,
@@ -102,7 +100,6 @@ impl Optimizer {
             params: Vec::new(),
             ranges: Vec::new(),
             stream: 0,
-            pinned: Vec::new(),
             save: None,
         })
     }
@@ -289,7 +286,6 @@ impl Optimizer {
             gpu: None,
             mirror: None,
         });
-        self.pinned.push(None);
         Ok(self.params.len() - 1)
     }
 
@@ -440,7 +436,8 @@ impl Optimizer {
             });
         }
         // Device gradients are never read on the host: the kernel reads them, or they
-        // come down to pinned buffers first (the offload case).
+        // come down through the device's pinned ring first (the offload case).
+        let staged: Vec<(usize, Vec<u8>)>;
         let mut grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
             .zip(&gathered)
@@ -453,17 +450,18 @@ impl Optimizer {
             })
             .collect();
         let pool = threads::pool()?;
-        // Host parameters with device gradients (the offload case): pinned buffers now;
-        // the gradients come down all at once where check_numerics must read them first,
-        // else one by one while the CPU steps (`offload_step`).
-        let offloaded = self.prepare_offload(grads, devices)?;
+        // Host parameters with device gradients (the offload case): the gradients come
+        // down all at once where check_numerics must read them first, else one by one
+        // while the CPU steps (`offload_step`).
+        let offloaded = self.offloaded(grads, devices);
         let mut pipelined = offloaded.clone();
         if offloaded
             .iter()
             .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
         {
-            for (i, b) in self.download_all(grads, &offloaded)? {
-                grad_bytes[i] = Some(b);
+            staged = self.download_all(grads, &offloaded)?;
+            for (i, b) in &staged {
+                grad_bytes[*i] = Some(&b[..]);
             }
             pipelined.clear();
         }
