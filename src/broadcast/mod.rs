@@ -42,21 +42,15 @@ pub struct BroadcastDest {
 /// Device destinations are written from host memory: contiguous, on a usable device.
 fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
     for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0) {
-        if !d.tensor.is_contiguous() {
-            return Err(Error::invalid(
-                format!("dests[{i}].tensor"),
-                format!(
-                    "key {:?}: a device destination must be contiguous (strides {:?} for shape {:?})",
-                    d.key,
-                    d.tensor.strides(),
-                    d.tensor.shape()
-                ),
-            ));
-        }
-        crate::optim::gpu::open_device(d.device).map_err(|e| match e {
-            Error::Unsupported(m) => Error::Unsupported(format!("dests[{i}].tensor.{m}")),
-            e => e,
-        })?;
+        let (arg, context) = (format!("dests[{i}].tensor"), format!("key {:?}", d.key));
+        let a = crate::optim::gpu::check::DeviceArg {
+            arg: &arg,
+            context: &context,
+            noun: "destination",
+            by_arg: true,
+        };
+        // SAFETY: the address is only looked up.
+        unsafe { crate::optim::gpu::check::check_tensor(&d.tensor, d.device, &a) }?;
     }
     Ok(())
 }

@@ -105,25 +105,7 @@ impl Optimizer {
         if device >= 0 {
             self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
         }
-        if p.device == -1 && device >= 0 {
-            // The offload case: the gradient comes down to the host (`offload_step`).
-            if !g.is_contiguous() {
-                return Err(Error::invalid(
-                    "grads",
-                    format!(
-                        "gradient of {}: a device gradient must be contiguous (strides {:?} for shape {:?})",
-                        p.fqn,
-                        g.strides(),
-                        g.shape()
-                    ),
-                ));
-            }
-            return gpu::open_device(device).map_err(|e| match e {
-                Error::Unsupported(m) => Error::Unsupported(format!("gradient of {}: {m}", p.fqn)),
-                e => e,
-            });
-        }
-        if p.device != device {
+        if p.device >= 0 && p.device != device {
             return Err(Error::invalid(
                 "grads",
                 format!(
@@ -133,17 +115,15 @@ impl Optimizer {
                 ),
             ));
         }
-        if device >= 0 && !g.is_contiguous() {
-            return Err(Error::invalid(
-                "grads",
-                format!(
-                    "gradient of {}: a device gradient must be contiguous (strides {:?} for \
-                     shape {:?})",
-                    p.fqn,
-                    g.strides(),
-                    g.shape()
-                ),
-            ));
+        let context = format!("gradient of {}", p.fqn);
+        if device >= 0 && p.device == -1 {
+            // The offload case: the gradient comes down to the host (`offload_step`).
+            // SAFETY: the address is only looked up.
+            unsafe { gpu::check::check_tensor(g, device, &grad_arg(&context)) }?;
+        } else if device >= 0 {
+            // A device parameter's device is open; its memory is checked with the
+            // device half (`prepare_device_step`).
+            gpu::check::check_contiguous(g, &grad_arg(&context))?;
         }
         Ok(())
     }
@@ -161,7 +141,7 @@ impl Optimizer {
             stepped: Vec::new(),
             tables: Vec::new(),
         };
-        let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
+        // Refusals first, before any device memory is allocated or anything queued.
         for (i, p) in self.params.iter().enumerate() {
             let (Some(g), true) = (&grads[i], p.device >= 0) else {
                 continue;
@@ -174,14 +154,24 @@ impl Optimizer {
                     p.fqn, p.device, p.group
                 )));
             }
-            let n = p.tensor.numel();
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
-            let rule = Rule::new(cfg, next);
-            // Refused before any device memory is allocated.
-            FoRule::new(&rule).map_err(|e| match e {
+            FoRule::new(&Rule::new(cfg, next)).map_err(|e| match e {
                 Error::Unsupported(m) => Error::Unsupported(format!("parameter {}: {m}", p.fqn)),
                 e => e,
             })?;
+            // The gradient is memory of its parameter's device.
+            let context = format!("gradient of {}", p.fqn);
+            gpu::check::check_memory(g, p.device, &grad_arg(&context))?;
+        }
+        let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            let (Some(g), true) = (&grads[i], p.device >= 0) else {
+                continue;
+            };
+            let cfg = &self.groups[p.group];
+            let n = p.tensor.numel();
+            let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
+            let rule = Rule::new(cfg, next);
             let (m_valid, state) = match &p.gpu {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
@@ -231,6 +221,16 @@ impl Optimizer {
             st.m_valid = true;
         }
         Ok(())
+    }
+}
+
+/// A gradient as errors name it.
+fn grad_arg(context: &str) -> gpu::check::DeviceArg<'_> {
+    gpu::check::DeviceArg {
+        arg: "grads",
+        context,
+        noun: "gradient",
+        by_arg: false,
     }
 }
 

@@ -87,6 +87,14 @@ impl Optimizer {
             )));
         }
         self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn))?;
+        let context = format!("mirror of parameter {}", p.fqn);
+        let a = super::gpu::check::DeviceArg {
+            arg: "mirror",
+            context: &context,
+            noun: "mirror",
+            by_arg: false,
+        };
+        super::gpu::check::check_tensor(&t, device, &a)?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
         let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
         self.refresh_mirror(i)

@@ -195,6 +195,15 @@ impl Optimizer {
                 Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
                 e => e,
             })?;
+            // Contiguity is `register`'s (the same rule as host parameters).
+            let context = format!("parameter {fqn}");
+            let a = gpu::check::DeviceArg {
+                arg: "param",
+                context: &context,
+                noun: "parameter",
+                by_arg: false,
+            };
+            gpu::check::check_memory(&param, device, &a)?;
         }
         self.register(fqn, param, spec, group, device)
     }

@@ -142,3 +142,73 @@ fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_ru
     emulated::synchronize_all();
     assert_eq!(dp, hp, "the steps read their tables");
 }
+
+#[test]
+fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before_anything_is_queued(
+) {
+    use crate::optim::gpu::backend::Backend as _;
+    if emulated::skip() {
+        return;
+    }
+    let (d0, d1) = (EMULATED, EMULATED + 1);
+    let other = emulated::device_at(d1).unwrap();
+    // Memory device 78 allocated, given as device 77's.
+    let foreign = unsafe { other.alloc_zeroed(N * 4, 0) }.unwrap();
+    emulated::synchronize_all();
+    let foreign_view = || {
+        unsafe { HostTensor::new(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
+    };
+    let mut host = encode(DType::F32, &values(N, 7));
+    let _host_mark = emulated::mark_host(&host);
+    let mut opt = adamw();
+    let e = unsafe { opt.add_param_on("h", view(&mut host), None, 0, d0) }.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let e = e.to_string();
+    assert!(e.contains("`param`: parameter h: pointer 0x"), "{e}");
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+    let e = unsafe { opt.add_param_on("f", foreign_view(), None, 0, d0) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parameter f: pointer"), "{e}");
+    assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
+    assert_eq!(opt.params.len(), 0, "nothing was registered");
+
+    // Gradients: host memory, another device's memory.
+    let mut p = encode(DType::F32, &values(N, 8));
+    let before = p.clone();
+    unsafe { opt.add_param_on("p", view(&mut p), None, 0, d0) }.unwrap();
+    let mut g = encode(DType::F32, &values(N, 9));
+    let _grad_mark = emulated::mark_host(&g);
+    let e = unsafe { opt.step_on(&[Some(view(&mut g))], &[d0]) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`grads`: gradient of p: pointer"), "{e}");
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+    let e = unsafe { opt.step_on(&[Some(foreign_view())], &[d0]) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
+
+    // A mirror in host memory.
+    let mut hp = encode(DType::F32, &values(N, 10));
+    unsafe { opt.add_param("hp", view(&mut hp), None, 0) }.unwrap();
+    let mut m = vec![0u8; N * 4];
+    let _mirror_mark = emulated::mark_host(&m);
+    let e = unsafe { opt.set_mirror(1, Some((view(&mut m), d0))) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`mirror`: mirror of parameter hp: pointer"),
+        "{e}"
+    );
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+
+    emulated::synchronize_all();
+    assert_eq!(p, before, "nothing stepped");
+    assert!(!opt.has_state(0), "no state was made");
+    assert!(
+        m.iter().all(|&b| b == 0),
+        "the refused mirror was not written"
+    );
+    unsafe { other.free(foreign) };
+}

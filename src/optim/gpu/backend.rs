@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use super::norm_table::NormTable;
+use super::check::Memory;
 use super::ring::Ring;
 use super::table::StepTable;
 use crate::error::Result;
@@ -132,6 +133,12 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// `stream` must be 0 or a live stream handle (of any device).
     unsafe fn check_stream(&self, stream: usize) -> Result<()>;
+
+    /// Where `ptr` lives: host memory, memory of which device (`cuPointerGetAttribute`).
+    ///
+    /// # Safety
+    /// None: the address is only looked up.
+    unsafe fn memory_of(&self, ptr: u64) -> Result<Memory>;
 
     /// Makes the work queued on `to` from now on wait for the work queued on `from` so
     /// far (an event recorded on `from`, waited for on `to`); the host does not wait.

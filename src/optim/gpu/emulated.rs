@@ -24,6 +24,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::backend::Backend;
+use super::check::Memory;
 use super::norm_table::{FoNormTensor, NormTable};
 use super::ring::Ring;
 use super::table::FoStepTensor;
@@ -464,6 +465,36 @@ pub fn skip() -> bool {
     }
 }
 
+fn host_marks() -> &'static Mutex<Vec<(usize, usize)>> {
+    static H: OnceLock<Mutex<Vec<(usize, usize)>>> = OnceLock::new();
+    H.get_or_init(Default::default)
+}
+
+/// Host memory marked as such for `memory_of` while the mark lives (the tests' other
+/// buffers are `Untracked`: taken to be the device memory the caller says they are).
+pub struct HostMark((usize, usize));
+
+/// Marks `b` as host memory (what `cuPointerGetAttribute` says of a pageable buffer).
+pub fn mark_host(b: &[u8]) -> HostMark {
+    let m = (b.as_ptr() as usize, b.len());
+    host_marks().lock().unwrap().push(m);
+    HostMark(m)
+}
+
+impl Drop for HostMark {
+    fn drop(&mut self) {
+        let mut h = host_marks().lock().unwrap();
+        if let Some(k) = h.iter().position(|&m| m == self.0) {
+            h.swap_remove(k);
+        }
+    }
+}
+
+fn holds(m: &HashMap<u64, usize>, p: usize) -> bool {
+    m.iter()
+        .any(|(&a, &n)| a as usize <= p && p < a as usize + n)
+}
+
 /// Addresses cross to a worker as integers (the memory is the caller's to keep valid
 /// until the work has run, as on a GPU).
 #[derive(Clone, Copy)]
@@ -578,6 +609,27 @@ impl Backend for Emulated {
 
     fn ring(&self) -> &Ring {
         &self.ring
+    }
+
+    unsafe fn memory_of(&self, ptr: u64) -> Result<Memory> {
+        let p = ptr as usize;
+        if host_marks()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|&(a, n)| a <= p && p < a + n)
+        {
+            return Ok(Memory::Host);
+        }
+        for d in devices().into_iter().flatten() {
+            if holds(&d.pinned.lock().unwrap(), p) {
+                return Ok(Memory::Host);
+            }
+            if holds(&d.live.lock().unwrap(), p) {
+                return Ok(Memory::Device(d.ordinal));
+            }
+        }
+        Ok(Memory::Untracked)
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {

@@ -18,6 +18,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
 use super::backend::Backend;
+use super::check::Memory;
 use super::context::Current;
 use super::norm_table::{NormTable, LANES};
 use super::ring::Ring;
@@ -552,6 +553,40 @@ impl Backend for Device {
             ));
         }
         Ok(())
+    }
+
+    unsafe fn memory_of(&self, ptr: u64) -> Result<Memory> {
+        use cusys::CUpointer_attribute as P;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let get = |attr: P, out: *mut c_void| cusys::cuPointerGetAttribute(out, attr, ptr);
+        let mut managed: u32 = 0;
+        match get(
+            P::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+            &mut managed as *mut u32 as *mut c_void,
+        ) {
+            cusys::CUresult::CUDA_SUCCESS => {}
+            // Not an address CUDA knows: pageable host memory.
+            cusys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(Memory::Host),
+            e => return Err(cuda_err("cuPointerGetAttribute", cu::DriverError(e))),
+        }
+        let mut ty: u32 = 0;
+        get(
+            P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            &mut ty as *mut u32 as *mut c_void,
+        )
+        .result()
+        .map_err(|e| cuda_err("cuPointerGetAttribute", e))?;
+        if managed == 0 && ty == cusys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 {
+            return Ok(Memory::Host);
+        }
+        let mut ordinal: i32 = -1;
+        get(
+            P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            &mut ordinal as *mut i32 as *mut c_void,
+        )
+        .result()
+        .map_err(|e| cuda_err("cuPointerGetAttribute", e))?;
+        Ok(Memory::Device(ordinal))
     }
 
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {

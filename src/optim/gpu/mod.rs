@@ -14,6 +14,7 @@
 //! been run on a GPU. Without the feature, or without
 //! libcuda/NVRTC, device tensors are refused with `Unsupported`, naming what is missing.
 pub mod backend;
+pub mod check;
 #[cfg(feature = "cuda")]
 pub mod context;
 mod device_state;
