@@ -68,14 +68,14 @@ unsafe fn local_partial(
         }
         if c.device >= 0 {
             let arg = format!("grads[{i}]");
-            let a = crate::optim::gpu::check::DeviceArg {
+            let a = crate::device::check::DeviceArg {
                 arg: &arg,
                 context: "",
                 noun: "gradient",
                 by_arg: true,
             };
             // SAFETY: the address is only looked up.
-            unsafe { crate::optim::gpu::check::check_tensor(g, c.device, &a) }?;
+            unsafe { crate::device::check::check_tensor(g, c.device, &a) }?;
         }
     }
     let mut part = Partial {

@@ -1,16 +1,16 @@
-//! What the device half needs from a device: memory, copies ordered on a stream, and a
-//! launch of the step kernel. CUDA provides it (feature `cuda`: `launch::Device`); the
-//! unit tests provide a host emulation (`emulated`: host memory, the host build of the
-//! same kernel text), so device state, staging, the hybrid step and the clip's device norm
-//! above this trait run in CI without a GPU. Only the CUDA implementation of these calls
-//! is left to a GPU.
+//! What fo needs from a device: memory, copies ordered on a stream, events, and launches
+//! of the optimizer's and the clip's kernels (their tables are the kernels' ABI).
+//!
+//! CUDA provides it (feature `cuda`: `cuda::Device`); without the feature `no_cuda` refuses
+//! every device clearly; the unit tests provide a host emulation (`emulated`: host memory,
+//! the host build of the same kernel text), so device state, staging, the hybrid step and
+//! the clip's device norm above this trait run in CI without a GPU.
 use std::sync::Arc;
 
-use super::norm_table::NormTable;
 use super::check::Memory;
 use super::ring::Ring;
-use super::table::StepTable;
 use crate::error::Result;
+use crate::optim::gpu::norm_table::NormTable;
 use crate::tensor::HostTensor;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
@@ -148,43 +148,13 @@ pub trait Backend: Send + Sync {
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()>;
 }
 
-/// Launches one param group's table on `b`'s `stream` without waiting for it: the table
-/// goes to stream-ordered device memory through the device's pinned ring (a pageable
-/// source could be gone before an asynchronous copy reads it), the kernel runs, and the
-/// table's memory is freed after it, all in stream order.
-///
-/// # Safety
-/// Every address in the table must be memory of `b`'s device that stays valid until the
-/// kernel has run; `stream` valid or 0.
-pub unsafe fn launch(b: &dyn Backend, table: &StepTable, stream: usize) -> Result<()> {
-    if table.tensors.is_empty() {
-        return Ok(());
-    }
-    let count = i32::try_from(table.tensors.len()).map_err(|_| {
-        crate::error::Error::invalid("params", "more than 2^31 device tensors in one param group")
-    })?;
-    let bytes = table.as_bytes();
-    let d = b.alloc_async(bytes.len(), stream)?;
-    let out = b
-        .ring()
-        .upload(b, d, bytes, stream)
-        .and_then(|()| b.launch_step(d, count, table.total_groups, stream));
-    b.free_async(d, stream);
-    out
-}
-
 /// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.
 pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
     #[cfg(test)]
     if let Some(b) = super::emulated::backend(ordinal) {
         return Ok(b);
     }
-    #[cfg(feature = "cuda")]
-    return Ok(super::launch::device(ordinal)? as Arc<dyn Backend>);
-    #[cfg(not(feature = "cuda"))]
-    Err(crate::error::Error::Unsupported(super::device_refusal(
-        ordinal,
-    )))
+    super::imp::backend(ordinal)
 }
 
 /// The row-major bytes of `t`, wherever it lives: read in place from host memory

@@ -159,7 +159,7 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::gpu::emulated;
+    use crate::device::emulated;
 
     #[test]
     fn payloads_larger_than_the_ring_move_in_pieces_and_pinned_memory_stays_bounded() {
@@ -193,7 +193,7 @@ mod tests {
         }
         let dev = emulated::device_at(emulated::CHECKER).unwrap();
         let stream = emulated::create_stream(emulated::CHECKER);
-        let src = vec![1u8; 64];
+        let src = [1u8; 64];
         unsafe {
             let d = dev.alloc_async(64, stream).unwrap();
             dev.copy_to_device(d, src.as_ptr() as u64, 64, stream)

@@ -30,7 +30,7 @@ impl Optimizer {
     /// stream's work waits for what the old one had queued (an event per device), so
     /// step N on the old stream comes before step N+1 on the new one.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
-        gpu::stream_support()?;
+        crate::device::stream_support()?;
         if stream == self.stream {
             return Ok(());
         }
@@ -40,7 +40,7 @@ impl Optimizer {
         }
         for (d, _) in &devices {
             // SAFETY: both streams were checked against the device (the old one when set).
-            unsafe { gpu::backend::backend(*d)?.order_streams(self.stream, stream)? };
+            unsafe { crate::device::backend(*d)?.order_streams(self.stream, stream)? };
         }
         self.stream = stream;
         Ok(())
@@ -119,11 +119,11 @@ impl Optimizer {
         if device >= 0 && p.device == -1 {
             // The offload case: the gradient comes down to the host (`offload_step`).
             // SAFETY: the address is only looked up.
-            unsafe { gpu::check::check_tensor(g, device, &grad_arg(&context)) }?;
+            unsafe { crate::device::check::check_tensor(g, device, &grad_arg(&context)) }?;
         } else if device >= 0 {
             // A device parameter's device is open; its memory is checked with the
             // device half (`prepare_device_step`).
-            gpu::check::check_contiguous(g, &grad_arg(&context))?;
+            crate::device::check::check_contiguous(g, &grad_arg(&context))?;
         }
         Ok(())
     }
@@ -161,7 +161,7 @@ impl Optimizer {
             })?;
             // The gradient is memory of its parameter's device.
             let context = format!("gradient of {}", p.fqn);
-            gpu::check::check_memory(g, p.device, &grad_arg(&context))?;
+            crate::device::check::check_memory(g, p.device, &grad_arg(&context))?;
         }
         let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
         for (i, p) in self.params.iter().enumerate() {
@@ -225,8 +225,8 @@ impl Optimizer {
 }
 
 /// A gradient as errors name it.
-fn grad_arg(context: &str) -> gpu::check::DeviceArg<'_> {
-    gpu::check::DeviceArg {
+fn grad_arg(context: &str) -> crate::device::check::DeviceArg<'_> {
+    crate::device::check::DeviceArg {
         arg: "grads",
         context,
         noun: "gradient",
@@ -240,7 +240,7 @@ fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
         return Ok(());
     }
     // SAFETY: the caller's stream handle (`set_stream`'s contract: live while set).
-    let r = unsafe { gpu::backend::backend(device)?.check_stream(stream) };
+    let r = unsafe { crate::device::backend(device)?.check_stream(stream) };
     r.map_err(|e| match e {
         Error::InvalidArgument { reason, .. } => Error::invalid(
             "stream",

@@ -3,7 +3,7 @@
 //! model wants back on the GPU (a device *mirror*, `set_mirror`). Megatron's
 //! `HybridDeviceOptimizer` overlaps those copies with the CPU work; so does fo: a copy
 //! thread brings gradients down one tensor at a time through the device's pinned ring
-//! (`gpu::ring`: a few slots, so fo's pinned memory does not grow with the largest
+//! (`device::ring`: a few slots, so fo's pinned memory does not grow with the largest
 //! gradient) into host memory freed after the tensor's step, while the CPU pool steps the
 //! tensors already down (at most two ahead), and each stepped tensor's mirror is written
 //! back before the next one is stepped. With `check_numerics` on for an offloaded
@@ -13,10 +13,10 @@ use std::sync::mpsc;
 
 use rayon::prelude::*;
 
-use super::gpu::backend::{backend, write_tensor};
 use super::kernel::{self, Job};
 use super::optimizer::{push_param_jobs, Optimizer};
 use super::threads;
+use crate::device::backend::{backend, write_tensor};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
 
@@ -88,13 +88,13 @@ impl Optimizer {
         }
         self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn))?;
         let context = format!("mirror of parameter {}", p.fqn);
-        let a = super::gpu::check::DeviceArg {
+        let a = crate::device::check::DeviceArg {
             arg: "mirror",
             context: &context,
             noun: "mirror",
             by_arg: false,
         };
-        super::gpu::check::check_tensor(&t, device, &a)?;
+        crate::device::check::check_tensor(&t, device, &a)?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
         let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
         self.refresh_mirror(i)

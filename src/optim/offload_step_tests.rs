@@ -1,9 +1,9 @@
-//! The offload case on the emulated device (`gpu::emulated`): host parameters stepped
+//! The offload case on the emulated device (`device::emulated`): host parameters stepped
 //! from gradients given on the device, mirrored back to device copies, give the bits of
 //! an all-host step; mirrors follow every change; refusals change nothing.
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 
@@ -176,7 +176,7 @@ fn mirrors_are_checked_before_they_are_kept() {
 #[test]
 fn offloaded_gradients_larger_than_the_pinned_ring_come_down_in_pieces_with_bounded_pinned_memory()
 {
-    use crate::optim::gpu::ring::RING_BYTES;
+    use crate::device::ring::RING_BYTES;
     if emulated::skip() {
         return;
     }

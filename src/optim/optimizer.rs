@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::config::OptimConfig;
 use super::gpu::table::StateLayout;
-use super::gpu::{self, DeviceState};
+use super::gpu::DeviceState;
 use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
@@ -191,19 +191,19 @@ impl Optimizer {
         }
         if device >= 0 {
             // Errors say "device = N: why"; as an argument, that is `param.device`.
-            gpu::open_device(device).map_err(|e| match e {
+            crate::device::open_device(device).map_err(|e| match e {
                 Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
                 e => e,
             })?;
             // Contiguity is `register`'s (the same rule as host parameters).
             let context = format!("parameter {fqn}");
-            let a = gpu::check::DeviceArg {
+            let a = crate::device::check::DeviceArg {
                 arg: "param",
                 context: &context,
                 noun: "parameter",
                 by_arg: false,
             };
-            gpu::check::check_memory(&param, device, &a)?;
+            crate::device::check::check_memory(&param, device, &a)?;
         }
         self.register(fqn, param, spec, group, device)
     }

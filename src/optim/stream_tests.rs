@@ -1,10 +1,10 @@
-//! Streams on the adversarial emulated devices (`gpu::emulated`: a worker per stream,
+//! Streams on the adversarial emulated devices (`device::emulated`: a worker per stream,
 //! random delays, only events order two streams): an optimizer's stream belongs to one
 //! device, and a new stream's work comes after the old one's.
 use super::*;
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 
 const N: usize = 300;
 
@@ -146,7 +146,7 @@ fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_ru
 #[test]
 fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before_anything_is_queued(
 ) {
-    use crate::optim::gpu::backend::Backend as _;
+    use crate::device::backend::Backend as _;
     if emulated::skip() {
         return;
     }
