@@ -10,7 +10,6 @@
 //! broadcast, comm and ffi use devices only through here.
 pub mod backend;
 pub mod check;
-#[cfg(feature = "cuda")]
 pub mod context;
 #[cfg(feature = "cuda")]
 pub mod cuda;

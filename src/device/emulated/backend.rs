@@ -12,6 +12,7 @@ use crate::optim::gpu::table::FoStepTensor;
 
 impl Backend for Emulated {
     unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         let p = self.raw_alloc(bytes)?;
         let (at, n) = (Addr(p as usize), bytes.max(1));
@@ -23,12 +24,14 @@ impl Backend for Emulated {
     }
 
     unsafe fn free(&self, ptr: u64) {
+        let _cur = self.enter();
         // cuMemFree waits for the device's work.
         self.synchronize();
         self.raw_free(ptr)
     }
 
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
+        let _cur = self.enter();
         let p = self.raw_alloc(bytes)?;
         self.pinned.lock().unwrap().insert(p, bytes.max(1));
         self.count(bytes.max(1) as isize, 0);
@@ -36,12 +39,14 @@ impl Backend for Emulated {
     }
 
     unsafe fn free_pinned(&self, ptr: u64) {
+        let _cur = self.enter();
         let bytes = self.live.lock().unwrap().get(&ptr).copied().unwrap_or(0);
         self.raw_free(ptr);
         self.count(-(bytes as isize), 0);
     }
 
     unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = self.enter();
         self.worker(stream)?;
         let p = self.raw_alloc(bytes)?;
         self.count(0, bytes.max(1) as isize);
@@ -49,6 +54,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn free_async(&self, ptr: u64, stream: usize) {
+        let _cur = self.enter();
         let Ok(w) = self.worker(stream) else { return };
         let d = device_at(self.ordinal).expect("an emulated device");
         let at = Addr(ptr as usize);
@@ -67,6 +73,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         w.push(self.checked_copy(
             src as usize,
@@ -79,6 +86,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         w.push(self.checked_copy(
             dst as usize,
@@ -91,6 +99,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn record_event(&self, stream: usize) -> Result<u64> {
+        let _cur = self.enter();
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let w = self.worker(stream)?;
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -104,6 +113,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn wait_event(&self, event: u64) -> Result<()> {
+        let _cur = self.enter();
         let ev = self.events.lock().unwrap().remove(&event).ok_or_else(|| {
             Error::Internal(format!(
                 "emulated device {}: no event {event}",
@@ -122,6 +132,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn memory_of(&self, ptr: u64) -> Result<Memory> {
+        let _cur = self.enter();
         let p = ptr as usize;
         if host_marks()
             .lock()
@@ -143,6 +154,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         DOWNLOADS.with(|d| d.set(d.get() + 1));
         let (s, d, n) = (
@@ -159,6 +171,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         // Staged now (as CUDA stages a pageable source), written in stream order.
         let staged = src.to_vec();
@@ -177,6 +190,7 @@ impl Backend for Emulated {
         total_groups: u64,
         stream: usize,
     ) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         let (run, t) = (self.run.step, Addr(table as usize));
         let failed = self.violations.clone();
@@ -192,6 +206,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         let mut out = vec![0f64; 2 * table.total_chunks as usize];
         if !table.tensors.is_empty() {
@@ -213,6 +228,7 @@ impl Backend for Emulated {
     }
 
     unsafe fn scale(&self, table: &NormTable, coef: f64, stream: usize) -> Result<()> {
+        let _cur = self.enter();
         let w = self.worker(stream)?;
         if !table.tensors.is_empty() {
             let (run, t, chunks) = (self.run.scale, table.tensors.clone(), table.total_chunks);
@@ -225,10 +241,12 @@ impl Backend for Emulated {
     }
 
     unsafe fn check_stream(&self, stream: usize) -> Result<()> {
+        let _cur = self.enter();
         self.worker(stream).map(|_| ())
     }
 
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {
+        let _cur = self.enter();
         let (f, t) = (self.worker(from)?, self.worker(to)?);
         if Arc::ptr_eq(&f, &t) {
             return Ok(());

@@ -92,6 +92,21 @@ pub fn downloads_on_this_thread() -> usize {
 }
 
 impl Emulated {
+    /// This device's context current on this thread until the guard drops (as the CUDA
+    /// backend pushes the primary context in every call).
+    fn enter(&self) -> crate::device::context::Guard<crate::device::context::Emulated> {
+        // SAFETY: an emulated context is a number; nothing to keep alive.
+        match unsafe { crate::device::context::Guard::push(self.context()) } {
+            Ok(g) => g,
+            Err(never) => match never {},
+        }
+    }
+
+    /// The handle of this device's (emulated) primary context.
+    pub fn context(&self) -> usize {
+        0xC0_0000 + self.ordinal as usize
+    }
+
     pub fn live_allocations(&self) -> usize {
         self.live.lock().unwrap().len()
     }
