@@ -45,7 +45,7 @@ NVRTC_SITE="${HOME}/.cache/fo/nvrtc-12.8.93"
 
 step "NVRTC through fo's own launch code: the embedded kernels compile for sm_80/sm_90 (no GPU needed)"
 LD_LIBRARY_PATH="$NVRTC_SITE/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-  cargo test --release --features cuda --lib gpu::launch
+  cargo test --release --features cuda --lib device::nvrtc
 
 step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"

@@ -20,6 +20,9 @@ pub mod clip;
 /// Communicators: in-process groups, host callbacks, NCCL (feature `cuda`).
 /// cbindgen:ignore
 pub mod comm;
+/// Devices: host or CUDA ordinal, the backend trait, CUDA / no-CUDA / emulated backends.
+/// cbindgen:ignore
+pub mod device;
 /// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
 /// cbindgen:ignore
 pub mod dtype;

@@ -36,7 +36,7 @@ fn tensor(data: &mut [u16], shape: &[i64; 1], device: i32) -> fo_tensor {
 
 /// Whether this process can step device 0 (then the refusals below do not apply).
 fn gpu_usable() -> bool {
-    fo::optim::gpu::open_device(0).is_ok()
+    fo::device::open_device(0).is_ok()
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn set_stream_is_refused_without_gpu_support_and_checks_its_handle() {
     assert!(msg().contains("opt"), "{}", msg());
     let opt = create();
     let status = unsafe { fo_optimizer_set_stream(opt, 0x10 as *mut c_void) };
-    if fo::optim::gpu::stream_support().is_ok() {
+    if fo::device::stream_support().is_ok() {
         eprintln!("skipped the refusal: this build and machine take a stream");
         assert_eq!(status, FO_OK);
     } else {

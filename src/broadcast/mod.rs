@@ -42,21 +42,15 @@ pub struct BroadcastDest {
 /// Device destinations are written from host memory: contiguous, on a usable device.
 fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
     for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0) {
-        if !d.tensor.is_contiguous() {
-            return Err(Error::invalid(
-                format!("dests[{i}].tensor"),
-                format!(
-                    "key {:?}: a device destination must be contiguous (strides {:?} for shape {:?})",
-                    d.key,
-                    d.tensor.strides(),
-                    d.tensor.shape()
-                ),
-            ));
-        }
-        crate::optim::gpu::open_device(d.device).map_err(|e| match e {
-            Error::Unsupported(m) => Error::Unsupported(format!("dests[{i}].tensor.{m}")),
-            e => e,
-        })?;
+        let (arg, context) = (format!("dests[{i}].tensor"), format!("key {:?}", d.key));
+        let a = crate::device::check::DeviceArg {
+            arg: &arg,
+            context: &context,
+            noun: "destination",
+            by_arg: true,
+        };
+        // SAFETY: the address is only looked up.
+        unsafe { crate::device::check::check_tensor(&d.tensor, d.device, &a) }?;
     }
     Ok(())
 }
@@ -217,7 +211,7 @@ pub unsafe fn broadcast_state_dict_checked(
         .and_then(|()| check_dest_streams(&dests, stream));
     agree(comm, local)?;
     for (d, b) in received {
-        crate::optim::gpu::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
+        crate::device::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
     }
     Ok(stats)
 }
@@ -231,7 +225,7 @@ fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
         .filter(|(_, d)| d.device >= 0 && stream != 0)
     {
         // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
-        unsafe { crate::optim::gpu::backend::backend(d.device)?.check_stream(stream) }.map_err(
+        unsafe { crate::device::backend::backend(d.device)?.check_stream(stream) }.map_err(
             |e| match e {
                 Error::InvalidArgument { reason, .. } => Error::invalid(
                     "stream",
@@ -313,9 +307,9 @@ fn move_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::backend::Backend as _;
+    use crate::device::emulated::{self, EMULATED};
     use crate::dtype::DType;
-    use crate::optim::gpu::backend::Backend as _;
-    use crate::optim::gpu::emulated::{self, EMULATED};
 
     fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
         unsafe {

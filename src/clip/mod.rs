@@ -73,20 +73,15 @@ unsafe fn local_partial(
             )));
         }
         if c.device >= 0 {
-            if !g.is_contiguous() {
-                return Err(Error::invalid(
-                    format!("grads[{i}]"),
-                    format!(
-                        "a device gradient must be contiguous (strides {:?} for shape {:?})",
-                        g.strides(),
-                        g.shape()
-                    ),
-                ));
-            }
-            crate::optim::gpu::open_device(c.device).map_err(|e| match e {
-                Error::Unsupported(m) => Error::Unsupported(format!("grads[{i}].{m}")),
-                e => e,
-            })?;
+            let arg = format!("grads[{i}]");
+            let a = crate::device::check::DeviceArg {
+                arg: &arg,
+                context: "",
+                noun: "gradient",
+                by_arg: true,
+            };
+            // SAFETY: the address is only looked up.
+            unsafe { crate::device::check::check_tensor(g, c.device, &a) }?;
         }
     }
     let norms = norms::norms(grads, p, stream)?;

@@ -1,7 +1,7 @@
 use super::*;
 use crate::comm::Comm;
-use crate::optim::gpu::backend::Backend as _;
-use crate::optim::gpu::emulated::{self, EMULATED};
+use crate::device::backend::Backend as _;
+use crate::device::emulated::{self, EMULATED};
 
 fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }

@@ -175,7 +175,7 @@ impl Comm {
     /// device). Checked against each device tensor's device when it is used.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
         if stream != 0 {
-            crate::optim::gpu::stream_support().map_err(|e| match e {
+            crate::device::stream_support().map_err(|e| match e {
                 Error::Unsupported(m) => {
                     Error::Unsupported(m.replace("fo_optimizer_set_stream", "fo_comm_set_stream"))
                 }

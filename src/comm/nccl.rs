@@ -6,7 +6,7 @@
 //! allocates nothing once it has grown, and the buffer never exceeds that bound. NCCL is loaded by `nccl_lib` (where torch's wheel puts it), CUDA through
 //! cudarc; their absence is a clear `Unsupported` error, checked before any call. Every
 //! CUDA call runs with the device's primary context pushed and the caller's restored
-//! (`gpu::context::Current`).
+//! (`device::context::Current`).
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -18,8 +18,8 @@ use super::nccl_lib::{self as nl, NcclComm, NcclLib};
 use super::nccl_wait::{self, Pending};
 use super::scratch::{DeviceAlloc, Scratch};
 use super::{Backend, ReduceOp};
+use crate::device::context::Current;
 use crate::error::{Error, Result};
-use crate::optim::gpu::context::Current;
 
 pub(super) struct NcclBackend {
     lib: &'static NcclLib,

@@ -10,7 +10,9 @@ use super::types::fo_tensor;
 /// offloaded-gradient copies are ordered on; NULL (the default) is the legacy default
 /// stream. A step does not wait for its kernels: they run after the work queued on
 /// `stream` before the call, work queued on it after the call runs after them, and
-/// `fo_optimizer_step` returns once they are queued. Calls that bring data to or from
+/// `fo_optimizer_step` returns once they are queued (its launch tables go through a
+/// pinned ring of 4 slots per device, so a launch may wait for the table copy of the
+/// launch 4 before it, never for its own kernels). Calls that bring data to or from
 /// the host do wait for the stream: reading device state (get_state, pack, save),
 /// writing a mirror or device state, and bringing offloaded gradients down. Ordering
 /// with other streams, and host reads of device parameters, are the caller's (events,
@@ -22,8 +24,10 @@ use super::types::fo_tensor;
 /// orders the new one after the old: an event recorded on the old stream on each device
 /// in use is waited for on the new one, so step N on the old stream comes before step
 /// N+1 on the new one (the old stream must still be valid at this call). Pointer rules:
-/// device parameters, gradients and fo's device state are memory of the device the
-/// parameter was registered on; a gradient must stay valid until the step's kernels
+/// device parameters, gradients, mirrors and fo's device state are memory of the device
+/// the parameter was registered on (fo_optimizer_add_param, fo_optimizer_set_mirror and
+/// fo_optimizer_step ask the driver, cuPointerGetAttribute, and refuse host memory or
+/// another device's with FO_ERR_INVALID_ARGUMENT naming the argument); a gradient must stay valid until the step's kernels
 /// have run (stream order), a parameter for the optimizer's lifetime; `stream` must
 /// outlive every step launched on it. A CUDA error while launching returns
 /// FO_ERR_INTERNAL and leaves device parameters' state undefined (validation errors
@@ -44,9 +48,10 @@ pub unsafe extern "C" fn fo_optimizer_set_stream(
 /// checkpoint load that writes it. Copies are ordered on the optimizer's stream (see
 /// `fo_optimizer_set_stream`). With the mirror's gradient given on the device to
 /// `fo_optimizer_step` (the offload case: state and master weights on the host, the
-/// model on the GPU), the step brings each gradient down through a pinned buffer kept
-/// per parameter while the CPU steps those already down, and writes each mirror back as
-/// soon as its parameter is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
+/// model on the GPU), the step brings each gradient down in pieces through a small pinned
+/// ring per device (at most 16 MiB of pinned memory, whatever the gradient's size) while
+/// the CPU steps those already down, and writes each mirror back as soon as its parameter
+/// is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
 /// the `cuda` build feature or libcuda.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_set_mirror(

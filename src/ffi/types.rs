@@ -27,7 +27,7 @@ impl fo_tensor {
     /// A checked view of host memory; `what` names the argument in errors.
     pub(crate) unsafe fn to_host(self, what: &str) -> Result<HostTensor> {
         if self.device != FO_DEVICE_HOST {
-            let why = crate::optim::gpu::device_refusal(self.device);
+            let why = crate::device::device_refusal(self.device);
             return Err(Error::Unsupported(format!("{what}.{why}")));
         }
         let dtype = DType::from_code(self.dtype, &format!("{what}.dtype"))?;

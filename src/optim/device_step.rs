@@ -30,7 +30,7 @@ impl Optimizer {
     /// stream's work waits for what the old one had queued (an event per device), so
     /// step N on the old stream comes before step N+1 on the new one.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
-        gpu::stream_support()?;
+        crate::device::stream_support()?;
         if stream == self.stream {
             return Ok(());
         }
@@ -40,7 +40,7 @@ impl Optimizer {
         }
         for (d, _) in &devices {
             // SAFETY: both streams were checked against the device (the old one when set).
-            unsafe { gpu::backend::backend(*d)?.order_streams(self.stream, stream)? };
+            unsafe { crate::device::backend(*d)?.order_streams(self.stream, stream)? };
         }
         self.stream = stream;
         Ok(())
@@ -105,25 +105,7 @@ impl Optimizer {
         if device >= 0 {
             self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
         }
-        if p.device == -1 && device >= 0 {
-            // The offload case: the gradient comes down to the host (`offload_step`).
-            if !g.is_contiguous() {
-                return Err(Error::invalid(
-                    "grads",
-                    format!(
-                        "gradient of {}: a device gradient must be contiguous (strides {:?} for shape {:?})",
-                        p.fqn,
-                        g.strides(),
-                        g.shape()
-                    ),
-                ));
-            }
-            return gpu::open_device(device).map_err(|e| match e {
-                Error::Unsupported(m) => Error::Unsupported(format!("gradient of {}: {m}", p.fqn)),
-                e => e,
-            });
-        }
-        if p.device != device {
+        if p.device >= 0 && p.device != device {
             return Err(Error::invalid(
                 "grads",
                 format!(
@@ -133,17 +115,15 @@ impl Optimizer {
                 ),
             ));
         }
-        if device >= 0 && !g.is_contiguous() {
-            return Err(Error::invalid(
-                "grads",
-                format!(
-                    "gradient of {}: a device gradient must be contiguous (strides {:?} for \
-                     shape {:?})",
-                    p.fqn,
-                    g.strides(),
-                    g.shape()
-                ),
-            ));
+        let context = format!("gradient of {}", p.fqn);
+        if device >= 0 && p.device == -1 {
+            // The offload case: the gradient comes down to the host (`offload_step`).
+            // SAFETY: the address is only looked up.
+            unsafe { crate::device::check::check_tensor(g, device, &grad_arg(&context)) }?;
+        } else if device >= 0 {
+            // A device parameter's device is open; its memory is checked with the
+            // device half (`prepare_device_step`).
+            crate::device::check::check_contiguous(g, &grad_arg(&context))?;
         }
         Ok(())
     }
@@ -161,7 +141,7 @@ impl Optimizer {
             stepped: Vec::new(),
             tables: Vec::new(),
         };
-        let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
+        // Refusals first, before any device memory is allocated or anything queued.
         for (i, p) in self.params.iter().enumerate() {
             let (Some(g), true) = (&grads[i], p.device >= 0) else {
                 continue;
@@ -174,14 +154,24 @@ impl Optimizer {
                     p.fqn, p.device, p.group
                 )));
             }
-            let n = p.tensor.numel();
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
-            let rule = Rule::new(cfg, next);
-            // Refused before any device memory is allocated.
-            FoRule::new(&rule).map_err(|e| match e {
+            FoRule::new(&Rule::new(cfg, next)).map_err(|e| match e {
                 Error::Unsupported(m) => Error::Unsupported(format!("parameter {}: {m}", p.fqn)),
                 e => e,
             })?;
+            // The gradient is memory of its parameter's device.
+            let context = format!("gradient of {}", p.fqn);
+            crate::device::check::check_memory(g, p.device, &grad_arg(&context))?;
+        }
+        let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            let (Some(g), true) = (&grads[i], p.device >= 0) else {
+                continue;
+            };
+            let cfg = &self.groups[p.group];
+            let n = p.tensor.numel();
+            let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
+            let rule = Rule::new(cfg, next);
             let (m_valid, state) = match &p.gpu {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
@@ -234,13 +224,23 @@ impl Optimizer {
     }
 }
 
+/// A gradient as errors name it.
+fn grad_arg(context: &str) -> crate::device::check::DeviceArg<'_> {
+    crate::device::check::DeviceArg {
+        arg: "grads",
+        context,
+        noun: "gradient",
+        by_arg: false,
+    }
+}
+
 /// Checks that `stream` is one of `device`'s, naming `what` lives there when it is not.
 fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
     if stream == 0 {
         return Ok(());
     }
     // SAFETY: the caller's stream handle (`set_stream`'s contract: live while set).
-    let r = unsafe { gpu::backend::backend(device)?.check_stream(stream) };
+    let r = unsafe { crate::device::backend(device)?.check_stream(stream) };
     r.map_err(|e| match e {
         Error::InvalidArgument { reason, .. } => Error::invalid(
             "stream",

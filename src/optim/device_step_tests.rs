@@ -12,7 +12,7 @@ fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
 }
 
 fn no_gpu() -> bool {
-    gpu::open_device(0).is_err()
+    crate::device::open_device(0).is_err()
 }
 
 /// Host param "h" (index 0) and device-0 param "d" (index 1), both f32 with 40 elements.
@@ -123,7 +123,7 @@ fn device_steps_are_validated_before_anything_changes() {
 #[test]
 fn the_stream_is_taken_only_where_the_gpu_half_can_run() {
     let mut opt = Optimizer::new(adamw(StateFormat::Fp32)).unwrap();
-    match gpu::stream_support() {
+    match crate::device::stream_support() {
         Ok(()) => {
             opt.set_stream(0x1234).unwrap();
             assert_eq!(opt.stream(), 0x1234);

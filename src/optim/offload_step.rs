@@ -2,39 +2,23 @@
 //! weights in host memory) whose gradients live on a GPU, and whose updated values the
 //! model wants back on the GPU (a device *mirror*, `set_mirror`). Megatron's
 //! `HybridDeviceOptimizer` overlaps those copies with the CPU work; so does fo: a copy
-//! thread brings gradients down one tensor at a time into pinned buffers (kept across
-//! steps) while the CPU pool steps the tensors already down, and each stepped tensor's
-//! mirror is written back before the next one is stepped. With `check_numerics` on for an
-//! offloaded parameter every gradient comes down first, so the check still runs before
-//! anything changes.
-use std::sync::{mpsc, Arc};
+//! thread brings gradients down one tensor at a time through the device's pinned ring
+//! (`device::ring`: a few slots, so fo's pinned memory does not grow with the largest
+//! gradient) into host memory freed after the tensor's step, while the CPU pool steps the
+//! tensors already down (at most two ahead), and each stepped tensor's mirror is written
+//! back before the next one is stepped. With `check_numerics` on for an offloaded
+//! parameter every gradient comes down first, so the check still runs before anything
+//! changes.
+use std::sync::mpsc;
 
 use rayon::prelude::*;
 
-use super::gpu::backend::{backend, write_tensor, Backend};
 use super::kernel::{self, Job};
 use super::optimizer::{push_param_jobs, Optimizer};
 use super::threads;
+use crate::device::backend::{backend, write_tensor};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
-
-/// Page-locked host memory for one parameter's gradient, reused by every step.
-pub(crate) struct Pinned {
-    backend: Arc<dyn Backend>,
-    ptr: u64,
-    bytes: usize,
-}
-
-// SAFETY: plain host memory; the address is only used while the optimizer is borrowed.
-unsafe impl Send for Pinned {}
-unsafe impl Sync for Pinned {}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        // SAFETY: allocated by this backend; no copy into it is in flight once a step returned.
-        unsafe { self.backend.free_pinned(self.ptr) }
-    }
-}
 
 /// A device copy of a host parameter, rewritten after every step of the parameter.
 pub(crate) struct Mirror {
@@ -42,12 +26,11 @@ pub(crate) struct Mirror {
     pub device: i32,
 }
 
-/// One offloaded gradient: where it is on the device, where it comes down to.
+/// One offloaded gradient: where it is on the device, and its size.
 #[derive(Clone, Copy)]
 struct Download {
     i: usize,
     src: u64,
-    dst: u64,
     bytes: usize,
 }
 
@@ -104,6 +87,14 @@ impl Optimizer {
             )));
         }
         self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn))?;
+        let context = format!("mirror of parameter {}", p.fqn);
+        let a = crate::device::check::DeviceArg {
+            arg: "mirror",
+            context: &context,
+            noun: "mirror",
+            by_arg: false,
+        };
+        crate::device::check::check_tensor(&t, device, &a)?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
         let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
         self.refresh_mirror(i)
@@ -122,33 +113,17 @@ impl Optimizer {
         }
     }
 
-    /// Pinned buffers for the gradients of host parameters given on a device (the offload
-    /// case), allocated once per parameter and kept; their downloads, in parameter order.
-    pub(crate) fn prepare_offload(
-        &mut self,
+    /// The host parameters whose gradients are given on a device (the offload case),
+    /// with those devices, in parameter order.
+    pub(crate) fn offloaded(
+        &self,
         grads: &[Option<HostTensor>],
         devices: &[i32],
-    ) -> Result<Vec<(usize, i32)>> {
-        let mut out = Vec::new();
-        for (i, g) in grads.iter().enumerate() {
-            let (Some(g), true) = (g, self.params[i].device < 0 && devices[i] >= 0) else {
-                continue;
-            };
-            let bytes = g.nbytes();
-            let fits = self.pinned[i].as_ref().is_some_and(|b| b.bytes == bytes);
-            if !fits && bytes > 0 {
-                let b = backend(devices[i])?;
-                // SAFETY: a fresh allocation, owned by the `Pinned` made of it.
-                let ptr = unsafe { b.alloc_pinned(bytes)? };
-                self.pinned[i] = Some(Pinned {
-                    backend: b,
-                    ptr,
-                    bytes,
-                });
-            }
-            out.push((i, devices[i]));
-        }
-        Ok(out)
+    ) -> Vec<(usize, i32)> {
+        (0..grads.len())
+            .filter(|&i| grads[i].is_some() && self.params[i].device < 0 && devices[i] >= 0)
+            .map(|i| (i, devices[i]))
+            .collect()
     }
 
     fn downloads(
@@ -160,11 +135,9 @@ impl Optimizer {
             .iter()
             .filter_map(|&(i, dev)| {
                 let g = grads[i].as_ref()?;
-                let dst = self.pinned[i].as_ref().map_or(0, |b| b.ptr);
                 let d = Download {
                     i,
                     src: g.as_ptr() as u64,
-                    dst,
                     bytes: g.nbytes(),
                 };
                 Some((d, dev))
@@ -172,30 +145,18 @@ impl Optimizer {
             .collect()
     }
 
-    /// The pinned copy of gradient `i` (after its download).
-    ///
-    /// # Safety
-    /// The download into it must have completed; the slice must not outlive the step.
-    unsafe fn staged_grad<'a>(&self, i: usize) -> &'a [u8] {
-        match &self.pinned[i] {
-            Some(b) => std::slice::from_raw_parts(b.ptr as *const u8, b.bytes),
-            None => &[],
-        }
-    }
-
     /// Brings every offloaded gradient down now (before `check_numerics` reads them).
     ///
     /// # Safety
     /// As `step_on`.
-    pub(crate) unsafe fn download_all<'a>(
+    pub(crate) unsafe fn download_all(
         &self,
         grads: &[Option<HostTensor>],
         which: &[(usize, i32)],
-    ) -> Result<Vec<(usize, &'a [u8])>> {
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut out = Vec::new();
         for (d, dev) in self.downloads(grads, which) {
-            copy_down(d, dev, self.stream)?;
-            out.push((d.i, self.staged_grad(d.i)));
+            out.push((d.i, copy_down(d, dev, self.stream)?));
         }
         Ok(out)
     }
@@ -229,11 +190,12 @@ impl Optimizer {
         let downloads = self.downloads(grads, which);
         let stream = self.stream;
         std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel();
+            // One gradient waiting besides the one being stepped and the one coming down:
+            // host memory for gradients stays at three tensors, not all of them.
+            let (tx, rx) = mpsc::sync_channel(1);
             s.spawn(move || {
                 for (d, dev) in downloads {
-                    // SAFETY: as `step_on`: the gradient is device memory of `dev`,
-                    // the pinned buffer holds `bytes`.
+                    // SAFETY: as `step_on`: the gradient is device memory of `dev`.
                     let r = unsafe { copy_down(d, dev, stream) };
                     let failed = r.is_err();
                     if tx.send((d.i, r)).is_err() || failed {
@@ -242,9 +204,8 @@ impl Optimizer {
                 }
             });
             for (i, r) in rx {
-                r?;
-                let g = self.staged_grad(i);
-                self.step_host_param(i, g, grads[i].as_ref().expect("offloaded grads are given"))?;
+                let g = r?;
+                self.step_host_param(i, &g, grads[i].as_ref().expect("offloaded grads are given"))?;
                 self.refresh_mirror(i)?;
             }
             Ok(())
@@ -252,49 +213,24 @@ impl Optimizer {
     }
 }
 
-impl Optimizer {
-    /// The pinned buffer gradient `g` (on `device`) of host parameter `i` comes down to,
-    /// allocated if needed (the overlapped step's offload case): its address.
-    pub(crate) fn pinned_for(&mut self, i: usize, g: &HostTensor, device: i32) -> Result<u64> {
-        let mut grads = vec![None; self.params.len()];
-        let mut devices = vec![-1; self.params.len()];
-        (grads[i], devices[i]) = (Some(g.clone()), device);
-        self.prepare_offload(&grads, &devices)?;
-        Ok(self.pinned[i].as_ref().map_or(0, |b| b.ptr))
-    }
-}
-
-/// `bytes` of device memory at `src` (on `device`) into pinned host memory at `dst`,
-/// after the work queued on `stream` (the overlapped step's offload case).
+/// `bytes` of device memory at `src` (on `device`), brought down through the device's
+/// pinned ring after the work queued on `stream` (the overlapped step's offload case).
 ///
 /// # Safety
-/// As `copy_down`: `src` is device memory of `device`, `dst` holds `bytes`.
-pub(crate) unsafe fn download(
-    src: u64,
-    dst: u64,
-    bytes: usize,
-    device: i32,
-    stream: usize,
-) -> Result<()> {
-    copy_down(
-        Download {
-            i: 0,
-            src,
-            dst,
-            bytes,
-        },
-        device,
-        stream,
-    )
+/// As `copy_down`: `src` is device memory of `device`, `bytes` long.
+pub(crate) unsafe fn download(src: u64, bytes: usize, device: i32, stream: usize) -> Result<Vec<u8>> {
+    copy_down(Download { i: 0, src, bytes }, device, stream)
 }
 
-/// One gradient, device to its pinned buffer, after the work queued on `stream`.
-unsafe fn copy_down(d: Download, device: i32, stream: usize) -> Result<()> {
-    if d.bytes == 0 {
-        return Ok(());
+/// One gradient's bytes, brought down through the device's pinned ring after the work
+/// queued on `stream`.
+unsafe fn copy_down(d: Download, device: i32, stream: usize) -> Result<Vec<u8>> {
+    let mut out = crate::tensor::try_zeroed(d.bytes, "an offloaded gradient's host copy")?;
+    if d.bytes > 0 {
+        let b = backend(device)?;
+        b.ring().download(&*b, d.src, &mut out, stream)?;
     }
-    let dst = std::slice::from_raw_parts_mut(d.dst as *mut u8, d.bytes);
-    backend(device)?.download(d.src, dst, stream)
+    Ok(out)
 }
 
 #[cfg(test)]

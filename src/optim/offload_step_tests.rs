@@ -1,9 +1,9 @@
-//! The offload case on the emulated device (`gpu::emulated`): host parameters stepped
+//! The offload case on the emulated device (`device::emulated`): host parameters stepped
 //! from gradients given on the device, mirrored back to device copies, give the bits of
 //! an all-host step; mirrors follow every change; refusals change nothing.
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 
@@ -171,4 +171,51 @@ fn mirrors_are_checked_before_they_are_kept() {
     unsafe { opt.step(&v) }.unwrap();
     emulated::synchronize_all();
     assert!(m.iter().all(|&b| b == 0), "a removed mirror is left alone");
+}
+
+#[test]
+fn offloaded_gradients_larger_than_the_pinned_ring_come_down_in_pieces_with_bounded_pinned_memory()
+{
+    use crate::device::ring::RING_BYTES;
+    if emulated::skip() {
+        return;
+    }
+    // Gradients of 2.5 and 1.3 rings (bf16): before the ring, each kept a pinned buffer of
+    // its own size across steps, so pinned memory grew with the largest gradient.
+    let sizes = [RING_BYTES * 5 / 4, RING_BYTES * 2 / 3 + 17];
+    for numerics in [false, true] {
+        let c = cfg(numerics);
+        let mut ha: Vec<Vec<u8>> = sizes.iter().map(|&n| encode(DT, &values(n, 3))).collect();
+        let mut oa = ha.clone();
+        let (mut host, mut off) = (
+            Optimizer::new(c.clone()).unwrap(),
+            Optimizer::new(c).unwrap(),
+        );
+        for (i, (h, o)) in ha.iter_mut().zip(oa.iter_mut()).enumerate() {
+            unsafe {
+                host.add_param(&format!("p{i}"), view(h, DT, sizes[i]), None, 0)
+                    .unwrap();
+                off.add_param(&format!("p{i}"), view(o, DT, sizes[i]), None, 0)
+                    .unwrap();
+            }
+        }
+        for s in 0..2 {
+            let mut g: Vec<Vec<u8>> = sizes
+                .iter()
+                .map(|&n| encode(DT, &values(n, 50 + s)))
+                .collect();
+            let v: Vec<Option<HostTensor>> = g
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| Some(view(b, DT, sizes[i])))
+                .collect();
+            unsafe { host.step(&v) }.unwrap();
+            unsafe { off.step_on(&v, &[EMULATED; 2]) }.unwrap();
+            emulated::synchronize_all();
+            assert!(ha == oa, "step {s}, check_numerics {numerics}");
+        }
+        // Only the ring holds pinned memory on an emulated device, whatever else runs.
+        let u = emulated::device().unwrap().usage();
+        assert!(u.pinned_peak <= RING_BYTES, "{u:?}");
+    }
 }

@@ -6,11 +6,11 @@ use rayon::prelude::*;
 
 use super::config::OptimConfig;
 use super::gpu::table::StateLayout;
-use super::gpu::{self, DeviceState};
+use super::gpu::DeviceState;
 use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
 use super::numerics;
-use super::offload_step::{Mirror, Pinned};
+use super::offload_step::Mirror;
 use super::overlap::OpenStep;
 use super::rule::Rule;
 use super::state::ParamState;
@@ -68,8 +68,6 @@ pub struct Optimizer {
     pub(crate) ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
     pub(crate) stream: usize,
-    /// Per parameter: the pinned buffer its device gradient comes down to (offload case).
-    pub(crate) pinned: Vec<Option<Pinned>>,
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
     pub(crate) save: Option<Arc<Snapshot>>,
@@ -106,7 +104,6 @@ impl Optimizer {
             params: Vec::new(),
             ranges: Vec::new(),
             stream: 0,
-            pinned: Vec::new(),
             save: None,
             open: None,
         })
@@ -200,10 +197,19 @@ impl Optimizer {
         }
         if device >= 0 {
             // Errors say "device = N: why"; as an argument, that is `param.device`.
-            gpu::open_device(device).map_err(|e| match e {
+            crate::device::open_device(device).map_err(|e| match e {
                 Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
                 e => e,
             })?;
+            // Contiguity is `register`'s (the same rule as host parameters).
+            let context = format!("parameter {fqn}");
+            let a = crate::device::check::DeviceArg {
+                arg: "param",
+                context: &context,
+                noun: "parameter",
+                by_arg: false,
+            };
+            crate::device::check::check_memory(&param, device, &a)?;
         }
         self.register(fqn, param, spec, group, device)
     }
@@ -296,7 +302,6 @@ impl Optimizer {
             gpu: None,
             mirror: None,
         });
-        self.pinned.push(None);
         Ok(self.params.len() - 1)
     }
 
@@ -456,7 +461,8 @@ impl Optimizer {
             });
         }
         // Device gradients are never read on the host: the kernel reads them, or they
-        // come down to pinned buffers first (the offload case).
+        // come down through the device's pinned ring first (the offload case).
+        let staged: Vec<(usize, Vec<u8>)>;
         let mut grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
             .zip(&gathered)
@@ -469,17 +475,18 @@ impl Optimizer {
             })
             .collect();
         let pool = threads::pool()?;
-        // Host parameters with device gradients (the offload case): pinned buffers now;
-        // the gradients come down all at once where check_numerics must read them first,
-        // else one by one while the CPU steps (`offload_step`).
-        let offloaded = self.prepare_offload(grads, devices)?;
+        // Host parameters with device gradients (the offload case): the gradients come
+        // down all at once where check_numerics must read them first, else one by one
+        // while the CPU steps (`offload_step`).
+        let offloaded = self.offloaded(grads, devices);
         let mut pipelined = offloaded.clone();
         if offloaded
             .iter()
             .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
         {
-            for (i, b) in self.download_all(grads, &offloaded)? {
-                grad_bytes[i] = Some(b);
+            staged = self.download_all(grads, &offloaded)?;
+            for (i, b) in &staged {
+                grad_bytes[*i] = Some(&b[..]);
             }
             pipelined.clear();
         }

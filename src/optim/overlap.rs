@@ -10,8 +10,8 @@
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
 //!   device parameters (which `step_on` launches). A host parameter whose gradient is on
-//!   a device (the offload case) steps early too: its task brings the gradient down to the
-//!   parameter's pinned buffer first, and `step_end` writes its mirror.
+//!   a device (the offload case) steps early too: its task brings the gradient down to a
+//!   host copy first (through the device's pinned ring), and `step_end` writes its mirror.
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
 //!   and combined at `step_end` in parameter order through `clip`'s own reduction, so the
 //!   total has the bits `fo_clip_grad_norm` gives over the handed-over gradients in
@@ -299,7 +299,6 @@ impl Optimizer {
             fetches.push(match e && d >= 0 {
                 true => Some(Fetch {
                     src: g.as_ptr() as u64,
-                    dst: self.pinned_for(i, g, d)?,
                     bytes: g.nbytes(),
                     device: d,
                     stream: self.stream,

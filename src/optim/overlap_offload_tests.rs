@@ -1,13 +1,13 @@
 //! The overlapped step's offload case on the emulated device: host parameters whose
-//! gradients are on the device step early (each task brings its gradient down to the
-//! parameter's pinned buffer first) with the bits of an all-host step and of the
+//! gradients are on the device step early (each task brings its gradient down to a
+//! host copy first, through the pinned ring) with the bits of an all-host step and of the
 //! pipelined `step_on`, mirrors follow, and clipping matches `clip_grad_norm` then step.
 use super::{OverlapOptions, OverlapStats};
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 

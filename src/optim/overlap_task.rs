@@ -31,11 +31,10 @@ pub(super) struct Item {
     pub fetch: Option<Fetch>,
 }
 
-/// A device gradient's way down to its parameter's pinned buffer (`dst`, `bytes` long),
-/// after the work queued on `stream`.
+/// A device gradient's way down to a host copy (through the device's pinned ring), after
+/// the work queued on `stream`.
 pub(super) struct Fetch {
     pub src: u64,
-    pub dst: u64,
     pub bytes: usize,
     pub device: i32,
     pub stream: usize,
@@ -120,10 +119,12 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
     };
     let r = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
         if let Some(f) = it.fetch {
-            // From here on the gradient is the pinned host copy, as in `step_offloaded`.
-            super::offload_step::download(f.src, f.dst, f.bytes, f.device, f.stream)?;
+            // From here on the gradient is its host copy, as in `step_offloaded`; the
+            // copy is contiguous, so it is kept where a gathered gradient would be.
+            let mut host = super::offload_step::download(f.src, f.bytes, f.device, f.stream)?;
             let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
-            d.grad = HostTensor::new(f.dst as *mut u8, d.grad.dtype(), &shape, None, "grads")?;
+            d.grad = HostTensor::new(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
+            d.gathered = Some(host);
         }
         if !d.grad.is_contiguous() {
             d.gathered = Some(d.grad.try_to_tensor("grads")?.data);

@@ -53,7 +53,6 @@ impl Optimizer {
                 .collect(),
             ranges: Vec::new(),
             stream: self.stream,
-            pinned: self.params.iter().map(|_| None).collect(),
             save: None,
             open: None,
         }

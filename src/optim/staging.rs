@@ -6,11 +6,11 @@
 //! therefore the bytes of one written from the same state on the host.
 use std::borrow::Cow;
 
-use super::gpu::backend::{read_tensor, write_tensor};
 use super::gpu::table::StateLayout;
 use super::gpu::DeviceState;
 use super::optimizer::Optimizer;
 use super::state::ParamState;
+use crate::device::backend::{read_tensor, write_tensor};
 use crate::error::Result;
 use crate::tensor::Tensor;
 

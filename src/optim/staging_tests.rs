@@ -1,4 +1,4 @@
-//! The device half end to end on the emulated device (`gpu::emulated`: host memory posing
+//! The device half end to end on the emulated device (`device::emulated`: host memory posing
 //! as device memory, launches run by the host build of the kernel): a hybrid optimizer
 //! steps, reads and writes state by key, and saves and loads checkpoints exactly as an
 //! all-host optimizer over the same values does, and frees its device memory. Skipped,
@@ -7,9 +7,9 @@ use std::sync::Mutex;
 
 use crate::ckpt::load::{load, LoadOptions};
 use crate::ckpt::optim::{save, Mode, ParamsAs, SaveOptions};
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 

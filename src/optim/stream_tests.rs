@@ -1,10 +1,10 @@
-//! Streams on the adversarial emulated devices (`gpu::emulated`: a worker per stream,
+//! Streams on the adversarial emulated devices (`device::emulated`: a worker per stream,
 //! random delays, only events order two streams): an optimizer's stream belongs to one
 //! device, and a new stream's work comes after the old one's.
 use super::*;
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig};
-use crate::optim::gpu::emulated::{self, encode, values, EMULATED};
 
 const N: usize = 300;
 
@@ -109,4 +109,106 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
     }
     emulated::synchronize_all();
     assert_eq!(dp, hp, "the three steps ran in order");
+}
+
+#[test]
+fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_runs() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device().unwrap();
+    let stream = emulated::create_stream(EMULATED);
+    let mut hp = encode(DType::F32, &values(N, 6));
+    let mut dp = hp.clone();
+    let (mut host, mut opt) = (adamw(), adamw());
+    unsafe {
+        host.add_param("p", view(&mut hp), None, 0).unwrap();
+        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
+            .unwrap();
+    }
+    opt.set_stream(stream).unwrap();
+    let mut grads: Vec<Vec<u8>> = (0..3)
+        .map(|s| encode(DType::F32, &values(N, 20 + s)))
+        .collect();
+    for g in grads.iter_mut() {
+        // The stream is busy: the table's copy runs after `step_on` returned, when its
+        // host buffer would be gone were it not the ring's pinned slot.
+        dev.stall(stream, 20);
+        let g = Some(view(g));
+        unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
+        unsafe { opt.step_on(&[g], &[EMULATED]) }.unwrap();
+    }
+    // Panics, naming the copy, where a queued copy read pageable or freed host memory.
+    emulated::synchronize_all();
+    assert_eq!(dp, hp, "the steps read their tables");
+}
+
+#[test]
+fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before_anything_is_queued(
+) {
+    use crate::device::backend::Backend as _;
+    if emulated::skip() {
+        return;
+    }
+    let (d0, d1) = (EMULATED, EMULATED + 1);
+    let other = emulated::device_at(d1).unwrap();
+    // Memory device 78 allocated, given as device 77's.
+    let foreign = unsafe { other.alloc_zeroed(N * 4, 0) }.unwrap();
+    emulated::synchronize_all();
+    let foreign_view = || {
+        unsafe { HostTensor::new(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
+    };
+    let mut host = encode(DType::F32, &values(N, 7));
+    let _host_mark = emulated::mark_host(&host);
+    let mut opt = adamw();
+    let e = unsafe { opt.add_param_on("h", view(&mut host), None, 0, d0) }.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let e = e.to_string();
+    assert!(e.contains("`param`: parameter h: pointer 0x"), "{e}");
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+    let e = unsafe { opt.add_param_on("f", foreign_view(), None, 0, d0) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parameter f: pointer"), "{e}");
+    assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
+    assert_eq!(opt.params.len(), 0, "nothing was registered");
+
+    // Gradients: host memory, another device's memory.
+    let mut p = encode(DType::F32, &values(N, 8));
+    let before = p.clone();
+    unsafe { opt.add_param_on("p", view(&mut p), None, 0, d0) }.unwrap();
+    let mut g = encode(DType::F32, &values(N, 9));
+    let _grad_mark = emulated::mark_host(&g);
+    let e = unsafe { opt.step_on(&[Some(view(&mut g))], &[d0]) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`grads`: gradient of p: pointer"), "{e}");
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+    let e = unsafe { opt.step_on(&[Some(foreign_view())], &[d0]) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
+
+    // A mirror in host memory.
+    let mut hp = encode(DType::F32, &values(N, 10));
+    unsafe { opt.add_param("hp", view(&mut hp), None, 0) }.unwrap();
+    let mut m = vec![0u8; N * 4];
+    let _mirror_mark = emulated::mark_host(&m);
+    let e = unsafe { opt.set_mirror(1, Some((view(&mut m), d0))) }
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`mirror`: mirror of parameter hp: pointer"),
+        "{e}"
+    );
+    assert!(e.contains("is host memory, not device 77's"), "{e}");
+
+    emulated::synchronize_all();
+    assert_eq!(p, before, "nothing stepped");
+    assert!(!opt.has_state(0), "no state was made");
+    assert!(
+        m.iter().all(|&b| b == 0),
+        "the refused mirror was not written"
+    );
+    unsafe { other.free(foreign) };
 }

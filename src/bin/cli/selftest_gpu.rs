@@ -342,7 +342,7 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
 /// of `iters` timed steps.
 pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
     // fo compiles its kernels here (NVRTC), so a GPU it cannot use fails now, clearly.
-    fo::optim::gpu::open_device(ordinal).map_err(|e| e.to_string())?;
+    fo::device::open_device(ordinal).map_err(|e| e.to_string())?;
     let dev = cuda("cuDeviceGet", cu::device::get(ordinal))?;
     let name = cuda("cuDeviceGetName", cu::device::get_name(dev))?;
     // SAFETY: the device's primary context, current on this thread for the allocations.

@@ -4,8 +4,8 @@
 //! state a host step would have produced, and a checkpoint written from it is the same.
 use std::sync::Arc;
 
-use super::backend::{backend, Backend};
 use super::table::{MomentKind, MomentPtrs, StateLayout, StatePtrs};
+use crate::device::backend::{backend, Backend};
 use crate::error::{Error, Result};
 use crate::optim::state::ParamState;
 

@@ -13,7 +13,7 @@ use crate::optim::state::ParamState;
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 
-use super::emulated::{encode, host_kernel, values, RunTable};
+use crate::device::emulated::{encode, host_kernel, values, RunTable};
 
 fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }

@@ -1,9 +1,8 @@
 //! The optimizer's GPU half: the kernel source (`kernels/*.cuh`, one `__host__ __device__`
 //! text that NVRTC builds for the GPU and the C++ compiler builds for the host), the
-//! launch table (`table`, built and tested on the host), parameter state in device memory
-//! (`DeviceState`) over a device `backend`, and with feature `cuda` that backend on CUDA
-//! (`launch`: NVRTC once per device, one launch per param group and step on the
-//! optimizer's stream).
+//! launch table (`table`, built and tested on the host) and its launch, and parameter
+//! state in device memory (`DeviceState`). The device itself (backends, CUDA, NVRTC,
+//! the emulated devices) is `crate::device`.
 //!
 //! What is proven where: the arithmetic on the host (cpp_tests/test_gpu_kernels_host.cpp
 //! and host_kernel_tests.rs, bit for bit against the CPU step; NVRTC compiles the same
@@ -13,21 +12,14 @@
 //! the only ordering, poisoned fresh and freed memory). The CUDA backend itself has not
 //! been run on a GPU. Without the feature, or without
 //! libcuda/NVRTC, device tensors are refused with `Unsupported`, naming what is missing.
-pub mod backend;
-#[cfg(feature = "cuda")]
-pub mod context;
 mod device_state;
-#[cfg(test)]
-pub mod emulated;
 pub mod norm_table;
 pub mod table;
 
-#[cfg(feature = "cuda")]
-pub mod launch;
-
 pub use device_state::DeviceState;
 
-use crate::error::{Error, Result};
+use crate::device::backend::{backend, Backend};
+use crate::error::Result;
 use table::StepTable;
 
 /// The kernel headers, in include order, for a launcher that hands them to NVRTC.
@@ -41,60 +33,6 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fo_norm.cuh", include_str!("kernels/fo_norm.cuh")),
 ];
 
-/// Why an entry point that takes host memory only cannot use a tensor on CUDA device
-/// `device`: the sentence an `Unsupported` error carries.
-pub fn device_refusal(device: i32) -> String {
-    format!(
-        "device = {device}: {}; only host tensors (device -1) can be used here",
-        missing()
-    )
-}
-
-#[cfg(not(feature = "cuda"))]
-fn missing() -> String {
-    "this libfo was built without GPU support (rebuild with `--features cuda`)".into()
-}
-
-#[cfg(feature = "cuda")]
-fn missing() -> String {
-    match launch::missing_library() {
-        Some(m) => m.into(),
-        None => "device tensors are taken by fo_optimizer_add_param, fo_optimizer_step, \
-                 fo_optimizer_set_mirror, fo_clip_grad_norm and fo_broadcast_state_dict, not here"
-            .into(),
-    }
-}
-
-/// Checks that tensors on device `ordinal` can be stepped (the libraries load, the
-/// device exists, the kernels compile for it), compiling the kernels on first use.
-pub fn open_device(ordinal: i32) -> Result<()> {
-    backend::backend(ordinal).map(|_| ()).map_err(|e| match e {
-        Error::Unsupported(m) if !m.starts_with("device = ") => {
-            Error::Unsupported(format!("device = {ordinal}: {m}"))
-        }
-        e => e,
-    })
-}
-
-/// Whether this build and machine can take a CUDA stream (`fo_optimizer_set_stream`).
-pub fn stream_support() -> Result<()> {
-    // Unit tests give streams to the emulated device.
-    #[cfg(test)]
-    if emulated::unavailable().is_none() {
-        return Ok(());
-    }
-    #[cfg(feature = "cuda")]
-    return match launch::missing_library() {
-        Some(m) => Err(Error::Unsupported(format!("fo_optimizer_set_stream: {m}"))),
-        None => Ok(()),
-    };
-    #[cfg(not(feature = "cuda"))]
-    Err(Error::Unsupported(
-        "fo_optimizer_set_stream: this libfo was built without GPU support (rebuild with `--features cuda`)"
-            .into(),
-    ))
-}
-
 /// Launches each `(device, table)` on `stream` (0 = the legacy default stream), in order,
 /// without waiting for the device.
 ///
@@ -103,9 +41,34 @@ pub fn stream_support() -> Result<()> {
 /// kernels have run; `stream` must be 0 or a valid stream of those devices.
 pub unsafe fn launch_tables(tables: &[(i32, StepTable)], stream: usize) -> Result<()> {
     for (device, t) in tables {
-        backend::backend(*device)?.launch(t, stream)?;
+        launch(&*backend(*device)?, t, stream)?;
     }
     Ok(())
+}
+
+/// Launches one param group's table on `b`'s `stream` without waiting for it: the table
+/// goes to stream-ordered device memory through the device's pinned ring (a pageable
+/// source could be gone before an asynchronous copy reads it), the kernel runs, and the
+/// table's memory is freed after it, all in stream order.
+///
+/// # Safety
+/// Every address in the table must be memory of `b`'s device that stays valid until the
+/// kernel has run; `stream` valid or 0.
+pub unsafe fn launch(b: &dyn Backend, table: &StepTable, stream: usize) -> Result<()> {
+    if table.tensors.is_empty() {
+        return Ok(());
+    }
+    let count = i32::try_from(table.tensors.len()).map_err(|_| {
+        crate::error::Error::invalid("params", "more than 2^31 device tensors in one param group")
+    })?;
+    let bytes = table.as_bytes();
+    let d = b.alloc_async(bytes.len(), stream)?;
+    let out = b
+        .ring()
+        .upload(b, d, bytes, stream)
+        .and_then(|()| b.launch_step(d, count, table.total_groups, stream));
+    b.free_async(d, stream);
+    out
 }
 
 #[cfg(test)]
@@ -115,19 +78,6 @@ mod host_kernel_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn refusal_names_what_is_missing() {
-        let m = device_refusal(0);
-        assert!(m.starts_with("device = 0: "), "{m}");
-        #[cfg(not(feature = "cuda"))]
-        assert!(m.contains("--features cuda"), "{m}");
-        #[cfg(feature = "cuda")]
-        assert!(
-            m.contains("libcuda") || m.contains("NVRTC") || m.contains("fo_optimizer_step"),
-            "{m}"
-        );
-    }
 
     #[test]
     fn every_kernel_header_is_embedded() {

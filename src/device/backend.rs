@@ -1,14 +1,16 @@
-//! What the device half needs from a device: memory, copies ordered on a stream, and a
-//! launch of the step kernel. CUDA provides it (feature `cuda`: `launch::Device`); the
-//! unit tests provide a host emulation (`emulated`: host memory, the host build of the
-//! same kernel text), so device state, staging, the hybrid step and the clip's device norm
-//! above this trait run in CI without a GPU. Only the CUDA implementation of these calls
-//! is left to a GPU.
+//! What fo needs from a device: memory, copies ordered on a stream, events, and launches
+//! of the optimizer's and the clip's kernels (their tables are the kernels' ABI).
+//!
+//! CUDA provides it (feature `cuda`: `cuda::Device`); without the feature `no_cuda` refuses
+//! every device clearly; the unit tests provide a host emulation (`emulated`: host memory,
+//! the host build of the same kernel text), so device state, staging, the hybrid step and
+//! the clip's device norm above this trait run in CI without a GPU.
 use std::sync::Arc;
 
-use super::norm_table::NormTable;
-use super::table::StepTable;
+use super::check::Memory;
+use super::ring::Ring;
 use crate::error::Result;
+use crate::optim::gpu::norm_table::NormTable;
 use crate::tensor::HostTensor;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
@@ -51,12 +53,64 @@ pub trait Backend: Send + Sync {
     /// `ptr` came from `alloc_pinned` of this backend and is not used afterwards.
     unsafe fn free_pinned(&self, ptr: u64);
 
-    /// Launches one param group's table on `stream` without waiting for it.
+    /// `bytes` (at least 1) of device memory, allocated in order on `stream` (its
+    /// contents undefined), for `free_async` on the same stream.
     ///
     /// # Safety
-    /// Every address in the table must be memory of this device that stays valid until
-    /// the kernel has run; `stream` valid or 0.
-    unsafe fn launch(&self, table: &StepTable, stream: usize) -> Result<()>;
+    /// `stream` must be 0 or a valid stream of this device.
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64>;
+
+    /// Frees memory from `alloc_async` in order on `stream`, after the work queued there.
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_async` and no work on another stream still uses it.
+    unsafe fn free_async(&self, ptr: u64, stream: usize);
+
+    /// Copies `bytes` from pinned host memory `src` (from `alloc_pinned`) to device memory
+    /// `dst`, in order on `stream`; returns at once. `src` must stay allocated and
+    /// unchanged until an event recorded after the copy has completed (`Ring` does this).
+    ///
+    /// # Safety
+    /// `dst` must be `bytes` writable bytes of this device; `stream` valid or 0.
+    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Copies `bytes` from device memory `src` to pinned host memory `dst`, in order on
+    /// `stream`; returns at once (the data is there once an event recorded after it
+    /// completed).
+    ///
+    /// # Safety
+    /// As `copy_to_device`, the other way.
+    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Records an event on `stream` (after the work queued there so far): a handle for
+    /// `wait_event`.
+    ///
+    /// # Safety
+    /// `stream` valid or 0.
+    unsafe fn record_event(&self, stream: usize) -> Result<u64>;
+
+    /// Waits (on the host) until `event` has completed, and releases it.
+    ///
+    /// # Safety
+    /// `event` came from `record_event` of this backend and is waited for once.
+    unsafe fn wait_event(&self, event: u64) -> Result<()>;
+
+    /// This device's pinned staging ring (asynchronous copies go through it).
+    fn ring(&self) -> &Ring;
+
+    /// Launches `fo_step_kernel` on `stream` over a table already in device memory
+    /// (`count` tensors spanning `total_groups` groups), without waiting for it.
+    ///
+    /// # Safety
+    /// `table` and every address in it must be memory of this device that stays valid
+    /// until the kernel has run; `stream` valid or 0.
+    unsafe fn launch_step(
+        &self,
+        table: u64,
+        count: i32,
+        total_groups: u64,
+        stream: usize,
+    ) -> Result<()>;
 
     /// The norm kernels over `table` (`power` 1: sum of |x|, 2: of x*x) after the work
     /// queued on `stream`: `[sum, largest |x|]` per global chunk, waited for.
@@ -80,6 +134,12 @@ pub trait Backend: Send + Sync {
     /// `stream` must be 0 or a live stream handle (of any device).
     unsafe fn check_stream(&self, stream: usize) -> Result<()>;
 
+    /// Where `ptr` lives: host memory, memory of which device (`cuPointerGetAttribute`).
+    ///
+    /// # Safety
+    /// None: the address is only looked up.
+    unsafe fn memory_of(&self, ptr: u64) -> Result<Memory>;
+
     /// Makes the work queued on `to` from now on wait for the work queued on `from` so
     /// far (an event recorded on `from`, waited for on `to`); the host does not wait.
     ///
@@ -94,12 +154,7 @@ pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
     if let Some(b) = super::emulated::backend(ordinal) {
         return Ok(b);
     }
-    #[cfg(feature = "cuda")]
-    return Ok(super::launch::device(ordinal)? as Arc<dyn Backend>);
-    #[cfg(not(feature = "cuda"))]
-    Err(crate::error::Error::Unsupported(super::device_refusal(
-        ordinal,
-    )))
+    super::imp::backend(ordinal)
 }
 
 /// The row-major bytes of `t`, wherever it lives: read in place from host memory

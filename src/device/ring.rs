@@ -1,0 +1,212 @@
+//! A device's pinned staging ring: every asynchronous copy between host and device memory
+//! that fo starts without waiting for it goes through a few page-locked slots, each reused
+//! only after the event recorded behind its last copy has completed.
+//!
+//! Why: a copy from pageable memory (a `Vec` dropped when the call returns) may still be
+//! pending when the `Vec` is gone, and a pinned buffer sized to a tensor makes fo's memory
+//! grow with the largest tensor. The ring is `SLOTS` slots of at most `SLOT_BYTES`, so fo's
+//! pinned memory per device is at most `RING_BYTES`; larger payloads move in slot-sized
+//! pieces (at most `SLOTS` in flight).
+use std::sync::Mutex;
+
+use super::backend::Backend;
+use crate::error::Result;
+
+/// Slots in a ring: the pieces that can be in flight at once.
+pub const SLOTS: usize = 4;
+/// The largest slot (one piece of a larger payload). Small in unit tests, so that a test
+/// payload of a few hundred KiB spans many pieces.
+#[cfg(not(test))]
+pub const SLOT_BYTES: usize = 4 << 20;
+#[cfg(test)]
+pub const SLOT_BYTES: usize = 16 << 10;
+/// The smallest slot allocated (a launch table fits many times).
+const MIN_SLOT: usize = 4 << 10;
+/// The most pinned memory one device's ring holds.
+pub const RING_BYTES: usize = SLOTS * SLOT_BYTES;
+
+#[derive(Default)]
+struct Slot {
+    ptr: u64,
+    cap: usize,
+    /// The event recorded after the slot's last copy, not yet waited for.
+    event: Option<u64>,
+}
+
+/// The ring of one device (kept by its backend for the process).
+#[derive(Default)]
+pub struct Ring {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    slots: [Slot; SLOTS],
+    next: usize,
+}
+
+impl State {
+    /// The next slot, idle (its last copy done) and at least `bytes` large.
+    unsafe fn take(&mut self, b: &dyn Backend, bytes: usize) -> Result<usize> {
+        let k = self.next;
+        self.next = (k + 1) % SLOTS;
+        let s = &mut self.slots[k];
+        if let Some(ev) = s.event.take() {
+            b.wait_event(ev)?;
+        }
+        if s.cap < bytes {
+            if s.cap > 0 {
+                b.free_pinned(s.ptr);
+                (s.ptr, s.cap) = (0, 0);
+            }
+            let want = bytes.next_power_of_two().clamp(MIN_SLOT, SLOT_BYTES);
+            s.ptr = b.alloc_pinned(want)?;
+            s.cap = want;
+        }
+        Ok(k)
+    }
+}
+
+impl Ring {
+    /// Copies `src` to device memory `dst` of `b` in order on `stream`, through the ring;
+    /// returns once every piece is in a slot (`src` may be dropped), without waiting for
+    /// the device.
+    ///
+    /// # Safety
+    /// `dst` must be `src.len()` writable bytes of `b`'s device; `stream` valid or 0.
+    pub unsafe fn upload(
+        &self,
+        b: &dyn Backend,
+        dst: u64,
+        src: &[u8],
+        stream: usize,
+    ) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        for (n, piece) in src.chunks(SLOT_BYTES).enumerate() {
+            let k = st.take(b, piece.len())?;
+            let s = &mut st.slots[k];
+            std::ptr::copy_nonoverlapping(piece.as_ptr(), s.ptr as *mut u8, piece.len());
+            let at = dst + (n * SLOT_BYTES) as u64;
+            b.copy_to_device(at, s.ptr, piece.len(), stream)?;
+            s.event = Some(b.record_event(stream)?);
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes of device memory `src` of `b` into `dst`, after the work
+    /// queued on `stream`, through the ring (up to `SLOTS` pieces in flight); waits for them.
+    ///
+    /// # Safety
+    /// `src` must be `dst.len()` readable bytes of `b`'s device; `stream` valid or 0.
+    pub unsafe fn download(
+        &self,
+        b: &dyn Backend,
+        src: u64,
+        dst: &mut [u8],
+        stream: usize,
+    ) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        // Pieces in flight: (slot, piece index), oldest first.
+        let mut flight: std::collections::VecDeque<(usize, usize)> = Default::default();
+        let drain = |st: &mut State, (k, n): (usize, usize), dst: &mut [u8]| -> Result<()> {
+            let s = &mut st.slots[k];
+            b.wait_event(s.event.take().expect("a piece in flight has an event"))?;
+            let len = SLOT_BYTES.min(dst.len() - n * SLOT_BYTES);
+            let piece = &mut dst[n * SLOT_BYTES..][..len];
+            std::ptr::copy_nonoverlapping(s.ptr as *const u8, piece.as_mut_ptr(), piece.len());
+            Ok(())
+        };
+        let pieces = dst.len().div_ceil(SLOT_BYTES);
+        let mut out = Ok(());
+        for n in 0..pieces {
+            if flight.len() == SLOTS {
+                let f = flight.pop_front().expect("full");
+                out = drain(&mut st, f, dst);
+                if out.is_err() {
+                    break;
+                }
+            }
+            let len = SLOT_BYTES.min(dst.len() - n * SLOT_BYTES);
+            let r = st.take(b, len).and_then(|k| {
+                let s = &mut st.slots[k];
+                b.copy_to_host(s.ptr, src + (n * SLOT_BYTES) as u64, len, stream)?;
+                s.event = Some(b.record_event(stream)?);
+                Ok(k)
+            });
+            match r {
+                Ok(k) => flight.push_back((k, n)),
+                Err(e) => {
+                    out = Err(e);
+                    break;
+                }
+            }
+        }
+        // Every piece started is waited for, even after a failure: its slot is reused later.
+        for f in flight {
+            let r = drain(&mut st, f, dst);
+            out = out.and(r);
+        }
+        out
+    }
+
+    /// Pinned bytes the ring holds now.
+    pub fn held_bytes(&self) -> usize {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.slots.iter().map(|s| s.cap).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::emulated;
+
+    #[test]
+    fn payloads_larger_than_the_ring_move_in_pieces_and_pinned_memory_stays_bounded() {
+        if emulated::skip() {
+            return;
+        }
+        let dev = emulated::device_at(emulated::EMULATED + 1).unwrap();
+        let b: &dyn Backend = &*dev;
+        let stream = emulated::create_stream(emulated::EMULATED + 1);
+        let n = 5 * RING_BYTES + 123;
+        let src: Vec<u8> = (0..n).map(|i| (i * 7 + i / 251) as u8).collect();
+        unsafe {
+            let d = b.alloc_async(n, stream).unwrap();
+            dev.stall(stream, 10);
+            b.ring().upload(b, d, &src, stream).unwrap();
+            let mut back = vec![0u8; n];
+            b.ring().download(b, d, &mut back, stream).unwrap();
+            assert!(back == src, "the bytes came back");
+            b.free_async(d, stream);
+        }
+        emulated::synchronize_all();
+        assert!(b.ring().held_bytes() <= RING_BYTES);
+        // Only rings allocate pinned memory: no test ever holds more than one ring's worth.
+        assert!(dev.usage().pinned_peak <= RING_BYTES, "{:?}", dev.usage());
+    }
+
+    #[test]
+    fn the_emulated_device_reports_an_async_copy_from_pageable_memory() {
+        if emulated::skip() {
+            return;
+        }
+        let dev = emulated::device_at(emulated::CHECKER).unwrap();
+        let stream = emulated::create_stream(emulated::CHECKER);
+        let src = [1u8; 64];
+        unsafe {
+            let d = dev.alloc_async(64, stream).unwrap();
+            dev.copy_to_device(d, src.as_ptr() as u64, 64, stream)
+                .unwrap();
+            dev.free_async(d, stream);
+        }
+        dev.synchronize();
+        let v = dev.take_violations();
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].contains("not pinned memory of this device"),
+            "{}",
+            v[0]
+        );
+    }
+}
