@@ -1183,6 +1183,16 @@ fo_status fo_optimizer_step_end(struct fo_optimizer *opt,
                                 struct fo_overlap_stats *stats);
 
 /*
+ Closes the open overlapped step changing nothing: waits for fo's pool and puts every
+ parameter stepped early back as it was (memory and state). Local to this rank (no
+ collective, unlike `fo_optimizer_step_end`); the handed-over gradients are released
+ untouched. For a training loop that drops a step after backward started handing
+ gradients over (torch's `zero_grad` before `step`). `stats` (NULL: not wanted): what
+ was rolled back. No step open: FO_ERR_INVALID_ARGUMENT.
+ */
+fo_status fo_optimizer_step_abort(struct fo_optimizer *opt, struct fo_overlap_stats *stats);
+
+/*
  Starts saving the optimizer's state into `dir` in the background and returns once a
  copy-on-write snapshot of it is registered: the checkpoint holds the state as of this
  call, byte-identical to what `fo_state_save` (or `fo_state_save_comm`) would write
