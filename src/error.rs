@@ -49,6 +49,31 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A copy, for errors kept and reported twice (an async save's background failure, an
+/// overlapped step's first failure): an I/O error keeps its kind and text, not its
+/// OS payload.
+impl Clone for Error {
+    fn clone(&self) -> Error {
+        match self {
+            Error::InvalidArgument { name, reason } => Error::invalid(name.clone(), reason.clone()),
+            Error::Dtype(m) => Error::Dtype(m.clone()),
+            Error::Shape(m) => Error::Shape(m.clone()),
+            Error::NotFound(m) => Error::NotFound(m.clone()),
+            Error::Io { path, source } => Error::io(
+                path.clone(),
+                std::io::Error::new(source.kind(), source.to_string()),
+            ),
+            Error::Corrupt { path, detail } => Error::corrupt(path.clone(), detail.clone()),
+            Error::Comm(m) => Error::Comm(m.clone()),
+            Error::Numerics(m) => Error::Numerics(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Timeout(m) => Error::Timeout(m.clone()),
+            Error::Busy(m) => Error::Busy(m.clone()),
+            Error::Internal(m) => Error::Internal(m.clone()),
+        }
+    }
+}
+
 impl Error {
     /// Shorthand for the most common error: a named argument with the reason it is bad.
     pub fn invalid(name: impl Into<String>, reason: impl Into<String>) -> Self {

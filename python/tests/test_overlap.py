@@ -123,6 +123,8 @@ def test_step_abort_puts_every_early_step_back():
     opt.step_begin()
     opt.grads_ready(list(range(len(gs))), gs)
     stats = opt.step_abort()
-    assert stats["handed_over"] == len(gs) and stats["rolled_back"] == stats["speculative"]
+    # An empty array has no data pointer: fo takes it as "no gradient" (fo_optimizer_step's rule).
+    assert stats["handed_over"] == sum(g.size > 0 for g in gs)
+    assert stats["speculative"] > 0 and stats["rolled_back"] == stats["speculative"]
     assert all(x.tobytes() == y.tobytes() for x, y in zip(before[0], params)) and state(opt) == before[1]
     opt.step(gs)  # the step is closed

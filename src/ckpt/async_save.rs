@@ -56,27 +56,6 @@ pub struct AsyncSave {
     settled: Option<Result<()>>,
 }
 
-/// A copy of `e`, to return a settled outcome again (errors are not `Clone`: an io
-/// error is rebuilt from its kind and message).
-fn copy_err(e: &Error) -> Error {
-    match e {
-        Error::InvalidArgument { name, reason } => Error::invalid(name, reason),
-        Error::Dtype(m) => Error::Dtype(m.clone()),
-        Error::Shape(m) => Error::Shape(m.clone()),
-        Error::NotFound(m) => Error::NotFound(m.clone()),
-        Error::Io { path, source } => {
-            Error::io(path, std::io::Error::new(source.kind(), source.to_string()))
-        }
-        Error::Corrupt { path, detail } => Error::corrupt(path, detail),
-        Error::Comm(m) => Error::Comm(m.clone()),
-        Error::Numerics(m) => Error::Numerics(m.clone()),
-        Error::Unsupported(m) => Error::Unsupported(m.clone()),
-        Error::Timeout(m) => Error::Timeout(m.clone()),
-        Error::Busy(m) => Error::Busy(m.clone()),
-        Error::Internal(m) => Error::Internal(m.clone()),
-    }
-}
-
 /// How many times `stage_rank_file` fetches each entry (once per run of its chunks).
 fn fetch_runs(plan: &super::pack::Plan, num_entries: usize) -> Vec<usize> {
     let mut runs = vec![0; num_entries];
@@ -318,7 +297,7 @@ impl AsyncSave {
     /// `wait`'s body: `comm` is the communicator to commit through, or why there is none.
     fn settle(&mut self, timeout: Option<Duration>, comm: Option<Result<&Comm>>) -> Result<()> {
         if let Some(s) = &self.settled {
-            return s.as_ref().map(|_| ()).map_err(copy_err);
+            return s.as_ref().map(|_| ()).map_err(Error::clone);
         }
         if !self.wait_background(timeout) {
             return Err(Error::Timeout(format!(
@@ -349,7 +328,7 @@ impl AsyncSave {
             }
             _ => bg,
         };
-        self.settled = Some(result.as_ref().map(|_| ()).map_err(copy_err));
+        self.settled = Some(result.as_ref().map(|_| ()).map_err(Error::clone));
         result
     }
 }

@@ -218,7 +218,12 @@ impl Optimizer {
 ///
 /// # Safety
 /// As `copy_down`: `src` is device memory of `device`, `bytes` long.
-pub(crate) unsafe fn download(src: u64, bytes: usize, device: i32, stream: usize) -> Result<Vec<u8>> {
+pub(crate) unsafe fn download(
+    src: u64,
+    bytes: usize,
+    device: i32,
+    stream: usize,
+) -> Result<Vec<u8>> {
     copy_down(Download { i: 0, src, bytes }, device, stream)
 }
 

@@ -126,27 +126,6 @@ impl Drop for OpenStep {
     }
 }
 
-/// A copy of `e` (errors are not `Clone`: an I/O error keeps its kind and text).
-fn copy_error(e: &Error) -> Error {
-    match e {
-        Error::InvalidArgument { name, reason } => Error::invalid(name.clone(), reason.clone()),
-        Error::Dtype(m) => Error::Dtype(m.clone()),
-        Error::Shape(m) => Error::Shape(m.clone()),
-        Error::NotFound(m) => Error::NotFound(m.clone()),
-        Error::Io { path, source } => Error::io(
-            path.clone(),
-            std::io::Error::new(source.kind(), source.to_string()),
-        ),
-        Error::Corrupt { path, detail } => Error::corrupt(path.clone(), detail.clone()),
-        Error::Comm(m) => Error::Comm(m.clone()),
-        Error::Numerics(m) => Error::Numerics(m.clone()),
-        Error::Unsupported(m) => Error::Unsupported(m.clone()),
-        Error::Timeout(m) => Error::Timeout(m.clone()),
-        Error::Internal(m) => Error::Internal(m.clone()),
-        Error::Busy(m) => Error::Busy(m.clone()),
-    }
-}
-
 pub(super) fn no_step(call: &str) -> Error {
     Error::invalid(
         "opt",
@@ -224,7 +203,7 @@ impl Optimizer {
     ) -> Result<()> {
         let r = self.take_bucket(indices, grads, devices);
         if let (Err(e), Some(open)) = (&r, self.open.as_mut()) {
-            open.failed.get_or_insert_with(|| copy_error(e));
+            open.failed.get_or_insert_with(|| e.clone());
         }
         r
     }
@@ -352,7 +331,7 @@ impl Optimizer {
     /// callers whose bucket could not even be read (the C ABI).
     pub fn fail_step(&mut self, e: Error) -> Error {
         if let Some(open) = self.open.as_mut() {
-            open.failed.get_or_insert_with(|| copy_error(&e));
+            open.failed.get_or_insert_with(|| e.clone());
         }
         e
     }

@@ -5,9 +5,9 @@
 use super::{OverlapOptions, OverlapStats};
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
+use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 
