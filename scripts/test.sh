@@ -85,6 +85,9 @@ step "fuzz: 20 s per cargo-fuzz target (header, load) from the committed seed co
 # (a quick build; panics, aborts, hangs and OOM are still caught); scripts/fuzz.sh runs long
 # fuzzing with AddressSanitizer. New inputs go to a scratch dir, not fuzz/corpus/.
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+# Built first, so a target that does not compile is reported as such, not as a crash.
+(cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build --release -s none --target-dir target/quick) \
+  || { echo "the fuzz targets do not build (fuzz/src/lib.rs follows the library's API)" >&2; exit 1; }
 fuzz_scratch=$(mktemp -d)
 for t in header load; do
   mkdir -p "$fuzz_scratch/$t"
