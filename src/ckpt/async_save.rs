@@ -108,7 +108,7 @@ fn start(
     // The previous save's writer must be done with the optimizer (one snapshot at a
     // time); its files commit on their own (no communicator) or at its wait.
     // Its pool's kept buffers serve this save's copies (`stage_copy`).
-    let recycled = match opt.save.take() {
+    let recycled = match opt.take_save() {
         Some(prev) => {
             prev.wait_released();
             prev.take_recycled()
@@ -179,7 +179,7 @@ fn start(
     }
     let reader = LiveReader::new(opt);
     snap.hold(held);
-    opt.save = Some(snap.clone());
+    opt.attach_save(snap.clone());
     let outcome: Arc<(Mutex<Outcome>, Condvar)> = Arc::default();
     let with_comm = comm.is_some();
     let thread = {

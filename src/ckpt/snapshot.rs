@@ -480,7 +480,7 @@ impl LiveReader {
             view: opt.detached_view(),
             live: (0..opt.num_params())
                 .map(|i| {
-                    opt.params[i].state.as_ref().map(|s| {
+                    opt.host_state(i).map(|s| {
                         // SAFETY: a bitwise copy sharing `s`'s heap buffers; wrapped in
                         // ManuallyDrop it never frees them, and it is read only while
                         // the invariant above keeps them alive and unchanged.
