@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 
 use super::collective::{agree_save_id, commit_collective};
 use super::commit::mark_done;
+use super::live_reader::LiveReader;
 use super::optim::{pack_options, plan_entries, SaveOptions};
-use super::snapshot::{LiveReader, Snapshot, SnapshotStats};
+use super::snapshot::{Snapshot, SnapshotStats};
 use super::writer::{finish, publish, resolve_save_id, stage_rank_file};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};

@@ -38,7 +38,7 @@ impl Optimizer {
     }
 
     /// Parameter `i`'s host state as stored (None for a device parameter or before its
-    /// first step), for the save's shallow copies (`ckpt::snapshot::LiveReader`).
+    /// first step), for the save's shallow copies (`ckpt::live_reader::LiveReader`).
     pub(crate) fn host_state(&self, i: usize) -> Option<&ParamState> {
         self.params[i].state.as_ref()
     }
