@@ -201,7 +201,7 @@ fn async_save_is_byte_identical_to_a_sync_save_while_steps_and_set_state_run() {
 /// (every copy waits for the writer) to the default: each file is the state at its call,
 /// byte for byte. The writer reads the live state of parameters the step does not touch
 /// while the step holds the optimizer mutably (the aliasing invariant on
-/// `snapshot::LiveReader`).
+/// `live_reader::LiveReader`).
 #[test]
 fn steps_running_without_pause_during_many_saves_never_change_what_they_write() {
     let mut stepped_during = 0;

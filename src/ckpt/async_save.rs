@@ -28,8 +28,9 @@ use std::time::{Duration, Instant};
 
 use super::collective::{agree_save_id, commit_collective};
 use super::commit::mark_done;
+use super::live_reader::LiveReader;
 use super::optim::{pack_options, plan_entries, SaveOptions};
-use super::snapshot::{LiveReader, Snapshot, SnapshotStats};
+use super::snapshot::{Snapshot, SnapshotStats};
 use super::writer::{finish, publish, resolve_save_id, stage_rank_file};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
@@ -108,7 +109,7 @@ fn start(
     // The previous save's writer must be done with the optimizer (one snapshot at a
     // time); its files commit on their own (no communicator) or at its wait.
     // Its pool's kept buffers serve this save's copies (`stage_copy`).
-    let recycled = match opt.save.take() {
+    let recycled = match opt.take_save() {
         Some(prev) => {
             prev.wait_released();
             prev.take_recycled()
@@ -179,7 +180,7 @@ fn start(
     }
     let reader = LiveReader::new(opt);
     snap.hold(held);
-    opt.save = Some(snap.clone());
+    opt.attach_save(snap.clone());
     let outcome: Arc<(Mutex<Outcome>, Condvar)> = Arc::default();
     let with_comm = comm.is_some();
     let thread = {

@@ -246,7 +246,7 @@ fn apply(
             opt.restore(i, snap)?;
         }
         for (g, c) in old_groups {
-            opt.groups[g] = c;
+            opt.restore_group_config(g, c);
         }
     }
     result

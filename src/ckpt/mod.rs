@@ -38,6 +38,7 @@ pub mod format;
 pub mod full;
 pub mod index;
 pub mod info;
+pub mod live_reader;
 pub mod load;
 pub mod logical;
 pub mod naming;

@@ -1,5 +1,5 @@
-//! The optimizer's C ABI (`fo_optimizer_*`, `fo_optim_config*`, `fo_offload_plan`,
-//! thread count). Thin: check arguments, call `crate::optim`, write outputs.
+//! The optimizer handle's C ABI: its config (`fo_optim_config*`), create and destroy,
+//! parameter registration and the step. What a handle holds is in `optim_state`.
 use std::ffi::c_char;
 
 use super::args::{arg_flag, arg_mut, arg_ref, arg_slice, arg_slice_mut, arg_str};
@@ -7,8 +7,8 @@ use super::handle::{destroy, enter, Entered, Guarded, Handle};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::error::{Error, Result};
-use crate::optim::{plan_offload, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
-use crate::tensor::{HostTensor, Tensor};
+use crate::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
+use crate::tensor::HostTensor;
 
 /// An optimizer: param groups, registered parameters (borrowed, updated in place) and
 /// their state. Created by `fo_optimizer_create`, freed by `fo_optimizer_destroy`. One
@@ -63,7 +63,7 @@ pub struct fo_optim_config {
 }
 
 impl fo_optim_config {
-    fn to_config(self) -> Result<OptimConfig> {
+    pub(super) fn to_config(self) -> Result<OptimConfig> {
         let bits = u32::try_from(self.master_weight_bits).map_err(|_| {
             Error::invalid(
                 "master_weight_bits",
@@ -89,7 +89,7 @@ impl fo_optim_config {
         })
     }
 
-    fn from_config(c: &OptimConfig) -> fo_optim_config {
+    pub(super) fn from_config(c: &OptimConfig) -> fo_optim_config {
         fo_optim_config {
             algorithm: c.algorithm.code(),
             lr: c.lr,
@@ -260,281 +260,5 @@ pub unsafe extern "C" fn fo_optimizer_step(
             })
             .collect::<Result<Vec<Option<HostTensor>>>>()?;
         opt.step_on(&views, &devices)
-    })
-}
-
-/// Reads state `key` of parameter `index` into `out` (caller memory; its shape must
-/// equal the state's: see `fo_optimizer_state_info`). Keys: `step` (0-dim), `exp_avg`,
-/// `exp_avg_sq`, `momentum_buffer` and `master` (the f32 master weight) decode to any
-/// float dtype (F32 exact); raw keys `<name>::quantized` (I8/U8), `<name>::scales` (F16)
-/// and `error_bits` (I8/I16) copy as stored, in their own dtype.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_get_state(
-    opt: *const fo_optimizer,
-    index: i32,
-    key: *const c_char,
-    out: *mut fo_tensor,
-) -> fo_status {
-    guard(|| {
-        let (opt, key) = (
-            enter_opt(opt, "fo_optimizer_get_state")?,
-            arg_str(key, "key")?,
-        );
-        let dst = arg_ref(out, "out")?.to_host("out")?;
-        let t = opt.get_state_as(self::index(index, "index")?, key, dst.dtype())?;
-        if t.shape != dst.shape() {
-            return Err(Error::Shape(format!(
-                "state {key} has shape {:?}; out has shape {:?}",
-                t.shape,
-                dst.shape()
-            )));
-        }
-        dst.write_bytes(&t.data)
-    })
-}
-
-/// The dtype and shape `fo_optimizer_get_state` gives for `key` as stored (`shape` has
-/// room for FO_MAX_DIMS entries).
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_state_info(
-    opt: *const fo_optimizer,
-    index: i32,
-    key: *const c_char,
-    out_dtype: *mut i32,
-    out_ndim: *mut i32,
-    out_shape: *mut i64,
-) -> fo_status {
-    guard(|| {
-        let t = enter_opt(opt, "fo_optimizer_state_info")?
-            .get_state(self::index(index, "index")?, arg_str(key, "key")?)?;
-        let (dt, nd) = (
-            arg_mut(out_dtype, "out_dtype")?,
-            arg_mut(out_ndim, "out_ndim")?,
-        );
-        let shape = arg_slice_mut(out_shape, super::FO_MAX_DIMS, "out_shape")?;
-        (*dt, *nd) = (t.dtype.code(), t.shape.len() as i32);
-        shape
-            .iter_mut()
-            .zip(t.shape.iter().chain(std::iter::repeat(&0)))
-            .for_each(|(o, &s)| *o = s as i64);
-        Ok(())
-    })
-}
-
-/// Loads `n` state entries (`keys[i]` from `values[i]`, host tensors) into parameter
-/// `index`, creating its state if absent. Accepts portable keys (`exp_avg`, ... in any
-/// float dtype; quantized on load for quant8 formats), raw keys (`<name>::quantized` with
-/// `<name>::scales` as F16 or FlashOptim's BF16 view; `error_bits` as I8/I16 or
-/// FlashOptim's BF16 form), `step`, and `master` (rounded into the parameter, error bits
-/// split off). All entries are checked before anything changes.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_set_state(
-    opt: *mut fo_optimizer,
-    index: i32,
-    keys: *const *const c_char,
-    values: *const fo_tensor,
-    n: usize,
-) -> fo_status {
-    guard(|| {
-        let mut opt = enter_opt(opt, "fo_optimizer_set_state")?;
-        let (keys, values) = (arg_slice(keys, n, "keys")?, arg_slice(values, n, "values")?);
-        let entries = keys
-            .iter()
-            .zip(values)
-            .enumerate()
-            .map(|(i, (&k, v))| {
-                Ok((arg_str(k, &format!("keys[{i}]"))?.to_string(), {
-                    let what = format!("values[{i}]");
-                    v.to_host(&what)?.try_to_tensor(&what)?
-                }))
-            })
-            .collect::<Result<Vec<(String, Tensor)>>>()?;
-        opt.set_states(self::index(index, "index")?, &entries)
-    })
-}
-
-/// Adds a param group with its own hyper-parameters; `*out_group` is its index.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_add_param_group(
-    opt: *mut fo_optimizer,
-    cfg: *const fo_optim_config,
-    out_group: *mut i32,
-) -> fo_status {
-    guard(|| {
-        let (mut opt, out) = (
-            enter_opt(opt, "fo_optimizer_add_param_group")?,
-            arg_mut(out_group, "out_group")?,
-        );
-        *out = opt.add_param_group(arg_ref(cfg, "cfg")?.to_config()?)? as i32;
-        Ok(())
-    })
-}
-
-/// Sets group `group`'s learning rate for the following steps (LR schedules).
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_set_group_lr(
-    opt: *mut fo_optimizer,
-    group: i32,
-    lr: f64,
-) -> fo_status {
-    guard(|| enter_opt(opt, "fo_optimizer_set_group_lr")?.set_group_lr(index(group, "group")?, lr))
-}
-
-/// Replaces group `group`'s hyper-parameters (algorithm, state format and master weight
-/// bits must stay as they are).
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_set_group_config(
-    opt: *mut fo_optimizer,
-    group: i32,
-    cfg: *const fo_optim_config,
-) -> fo_status {
-    guard(|| {
-        enter_opt(opt, "fo_optimizer_set_group_config")?
-            .set_group_config(index(group, "group")?, arg_ref(cfg, "cfg")?.to_config()?)
-    })
-}
-
-/// Reads group `group`'s hyper-parameters.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_get_group_config(
-    opt: *const fo_optimizer,
-    group: i32,
-    out: *mut fo_optim_config,
-) -> fo_status {
-    guard(|| {
-        let (opt, g) = (
-            enter_opt(opt, "fo_optimizer_get_group_config")?,
-            index(group, "group")?,
-        );
-        if g >= opt.num_groups() {
-            return Err(Error::invalid(
-                "group",
-                format!("{g} is out of range ({} groups)", opt.num_groups()),
-            ));
-        }
-        *arg_mut(out, "out")? = fo_optim_config::from_config(opt.group_config(g));
-        Ok(())
-    })
-}
-
-/// The number of registered parameters.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_num_params(
-    opt: *const fo_optimizer,
-    out: *mut i32,
-) -> fo_status {
-    guard(|| {
-        *arg_mut(out, "out")? = enter_opt(opt, "fo_optimizer_num_params")?.num_params() as i32;
-        Ok(())
-    })
-}
-
-/// Bytes of optimizer state held for parameter `index` (moments, quantization scales,
-/// error bits; not the step counter), or for all parameters when `index` is -1.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_state_bytes(
-    opt: *const fo_optimizer,
-    index: i32,
-    out: *mut u64,
-) -> fo_status {
-    guard(|| {
-        let opt = enter_opt(opt, "fo_optimizer_state_bytes")?;
-        let out = arg_mut(out, "out")?;
-        *out = if index == -1 {
-            opt.total_state_bytes()
-        } else {
-            let i = self::index(index, "index")?;
-            opt.check_index(i)?;
-            opt.state_bytes(i)
-        } as u64;
-        Ok(())
-    })
-}
-
-/// The native state keys of parameter `index`, newline-separated, NUL-terminated, into
-/// `buf` (`capacity` bytes); empty before its first step. `*out_len` is always the size
-/// needed; when it exceeds `capacity` nothing is written (FO_ERR_INVALID_ARGUMENT).
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_state_keys(
-    opt: *const fo_optimizer,
-    index: i32,
-    buf: *mut c_char,
-    capacity: usize,
-    out_len: *mut usize,
-) -> fo_status {
-    guard(|| {
-        let opt = enter_opt(opt, "fo_optimizer_state_keys")?;
-        let i = self::index(index, "index")?;
-        opt.check_index(i)?;
-        write_string(&opt.state_keys(i).join("\n"), buf, capacity, out_len)
-    })
-}
-
-/// torch-like `param_groups` (hyper-parameters, FQNs under "params") as JSON, into
-/// `buf` like `fo_optimizer_state_keys`.
-#[no_mangle]
-pub unsafe extern "C" fn fo_optimizer_param_groups_json(
-    opt: *const fo_optimizer,
-    buf: *mut c_char,
-    capacity: usize,
-    out_len: *mut usize,
-) -> fo_status {
-    guard(|| {
-        write_string(
-            &enter_opt(opt, "fo_optimizer_param_groups_json")?
-                .param_groups_json()
-                .to_string(),
-            buf,
-            capacity,
-            out_len,
-        )
-    })
-}
-
-/// Megatron's offload plan: visiting the `n` parameter sizes in order, `out[i]` = 1 while
-/// the offloaded numel is below `fraction × total` (the parameter crossing it included).
-#[no_mangle]
-pub unsafe extern "C" fn fo_offload_plan(
-    numels: *const i64,
-    n: usize,
-    fraction: f64,
-    out: *mut i32,
-) -> fo_status {
-    guard(|| {
-        let sizes = super::args::arg_dims(arg_slice(numels, n, "numels")?, "numels")?;
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(Error::invalid(
-                "fraction",
-                format!("{fraction} is outside [0, 1]"),
-            ));
-        }
-        let plan = plan_offload(&sizes, fraction);
-        arg_slice_mut(out, n, "out")?
-            .iter_mut()
-            .zip(plan)
-            .for_each(|(o, p)| *o = p as i32);
-        Ok(())
-    })
-}
-
-/// Threads used by optimizer steps (fo's own pool). 0 restores the default:
-/// `FO_NUM_THREADS` if set, else the available cores (capped at 1024). More than 1024
-/// (`FO_MAX_THREADS`) is FO_ERR_INVALID_ARGUMENT. Threads start at the next step, not here.
-#[no_mangle]
-pub unsafe extern "C" fn fo_set_num_threads(n: i32) -> fo_status {
-    guard(|| {
-        crate::optim::set_num_threads(
-            usize::try_from(n)
-                .map_err(|_| Error::invalid("n", format!("negative thread count {n}")))?,
-        )
-    })
-}
-
-/// The number of threads the next step will use.
-#[no_mangle]
-pub unsafe extern "C" fn fo_get_num_threads(out: *mut i32) -> fo_status {
-    guard(|| {
-        *arg_mut(out, "out")? = crate::optim::num_threads()? as i32;
-        Ok(())
     })
 }

@@ -9,7 +9,8 @@
 //! - `fast`: the `fast` arithmetic's scalars and its bound (distance from exact);
 //!   `fused`: its step, one quantization group at a time in registers;
 //! - `kernel`: chunked, parallel, vectorized driving of the rules;
-//! - `optimizer`: the handle (groups, params, step); `state_io`: state by key;
+//! - `optimizer`: the handle (groups, params, accessors); `step`: the step's entry;
+//!   `state_io` / `state_set`: state by key, read / written;
 //!   `staging`: device parameters and state seen from the host, for state_io and checkpoints;
 //!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan; `offload_step`:
 //!   host parameters with device gradients and device mirrors;
@@ -35,12 +36,14 @@ pub mod quant8;
 pub mod rule;
 mod save_hooks;
 pub mod state;
+mod step;
 pub mod threads;
 
 mod groups_json;
 mod kernel;
 pub(crate) mod staging;
 mod state_io;
+mod state_set;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 pub use offload::plan_offload;

@@ -14,7 +14,8 @@ use std::sync::mpsc;
 use rayon::prelude::*;
 
 use super::kernel::{self, Job};
-use super::optimizer::{push_param_jobs, Optimizer};
+use super::optimizer::Optimizer;
+use super::step::push_param_jobs;
 use super::threads;
 use crate::device::backend::{backend, write_tensor};
 use crate::error::{Error, Result};

@@ -1,20 +1,14 @@
 //! The optimizer handle: param groups, registered parameters (borrowed memory, updated
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
-//! state, and the step. The device half of the step is in `device_step`; the hooks of an
-//! async save in flight in `save_hooks`.
-use rayon::prelude::*;
-
+//! state, and the accessors. The step's entry is in `step`, its device half in
+//! `device_step`; the hooks of an async save in flight in `save_hooks`.
 use super::config::OptimConfig;
 use super::gpu::table::StateLayout;
 use super::gpu::DeviceState;
-use super::kernel::{self, push_jobs, Job};
 use super::master_split::Half;
-use super::numerics;
 use super::offload_step::Mirror;
 use super::overlap::OpenStep;
-use super::rule::Rule;
 use super::state::ParamState;
-use super::threads;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::ShardSpec;
@@ -37,43 +31,20 @@ pub(crate) struct Param {
     pub mirror: Option<Mirror>,
 }
 
-/// Advances host parameter `p`'s step (when it has state) and pushes the jobs that step
-/// it with gradient bytes `g` of `grad_dtype`.
-///
-/// # Safety
-/// `p`'s memory must be valid for the jobs' lifetime.
-pub(crate) unsafe fn push_param_jobs<'a>(
-    jobs: &mut Vec<Job<'a>>,
-    p: &'a mut Param,
-    cfg: &OptimConfig,
-    g: &'a [u8],
-    grad_dtype: DType,
-) {
-    let Some(st) = p.state.as_mut() else { return };
-    st.step += 1;
-    // torch's SGD copies the first gradient into a buffer that did not exist yet.
-    let first = !st.m_valid;
-    st.m_valid = true;
-    if p.tensor.numel() > 0 {
-        let rule = Rule::new(cfg, st.step);
-        push_jobs(jobs, &p.tensor, g, grad_dtype, st, rule, first);
-    }
-}
-
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
 pub struct Optimizer {
-    pub(crate) groups: Vec<OptimConfig>,
-    pub(crate) params: Vec<Param>,
+    pub(super) groups: Vec<OptimConfig>,
+    pub(super) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
-    pub(crate) ranges: Vec<(usize, usize, usize)>,
+    pub(super) ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
-    pub(crate) stream: usize,
+    pub(super) stream: usize,
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
-    pub(crate) save: Option<Arc<Snapshot>>,
+    pub(super) save: Option<Arc<Snapshot>>,
     /// The overlapped step in progress (`overlap`), if any: while it is open every other
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
-    pub(crate) open: Option<Box<OpenStep>>,
+    pub(super) open: Option<Box<OpenStep>>,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -92,7 +63,7 @@ fn address_range(t: &HostTensor) -> Option<(usize, usize)> {
     Some((lo, lo + extent * t.dtype().size()))
 }
 
-fn is_param_dtype(d: DType) -> bool {
+pub(super) fn is_param_dtype(d: DType) -> bool {
     matches!(d, DType::F32 | DType::BF16 | DType::F16)
 }
 
@@ -307,7 +278,7 @@ impl Optimizer {
 
     /// A registered parameter whose memory intersects `t`'s (binary search over the
     /// sorted, disjoint parameter ranges).
-    fn overlapping_param(&self, t: &HostTensor) -> Option<usize> {
+    pub(super) fn overlapping_param(&self, t: &HostTensor) -> Option<usize> {
         let (lo, hi) = address_range(t)?;
         let at = self.ranges.partition_point(|r| r.0 < hi);
         let r = self.ranges[..at].last()?;
@@ -368,172 +339,5 @@ impl Optimizer {
     pub(crate) fn new_state(&self, i: usize) -> ParamState {
         let p = &self.params[i];
         StateLayout::of(&self.groups[p.group], p.tensor.dtype()).zeroed(p.tensor.numel())
-    }
-
-    /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
-    /// dtype and device, and that it does not overlap parameter memory the step writes.
-    pub(crate) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
-        let p = &self.params[i];
-        if g.shape() != p.tensor.shape() {
-            return Err(Error::Shape(format!(
-                "gradient of {}: shape {:?} does not match the parameter's {:?}",
-                p.fqn,
-                g.shape(),
-                p.tensor.shape()
-            )));
-        }
-        if !is_param_dtype(g.dtype()) {
-            return Err(Error::Dtype(format!(
-                "gradient of {}: dtype {} is not one of F32, BF16, F16",
-                p.fqn,
-                g.dtype()
-            )));
-        }
-        self.check_grad_device(i, g, device)?;
-        // Parameters are written while gradients are read, from several threads (or
-        // GPU threads: the check compares addresses only).
-        if let Some(q) = self.overlapping_param(g) {
-            return Err(Error::invalid(
-                "grads",
-                format!(
-                    "the gradient of {} overlaps the memory of parameter {}, which the step writes",
-                    p.fqn, self.params[q].fqn
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// One optimizer step. `grads[i]` is parameter `i`'s gradient, `None` to skip it
-    /// (no state is created for it). Everything is validated before anything is written:
-    /// on error, parameters and state are unchanged.
-    ///
-    /// # Safety
-    /// Every gradient must be valid for reads for the call; registered parameters must
-    /// still be valid.
-    pub unsafe fn step(&mut self, grads: &[Option<HostTensor>]) -> Result<()> {
-        self.step_on(grads, &vec![-1; grads.len()])
-    }
-
-    /// `step` with `devices[i]` the device of `grads[i]` (-1: host memory), which must be
-    /// its parameter's. Device parameters step on the GPU (one launch per param group and
-    /// device, on the optimizer's stream, not waited for) while host parameters step on
-    /// the CPU. Validation covers both halves before anything runs; a CUDA error while
-    /// launching is reported, and then the device parameters' state is undefined.
-    ///
-    /// # Safety
-    /// As `step`; device gradients must be memory of their device, valid until the
-    /// launched kernels have run.
-    pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
-        self.refuse_if_step_open("step")?;
-        if devices.len() != grads.len() {
-            return Err(Error::invalid(
-                "devices",
-                format!(
-                    "{} devices given for {} gradients",
-                    devices.len(),
-                    grads.len()
-                ),
-            ));
-        }
-        if grads.len() != self.params.len() {
-            return Err(Error::invalid(
-                "grads",
-                format!(
-                    "{} gradients given for {} parameters",
-                    grads.len(),
-                    self.params.len()
-                ),
-            ));
-        }
-        // Strided gradients are gathered into contiguous copies first.
-        let mut gathered: Vec<Option<Vec<u8>>> = Vec::with_capacity(grads.len());
-        for (i, g) in grads.iter().enumerate() {
-            let Some(g) = g else {
-                gathered.push(None);
-                continue;
-            };
-            self.check_grad(i, g, devices[i])?;
-            gathered.push(if g.is_contiguous() || devices[i] >= 0 {
-                None
-            } else {
-                Some(g.try_to_tensor("grads")?.data)
-            });
-        }
-        // Device gradients are never read on the host: the kernel reads them, or they
-        // come down through the device's pinned ring first (the offload case).
-        let staged: Vec<(usize, Vec<u8>)>;
-        let mut grad_bytes: Vec<Option<&[u8]>> = grads
-            .iter()
-            .zip(&gathered)
-            .zip(devices)
-            .map(|((g, own), &device)| match (g, own) {
-                (None, _) => None,
-                (Some(_), _) if device >= 0 => None,
-                (Some(_), Some(v)) => Some(&v[..]),
-                (Some(g), None) => g.contiguous_bytes(),
-            })
-            .collect();
-        let pool = threads::pool()?;
-        // Host parameters with device gradients (the offload case): the gradients come
-        // down all at once where check_numerics must read them first, else one by one
-        // while the CPU steps (`offload_step`).
-        let offloaded = self.offloaded(grads, devices);
-        let mut pipelined = offloaded.clone();
-        if offloaded
-            .iter()
-            .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
-        {
-            staged = self.download_all(grads, &offloaded)?;
-            for (i, b) in &staged {
-                grad_bytes[*i] = Some(&b[..]);
-            }
-            pipelined.clear();
-        }
-        pool.install(|| numerics::check(self, grads, &grad_bytes))?;
-        let device_step = self.prepare_device_step(grads)?;
-        // An async save in flight gets what it still needs of every parameter this step
-        // writes before anything is written (a failure here changes nothing).
-        for (i, g) in grads.iter().enumerate() {
-            if g.is_some() {
-                self.before_write(i)?;
-            }
-        }
-        let undo = numerics::Undo::capture(self, &grad_bytes)?;
-
-        // From here on nothing can fail but a CUDA launch or copy (see `step_on`), or a
-        // non-finite result under check_numerics. The GPU half is launched first, so it
-        // runs while the CPU steps the host parameters; under check_numerics, after the
-        // host result is known good, so a rolled-back step changed nothing anywhere.
-        let device_step = if undo.is_empty() {
-            self.run_device_step(device_step)?;
-            None
-        } else {
-            Some(device_step)
-        };
-        for (i, g) in grad_bytes.iter().enumerate() {
-            let offload = pipelined.iter().any(|&(j, _)| j == i);
-            if (g.is_some() || offload) && self.params[i].state.is_none() {
-                self.params[i].state = Some(self.new_state(i));
-            }
-        }
-        let mut jobs: Vec<Job<'_>> = Vec::new();
-        let groups = &self.groups;
-        for ((p, g), gt) in self.params.iter_mut().zip(&grad_bytes).zip(grads) {
-            if let (Some(gb), Some(gt)) = (g, gt) {
-                push_param_jobs(&mut jobs, p, &groups[p.group], gb, gt.dtype());
-            }
-        }
-        pool.install(|| jobs.into_par_iter().for_each(kernel::run));
-        undo.check_result(self)?;
-        if let Some(d) = device_step {
-            self.run_device_step(d)?;
-        }
-        for (i, g) in grad_bytes.iter().enumerate() {
-            if g.is_some() {
-                self.refresh_mirror(i)?;
-            }
-        }
-        self.step_offloaded(grads, &pipelined)
     }
 }

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::optimizer::{Optimizer, Param};
+use super::state::ParamState;
 use crate::ckpt::snapshot::Snapshot;
 use crate::error::Result;
 
@@ -24,6 +25,22 @@ impl Optimizer {
             Some(s) => s.before_write(self, i),
             None => Ok(()),
         }
+    }
+
+    /// Detaches the last async save's snapshot (to wait for it and recycle its pool).
+    pub(crate) fn take_save(&mut self) -> Option<Arc<Snapshot>> {
+        self.save.take()
+    }
+
+    /// Attaches a new async save's snapshot: from now on `before_write` serves it.
+    pub(crate) fn attach_save(&mut self, snap: Arc<Snapshot>) {
+        self.save = Some(snap);
+    }
+
+    /// Parameter `i`'s host state as stored (None for a device parameter or before its
+    /// first step), for the save's shallow copies (`ckpt::live_reader::LiveReader`).
+    pub(crate) fn host_state(&self, i: usize) -> Option<&ParamState> {
+        self.params[i].state.as_ref()
     }
 
     /// The async save still reading this optimizer, if any.

@@ -6,6 +6,7 @@
 //! therefore the bytes of one written from the same state on the host.
 use std::borrow::Cow;
 
+use super::config::OptimConfig;
 use super::gpu::table::StateLayout;
 use super::gpu::DeviceState;
 use super::optimizer::Optimizer;
@@ -135,6 +136,12 @@ impl Optimizer {
                 Ok(())
             }
         }
+    }
+
+    /// Puts group `g`'s hyper-parameters back to `cfg`, as they were before a failed
+    /// load (unchecked: `cfg` is the group's own earlier config).
+    pub(crate) fn restore_group_config(&mut self, g: usize, cfg: OptimConfig) {
+        self.groups[g] = cfg;
     }
 }
 

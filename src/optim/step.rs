@@ -1,0 +1,205 @@
+//! The step's entry: `step` / `step_on` (validate every gradient, then step device
+//! parameters on their GPU while host ones step on the CPU), and the helpers only steps use.
+use rayon::prelude::*;
+
+use super::config::OptimConfig;
+use super::kernel::{self, push_jobs, Job};
+use super::numerics;
+use super::optimizer::{is_param_dtype, Optimizer, Param};
+use super::rule::Rule;
+use super::threads;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::HostTensor;
+
+/// Advances host parameter `p`'s step (when it has state) and pushes the jobs that step
+/// it with gradient bytes `g` of `grad_dtype`.
+///
+/// # Safety
+/// `p`'s memory must be valid for the jobs' lifetime.
+pub(crate) unsafe fn push_param_jobs<'a>(
+    jobs: &mut Vec<Job<'a>>,
+    p: &'a mut Param,
+    cfg: &OptimConfig,
+    g: &'a [u8],
+    grad_dtype: DType,
+) {
+    let Some(st) = p.state.as_mut() else { return };
+    st.step += 1;
+    // torch's SGD copies the first gradient into a buffer that did not exist yet.
+    let first = !st.m_valid;
+    st.m_valid = true;
+    if p.tensor.numel() > 0 {
+        let rule = Rule::new(cfg, st.step);
+        push_jobs(jobs, &p.tensor, g, grad_dtype, st, rule, first);
+    }
+}
+
+impl Optimizer {
+    /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
+    /// dtype and device, and that it does not overlap parameter memory the step writes.
+    pub(crate) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+        let p = &self.params[i];
+        if g.shape() != p.tensor.shape() {
+            return Err(Error::Shape(format!(
+                "gradient of {}: shape {:?} does not match the parameter's {:?}",
+                p.fqn,
+                g.shape(),
+                p.tensor.shape()
+            )));
+        }
+        if !is_param_dtype(g.dtype()) {
+            return Err(Error::Dtype(format!(
+                "gradient of {}: dtype {} is not one of F32, BF16, F16",
+                p.fqn,
+                g.dtype()
+            )));
+        }
+        self.check_grad_device(i, g, device)?;
+        // Parameters are written while gradients are read, from several threads (or
+        // GPU threads: the check compares addresses only).
+        if let Some(q) = self.overlapping_param(g) {
+            return Err(Error::invalid(
+                "grads",
+                format!(
+                    "the gradient of {} overlaps the memory of parameter {}, which the step writes",
+                    p.fqn, self.params[q].fqn
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One optimizer step. `grads[i]` is parameter `i`'s gradient, `None` to skip it
+    /// (no state is created for it). Everything is validated before anything is written:
+    /// on error, parameters and state are unchanged.
+    ///
+    /// # Safety
+    /// Every gradient must be valid for reads for the call; registered parameters must
+    /// still be valid.
+    pub unsafe fn step(&mut self, grads: &[Option<HostTensor>]) -> Result<()> {
+        self.step_on(grads, &vec![-1; grads.len()])
+    }
+
+    /// `step` with `devices[i]` the device of `grads[i]` (-1: host memory), which must be
+    /// its parameter's. Device parameters step on the GPU (one launch per param group and
+    /// device, on the optimizer's stream, not waited for) while host parameters step on
+    /// the CPU. Validation covers both halves before anything runs; a CUDA error while
+    /// launching is reported, and then the device parameters' state is undefined.
+    ///
+    /// # Safety
+    /// As `step`; device gradients must be memory of their device, valid until the
+    /// launched kernels have run.
+    pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
+        self.refuse_if_step_open("step")?;
+        if devices.len() != grads.len() {
+            return Err(Error::invalid(
+                "devices",
+                format!(
+                    "{} devices given for {} gradients",
+                    devices.len(),
+                    grads.len()
+                ),
+            ));
+        }
+        if grads.len() != self.params.len() {
+            return Err(Error::invalid(
+                "grads",
+                format!(
+                    "{} gradients given for {} parameters",
+                    grads.len(),
+                    self.params.len()
+                ),
+            ));
+        }
+        // Strided gradients are gathered into contiguous copies first.
+        let mut gathered: Vec<Option<Vec<u8>>> = Vec::with_capacity(grads.len());
+        for (i, g) in grads.iter().enumerate() {
+            let Some(g) = g else {
+                gathered.push(None);
+                continue;
+            };
+            self.check_grad(i, g, devices[i])?;
+            gathered.push(if g.is_contiguous() || devices[i] >= 0 {
+                None
+            } else {
+                Some(g.try_to_tensor("grads")?.data)
+            });
+        }
+        // Device gradients are never read on the host: the kernel reads them, or they
+        // come down through the device's pinned ring first (the offload case).
+        let staged: Vec<(usize, Vec<u8>)>;
+        let mut grad_bytes: Vec<Option<&[u8]>> = grads
+            .iter()
+            .zip(&gathered)
+            .zip(devices)
+            .map(|((g, own), &device)| match (g, own) {
+                (None, _) => None,
+                (Some(_), _) if device >= 0 => None,
+                (Some(_), Some(v)) => Some(&v[..]),
+                (Some(g), None) => g.contiguous_bytes(),
+            })
+            .collect();
+        let pool = threads::pool()?;
+        // Host parameters with device gradients (the offload case): the gradients come
+        // down all at once where check_numerics must read them first, else one by one
+        // while the CPU steps (`offload_step`).
+        let offloaded = self.offloaded(grads, devices);
+        let mut pipelined = offloaded.clone();
+        if offloaded
+            .iter()
+            .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
+        {
+            staged = self.download_all(grads, &offloaded)?;
+            for (i, b) in &staged {
+                grad_bytes[*i] = Some(&b[..]);
+            }
+            pipelined.clear();
+        }
+        pool.install(|| numerics::check(self, grads, &grad_bytes))?;
+        let device_step = self.prepare_device_step(grads)?;
+        // An async save in flight gets what it still needs of every parameter this step
+        // writes before anything is written (a failure here changes nothing).
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() {
+                self.before_write(i)?;
+            }
+        }
+        let undo = numerics::Undo::capture(self, &grad_bytes)?;
+
+        // From here on nothing can fail but a CUDA launch or copy (see `step_on`), or a
+        // non-finite result under check_numerics. The GPU half is launched first, so it
+        // runs while the CPU steps the host parameters; under check_numerics, after the
+        // host result is known good, so a rolled-back step changed nothing anywhere.
+        let device_step = if undo.is_empty() {
+            self.run_device_step(device_step)?;
+            None
+        } else {
+            Some(device_step)
+        };
+        for (i, g) in grad_bytes.iter().enumerate() {
+            let offload = pipelined.iter().any(|&(j, _)| j == i);
+            if (g.is_some() || offload) && self.params[i].state.is_none() {
+                self.params[i].state = Some(self.new_state(i));
+            }
+        }
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        let groups = &self.groups;
+        for ((p, g), gt) in self.params.iter_mut().zip(&grad_bytes).zip(grads) {
+            if let (Some(gb), Some(gt)) = (g, gt) {
+                push_param_jobs(&mut jobs, p, &groups[p.group], gb, gt.dtype());
+            }
+        }
+        pool.install(|| jobs.into_par_iter().for_each(kernel::run));
+        undo.check_result(self)?;
+        if let Some(d) = device_step {
+            self.run_device_step(d)?;
+        }
+        for (i, g) in grad_bytes.iter().enumerate() {
+            if g.is_some() {
+                self.refresh_mirror(i)?;
+            }
+        }
+        self.step_offloaded(grads, &pipelined)
+    }
+}
