@@ -151,7 +151,13 @@ fn save_both_ways(world: usize, cfg: &OptimConfig, dtype: DType, budget: usize, 
     let mut copies = 0;
     for (r, b) in ranks.iter_mut().enumerate() {
         save_optimizer(&b.opt, &sync, &options(r, world, "s")).unwrap();
-        let mut save = save_async(&mut b.opt, &asy, &options(r, world, "s"), None, budget).unwrap();
+        // Rank 0's writer is held until its steps are done, so at least one step always
+        // meets a save in flight (the others race their writers, as in training).
+        let mut save = match r {
+            0 => save_async_held(&mut b.opt, &asy, &options(r, world, "s"), None, budget),
+            _ => save_async(&mut b.opt, &asy, &options(r, world, "s"), None, budget),
+        }
+        .unwrap();
         b.step(2);
         b.set_exp_avg(0, r as f32);
         b.step(3);
@@ -161,6 +167,7 @@ fn save_both_ways(world: usize, cfg: &OptimConfig, dtype: DType, budget: usize, 
             load(&mut b.opt, &sync, &LoadOptions::default()).unwrap();
         }
         b.set_exp_avg(BIG.len() - 1, 7.0);
+        save.hold_writer(false);
         save.wait(None, None).unwrap();
         let st = save.stats();
         assert!(st.staging_high_water <= st.staging_budget, "{st:?}");
