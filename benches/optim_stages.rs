@@ -5,9 +5,9 @@
 //! it runs a few repetitions only, as a smoke test.
 use std::time::Instant;
 
-use fo::optim::master_split::{encode_one, reconstruct_one, Half};
-use fo::optim::quant8::*;
-use fo::optim::rule::Rule;
+use fo::optim::math::master_split::{encode_one, reconstruct_one, Half};
+use fo::optim::math::quant8::*;
+use fo::optim::math::rule::Rule;
 use fo::optim::{Algorithm, OptimConfig, StateFormat};
 use half::f16;
 

@@ -1,4 +1,4 @@
-// The GPU kernels' host build (src/optim/gpu/kernels, compiled here by the C++ compiler
+// The GPU kernels' host build (src/kernels/gpu, compiled here by the C++ compiler
 // with -ffp-contract=off through the shim header) against libfo's CPU step, bit for bit:
 // every rule x state format x param dtype x master bits x grad dtype, from the same
 // inputs (random values over 1e-30..1e5 with zeros and subnormals; the oracle
@@ -20,7 +20,7 @@ namespace {
 enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 4, U8 = 5, I16 = 6 };
 size_t dsize(int32_t d) { return d == F32 ? 4 : (d == I8 || d == U8) ? 1 : 2; }
 
-// fo's Rule::new (src/optim/rule.rs) in C++: the scalars a launch passes per tensor.
+// fo's Rule::new (src/optim/math/rule.rs) in C++: the scalars a launch passes per tensor.
 fo_rule make_rule(const fo_optim_config& c, uint64_t step) {
   fo_rule r{};
   bool torch = c.state_format == 0;
@@ -441,7 +441,7 @@ void device_tensors_are_refused_clearly() {
   fo_optimizer_destroy(opt);
 }
 
-// The launch table's layout as the kernel reads it. src/optim/gpu/table_tests.rs asserts
+// The launch table's layout as the kernel reads it. src/kernels/step_table_tests.rs asserts
 // the same numbers for its Rust mirror (FoStepTensor, FoRule), which fo uploads as bytes.
 static_assert(sizeof(fo_rule) == 68 && alignof(fo_rule) == 4, "fo_rule layout");
 static_assert(offsetof(fo_rule, nesterov) == 12 && offsetof(fo_rule, l2) == 16, "fo_rule layout");
@@ -458,7 +458,7 @@ void table_layout() {
                         offsetof(fo_step_tensor, m_kind),      offsetof(fo_step_tensor, v_kind),
                         offsetof(fo_step_tensor, first),       offsetof(fo_step_tensor, rule)};
   for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); ++i) CHECK(got[i] == want[i]);
-  std::printf("table layout: fo_step_tensor %zu bytes, fo_rule %zu bytes (as table_tests.rs)\n",
+  std::printf("table layout: fo_step_tensor %zu bytes, fo_rule %zu bytes (as step_table_tests.rs)\n",
               sizeof(fo_step_tensor), sizeof(fo_rule));
 }
 

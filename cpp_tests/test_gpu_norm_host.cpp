@@ -1,4 +1,4 @@
-// The clip's GPU kernels (src/optim/gpu/kernels/fo_norm.cuh) built for the host by the
+// The clip's GPU kernels (src/kernels/gpu/fo_norm.cuh) built for the host by the
 // C++ compiler without contraction, against libfo's CPU fo_clip_grad_norm, bit for bit:
 // the total norm (p = 2, 1, infinity) summed from the kernels' chunk partials as fo
 // folds them, and the gradients the scale kernel writes, for f32/bf16/f16/f64

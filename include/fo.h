@@ -539,7 +539,9 @@ typedef struct fo_overlap_stats {
 
 /*
  How to save asynchronously: `pack` as for `fo_state_save`, and
- `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
+ `staging_budget_bytes`, the most the copy-on-write pool may hold (0: as much as the
+ save could copy, i.e. this rank's stored state it writes, so no step waits for the
+ disk; at most half the memory available at the call, 256 MiB where unknown). A
  mutation of state the writer has not taken yet copies it into the pool first, or waits
  for the writer when the pool is full: the budget bounds memory, never correctness.
  The pool keeps its copies' buffers for the next save of the same optimizer (at most

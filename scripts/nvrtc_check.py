@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles fo's GPU kernels (src/optim/gpu/kernels) with NVRTC to PTX for sm_80 and sm_90,
+"""Compiles fo's GPU kernels (src/kernels/gpu) with NVRTC to PTX for sm_80 and sm_90,
 with --fmad=false as fo's launch code will, and fails on any error or warning (NVRTC's log
 must be empty). Runs without a GPU: NVRTC is a compiler library, loaded here through ctypes.
 
@@ -10,7 +10,7 @@ import pathlib
 import sys
 import time
 
-KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "optim" / "gpu" / "kernels"
+KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "kernels" / "gpu"
 ARCHS = ["compute_80", "compute_90"]
 ENTRY = "fo_step_kernel"
 # The clip's device norm and scaling (fo_norm.cuh).

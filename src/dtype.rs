@@ -1,3 +1,5 @@
+//! Element types: what a tensor's bytes are (`F32`, `BF16`, ...), with the C codes of
+//! `fo_tensor.dtype` and the names safetensors files use.
 use crate::error::{Error, Result};
 
 /// Element types, with the C codes of `fo_tensor.dtype` (part of the ABI).

@@ -1,3 +1,5 @@
+//! fo's one error type: what went wrong, naming the argument, key, shape or file at
+//! fault; the C ABI maps each variant to one status code.
 use std::path::PathBuf;
 
 /// Everything that can go wrong in fo. Each variant carries what a user needs to act:

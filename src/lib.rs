@@ -29,14 +29,21 @@ pub mod dtype;
 /// The crate's one error type and its mapping to C status codes.
 /// cbindgen:ignore
 pub mod error;
-/// The C ABI: validation, panic catching, status codes. No logic lives here.
+/// The C ABI: pointer and code conversion, panic catching, status codes. No logic lives here.
 pub mod ffi;
-/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state.
+/// The element-wise kernels by target: host SIMD, GPU `.cuh` source, the tables both read.
+/// cbindgen:ignore
+pub mod kernels;
+/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state:
+/// the handle, its math (`optim::math`) and its placement (`optim::placement`).
 /// cbindgen:ignore
 pub mod optim;
 /// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
 /// cbindgen:ignore
 pub mod shard;
+/// What the host reports about itself (memory available now).
+/// cbindgen:ignore
+pub mod sys;
 /// Owned tensors and borrowed views over host memory, with strides.
 /// cbindgen:ignore
 pub mod tensor;

@@ -1,3 +1,5 @@
+//! Tensors on the host: owned (`Tensor`: bytes, dtype, shape) and borrowed views over the
+//! caller's memory (`HostTensor`: pointer, strides), with the size checks both share.
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 

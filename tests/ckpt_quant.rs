@@ -1,4 +1,4 @@
-//! Compressed (quant8) state across shardings (codec: fo::optim::quant8, checked against
+//! Compressed (quant8) state across shardings (codec: fo::optim::math::quant8, checked against
 //! FlashOptim's oracle in tests/optim_codecs.rs): same-layout loads copy codes and scales exactly; other layouts
 //! dequantize with the saved groups exactly and requantize within the documented bound;
 //! portable state quantizes on load exactly as a fresh quantization would.
@@ -16,9 +16,9 @@ fn f16_bytes(s: &[f16]) -> Vec<u8> {
     s.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
 }
 
-/// The codec the checkpoint uses (fo::optim::quant8) as byte vectors.
+/// The codec the checkpoint uses (fo::optim::math::quant8) as byte vectors.
 mod q8 {
-    use fo::optim::quant8 as q;
+    use fo::optim::math::quant8 as q;
     use half::f16;
     pub fn quantize_signed(x: &[f32]) -> (Vec<u8>, Vec<f16>) {
         let mut c = vec![0i8; x.len()];

@@ -379,9 +379,9 @@ fn set_states_checks_every_entry_before_changing_anything() {
     let vals = wave(n, 5.0);
     let mut q = vec![0i8; n];
     let mut s = vec![half::f16::ZERO; 2];
-    fo::optim::quant8::quantize_signed(&vals, &mut q, &mut s);
+    fo::optim::math::quant8::quantize_signed(&vals, &mut q, &mut s);
     let mut want = vec![0f32; n];
-    fo::optim::quant8::dequantize_signed(&q, &s, &mut want);
+    fo::optim::math::quant8::dequantize_signed(&q, &s, &mut want);
     assert_eq!(opt.get_state(0, "exp_avg").unwrap().to_f32().unwrap(), want);
     assert_eq!(
         opt.get_state(0, "step").unwrap().to_f32().unwrap(),

@@ -2,8 +2,8 @@
 //! `flash_quant.safetensors` and `flash_ecc.safetensors` (FlashOptim 0.1.4's own outputs).
 mod optim_util;
 
-use fo::optim::master_split::{encode_error_bits, reconstruct};
-use fo::optim::quant8::*;
+use fo::optim::math::master_split::{encode_error_bits, reconstruct};
+use fo::optim::math::quant8::*;
 use fo::DType;
 use half::f16;
 use optim_util::*;
@@ -63,7 +63,7 @@ fn quant8_codes_scales_and_decoded_values_equal_flashoptim_on_all_22_inputs() {
     }
 }
 
-fn check_recon<C: fo::optim::master_split::ErrorCode + PartialEq + std::fmt::Debug>(
+fn check_recon<C: fo::optim::math::master_split::ErrorCode + PartialEq + std::fmt::Debug>(
     what: &str,
     bf16: &[u16],
     codes: &[C],
@@ -93,7 +93,7 @@ fn error_bits_and_reconstruction_equal_flashoptim_on_all_11_inputs() {
         // torch's f32 -> bf16 cast is ours too.
         let ours_b: Vec<u16> = x
             .iter()
-            .map(|&v| fo::optim::master_split::bf16_bits_rne(v))
+            .map(|&v| fo::optim::math::master_split::bf16_bits_rne(v))
             .collect();
         assert_eq!(ours_b, b, "{name}: bf16 rounding");
         let mut e8 = vec![0i8; x.len()];

@@ -211,7 +211,7 @@ pub unsafe fn broadcast_state_dict_checked(
         .and_then(|()| check_dest_streams(&dests, stream));
     agree(comm, local)?;
     for (d, b) in received {
-        crate::device::backend::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
+        crate::device::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
     }
     Ok(stats)
 }
@@ -225,15 +225,13 @@ fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
         .filter(|(_, d)| d.device >= 0 && stream != 0)
     {
         // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
-        unsafe { crate::device::backend::backend(d.device)?.check_stream(stream) }.map_err(
-            |e| match e {
-                Error::InvalidArgument { reason, .. } => Error::invalid(
-                    "stream",
-                    format!("dests[{i}] (device {}): {reason}", d.device),
-                ),
-                e => e,
-            },
-        )?;
+        unsafe { crate::device::backend(d.device)?.check_stream(stream) }.map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => Error::invalid(
+                "stream",
+                format!("dests[{i}] (device {}): {reason}", d.device),
+            ),
+            e => e,
+        })?;
     }
     Ok(())
 }

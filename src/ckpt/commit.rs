@@ -27,6 +27,21 @@ use super::naming::{
 };
 use crate::error::{Error, Result};
 
+/// Most ranks one checkpoint may have (`FO_MAX_WORLD_SIZE`): a commit record and the
+/// per-rank tables scale with it, so a nonsense world size is refused, not allocated.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
+/// `world_size` is 1..=MAX_WORLD_SIZE.
+pub fn check_world_size(world_size: usize) -> Result<()> {
+    if world_size == 0 || world_size > MAX_WORLD_SIZE {
+        return Err(Error::invalid(
+            "world_size",
+            format!("{world_size} is outside 1..={MAX_WORLD_SIZE}"),
+        ));
+    }
+    Ok(())
+}
+
 /// `fo-commit.json`: which save is the checkpoint, and each rank file's header digest.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Commit {
@@ -181,7 +196,7 @@ pub fn mark_done(
 /// tidying: its failure is not a failed commit. It is reported on stderr, naming the
 /// directory, and readers still find every committed file (visible or staged).
 pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
-    super::writer::check_world_size(world_size)?;
+    check_world_size(world_size)?;
     let stage = stage_dir(dir, save_id);
     let mut digests: Vec<String> = Vec::new();
     let mut parts: Vec<usize> = Vec::new();

@@ -14,7 +14,6 @@ use super::naming::{
     codes_key, parse_part_file_name, parse_shard_file_name, scales_key, split_part, Part,
     COMMIT_FILE, CONSOLIDATED_FILE,
 };
-use super::reader::Checkpoint;
 use crate::error::{Error, Result};
 
 /// The full file `path` names: `path` itself when it is a file, or a directory's
@@ -100,11 +99,4 @@ pub(super) fn keys(path: &Path, file: &File) -> Result<BTreeMap<String, KeyInfo>
         );
     }
     Ok(keys)
-}
-
-impl Checkpoint {
-    /// Whether this checkpoint is one full safetensors file (consolidated).
-    pub fn is_single_file(&self) -> bool {
-        self.files.len() == 1 && single_file(&self.dir).ok().flatten().is_some()
-    }
 }

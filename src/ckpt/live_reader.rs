@@ -5,8 +5,8 @@ use std::mem::ManuallyDrop;
 use super::optim::Source;
 use super::snapshot::fetch_entry;
 use crate::error::Result;
-use crate::optim::staging::StagedParam;
-use crate::optim::state::ParamState;
+use crate::optim::math::state::ParamState;
+use crate::optim::placement::staging::StagedParam;
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
 

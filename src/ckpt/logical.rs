@@ -15,7 +15,7 @@ use super::naming::{codes_key, scales_key, CONSOLIDATED_FILE, GROUP};
 use super::reader::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::quant8;
+use crate::optim::math::quant8;
 use crate::shard::{Placement, ShardSpec};
 use crate::tensor::Tensor;
 

@@ -32,8 +32,8 @@ pub const MASTER: &str = "master";
 
 /// Elements per quant8 group (one fp16 scale per 32 consecutive elements of a rank's
 /// flattened local tensor) and the scales count of `numel` elements: the codec's own
-/// (`optim::quant8` owns the math), named here for every reader and writer.
-pub use crate::optim::quant8::{num_groups, GROUP};
+/// (`optim::math::quant8` owns the math), named here for every reader and writer.
+pub use crate::optim::math::quant8::{num_groups, GROUP};
 
 /// The file of a consolidated checkpoint (one full safetensors file).
 pub const CONSOLIDATED_FILE: &str = "model-00001-of-00001.safetensors";

@@ -13,7 +13,7 @@ use super::pack::{EntryMeta, Layout, PackOptions, Packed};
 use super::writer::{finish, resolve_save_id, stage_rank_file};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::optim::staging::StagedParam;
+use crate::optim::placement::staging::StagedParam;
 use crate::optim::{Optimizer, StateFormat};
 use crate::shard::ShardSpec;
 use crate::tensor::Tensor;

@@ -18,7 +18,7 @@ use super::reader::Checkpoint;
 use super::reshard::{overlap_runs, BoxIn};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::quant8;
+use crate::optim::math::quant8;
 use crate::shard::{Chunk, Placement, ShardSpec};
 use crate::tensor::Tensor;
 

@@ -36,6 +36,11 @@ impl Checkpoint {
     ///
     /// A safetensors file, or a directory holding only a consolidated file, opens as
     /// one full tensor per key (`full.rs`).
+    /// Whether this checkpoint is one full safetensors file (consolidated).
+    pub fn is_single_file(&self) -> bool {
+        self.files.len() == 1 && super::full::single_file(&self.dir).ok().flatten().is_some()
+    }
+
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         if let Some(path) = super::full::single_file(dir)? {
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;

@@ -16,7 +16,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
-use super::commit::{clear_marker, finish_rank, stage_dir, sync_dir};
+use super::commit::{check_world_size, clear_marker, finish_rank, stage_dir, sync_dir};
 use super::format::{
     encode_header, header_digest, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
     FORMAT_VERSION,
@@ -151,21 +151,6 @@ fn metadata(
     };
     m.insert(DIGEST_KEY.to_string(), digest);
     m
-}
-
-/// Most ranks one checkpoint may have (`FO_MAX_WORLD_SIZE`): a commit record and the
-/// per-rank tables scale with it, so a nonsense world size is refused, not allocated.
-pub const MAX_WORLD_SIZE: usize = 1 << 20;
-
-/// `world_size` is 1..=MAX_WORLD_SIZE.
-pub fn check_world_size(world_size: usize) -> Result<()> {
-    if world_size == 0 || world_size > MAX_WORLD_SIZE {
-        return Err(Error::invalid(
-            "world_size",
-            format!("{world_size} is outside 1..={MAX_WORLD_SIZE}"),
-        ));
-    }
-    Ok(())
 }
 
 /// A checkpoint directory must be named: an empty path would write into the current

@@ -10,10 +10,10 @@ use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
 use super::ClipGrad;
-use crate::device::backend::{backend, read_tensor, write_tensor};
+use crate::device::open::{backend, read_tensor, write_tensor};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::optim::gpu::norm_table::{HostNorm, NormTable, CHUNK};
+use crate::kernels::norm_table::{HostNorm, NormTable, CHUNK};
 
 /// Which sum the kernels do for norm type `p` (1: |x|, 2: x*x), None where they cannot.
 fn power(p: f64) -> Option<u32> {

@@ -1,3 +1,5 @@
+//! The clip on host, strided and emulated-device gradients: device norms and scaling as
+//! the host's, one agreement per clip, ranks that disagree, stream ordering.
 use super::*;
 use crate::comm::Comm;
 use crate::device::backend::Backend as _;

@@ -5,13 +5,9 @@
 //! every device clearly; the unit tests provide a host emulation (`emulated`: host memory,
 //! the host build of the same kernel text), so device state, staging, the hybrid step and
 //! the clip's device norm above this trait run in CI without a GPU.
-use std::sync::Arc;
-
-use super::check::Memory;
 use super::ring::Ring;
 use crate::error::Result;
-use crate::optim::gpu::norm_table::NormTable;
-use crate::tensor::HostTensor;
+use crate::kernels::norm_table::NormTable;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
 pub trait Backend: Send + Sync {
@@ -148,40 +144,14 @@ pub trait Backend: Send + Sync {
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()>;
 }
 
-/// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.
-pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
-    #[cfg(test)]
-    if let Some(b) = super::emulated::backend(ordinal) {
-        return Ok(b);
-    }
-    super::imp::backend(ordinal)
-}
-
-/// The row-major bytes of `t`, wherever it lives: read in place from host memory
-/// (`device` -1), copied down from device `device` (a contiguous view) after the work
-/// queued on `stream`.
-///
-/// # Safety
-/// `t` must be valid for reads (device memory of `device` when `device >= 0`), and
-/// `stream` 0 or a valid stream of that device.
-pub unsafe fn read_tensor(t: &HostTensor, device: i32, stream: usize) -> Result<Vec<u8>> {
-    if device < 0 {
-        return Ok(t.to_tensor().data);
-    }
-    let mut b = crate::tensor::try_zeroed(t.nbytes(), "a device tensor's host copy")?;
-    backend(device)?.download(t.as_ptr() as u64, &mut b, stream)?;
-    Ok(b)
-}
-
-/// Writes row-major `bytes` (exactly `t.nbytes()`) into `t` wherever it lives: in place
-/// in host memory, copied up to device `device` in order on `stream`.
-///
-/// # Safety
-/// As `read_tensor`, for writes.
-pub unsafe fn write_tensor(t: &HostTensor, device: i32, bytes: &[u8], stream: usize) -> Result<()> {
-    if device < 0 {
-        return t.write_bytes(bytes);
-    }
-    t.check_len(bytes)?;
-    backend(device)?.upload(t.as_ptr() as u64, bytes, stream)
+/// Where an address lives, as the device's driver answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory: pageable (unknown to CUDA) or page-locked.
+    Host,
+    /// Device memory of this CUDA ordinal (managed memory counts as its device's).
+    Device(i32),
+    /// Memory no emulated device allocated (unit tests pass host buffers as device
+    /// memory): taken to be what the caller says. The CUDA backend never answers this.
+    Untracked,
 }

@@ -4,21 +4,10 @@
 //! A host pointer or another device's memory given with `device >= 0` would fault inside
 //! fo's kernel: a sticky error that kills the CUDA context torch shares. Refused here
 //! instead, naming the argument, before anything is queued.
-use super::backend::backend;
+use super::backend::Memory;
+use super::open::backend;
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
-
-/// Where an address lives, as the device's driver answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Memory {
-    /// Host memory: pageable (unknown to CUDA) or page-locked.
-    Host,
-    /// Device memory of this CUDA ordinal (managed memory counts as its device's).
-    Device(i32),
-    /// Memory no emulated device allocated (unit tests pass host buffers as device
-    /// memory): taken to be what the caller says. The CUDA backend never answers this.
-    Untracked,
-}
 
 /// A device tensor argument as errors name it: `arg` the argument (`grads[0]`,
 /// `dests[1].tensor`, `param`), `context` what it is for the reader ("parameter fc1.w",

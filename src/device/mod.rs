@@ -4,7 +4,7 @@
 //! `cuda` (feature `cuda`: CUDA through cudarc, the kernels compiled by `nvrtc`),
 //! `no_cuda` (built without the feature: every device refused, saying so), `emulated`
 //! (unit tests: host memory posing as two devices, adversarial about ordering and
-//! lifetimes). Shared by all: `check` (the one "contiguous, on an open device, its memory"
+//! lifetimes). Shared by all: `open` (which backend serves an ordinal; tensor bytes wherever they live), `check` (the one "contiguous, on an open device, its memory"
 //! check), `context` (the one rule for CUDA contexts: push the device's primary context,
 //! restore the caller's), `ring` (pinned staging with a constant bound). optim, clip,
 //! broadcast, comm and ffi use devices only through here.
@@ -19,10 +19,12 @@ pub mod emulated;
 mod no_cuda;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+pub mod open;
 pub mod ring;
 
-pub use backend::{backend, read_tensor, write_tensor, Backend};
+pub use backend::{Backend, Memory};
 pub use check::{check_tensor, DeviceArg};
+pub use open::{backend, read_tensor, write_tensor};
 
 #[cfg(feature = "cuda")]
 use cuda as imp;
@@ -46,7 +48,7 @@ pub fn device_refusal(device: i32) -> String {
 /// Checks that tensors on device `ordinal` can be used (the libraries load, the device
 /// exists, the kernels compile for it), compiling the kernels on first use.
 pub fn open_device(ordinal: i32) -> Result<()> {
-    backend::backend(ordinal).map(|_| ()).map_err(|e| match e {
+    open::backend(ordinal).map(|_| ()).map_err(|e| match e {
         Error::Unsupported(m) if !m.starts_with("device = ") => {
             Error::Unsupported(format!("device = {ordinal}: {m}"))
         }

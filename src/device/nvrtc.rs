@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::nvrtc::{result as nvr, sys as nvsys};
 
 use crate::error::{Error, Result};
-use crate::optim::gpu::KERNEL_SOURCES;
+use crate::kernels::gpu::KERNEL_SOURCES;
 
 /// The step kernel's entry point (`extern "C"` in fo_step.cuh).
 pub const ENTRY: &str = "fo_step_kernel";
@@ -193,7 +193,7 @@ mod tests {
             eprintln!("skipped: {why}");
             return;
         }
-        let written = include_str!("../optim/gpu/kernels/fo_rules.cuh")
+        let written = include_str!("../kernels/gpu/fo_rules.cuh")
             .matches("fo_fma(")
             .count();
         for (major, minor) in [(8, 0), (9, 0)] {

@@ -75,7 +75,7 @@ impl fo_pack_options {
         if !self.save_id.is_null() {
             o.save_id = arg_str(self.save_id, "options.save_id")?.to_string();
         }
-        ckpt::writer::check_world_size(o.world_size).map_err(|_| {
+        ckpt::commit::check_world_size(o.world_size).map_err(|_| {
             Error::invalid(
                 "options.world_size",
                 format!("{} is outside 1..={FO_MAX_WORLD_SIZE}", o.world_size),

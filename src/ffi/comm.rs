@@ -2,17 +2,17 @@
 //! `fo_clip_grad_norm`. Argument conversion failures are handed to the core's `_checked`
 //! entry points, so a bad argument on one rank becomes every rank's error, not a hang.
 use std::ffi::c_void;
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
 use super::handle::{enter, Guarded, Handle};
-use super::save::{detach_saves, CommLink};
 use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::broadcast::{
     broadcast_state_dict_checked, BroadcastDest, BroadcastOptions, BroadcastStats, Strategy,
 };
+use crate::ckpt::Background;
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
@@ -26,6 +26,37 @@ pub struct fo_comm {
     /// The async saves that commit through this communicator at their `fo_save_wait`:
     /// `fo_comm_destroy` waits for their writers and detaches them (`ffi::save`).
     pub(crate) saves: Mutex<Vec<Weak<CommLink>>>,
+}
+
+/// An async save's claim on the communicator it commits through, registered with it
+/// (`fo_comm.saves`): `fo_comm_destroy` waits for the save's writer, then detaches the
+/// save (nulls `comm`) before freeing, so `fo_save_wait` never enters a freed handle.
+pub(crate) struct CommLink {
+    pub(super) comm: Mutex<*const fo_comm>,
+    pub(super) background: Background,
+}
+
+// SAFETY: the pointer is dereferenced only in `fo_save_wait`, under `comm`'s lock, and
+// only while it is non-null: `fo_comm_destroy` nulls it under the same lock before it
+// frees the communicator, and a wait that entered the communicator first holds its guard,
+// which destroy waits for.
+unsafe impl Send for CommLink {}
+unsafe impl Sync for CommLink {}
+
+/// `fo_comm_destroy`'s part (the communicator is held by the destroy, so no wait can
+/// enter it meanwhile): waits for the writers of the saves that would commit through it,
+/// then detaches them; their `fo_save_wait` then fails with FO_ERR_COMM, not committed.
+pub(crate) fn detach_saves(saves: &Mutex<Vec<Weak<CommLink>>>) {
+    let links: Vec<Arc<CommLink>> = lock(saves).drain(..).filter_map(|w| w.upgrade()).collect();
+    for l in links {
+        l.background.wait(None);
+        *lock(&l.comm) = std::ptr::null();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks; a poisoned one is still consistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Guarded for fo_comm {

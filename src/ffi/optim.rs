@@ -110,15 +110,28 @@ impl fo_optim_config {
     }
 }
 
+/// The calls an open overlapped step lets through (`enter_opt` refuses every other call
+/// on the handle with FO_ERR_BUSY until `fo_optimizer_step_end` or `_abort`): its own four, and
+/// those that read only the handle's tables.
+const ALLOWED_WHILE_OPEN: &[&str] = &[
+    "fo_optimizer_step_begin",
+    "fo_optimizer_grads_ready",
+    "fo_optimizer_step_end",
+    "fo_optimizer_step_abort",
+    "fo_optimizer_num_params",
+    "fo_optimizer_get_group_config",
+    "fo_optimizer_param_groups_json",
+];
+
 /// The optimizer behind `p`, held for `call` (the exported function's name) until the
 /// returned guard drops: FO_ERR_BUSY if another call holds it, or if an overlapped step
-/// is open and `call` is not one it lets through (`overlap::ALLOWED_WHILE_OPEN`).
+/// is open and `call` is not one it lets through (`ALLOWED_WHILE_OPEN`).
 pub(super) unsafe fn enter_opt<'a>(
     p: *const fo_optimizer,
     call: &'static str,
 ) -> Result<Entered<'a, Optimizer>> {
     let opt = enter(p, call)?;
-    if !super::overlap::ALLOWED_WHILE_OPEN.contains(&call) {
+    if !ALLOWED_WHILE_OPEN.contains(&call) {
         opt.refuse_if_step_open(call)?;
     }
     Ok(opt)

@@ -10,19 +10,6 @@ use crate::error::Result;
 use crate::optim::overlap::{OverlapOptions, OverlapStats};
 use crate::tensor::HostTensor;
 
-/// The calls an open overlapped step lets through (`enter_opt` refuses every other call
-/// on the handle with FO_ERR_BUSY until `fo_optimizer_step_end`): its own three, and
-/// those that read only the handle's tables.
-pub(super) const ALLOWED_WHILE_OPEN: &[&str] = &[
-    "fo_optimizer_step_begin",
-    "fo_optimizer_grads_ready",
-    "fo_optimizer_step_end",
-    "fo_optimizer_step_abort",
-    "fo_optimizer_num_params",
-    "fo_optimizer_get_group_config",
-    "fo_optimizer_param_groups_json",
-];
-
 /// How an overlapped step clips, and how much it may keep to undo early steps
 /// (`fo_overlap_options_default` fills the defaults; all-zero is valid too).
 /// `max_norm` > 0 clips the gradients' total `norm_type`-norm (> 0, or INFINITY) to it as

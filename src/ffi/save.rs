@@ -1,20 +1,22 @@
 //! The async save C ABI: `fo_state_save_async`, `fo_save_wait`, `fo_save_poll`,
 //! `fo_save_stats`, `fo_save_destroy`. Thin: check, call `crate::ckpt::async_save`.
 use std::ffi::c_char;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::args::{arg_mut, arg_path, arg_ref};
 use super::ckpt::fo_pack_options;
-use super::comm::fo_comm;
+use super::comm::{fo_comm, CommLink};
 use super::handle::{destroy, enter, Guarded, Handle};
 use super::optim::{enter_opt, fo_optimizer};
 use super::status::{fo_status, guard, guard_void};
-use crate::ckpt::{self, AsyncSave, Background};
+use crate::ckpt::{self, AsyncSave};
 use crate::error::Error;
 
 /// How to save asynchronously: `pack` as for `fo_state_save`, and
-/// `staging_budget_bytes`, the most the copy-on-write pool may hold (0: 256 MiB). A
+/// `staging_budget_bytes`, the most the copy-on-write pool may hold (0: as much as the
+/// save could copy, i.e. this rank's stored state it writes, so no step waits for the
+/// disk; at most half the memory available at the call, 256 MiB where unknown). A
 /// mutation of state the writer has not taken yet copies it into the pool first, or waits
 /// for the writer when the pool is full: the budget bounds memory, never correctness.
 /// The pool keeps its copies' buffers for the next save of the same optimizer (at most
@@ -55,32 +57,6 @@ pub(crate) struct SaveState {
     /// The communicator given at the call: the commit collective runs on it in
     /// `fo_save_wait`, entered there like any call on it (never from the writer thread).
     comm: Option<Arc<CommLink>>,
-}
-
-/// An async save's claim on the communicator it commits through, registered with it
-/// (`fo_comm.saves`): `fo_comm_destroy` waits for the save's writer, then detaches the
-/// save (nulls `comm`) before freeing, so `fo_save_wait` never enters a freed handle.
-pub(crate) struct CommLink {
-    comm: Mutex<*const fo_comm>,
-    background: Background,
-}
-
-// SAFETY: the pointer is dereferenced only in `fo_save_wait`, under `comm`'s lock, and
-// only while it is non-null: `fo_comm_destroy` nulls it under the same lock before it
-// frees the communicator, and a wait that entered the communicator first holds its guard,
-// which destroy waits for.
-unsafe impl Send for CommLink {}
-unsafe impl Sync for CommLink {}
-
-/// `fo_comm_destroy`'s part (the communicator is held by the destroy, so no wait can
-/// enter it meanwhile): waits for the writers of the saves that would commit through it,
-/// then detaches them; their `fo_save_wait` then fails with FO_ERR_COMM, not committed.
-pub(crate) fn detach_saves(saves: &Mutex<Vec<Weak<CommLink>>>) {
-    let links: Vec<Arc<CommLink>> = lock(saves).drain(..).filter_map(|w| w.upgrade()).collect();
-    for l in links {
-        l.background.wait(None);
-        *lock(&l.comm) = std::ptr::null();
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

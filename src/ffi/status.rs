@@ -1,3 +1,5 @@
+//! Status codes and the thread-local last-error message of the C ABI, and `guard`: the
+//! panic-catching wrapper every exported function runs its body in.
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -189,7 +191,7 @@ mod tests {
         assert_eq!(FO_MAX_LOCAL_WORLD as usize, crate::comm::MAX_LOCAL_WORLD);
         assert_eq!(
             FO_MAX_WORLD_SIZE as usize,
-            crate::ckpt::writer::MAX_WORLD_SIZE
+            crate::ckpt::commit::MAX_WORLD_SIZE
         );
     }
 

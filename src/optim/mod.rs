@@ -1,51 +1,33 @@
-//! The optimizer core: FlashOptim 0.1.4's algorithms and compressed state formats, on
-//! host memory. Read in this order:
+//! The optimizer: FlashOptim 0.1.4's algorithms and compressed state formats as a handle
+//! (registration, groups, the step's entry), its math (`math`) and its placement (`placement`).
+//!
 //! - `config`: algorithms, state formats, one param group's hyper-parameters;
-//! - `quant8`: the 8-bit grouped state codec;
-//! - `master_split`: bf16/f16 params plus error bits as a 24- or 32-bit master weight;
-//! - `rule`: the element-wise updates (torch's arithmetic for fp32 state, FlashOptim's
-//!   for compressed state);
-//! - `state`: stored state and the chunk views kernels decode and encode;
-//! - `fast`: the `fast` arithmetic's scalars and its bound (distance from exact);
-//!   `fused`: its step, one quantization group at a time in registers;
-//! - `kernel`: chunked, parallel, vectorized driving of the rules;
-//! - `optimizer`: the handle (groups, params, accessors); `step`: the step's entry;
-//!   `state_io` / `state_set`: state by key, read / written;
-//!   `staging`: device parameters and state seen from the host, for state_io and checkpoints;
-//!   `numerics`: `check_numerics`; `offload`: Megatron's offload plan; `offload_step`:
-//!   host parameters with device gradients and device mirrors;
-//!   `threads`: fo's thread pool; `overlap`: the overlapped step (parameters stepped
-//!   as their gradients arrive, bit-identical to one step, clipping included);
-//! - `gpu`: the GPU kernels' source (proven on the host), the launch table, and with
-//!   feature `cuda` the launch path and device state; `device_step`: the device half of
-//!   the step (not run on a GPU yet).
+//! - `math`: the element-wise rules and the state codecs (pure, host-tested);
+//! - `placement`: host / device / offloaded parameters and the host view of each;
+//! - `optimizer`: the handle (groups, params, accessors); `step`: the step's entry, which
+//!   drives `crate::kernels` (host SIMD, GPU tables);
+//! - `state_io` / `state_set`: state by key, read / written; `numerics`: `check_numerics`;
+//! - `threads`: fo's thread pool; `overlap`: the overlapped step (parameters stepped as
+//!   their gradients arrive, bit-identical to one step, clipping included);
+//! - `save_hooks`: what an async save in flight needs to hear before state changes.
 pub mod config;
-mod device_step;
-pub mod fast;
-pub mod fused;
-pub mod gpu;
-pub mod master_split;
+pub mod math;
 pub mod numerics;
-pub mod offload;
-mod offload_step;
 pub mod optimizer;
 pub mod overlap;
 mod overlap_end;
+mod overlap_open;
 mod overlap_task;
-pub mod quant8;
-pub mod rule;
+pub mod placement;
 mod save_hooks;
-pub mod state;
 mod step;
 pub mod threads;
 
 mod groups_json;
-mod kernel;
-pub(crate) mod staging;
 mod state_io;
 mod state_set;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
-pub use offload::plan_offload;
 pub use optimizer::Optimizer;
+pub use placement::offload::plan_offload;
 pub use threads::{num_threads, set_num_threads};

@@ -9,13 +9,13 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::config::OptimConfig;
-use super::kernel::CHUNK;
-use super::master_split::Half;
 use super::optimizer::{Optimizer, Param};
-use super::quant8::GROUP;
-use super::state::{Moment, ParamState};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kernels::host::CHUNK;
+use crate::optim::math::master_split::Half;
+use crate::optim::math::quant8::GROUP;
+use crate::optim::math::state::{Moment, ParamState};
 use crate::tensor::HostTensor;
 
 fn non_finite_at(bytes: &[u8], dtype: DType) -> Option<usize> {

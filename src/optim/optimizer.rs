@@ -3,14 +3,14 @@
 //! state, and the accessors. The step's entry is in `step`, its device half in
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
 use super::config::OptimConfig;
-use super::gpu::table::StateLayout;
-use super::gpu::DeviceState;
-use super::master_split::Half;
-use super::offload_step::Mirror;
-use super::overlap::OpenStep;
-use super::state::ParamState;
+use super::overlap_open::OpenStep;
+use super::placement::Mirror;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kernels::step_table::StateLayout;
+use crate::optim::math::master_split::Half;
+use crate::optim::math::state::ParamState;
+use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
 use crate::tensor::HostTensor;
 use std::sync::Arc;

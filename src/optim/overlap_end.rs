@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::optimizer::Optimizer;
-use super::overlap::{no_step, Given, OpenStep, OverlapStats};
+use super::overlap_open::{no_step, Given, OpenStep, OverlapStats};
 use super::overlap_task::Done;
 use crate::clip::{self, ClipGrad};
 use crate::comm::Comm;

@@ -11,13 +11,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use rayon::prelude::*;
 
 use super::config::OptimConfig;
-use super::kernel::{self, Job};
 use super::numerics;
 use super::optimizer::Param;
-use super::state::ParamState;
 use super::step::push_param_jobs;
 use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
+use crate::kernels::host::{self as kernel, Job};
+use crate::optim::math::state::ParamState;
 use crate::tensor::{try_with_capacity, HostTensor};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
@@ -122,7 +122,9 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         if let Some(f) = it.fetch {
             // From here on the gradient is its host copy, as in `step_offloaded`; the
             // copy is contiguous, so it is kept where a gathered gradient would be.
-            let mut host = super::offload_step::download(f.src, f.bytes, f.device, f.stream)?;
+            let mut host = crate::optim::placement::offload_step::download(
+                f.src, f.bytes, f.device, f.stream,
+            )?;
             let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
             d.grad = HostTensor::new(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
             d.gathered = Some(host);

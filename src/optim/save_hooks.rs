@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use super::optimizer::{Optimizer, Param};
-use super::state::ParamState;
 use crate::ckpt::snapshot::Snapshot;
 use crate::error::Result;
+use crate::optim::math::state::ParamState;
 
 impl Drop for Optimizer {
     /// Never frees state a save in flight still reads: waits for its writer to let go.

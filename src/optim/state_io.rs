@@ -6,16 +6,16 @@
 use half::f16;
 
 use super::config::Algorithm;
-use super::master_split::{reconstruct_one, Half};
 use super::optimizer::Optimizer;
-use super::staging::StagedParam;
-use super::state::{ErrorBits, Moment};
 use crate::ckpt::naming::{
     self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
     SCALES_PART, STEP,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::math::master_split::{reconstruct_one, Half};
+use crate::optim::math::state::{ErrorBits, Moment};
+use crate::optim::placement::staging::StagedParam;
 use crate::tensor::Tensor;
 
 /// The name of the momentum-like state of an algorithm.
@@ -234,7 +234,9 @@ impl Optimizer {
         let v = t.to_f32()?;
         let data = match dtype {
             DType::F64 => le_bytes(&v, |x| (x as f64).to_le_bytes()),
-            DType::BF16 => le_bytes(&v, |x| super::master_split::bf16_bits_rne(x).to_le_bytes()),
+            DType::BF16 => le_bytes(&v, |x| {
+                crate::optim::math::master_split::bf16_bits_rne(x).to_le_bytes()
+            }),
             _ => le_bytes(&v, |x| f16::from_f32(x).to_bits().to_le_bytes()),
         };
         Ok(Tensor {

@@ -2,16 +2,16 @@
 //! checked as a whole, then quantized or split into place; reading is in `state_io`.
 use half::f16;
 
-use super::master_split::{encode_one, Half};
 use super::optimizer::Optimizer;
-use super::quant8;
-use super::state::{ErrorBits, Moment, ParamState};
 use super::state_io::{le_bytes, m_name, values};
 use crate::ckpt::naming::{
     split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::math::master_split::{encode_one, Half};
+use crate::optim::math::quant8;
+use crate::optim::math::state::{ErrorBits, Moment, ParamState};
 use crate::tensor::Tensor;
 
 impl Optimizer {

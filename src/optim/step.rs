@@ -3,13 +3,13 @@
 use rayon::prelude::*;
 
 use super::config::OptimConfig;
-use super::kernel::{self, push_jobs, Job};
 use super::numerics;
 use super::optimizer::{is_param_dtype, Optimizer, Param};
-use super::rule::Rule;
 use super::threads;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kernels::host::{self as kernel, push_jobs, Job};
+use crate::optim::math::rule::Rule;
 use crate::tensor::HostTensor;
 
 /// Advances host parameter `p`'s step (when it has state) and pushes the jobs that step

@@ -1,3 +1,5 @@
+//! One mesh dim's placement as torch's DTensor names it: `Replicate`, `Partial`,
+//! `Shard(dim)` and `_StridedShard(dim, split_factor)`.
 use crate::error::{Error, Result};
 
 /// How a tensor is laid out along one mesh dim: torch's DTensor placements.

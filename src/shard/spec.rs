@@ -1,3 +1,5 @@
+//! A DTensor shard's full description (global shape, mesh, coordinate, placements) and
+//! what follows from it: the local shape, the global offsets held, the runs along a dim.
 use super::placement::Placement;
 use super::runs::Runs;
 use crate::error::{Error, Result};

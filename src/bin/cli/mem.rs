@@ -4,18 +4,10 @@ use std::path::Path;
 
 use super::ckpt::bytes as human;
 
-/// Bytes of memory the kernel says are available now (`MemAvailable`), if it says.
-fn available_memory() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib.saturating_mul(1024))
-}
-
 /// Fails when `need` bytes (None: overflowed) exceed the available memory. `what` names
 /// the flags that set the size (`--size 64M`).
 pub fn check_memory(need: Option<u64>, what: &str) -> Result<(), String> {
-    let avail = available_memory();
+    let avail = fo::sys::available_memory();
     match (need, avail) {
         (None, _) => Err(format!("{what}: the memory it needs overflows")),
         (Some(n), Some(a)) if n > a => Err(format!(

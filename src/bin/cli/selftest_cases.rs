@@ -3,7 +3,7 @@
 //!
 //! These serve the GPU half (selftest_gpu.rs, feature `cuda`); they are compiled and
 //! unit-tested in every build, hence `allow(dead_code)` without the feature.
-use fo::optim::state::{ErrorBits, Moment, ParamState};
+use fo::optim::math::state::{ErrorBits, Moment, ParamState};
 use fo::optim::{Algorithm, OptimConfig, StateFormat};
 
 /// The rules the self-test runs: every algorithm and the options that change its
@@ -108,7 +108,7 @@ pub(super) fn state_mismatches(a: &ParamState, b: &ParamState) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use fo::optim::state::Root;
+    use fo::optim::math::state::Root;
 
     fn st(m: Option<Moment>) -> ParamState {
         ParamState {

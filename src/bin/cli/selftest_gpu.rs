@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use cudarc::driver::{result as cu, sys as cusys};
 use fo::ckpt::optim::{pack, Mode, ParamsAs, SaveOptions};
-use fo::optim::gpu::table::StateLayout;
+use fo::kernels::step_table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, HostTensor};
 

@@ -1,3 +1,5 @@
+//! `fo shard`: a DTensor layout as a table, one row per mesh coordinate (local shape and
+//! what it holds of the global tensor), for a global shape, mesh and placements.
 use super::args::Csv;
 use fo::shard::{mesh_coords, Placement, ShardSpec};
 

@@ -6,11 +6,11 @@ use cudarc::driver::{result as cu, sys as cusys};
 
 use super::{cuda_err, Device};
 use crate::device::backend::Backend;
-use crate::device::check::Memory;
+use crate::device::backend::Memory;
 use crate::device::context::Current;
 use crate::device::ring::Ring;
 use crate::error::{Error, Result};
-use crate::optim::gpu::norm_table::{NormTable, LANES};
+use crate::kernels::norm_table::{NormTable, LANES};
 
 fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream

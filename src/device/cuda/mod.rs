@@ -20,7 +20,7 @@ use super::nvrtc::{
 };
 use super::ring::Ring;
 use crate::error::{Error, Result};
-use crate::optim::gpu::norm_table::NormTable;
+use crate::kernels::norm_table::NormTable;
 
 /// Threads per block; each thread steps one 32-element group at a time.
 const BLOCK: u32 = 128;

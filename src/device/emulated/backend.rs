@@ -4,11 +4,11 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::{device_at, devices, holds, host_marks, Addr, Emulated, Event, DOWNLOADS};
 use crate::device::backend::Backend;
-use crate::device::check::Memory;
+use crate::device::backend::Memory;
 use crate::device::ring::Ring;
 use crate::error::{Error, Result};
-use crate::optim::gpu::norm_table::NormTable;
-use crate::optim::gpu::table::FoStepTensor;
+use crate::kernels::norm_table::NormTable;
+use crate::kernels::step_table::FoStepTensor;
 
 impl Backend for Emulated {
     unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use crate::optim::gpu::norm_table::FoNormTensor;
-use crate::optim::gpu::table::FoStepTensor;
+use crate::kernels::norm_table::FoNormTensor;
+use crate::kernels::step_table::FoStepTensor;
 
 /// The host build of `fo_step_kernel` over a table, on a small grid.
 pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
@@ -67,7 +67,7 @@ fn build() -> std::result::Result<[usize; 3], String> {
     let src = dir.join("run.cpp");
     std::fs::write(&src, HOST_RUNNERS).map_err(|e| e.to_string())?;
     let so = dir.join("run.so");
-    let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
+    let kernels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/kernels/gpu");
     let out = Command::new("g++")
         .args([
             "-std=c++17",

@@ -1,7 +1,7 @@
 //! Devices emulated in host memory, for the unit tests (compiled under `cfg(test)` only):
 //! "device memory" is host memory and a launch runs the kernel text built for the host by
 //! g++ (`-ffp-contract=off`, through the shim header, as ctest builds it). Ordinals
-//! `EMULATED`, `EMULATED + 1` and `CHECKER` resolve to them in `backend::backend`, so
+//! `EMULATED`, `EMULATED + 1` and `CHECKER` resolve to them in `open::backend`, so
 //! registration, device state, the hybrid step and state staging run end to end in CI;
 //! only the CUDA calls behind `cuda::Device` are left to a GPU. Unavailable (tests skip,
 //! saying why) without g++. The host kernels are `kernels`, a stream `stream`, the

@@ -13,19 +13,14 @@ use std::sync::mpsc;
 
 use rayon::prelude::*;
 
-use super::kernel::{self, Job};
-use super::optimizer::Optimizer;
-use super::step::push_param_jobs;
-use super::threads;
-use crate::device::backend::{backend, write_tensor};
+use super::Mirror;
+use crate::device::open::{backend, write_tensor};
 use crate::error::{Error, Result};
+use crate::kernels::host::{self as kernel, Job};
+use crate::optim::optimizer::Optimizer;
+use crate::optim::step::push_param_jobs;
+use crate::optim::threads;
 use crate::tensor::HostTensor;
-
-/// A device copy of a host parameter, rewritten after every step of the parameter.
-pub(crate) struct Mirror {
-    pub tensor: HostTensor,
-    pub device: i32,
-}
 
 /// One offloaded gradient: where it is on the device, and its size.
 #[derive(Clone, Copy)]

@@ -1,6 +1,6 @@
 //! The `fast` arithmetic (`Arithmetic::Fast`) for the compressed formats: the same
 //! algorithms and stored formats as FlashOptim's, with the operations reformulated for
-//! speed; `optim::fused` carries it out, one quantization group at a time in registers:
+//! speed; `kernels::host::fused` carries it out, one quantization group at a time in registers:
 //! - bias corrections folded into two scalars (`lr/bc1`, `1/sqrt(bc2)`), multiplied;
 //! - quant8 variance kept by its root through the step: decode gives `sqrt(v)`, the update
 //!   squares it, takes the one square root per element it needs and hands it to the encoder
@@ -20,7 +20,7 @@
 //! code, one bf16/f16 ulp), `ULP_BOUND_FINE` for 32-bit masters and f32 params (whose
 //! resolution is about one f32 ulp, where the f32 roundings fast saves or adds show),
 //! the unit taken at the larger of the old and new value (tests/optim_fast.rs).
-use super::config::{Algorithm, OptimConfig};
+use crate::optim::config::{Algorithm, OptimConfig};
 
 /// Bound per step, fast vs exact from the same state, for 24-bit masters, 16-bit params
 /// without error bits and 16-bit (`param_dtype`) states, in units of their resolution.

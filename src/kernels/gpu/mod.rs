@@ -1,8 +1,6 @@
-//! The optimizer's GPU half: the kernel source (`kernels/*.cuh`, one `__host__ __device__`
-//! text that NVRTC builds for the GPU and the C++ compiler builds for the host), the
-//! launch table (`table`, built and tested on the host) and its launch, and parameter
-//! state in device memory (`DeviceState`). The device itself (backends, CUDA, NVRTC,
-//! the emulated devices) is `crate::device`.
+//! The GPU kernels: their source (`*.cuh`, one `__host__ __device__` text that NVRTC
+//! builds for the GPU and the C++ compiler builds for the host), the list NVRTC is handed,
+//! and the launch of a step table (`super::step_table`) on a device's stream.
 //!
 //! What is proven where: the arithmetic on the host (cpp_tests/test_gpu_kernels_host.cpp
 //! and host_kernel_tests.rs, bit for bit against the CPU step; NVRTC compiles the same
@@ -12,25 +10,19 @@
 //! the only ordering, poisoned fresh and freed memory). The CUDA backend itself has not
 //! been run on a GPU. Without the feature, or without
 //! libcuda/NVRTC, device tensors are refused with `Unsupported`, naming what is missing.
-mod device_state;
-pub mod norm_table;
-pub mod table;
-
-pub use device_state::DeviceState;
-
-use crate::device::backend::{backend, Backend};
+use super::step_table::StepTable;
+use crate::device::{backend, Backend};
 use crate::error::Result;
-use table::StepTable;
 
 /// The kernel headers, in include order, for a launcher that hands them to NVRTC.
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
-    ("fo_shim.cuh", include_str!("kernels/fo_shim.cuh")),
-    ("fo_halfconv.cuh", include_str!("kernels/fo_halfconv.cuh")),
-    ("fo_master.cuh", include_str!("kernels/fo_master.cuh")),
-    ("fo_quant8.cuh", include_str!("kernels/fo_quant8.cuh")),
-    ("fo_rules.cuh", include_str!("kernels/fo_rules.cuh")),
-    ("fo_step.cuh", include_str!("kernels/fo_step.cuh")),
-    ("fo_norm.cuh", include_str!("kernels/fo_norm.cuh")),
+    ("fo_shim.cuh", include_str!("fo_shim.cuh")),
+    ("fo_halfconv.cuh", include_str!("fo_halfconv.cuh")),
+    ("fo_master.cuh", include_str!("fo_master.cuh")),
+    ("fo_quant8.cuh", include_str!("fo_quant8.cuh")),
+    ("fo_rules.cuh", include_str!("fo_rules.cuh")),
+    ("fo_step.cuh", include_str!("fo_step.cuh")),
+    ("fo_norm.cuh", include_str!("fo_norm.cuh")),
 ];
 
 /// Launches each `(device, table)` on `stream` (0 = the legacy default stream), in order,
@@ -81,7 +73,7 @@ mod tests {
 
     #[test]
     fn every_kernel_header_is_embedded() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/optim/gpu/kernels");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels/gpu");
         let mut on_disk: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

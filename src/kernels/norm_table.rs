@@ -1,4 +1,4 @@
-//! The gradient-norm kernels' side of the host (kernels/fo_norm.cuh): their launch table,
+//! The gradient-norm kernels' side of the host (gpu/fo_norm.cuh): their launch table,
 //! and the host's copy of their summation order, so a norm summed on the device and one
 //! summed on the host are the same bits. A tensor's elements are cut into chunks of
 //! `CHUNK`; lane `l` of 32 adds elements `l, l+32, ...` of its chunk in order; a chunk's

@@ -4,10 +4,10 @@
 //! state a host step would have produced, and a checkpoint written from it is the same.
 use std::sync::Arc;
 
-use super::table::{MomentKind, MomentPtrs, StateLayout, StatePtrs};
-use crate::device::backend::{backend, Backend};
+use crate::device::{backend, Backend};
 use crate::error::{Error, Result};
-use crate::optim::state::ParamState;
+use crate::kernels::step_table::{MomentKind, MomentPtrs, StateLayout, StatePtrs};
+use crate::optim::math::state::ParamState;
 
 pub struct DeviceState {
     pub device: i32,

@@ -19,15 +19,15 @@ pub use lanes::{Lanes, Portable, W};
 
 use std::mem::MaybeUninit;
 
-use crate::optim::master_split::Half;
-use crate::optim::state::Root;
+use crate::optim::math::master_split::Half;
+use crate::optim::math::state::Root;
 use codec::{ErrPtr, GradPtr, MomentPtr, ParamPtr};
 use rules::{Adam, Lion, Sgd, Update};
 
-use super::fast::FastRule;
-use super::kernel::Job;
-use super::state::{ErrChunk, GradChunk, MomentChunk, ParamChunk};
-use crate::optim::quant8::GROUP;
+use super::job::Job;
+use crate::optim::math::fast::FastRule;
+use crate::optim::math::quant8::GROUP;
+use crate::optim::math::state::{ErrChunk, GradChunk, MomentChunk, ParamChunk};
 
 /// A job's memory as raw pointers (valid for the job's `n` elements).
 struct Ptrs {

@@ -1,5 +1,5 @@
 //! The tensor table of one multi-tensor launch: Rust mirrors of the kernel's
-//! `fo_step_tensor` and `fo_rule` (kernels/fo_step.cuh, kernels/fo_rules.cuh), and the
+//! `fo_step_tensor` and `fo_rule` (gpu/fo_step.cuh, gpu/fo_rules.cuh), and the
 //! function that fills a param group's table from fo's own types. Not feature-gated: the
 //! layout and every field are tested on the host, so the launcher (which cannot run in
 //! CI) only uploads bytes whose meaning is already pinned.
@@ -9,12 +9,12 @@
 //! C++ struct the kernel reads). Pointers are `u64` on this side: a `CUdeviceptr` on the
 //! GPU, a host address in tests; both are 8 bytes, as `void*` is on the 64-bit hosts fo
 //! supports.
-use super::super::config::{OptimConfig, StateFormat};
-use super::super::quant8::GROUP;
-use super::super::rule::Rule;
-use super::super::state::{ErrorBits, Moment, ParamState, Root};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::config::{OptimConfig, StateFormat};
+use crate::optim::math::quant8::GROUP;
+use crate::optim::math::rule::Rule;
+use crate::optim::math::state::{ErrorBits, Moment, ParamState, Root};
 
 /// `fo_rule_kind` of fo_rules.cuh.
 pub const RULE_TORCH_ADAM: i32 = 0;
@@ -63,7 +63,7 @@ pub enum MomentKind {
 
 impl MomentKind {
     pub fn of(m: &Moment) -> MomentKind {
-        use super::super::master_split::Half;
+        use crate::optim::math::master_split::Half;
         match m {
             Moment::F32(_) => MomentKind::F32,
             Moment::Half(Half::F16, _) => MomentKind::F16,
@@ -123,7 +123,7 @@ impl StateLayout {
     /// Zeroed host state of `n` elements in this layout: `Optimizer::new_state` builds
     /// host state here, so host and device state follow one decision.
     pub fn zeroed(&self, n: usize) -> ParamState {
-        use super::super::master_split::Half;
+        use crate::optim::math::master_split::Half;
         let moment = |kind: MomentKind| match kind {
             MomentKind::None => None,
             MomentKind::F32 => Some(Moment::F32(vec![0.0; n])),
@@ -446,5 +446,5 @@ pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
 }
 
 #[cfg(test)]
-#[path = "table_tests.rs"]
+#[path = "step_table_tests.rs"]
 mod tests;

@@ -4,12 +4,13 @@
 //! step changes anything, then launched before the CPU half runs, so both run at once.
 use std::collections::BTreeMap;
 
-use super::gpu::table::{build_table, FoRule, StateLayout, StepTable, TableEntry};
-use super::gpu::{self, DeviceState};
-use super::optimizer::Optimizer;
-use super::rule::Rule;
-use super::state::ParamState;
+use super::DeviceState;
 use crate::error::{Error, Result};
+use crate::kernels::gpu;
+use crate::kernels::step_table::{build_table, FoRule, StateLayout, StepTable, TableEntry};
+use crate::optim::math::rule::Rule;
+use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::Optimizer;
 use crate::tensor::HostTensor;
 
 /// A prepared device step: nothing in the optimizer has changed yet.

@@ -1,8 +1,10 @@
+//! The step table's layout and contents, pinned against the kernel's C struct and
+//! against the host rule each entry carries.
 use std::mem::{align_of, offset_of, size_of};
 
 use super::*;
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::master_split::Half;
+use crate::optim::math::master_split::Half;
 
 /// The numbers `table_layout()` in cpp_tests/test_gpu_kernels_host.cpp asserts for the
 /// C++ structs: change one side, and the other fails.

@@ -13,8 +13,8 @@
 //!
 //! SGD dampening follows torch in both contracts: the first step sets the buffer to the
 //! gradient undampened (FlashOptim dampens it; identical when dampening = 0).
-use super::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 use super::fast::FastRule;
+use crate::optim::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
 #[derive(Debug, Clone, Copy)]
 pub enum Rule {
@@ -171,7 +171,9 @@ impl Rule {
         let n = p.len();
         let g = &g[..n];
         match *self {
-            Rule::Fast(_) => unreachable!("fast rules step in optim::fused, one group at a time"),
+            Rule::Fast(_) => {
+                unreachable!("fast rules step in kernels::host::fused, one group at a time")
+            }
             Rule::TorchAdam {
                 l2,
                 decay,

@@ -13,9 +13,9 @@
 use half::f16;
 
 use super::lanes::{Lanes, W};
-use crate::optim::master_split::Half;
-use crate::optim::quant8::ABSMAX_FLOOR;
-use crate::optim::state::Root;
+use crate::optim::math::master_split::Half;
+use crate::optim::math::quant8::ABSMAX_FLOOR;
+use crate::optim::math::state::Root;
 
 /// Where a parameter chunk lives.
 #[derive(Clone, Copy)]
@@ -385,7 +385,7 @@ pub unsafe fn store_codes<L: Lanes>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::fused::Portable;
+    use crate::kernels::host::fused::Portable;
 
     /// `round_away` is `f32::round` (half away from zero) over the codes' range: the
     /// values next to every half-integer, and the one below 0.5 that `x + 0.5` gets wrong.

@@ -1,4 +1,4 @@
-// FlashOptim 0.1.4's master-weight split (see src/optim/master_split.rs): error bits hold
+// FlashOptim 0.1.4's master-weight split (see src/optim/math/master_split.rs): error bits hold
 // the f32 master's distance from its 16-bit parameter in units of half an ulp, int8
 // (q = 127, 24-bit masters) or int16 (q = 32767, 32-bit masters).
 #pragma once

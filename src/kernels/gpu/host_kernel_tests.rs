@@ -5,11 +5,11 @@
 //! CPU step's, bit for bit. This proves the Rust side of a launch (rule scalars, moment
 //! kinds, state addresses, group prefix sums, SGD's first step) against the kernel
 //! without a GPU; skipped, with the reason printed, where g++ is absent.
-use super::table::{build_table, StatePtrs, TableEntry};
 use crate::dtype::DType;
+use crate::kernels::step_table::{build_table, StatePtrs, TableEntry};
 use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
-use crate::optim::rule::Rule;
-use crate::optim::state::ParamState;
+use crate::optim::math::rule::Rule;
+use crate::optim::math::state::ParamState;
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 

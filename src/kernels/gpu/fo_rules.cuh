@@ -1,4 +1,4 @@
-// The element-wise update rules of src/optim/rule.rs, one element at a time. Two
+// The element-wise update rules of src/optim/math/rule.rs, one element at a time. Two
 // arithmetic contracts, chosen by `kind`:
 // - torch (fp32 state): torch.optim's CPU arithmetic; `add(alpha=)` and `lerp` are fused
 //   multiply-adds (fo_fma), everything else separately rounded.

@@ -1,4 +1,4 @@
-// FlashOptim 0.1.4's 8-bit state codec (src/optim/quant8.rs) and fo's fourth-root
+// FlashOptim 0.1.4's 8-bit state codec (src/optim/math/quant8.rs) and fo's fourth-root
 // variant (quant8_wide): groups of 32 elements share one fp16 scale; every step is one
 // correctly rounded f32 operation in the Rust kernels' order.
 #pragma once

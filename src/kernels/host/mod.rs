@@ -15,14 +15,20 @@
 //! `optim_stages` show where the remaining time goes. Groups with `Arithmetic::Fast`
 //! (`fast.rs`) skip the chunk buffers: `fused` steps them one block of quantization groups
 //! at a time in registers (measured against exact in docs/performance.md).
+pub mod fused;
+mod job;
+
+pub use job::Job;
+
 use std::cell::RefCell;
 
-use super::fast::FastRule;
-use super::fused;
-use super::master_split::Half;
-use super::rule::Rule;
-use super::state::{ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState};
 use crate::dtype::DType;
+use crate::optim::math::fast::FastRule;
+use crate::optim::math::master_split::Half;
+use crate::optim::math::rule::Rule;
+use crate::optim::math::state::{
+    ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState,
+};
 use crate::tensor::HostTensor;
 
 /// Elements per chunk when something must be decoded: the 4 f32 buffers (32 KiB) stay
@@ -31,16 +37,6 @@ pub const CHUNK: usize = 2048;
 /// Elements per chunk when params, grads and states are all f32 and updated in place
 /// (no buffers): larger, to keep scheduling overhead small.
 pub const CHUNK_DIRECT: usize = 16384;
-
-/// One chunk of one parameter with everything its update touches.
-pub struct Job<'a> {
-    pub p: ParamChunk<'a>,
-    pub g: GradChunk<'a>,
-    pub m: Option<MomentChunk<'a>>,
-    pub v: Option<MomentChunk<'a>>,
-    pub rule: Rule,
-    pub first: bool,
-}
 
 /// Elements decoded, updated and encoded at a time within a chunk: the four f32 buffers
 /// (4 KiB) and the stored bytes they come from stay in L1 together.
@@ -217,7 +213,7 @@ pub fn run(job: Job<'_>) {
 }
 
 /// Cuts one parameter (and its gradient and state) into chunk jobs.
-pub(super) unsafe fn push_jobs<'a>(
+pub(crate) unsafe fn push_jobs<'a>(
     jobs: &mut Vec<Job<'a>>,
     param: &HostTensor,
     grad: &'a [u8],

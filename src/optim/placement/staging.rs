@@ -6,13 +6,13 @@
 //! therefore the bytes of one written from the same state on the host.
 use std::borrow::Cow;
 
-use super::config::OptimConfig;
-use super::gpu::table::StateLayout;
-use super::gpu::DeviceState;
-use super::optimizer::Optimizer;
-use super::state::ParamState;
-use crate::device::backend::{read_tensor, write_tensor};
+use crate::device::open::{read_tensor, write_tensor};
 use crate::error::Result;
+use crate::kernels::step_table::StateLayout;
+use crate::optim::config::OptimConfig;
+use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::Optimizer;
+use crate::optim::placement::DeviceState;
 use crate::tensor::Tensor;
 
 /// One parameter read once for several of its state entries (a checkpoint's keys): its

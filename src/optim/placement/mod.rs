@@ -1,0 +1,24 @@
+//! Where a parameter and its state live, and what the step does about it: host, device, or
+//! host state with device gradients and mirrors (offloaded), and the host view of each.
+//!
+//! - `offload`: Megatron's offload plan (which parameters stay on the host);
+//! - `offload_step`: host parameters with device gradients and device mirrors;
+//! - `device_state` / `device_step`: state in device memory and the device half of the
+//!   step (not run on a GPU yet);
+//! - `staging`: device parameters and state seen from the host, for state by key and
+//!   checkpoints.
+mod device_state;
+pub(crate) mod device_step;
+pub mod offload;
+pub(crate) mod offload_step;
+pub(crate) mod staging;
+
+pub use device_state::DeviceState;
+
+use crate::tensor::HostTensor;
+
+/// A device copy of a host parameter, rewritten after every step of the parameter.
+pub struct Mirror {
+    pub tensor: HostTensor,
+    pub device: i32,
+}
