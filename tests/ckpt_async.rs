@@ -6,6 +6,7 @@ mod ckpt_util;
 mod common;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use ckpt_util::{config, global, spec, tmp, Buf};
@@ -306,6 +307,53 @@ fn staging_never_exceeds_its_budget_and_a_full_pool_waits_for_the_writer() {
     assert!(st.copies > 0 && st.staging_high_water > 0, "{st:?}");
     assert!(st.staging_high_water <= budget as u64, "{st:?}");
     assert_eq!(st.staging_budget, budget as u64);
+    assert_same_files(&asy, &sync);
+    for d in [sync, asy] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn the_default_budget_holds_every_copy_so_no_step_waits_for_the_writer() {
+    let cfg = config(StateFormat::Quant8, 24);
+    let (sync, asy) = (tmp("async-default-sync"), tmp("async-default"));
+    let mut b = Big::new(1, 0, &cfg, DType::BF16);
+    b.step(0);
+    save_optimizer(&b.opt, &sync, &options(0, 1, "d")).unwrap();
+    let state: u64 = (0..b.opt.num_params())
+        .map(|i| b.opt.state_bytes(i) as u64)
+        .sum();
+    // The writer is held: a step that had to wait for it would never finish.
+    let mut save = save_async_held(&mut b.opt, &asy, &options(0, 1, "d"), None, 0).unwrap();
+    let (stepped, released) = (AtomicBool::new(false), AtomicBool::new(false));
+    std::thread::scope(|s| {
+        let (save, stepped, released) = (&save, &stepped, &released);
+        s.spawn(move || {
+            let t0 = Instant::now();
+            while !stepped.load(SeqCst) && t0.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            released.store(true, SeqCst);
+            save.hold_writer(false);
+        });
+        b.step(1);
+        assert!(
+            !released.load(SeqCst),
+            "the step waited for the held writer"
+        );
+        stepped.store(true, SeqCst);
+    });
+    save.wait(None, None).unwrap();
+    let st = save.stats();
+    // Every parameter was copied before the writer took anything: the pool held every
+    // copy the save could need (the stored state, plus the bf16 elements its masters are
+    // rebuilt from), which is the default budget.
+    assert_eq!(st.copies, b.opt.num_params() as u64, "{st:?}");
+    assert_eq!(st.staging_high_water, st.staging_budget, "{st:?}");
+    let elements: u64 = (0..b.opt.num_params())
+        .map(|i| b.opt.param(i).nbytes() as u64)
+        .sum();
+    assert_eq!(st.staging_budget, state + elements, "{st:?}");
     assert_same_files(&asy, &sync);
     for d in [sync, asy] {
         std::fs::remove_dir_all(d).unwrap();

@@ -74,7 +74,7 @@ fn fetch_runs(plan: &super::pack::Plan, num_entries: usize) -> Vec<usize> {
 /// once the snapshot is registered. `comm` (its rank and world size must be the
 /// options'): the save id is agreed at the call and the commit runs at `wait`, both
 /// collectives every rank must enter. `staging_budget`: bytes the copy-on-write pool
-/// may hold (0: `snapshot::DEFAULT_STAGING_BUDGET`).
+/// may hold (0: `snapshot::default_staging_budget`).
 pub fn save_async(
     opt: &mut Optimizer,
     dir: &Path,
@@ -168,7 +168,7 @@ fn start(
             .collect()
     };
     let snap = Arc::new(Snapshot::new(
-        opt.num_params(),
+        opt,
         srcs,
         runs,
         bytes,

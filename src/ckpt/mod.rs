@@ -66,6 +66,6 @@ pub use pack::{EntryMeta, Layout, PackOptions, Packed, StateEntry};
 pub use quant::Quant8;
 pub use reader::Checkpoint;
 pub use reshard::local_shard;
-pub use snapshot::{SnapshotStats, DEFAULT_STAGING_BUDGET};
+pub use snapshot::{default_staging_budget, SnapshotStats, FALLBACK_STAGING_BUDGET};
 pub use verify::verify;
 pub use writer::{save, save_rank, save_streaming};

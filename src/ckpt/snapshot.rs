@@ -29,14 +29,26 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::optim::Source;
 use crate::error::{Error, Result};
-use crate::optim::staging::StagedParam;
-use crate::optim::state::ParamState;
+use crate::optim::math::state::ParamState;
+use crate::optim::placement::staging::StagedParam;
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
 
-/// The staging pool's budget when the caller gives none (0): 256 MiB. Correctness never
-/// depends on it: a mutation that does not fit waits for the writer instead.
-pub const DEFAULT_STAGING_BUDGET: usize = 256 << 20;
+/// The staging pool's budget when the caller gives none (0) and the host does not say how
+/// much memory is available: 256 MiB.
+pub const FALLBACK_STAGING_BUDGET: usize = 256 << 20;
+
+/// The staging pool's budget when the caller gives none (0): `full_copy`, every byte the
+/// save could ever copy (what torch's `dcp.async_save` always stages), so no step waits for
+/// the disk; but at most half the memory `available` at the call, where a step may then
+/// wait for the writer instead (correctness never depends on the budget). Unknown
+/// available memory: at most `FALLBACK_STAGING_BUDGET`.
+pub fn default_staging_budget(full_copy: usize, available: Option<u64>) -> usize {
+    let cap = available.map_or(FALLBACK_STAGING_BUDGET, |a| {
+        usize::try_from(a / 2).unwrap_or(usize::MAX)
+    });
+    full_copy.min(cap)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -136,18 +148,35 @@ fn reads_param(src: &Source) -> bool {
     matches!(src, Source::Param(_)) || matches!(src, Source::State { key, .. } if key == "master")
 }
 
+/// Bytes a copy of parameter `i` holds for its entries `es` (of `entries`): its stored
+/// state, plus its elements when an entry reads them.
+fn copy_bytes(
+    opt: &Optimizer,
+    entries: &[(usize, Source, usize)],
+    i: usize,
+    es: &[usize],
+) -> usize {
+    let param = if es.iter().any(|&e| reads_param(&entries[e].1)) {
+        opt.param(i).nbytes()
+    } else {
+        0
+    };
+    opt.state_bytes(i) + param
+}
+
 impl Snapshot {
-    /// A snapshot of `srcs` (entry -> source, as planned), whose entries the writer
-    /// fetches `runs[e]` times, with entry sizes `bytes`.
+    /// A snapshot of `opt`'s `srcs` (entry -> source, as planned), whose entries the
+    /// writer fetches `runs[e]` times, with entry sizes `bytes`; `budget` 0: the default
+    /// (`default_staging_budget`).
     pub(super) fn new(
-        num_params: usize,
+        opt: &Optimizer,
         srcs: Vec<Source>,
         runs: Vec<usize>,
         bytes: Vec<usize>,
         budget: usize,
         mut recycled: Recycled,
     ) -> Snapshot {
-        let mut slots = vec![Slot::Free; num_params];
+        let mut slots = vec![Slot::Free; opt.num_params()];
         let mut by_param: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut entries = Vec::with_capacity(srcs.len());
         for (e, (src, b)) in srcs.into_iter().zip(bytes).enumerate() {
@@ -166,7 +195,13 @@ impl Snapshot {
             .map(|((_, _, b), &r)| (b * r) as u64)
             .sum();
         let budget = if budget == 0 {
-            DEFAULT_STAGING_BUDGET
+            // Device state is staged at the call, outside the pool (`stage_now`).
+            let full_copy = by_param
+                .iter()
+                .filter(|(&i, _)| opt.param_device(i) < 0)
+                .map(|(&i, es)| copy_bytes(opt, &entries, i, es))
+                .fold(0usize, usize::saturating_add);
+            default_staging_budget(full_copy, crate::sys::available_memory())
         } else {
             budget
         };
@@ -255,12 +290,7 @@ impl Snapshot {
                 Slot::Reading | Slot::Copying => g = self.wait(g),
                 Slot::Pending => {
                     let es = self.left_of(&g, i);
-                    let param = if es.iter().any(|&e| reads_param(&self.entries[e].1)) {
-                        opt.param(i).nbytes()
-                    } else {
-                        0
-                    };
-                    let need = opt.state_bytes(i) + param;
+                    let need = copy_bytes(opt, &self.entries, i, &es);
                     // A copy that does not fit waits: the writer frees the pool as it
                     // writes copies, or reads this parameter itself (it gets there in order).
                     if g.used + need <= self.budget {
@@ -432,5 +462,25 @@ impl Snapshot {
 
     pub fn stats(&self) -> SnapshotStats {
         self.lock().stats
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::{default_staging_budget, FALLBACK_STAGING_BUDGET};
+
+    #[test]
+    fn the_default_is_every_copy_within_half_the_available_memory() {
+        assert_eq!(default_staging_budget(512 << 20, Some(24 << 30)), 512 << 20);
+        assert_eq!(
+            default_staging_budget(512 << 20, Some(600 << 20)),
+            300 << 20
+        );
+        assert_eq!(
+            default_staging_budget(1 << 30, None),
+            FALLBACK_STAGING_BUDGET
+        );
+        assert_eq!(default_staging_budget(4096, None), 4096);
+        assert_eq!(default_staging_budget(0, Some(1 << 30)), 0);
     }
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use fo::ckpt::{naming, save, Checkpoint, PackOptions, Packed, StateEntry};
-use fo::optim::quant8;
+use fo::optim::math::quant8;
 use fo::shard::{Placement, ShardSpec};
 use fo::{DType, Tensor};
 
@@ -96,8 +96,8 @@ pub struct BenchCkptArgs {
     /// With --async: optimizer steps run while the save is in flight (1..=10000).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=10000))]
     pub steps: u32,
-    /// With --async: the staging pool's budget in MiB (0: fo's default, 256 MiB; at most
-    /// 1048576).
+    /// With --async: the staging pool's budget in MiB (0: fo's default, the state's size
+    /// within half the available memory; at most 1048576).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1048576))]
     pub staging_mib: u32,
 }

@@ -60,11 +60,13 @@ pub fn run(a: &BenchCkptArgs) -> Result<(), String> {
     let state_bytes = (numel * TENSORS * 8) as u64;
     // In memory: params and grads (as large as the state), the state, the staging pool.
     let what = format!("--size-mib {}", a.size_mib);
-    let pool = (a.staging_mib as u64) << 20;
+    // The default pool (0) is as large as the state when memory allows.
+    let pool = match a.staging_mib {
+        0 => state_bytes,
+        mib => (mib as u64) << 20,
+    };
     super::mem::check_memory(
-        state_bytes
-            .checked_mul(2)
-            .and_then(|b| b.checked_add(pool.max(256 << 20))),
+        state_bytes.checked_mul(2).and_then(|b| b.checked_add(pool)),
         &what,
     )?;
     let target = a.dir.clone().unwrap_or_else(std::env::temp_dir);
