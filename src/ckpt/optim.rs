@@ -93,7 +93,7 @@ pub(super) fn plan_entries(
     for i in packed_params(opt) {
         let (fqn, p, spec) = (opt.param_fqn(i), opt.param(i), opt.param_spec(i).cloned());
         let shape = p.shape().to_vec();
-        let cfg = opt.group_config(opt.param_group(i));
+        let cfg = opt.param_config(i);
         match o.params {
             Some(ParamsAs::Stored) => push(
                 fqn.into(),
@@ -120,7 +120,7 @@ pub(super) fn plan_entries(
             }
             None => {}
         }
-        let keys = opt.state_keys(i);
+        let keys = opt.keys_of(i);
         let mut done = BTreeSet::new();
         for k in &keys {
             let (name, raw) = split_state_name(k);

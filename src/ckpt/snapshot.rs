@@ -260,7 +260,7 @@ impl Snapshot {
                     } else {
                         0
                     };
-                    let need = opt.state_bytes(i) + param;
+                    let need = opt.state_nbytes(i) + param;
                     // A copy that does not fit waits: the writer frees the pool as it
                     // writes copies, or reads this parameter itself (it gets there in order).
                     if g.used + need <= self.budget {
