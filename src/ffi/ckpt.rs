@@ -191,14 +191,8 @@ pub unsafe extern "C" fn fo_packed_get_entry(
 
 impl PackedNames {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
-        let chunks = &self.inner.plan.chunks;
-        let c = chunks.get(index).ok_or_else(|| {
-            Error::invalid(
-                "index",
-                format!("{index} is out of range ({} entries)", chunks.len()),
-            )
-        })?;
-        let data = self.inner.chunk_data(index);
+        let data = self.inner.chunk_data(index)?;
+        let c = &self.inner.plan.chunks[index];
         Ok(fo_packed_entry {
             name: self.names[index].0.as_ptr(),
             key: self.names[index].1.as_ptr(),
