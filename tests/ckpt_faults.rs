@@ -32,7 +32,13 @@ fn fixture(name: &str) -> (PathBuf, Vec<Rank>) {
 
 fn snapshot(rank: &Rank) -> Vec<fo::Tensor> {
     (0..MODEL.len())
-        .flat_map(|i| rank.opt.state_keys(i).into_iter().map(move |k| (i, k)))
+        .flat_map(|i| {
+            rank.opt
+                .state_keys(i)
+                .unwrap()
+                .into_iter()
+                .map(move |k| (i, k))
+        })
         .map(|(i, k)| rank.opt.get_state(i, &k).unwrap())
         .collect()
 }

@@ -122,7 +122,7 @@ impl Worst {
 fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
     for i in 0..p.shapes.len() {
         p.fast.bufs[i].copy_from_slice(&p.exact.bufs[i]);
-        let keys = p.exact.opt.state_keys(i);
+        let keys = p.exact.opt.state_keys(i).unwrap();
         if !keys.is_empty() {
             let entries: Vec<(String, fo::Tensor)> = keys
                 .iter()
@@ -159,7 +159,7 @@ fn compare_step(p: &mut Pair, grads: &[Vec<u8>], gdt: DType) -> Worst {
                 },
             ));
         }
-        for k in p.exact.opt.state_keys(i) {
+        for k in p.exact.opt.state_keys(i).unwrap() {
             let (te, tf) = (
                 p.exact.opt.get_state(i, &k).unwrap(),
                 p.fast.opt.get_state(i, &k).unwrap(),
@@ -465,7 +465,7 @@ fn fast_digest() -> u64 {
                 run.step(&o, t);
                 for i in 0..n {
                     eat(&run.bufs[i]);
-                    for k in run.opt.state_keys(i) {
+                    for k in run.opt.state_keys(i).unwrap() {
                         eat(&run.opt.get_state(i, &k).unwrap().data);
                     }
                 }

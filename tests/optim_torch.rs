@@ -47,7 +47,7 @@ fn run_case(name: &str) {
         .map(|k| k.as_str().unwrap().to_string())
         .collect();
     for i in 0..n {
-        let mut ours = run.opt.state_keys(i);
+        let mut ours = run.opt.state_keys(i).unwrap();
         ours.sort();
         assert_eq!(ours, keys, "{name} p{i}: state keys");
         for k in &keys {

@@ -12,7 +12,7 @@ pub fn gather_shard(full: &[u8], esize: usize, spec: &ShardSpec) -> Vec<u8> {
     if local_numel == 0 {
         return out;
     }
-    let runs: Vec<_> = (0..shape.len()).map(|d| spec.runs(d)).collect();
+    let runs: Vec<_> = (0..shape.len()).map(|d| spec.dim_runs(d)).collect();
     // `j`: the last dim the shard does not hold whole; dims after it form one block.
     let Some(j) = (0..shape.len()).rev().find(|&d| runs[d].len() != shape[d]) else {
         out.extend_from_slice(full);

@@ -106,6 +106,9 @@ fn start(
     staging_budget: usize,
     held: bool,
 ) -> Result<AsyncSave> {
+    // Before waiting for a previous save or entering a collective: a bad option is
+    // this rank's own mistake, reported at once.
+    o.validate()?;
     // The previous save's writer must be done with the optimizer (one snapshot at a
     // time); its files commit on their own (no communicator) or at its wait.
     // Its pool's kept buffers serve this save's copies (`stage_copy`).

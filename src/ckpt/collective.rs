@@ -136,6 +136,7 @@ pub fn save_optimizer_comm_checked(
     local: Result<(&Optimizer, &Path, SaveOptions)>,
 ) -> Result<String> {
     let local = local.and_then(|(opt, dir, o)| {
+        o.validate()?;
         if o.rank != comm.rank() || o.world_size != comm.world_size() {
             return Err(Error::invalid(
                 "options.rank",

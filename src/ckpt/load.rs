@@ -85,7 +85,7 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
             Some(s) => s.clone(),
             None => ShardSpec::unsharded(p.shape().to_vec())?,
         };
-        let cfg = opt.group_config(opt.param_group(i)).clone();
+        let cfg = opt.param_config(i).clone();
         let prefix = state_key(&fqn, "");
         let saved: BTreeSet<String> = ck
             .keys
@@ -93,11 +93,8 @@ pub fn load(opt: &mut Optimizer, dir: &Path, o: &LoadOptions) -> Result<LoadRepo
             .filter_map(|k| k.strip_prefix(&prefix))
             .map(|n| base(n).to_string())
             .collect();
-        let expected: BTreeSet<String> = opt
-            .state_keys(i)
-            .iter()
-            .map(|k| base(k).to_string())
-            .collect();
+        let expected: BTreeSet<String> =
+            opt.keys_of(i).iter().map(|k| base(k).to_string()).collect();
         for m in expected.difference(&saved) {
             report.missing.push(format!("{prefix}{m}"));
         }
@@ -184,7 +181,7 @@ fn saved_groups(
     };
     let mut out = Vec::new();
     for (g, v) in groups.iter().enumerate().take(opt.num_groups()) {
-        let mut c = opt.group_config(g).clone();
+        let mut c = opt.group_config(g)?.clone();
         if v["algorithm"] != c.algorithm.name() {
             return Err(Error::invalid(
                 "param_groups",
@@ -225,8 +222,8 @@ fn apply(
         .collect::<Result<Vec<_>>>()?;
     let old_groups: Vec<_> = groups
         .iter()
-        .map(|(g, _)| (*g, opt.group_config(*g).clone()))
-        .collect();
+        .map(|(g, _)| Ok((*g, opt.group_config(*g)?.clone())))
+        .collect::<Result<_>>()?;
     let result = (|| {
         for (i, entries) in &staged {
             let (raw, states): (Vec<_>, Vec<_>) =

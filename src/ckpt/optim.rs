@@ -6,13 +6,14 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::commit::{check_world_size, MAX_WORLD_SIZE};
 use super::naming::{
     self, codes_key, num_groups, split_state_name, state_key, ERROR_BITS, EXP_AVG_SQ, MASTER, STEP,
 };
 use super::pack::{EntryMeta, Layout, PackOptions, Packed};
 use super::writer::{finish, resolve_save_id, stage_rank_file};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::optim::placement::staging::StagedParam;
 use crate::optim::{Optimizer, StateFormat};
 use crate::shard::ShardSpec;
@@ -58,6 +59,25 @@ impl SaveOptions {
             save_id: String::new(),
         }
     }
+
+    /// Every entry taking options (pack, save, async and collective save) calls this
+    /// first, so a Rust caller meets the same refusal the C ABI reports (`options.*`
+    /// names: the fields of `fo_pack_options`).
+    pub fn validate(&self) -> Result<()> {
+        check_world_size(self.world_size).map_err(|_| {
+            Error::invalid(
+                "options.world_size",
+                format!("{} is outside 1..={MAX_WORLD_SIZE}", self.world_size),
+            )
+        })?;
+        if self.rank >= self.world_size {
+            return Err(Error::invalid(
+                "options.rank",
+                format!("{} is outside a world of {}", self.rank, self.world_size),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Where an entry's data comes from.
@@ -93,7 +113,7 @@ pub(super) fn plan_entries(
     for i in packed_params(opt) {
         let (fqn, p, spec) = (opt.param_fqn(i), opt.param(i), opt.param_spec(i).cloned());
         let shape = p.shape().to_vec();
-        let cfg = opt.group_config(opt.param_group(i));
+        let cfg = opt.param_config(i);
         match o.params {
             Some(ParamsAs::Stored) => push(
                 fqn.into(),
@@ -120,7 +140,7 @@ pub(super) fn plan_entries(
             }
             None => {}
         }
-        let keys = opt.state_keys(i);
+        let keys = opt.keys_of(i);
         let mut done = BTreeSet::new();
         for k in &keys {
             let (name, raw) = split_state_name(k);
@@ -276,6 +296,7 @@ impl<'a> Fetcher<'a> {
 
 /// The optimizer's local state as named chunks, data included (`fo_state_pack`).
 pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
+    o.validate()?;
     let (metas, srcs) = plan_entries(opt, o)?;
     let mut fetcher = Fetcher::new(opt, &srcs);
     let entries = metas
@@ -294,6 +315,7 @@ pub fn pack(opt: &Optimizer, o: &SaveOptions) -> Result<Packed> {
 /// Saves this rank's state into `dir`, one entry at a time (peak extra memory: the
 /// largest entry).
 pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
+    o.validate()?;
     let (metas, srcs) = plan_entries(opt, o)?;
     let mut popts = pack_options(opt, o);
     popts.save_id = resolve_save_id(&o.save_id, o.world_size)?;
@@ -301,4 +323,56 @@ pub fn save(opt: &Optimizer, dir: &Path, o: &SaveOptions) -> Result<()> {
     let mut fetcher = Fetcher::new(opt, &srcs);
     let staged = stage_rank_file(dir, &plan, &popts, &mut |e| fetcher.get(e).map(Cow::Owned))?;
     finish(dir, staged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Comm;
+    use crate::error::Error;
+    use crate::optim::{Algorithm, OptimConfig};
+
+    fn refused(r: Result<impl std::fmt::Debug>, name: &str, reason: &str) {
+        match r {
+            Err(Error::InvalidArgument {
+                name: n,
+                reason: why,
+            }) => {
+                assert_eq!((n.as_str(), why.as_str()), (name, reason))
+            }
+            other => panic!("expected {name} refused, got {other:?}"),
+        }
+    }
+
+    /// Every entry taking `SaveOptions` refuses a rank outside its world (and a world
+    /// outside 1..=MAX_WORLD_SIZE) before touching the directory, as the C ABI does.
+    #[test]
+    fn every_save_entry_refuses_bad_rank_and_world_size() {
+        let mut opt = Optimizer::new(OptimConfig::default_for(Algorithm::AdamW)).unwrap();
+        let dir = std::env::temp_dir().join(format!("fo-save-opts-{}", std::process::id()));
+        let rank = SaveOptions::new(2, 2, Mode::Compressed);
+        let world = SaveOptions::new(0, 0, Mode::Portable);
+        let too_big = SaveOptions::new(0, MAX_WORLD_SIZE + 1, Mode::Portable);
+        let (r, w) = ("2 is outside a world of 2", "0 is outside 1..=1048576");
+        refused(pack(&opt, &rank), "options.rank", r);
+        refused(pack(&opt, &world), "options.world_size", w);
+        refused(
+            pack(&opt, &too_big),
+            "options.world_size",
+            "1048577 is outside 1..=1048576",
+        );
+        refused(save(&opt, &dir, &rank), "options.rank", r);
+        refused(save(&opt, &dir, &world), "options.world_size", w);
+        let a = super::super::save_async(&mut opt, &dir, &rank, None, 0).map(|_| ());
+        refused(a, "options.rank", r);
+        let comm = Comm::local_group(1).pop().unwrap();
+        let bad = SaveOptions::new(1, 1, Mode::Compressed);
+        refused(
+            super::super::save_optimizer_comm(&opt, &dir, &bad, &comm),
+            "options.rank",
+            "1 is outside a world of 1",
+        );
+        assert!(!dir.exists(), "a refused save created {}", dir.display());
+        assert!(SaveOptions::new(1, 2, Mode::Compressed).validate().is_ok());
+    }
 }

@@ -396,11 +396,17 @@ impl Packed {
         })
     }
 
-    pub fn chunk_data(&self, i: usize) -> &[u8] {
-        match &self.gathered[i] {
+    /// Chunk `i`'s bytes; an `i` past the chunks is an error naming `index`.
+    pub fn chunk_data(&self, i: usize) -> Result<&[u8]> {
+        let n = self.plan.chunks.len();
+        if i >= n {
+            let why = format!("{i} is out of range ({n} entries)");
+            return Err(Error::invalid("index", why));
+        }
+        Ok(match &self.gathered[i] {
             Some(v) => v,
             None => &self.entries[self.plan.chunks[i].entry].data,
-        }
+        })
     }
 }
 
@@ -452,8 +458,11 @@ mod tests {
             .collect();
         assert_eq!(names, vec![("w", 0), ("w", 1)]);
         assert_eq!(p.plan.chunks[1].global_offset, vec![8, 0]);
+        let e = p.chunk_data(2).unwrap_err().to_string();
+        assert_eq!(e, "invalid argument `index`: 2 is out of range (2 entries)");
         let second: Vec<f32> = p
             .chunk_data(1)
+            .unwrap()
             .chunks(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();

@@ -152,7 +152,7 @@ impl Checkpoint {
                 let mut prefix = 0;
                 for c in owner_coords(&saved) {
                     let g = num_groups(c.local_numel());
-                    if (0..dest.global_shape().len()).all(|d| c.runs(d) == dest.runs(d)) {
+                    if (0..dest.global_shape().len()).all(|d| c.dim_runs(d) == dest.dim_runs(d)) {
                         let codes = self.read(&ck, dest)?;
                         let si = self.key(&sk)?;
                         let whole = Chunk {

@@ -161,7 +161,7 @@ fn copy_bytes(
     } else {
         0
     };
-    opt.state_bytes(i) + param
+    opt.state_nbytes(i) + param
 }
 
 impl Snapshot {

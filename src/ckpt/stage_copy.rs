@@ -139,44 +139,13 @@ impl Recycled {
 
 /// A copy of `src`: into a kit buffer of its shape when there is one, else into a fresh
 /// allocation of exactly its length (so that it can serve the same shape later).
-pub(super) fn copy_slice<T: Copy + Send + Sync + 'static>(src: &[T], kit: &mut Recycled) -> Vec<T> {
+pub(super) fn copy_slice<T: Copy + 'static>(src: &[T], kit: &mut Recycled) -> Vec<T> {
     let mut v = kit
         .take::<T>(src.len())
         .unwrap_or_else(|| Vec::with_capacity(src.len()));
-    let bytes = std::mem::size_of_val(src);
-    let workers = crate::optim::num_threads()
-        .unwrap_or(1)
-        .min(bytes / PARALLEL_PIECE_BYTES);
-    if workers < 2 {
-        v.extend_from_slice(src);
-        return v;
-    }
-    // The step waits for this copy: as many threads as the step's own share it (one core
-    // copies at 1-3 GB/s here, below what the memory bus takes).
-    let piece = src.len().div_ceil(workers);
-    let dst = &mut v.spare_capacity_mut()[..src.len()];
-    std::thread::scope(|s| {
-        for (d, from) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
-            s.spawn(move || {
-                // SAFETY: `d` and `from` have the same length and do not overlap (`d` is
-                // spare capacity of a Vec that `src` is not part of).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        from.as_ptr(),
-                        d.as_mut_ptr().cast::<T>(),
-                        from.len(),
-                    )
-                }
-            });
-        }
-    });
-    // SAFETY: every element below `src.len()` was written above.
-    unsafe { v.set_len(src.len()) };
+    v.extend_from_slice(src);
     v
 }
-
-/// A copy is shared among threads only past this many bytes per thread.
-const PARALLEL_PIECE_BYTES: usize = 4 << 20;
 
 fn copy_moment(m: &Moment, kit: &mut Recycled) -> Moment {
     match m {

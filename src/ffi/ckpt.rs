@@ -1,5 +1,6 @@
 //! The checkpoint C ABI: `fo_state_pack` and its packed view, save, `fo_state_load`,
-//! `fo_checkpoint_consolidate`, `fo_checkpoint_verify`. Thin: check, call `crate::ckpt`.
+//! `fo_checkpoint_consolidate`, `fo_checkpoint_verify`. Thin: converts the C structs and
+//! codes; `crate::ckpt` validates and does the work.
 use std::ffi::{c_char, c_void, CString};
 
 use super::args::{arg_flag, arg_mut, arg_path, arg_ref, arg_str};
@@ -9,7 +10,7 @@ use super::codes::{
 };
 use super::handle::{destroy, enter, Guarded, Handle};
 use super::optim::{enter_opt, fo_optimizer, write_string};
-use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS, FO_MAX_WORLD_SIZE};
+use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
 use crate::error::{Error, Result};
 
@@ -33,6 +34,8 @@ pub struct fo_pack_options {
 }
 
 impl fo_pack_options {
+    /// Field by field conversion only: the ranges (world size, rank inside it) are
+    /// `SaveOptions::validate`'s, which every core save entry runs.
     pub(super) unsafe fn to_options(self) -> Result<SaveOptions> {
         let count = |v: i32, what: &str| {
             usize::try_from(v).map_err(|_| Error::invalid(what, format!("negative value {v}")))
@@ -74,18 +77,6 @@ impl fo_pack_options {
         };
         if !self.save_id.is_null() {
             o.save_id = arg_str(self.save_id, "options.save_id")?.to_string();
-        }
-        ckpt::commit::check_world_size(o.world_size).map_err(|_| {
-            Error::invalid(
-                "options.world_size",
-                format!("{} is outside 1..={FO_MAX_WORLD_SIZE}", o.world_size),
-            )
-        })?;
-        if o.rank >= o.world_size {
-            return Err(Error::invalid(
-                "options.rank",
-                format!("{} is outside a world of {}", o.rank, o.world_size),
-            ));
         }
         Ok(o)
     }
@@ -200,14 +191,8 @@ pub unsafe extern "C" fn fo_packed_get_entry(
 
 impl PackedNames {
     fn entry(&self, index: usize) -> Result<fo_packed_entry> {
-        let chunks = &self.inner.plan.chunks;
-        let c = chunks.get(index).ok_or_else(|| {
-            Error::invalid(
-                "index",
-                format!("{index} is out of range ({} entries)", chunks.len()),
-            )
-        })?;
-        let data = self.inner.chunk_data(index);
+        let data = self.inner.chunk_data(index)?;
+        let c = &self.inner.plan.chunks[index];
         Ok(fo_packed_entry {
             name: self.names[index].0.as_ptr(),
             key: self.names[index].1.as_ptr(),

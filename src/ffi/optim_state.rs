@@ -153,13 +153,8 @@ pub unsafe extern "C" fn fo_optimizer_get_group_config(
             enter_opt(opt, "fo_optimizer_get_group_config")?,
             index(group, "group")?,
         );
-        if g >= opt.num_groups() {
-            return Err(Error::invalid(
-                "group",
-                format!("{g} is out of range ({} groups)", opt.num_groups()),
-            ));
-        }
-        *arg_mut(out, "out")? = fo_optim_config::from_config(opt.group_config(g));
+        let cfg = fo_optim_config::from_config(opt.group_config(g)?);
+        *arg_mut(out, "out")? = cfg;
         Ok(())
     })
 }
@@ -190,9 +185,7 @@ pub unsafe extern "C" fn fo_optimizer_state_bytes(
         *out = if index == -1 {
             opt.total_state_bytes()
         } else {
-            let i = self::index(index, "index")?;
-            opt.check_index(i)?;
-            opt.state_bytes(i)
+            opt.state_bytes(self::index(index, "index")?)?
         } as u64;
         Ok(())
     })
@@ -211,9 +204,8 @@ pub unsafe extern "C" fn fo_optimizer_state_keys(
 ) -> fo_status {
     guard(|| {
         let opt = enter_opt(opt, "fo_optimizer_state_keys")?;
-        let i = self::index(index, "index")?;
-        opt.check_index(i)?;
-        write_string(&opt.state_keys(i).join("\n"), buf, capacity, out_len)
+        let keys = opt.state_keys(self::index(index, "index")?)?;
+        write_string(&keys.join("\n"), buf, capacity, out_len)
     })
 }
 
@@ -249,13 +241,7 @@ pub unsafe extern "C" fn fo_offload_plan(
 ) -> fo_status {
     guard(|| {
         let sizes = super::args::arg_dims(arg_slice(numels, n, "numels")?, "numels")?;
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(Error::invalid(
-                "fraction",
-                format!("{fraction} is outside [0, 1]"),
-            ));
-        }
-        let plan = plan_offload(&sizes, fraction);
+        let plan = plan_offload(&sizes, fraction)?;
         arg_slice_mut(out, n, "out")?
             .iter_mut()
             .zip(plan)

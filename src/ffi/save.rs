@@ -1,5 +1,5 @@
 //! The async save C ABI: `fo_state_save_async`, `fo_save_wait`, `fo_save_poll`,
-//! `fo_save_stats`, `fo_save_destroy`. Thin: check, call `crate::ckpt::async_save`.
+//! `fo_save_stats`, `fo_save_destroy`. Thin: convert, call `crate::ckpt::async_save`.
 use std::ffi::c_char;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

@@ -1,8 +1,10 @@
+//! The sharding C ABI: shard metadata, indices, FSDP2 padding and the grouped-weight
+//! shift. Thin: converts pointers and codes; `crate::shard` validates.
 use super::args::{arg_count, arg_mut, arg_slice_mut};
 use super::status::{fo_status, guard};
 use super::types::{fo_placement, fo_shard_info, shard_spec_from_parts};
-use crate::error::Error;
-use crate::shard::padded_shard_size;
+use crate::error::{Error, Result};
+use crate::shard::{grouped_placements, padded_shard_size};
 
 /// The local shape, global offset, global shape and stride of the shard held at `coord`
 /// (PyTorch 2.15's `compute_local_shape_and_global_offset`, uneven and strided shards
@@ -45,19 +47,13 @@ pub unsafe extern "C" fn fo_shard_indices(
         let spec =
             shard_spec_from_parts(ndim, global_shape, mesh_ndim, mesh_shape, coord, placements)?;
         let out_len = arg_mut(out_len, "out_len")?;
-        let d = arg_count(dim as i64, "dim")?;
-        if d >= spec.global_shape().len() {
-            return Err(Error::invalid(
-                "dim",
-                format!("{dim} is outside a tensor with {ndim} dims"),
-            ));
-        }
+        let runs = spec.runs(arg_count(dim as i64, "dim")?)?;
         let capacity = arg_count(capacity, "capacity")?;
-        let runs = spec.runs(d);
         let n = runs.len();
         *out_len = n as i64;
         if n > capacity {
-            let reason = format!("{capacity} is too small for the {n} indices held along dim {d}");
+            let reason =
+                format!("{capacity} is too small for the {n} indices held along dim {dim}");
             return Err(Error::invalid("capacity", reason));
         }
         runs.write_into(arg_slice_mut(out, n, "out")?);
@@ -69,12 +65,8 @@ pub unsafe extern "C" fn fo_shard_indices(
 #[no_mangle]
 pub unsafe extern "C" fn fo_padded_shard_size(len: i64, world: i64, out: *mut i64) -> fo_status {
     guard(|| {
-        let len = arg_count(len, "len")?;
-        let world = arg_count(world, "world")?;
-        if world == 0 {
-            return Err(Error::invalid("world", "must be >= 1, got 0"));
-        }
-        *arg_mut(out, "out")? = padded_shard_size(len, world) as i64;
+        let n = padded_shard_size(arg_count(len, "len")?, arg_count(world, "world")?)?;
+        *arg_mut(out, "out")? = n as i64;
         Ok(())
     })
 }
@@ -90,27 +82,18 @@ pub unsafe extern "C" fn fo_grouped_placements(
 ) -> fo_status {
     guard(|| {
         let n = super::args::arg_ndim(mesh_ndim, "mesh_ndim", true)?;
+        // Copied, converted and shifted before `out` is written: it may alias `placements`.
         let src: Vec<fo_placement> = super::args::arg_slice(placements, n, "placements")?.to_vec();
         let dst = arg_slice_mut(out, n, "out")?;
-        // Checked before anything is written: `out` may alias `placements`. The stacked
-        // tensor has one more dim than the weight, so a shifted dim must stay below 8.
-        let shifted = src
+        let src = src
             .iter()
             .enumerate()
-            .map(|(i, p)| {
-                let q = p.to_placement(&format!("placements[{i}]"))?;
-                match q.shard_dim() {
-                    Some(d) if d + 1 >= crate::tensor::MAX_DIMS => Err(Error::invalid(
-                        format!("placements[{i}].dim"),
-                        format!(
-                            "{d}: the stacked tensor's dim {} would exceed FO_MAX_DIMS",
-                            d + 1
-                        ),
-                    )),
-                    _ => Ok(fo_placement::from_placement(q.shifted_for_grouped())),
-                }
-            })
-            .collect::<crate::error::Result<Vec<_>>>()?;
+            .map(|(i, p)| p.to_placement(&format!("placements[{i}]")))
+            .collect::<Result<Vec<_>>>()?;
+        let shifted: Vec<fo_placement> = grouped_placements(&src)?
+            .into_iter()
+            .map(fo_placement::from_placement)
+            .collect();
         dst.copy_from_slice(&shifted);
         Ok(())
     })

@@ -303,8 +303,15 @@ impl Optimizer {
     pub fn param_group(&self, i: usize) -> usize {
         self.params[i].group
     }
-    pub fn group_config(&self, g: usize) -> &OptimConfig {
-        &self.groups[g]
+    /// Group `g`'s hyper-parameters; an out-of-range `g` is an error naming `group`.
+    pub fn group_config(&self, g: usize) -> Result<&OptimConfig> {
+        self.check_group(g)?;
+        Ok(&self.groups[g])
+    }
+    /// The config of parameter `i`'s group, for internal loops over known indices
+    /// (unchecked: a registered parameter's group always exists).
+    pub(crate) fn param_config(&self, i: usize) -> &OptimConfig {
+        &self.groups[self.params[i].group]
     }
     pub fn has_state(&self, i: usize) -> bool {
         self.params[i].state.is_some() || self.params[i].gpu.is_some()
@@ -314,14 +321,19 @@ impl Optimizer {
         self.params[i].device
     }
     /// Bytes of optimizer state held for parameter `i` (moments, scales, error bits;
-    /// the step counter is not counted).
-    pub fn state_bytes(&self, i: usize) -> usize {
+    /// the step counter is not counted); an out-of-range `i` is an error naming `index`.
+    pub fn state_bytes(&self, i: usize) -> Result<usize> {
+        self.check_index(i)?;
+        Ok(self.state_nbytes(i))
+    }
+    /// `state_bytes` for internal loops over known indices (unchecked).
+    pub(crate) fn state_nbytes(&self, i: usize) -> usize {
         let p = &self.params[i];
         p.state.as_ref().map_or(0, ParamState::nbytes)
             + p.gpu.as_ref().map_or(0, DeviceState::nbytes)
     }
     pub fn total_state_bytes(&self) -> usize {
-        (0..self.params.len()).map(|i| self.state_bytes(i)).sum()
+        (0..self.params.len()).map(|i| self.state_nbytes(i)).sum()
     }
 
     /// An error unless `i` is a registered parameter's index.
@@ -339,5 +351,27 @@ impl Optimizer {
     pub(crate) fn new_state(&self, i: usize) -> ParamState {
         let p = &self.params[i];
         StateLayout::of(&self.groups[p.group], p.tensor.dtype()).zeroed(p.tensor.numel())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::Algorithm;
+
+    /// The accessors the C ABI reaches with a caller's index check it themselves: an
+    /// error naming the argument, never a panic.
+    #[test]
+    fn index_accessors_refuse_out_of_range_indices() {
+        let opt = Optimizer::new(OptimConfig::default_for(Algorithm::AdamW)).unwrap();
+        assert_eq!(opt.group_config(0).unwrap().algorithm, Algorithm::AdamW);
+        let e = opt.group_config(99).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `group`: 99 is out of range (1 groups)"
+        );
+        let index = "invalid argument `index`: 0 is out of range (0 parameters)";
+        assert_eq!(opt.state_bytes(0).unwrap_err().to_string(), index);
+        assert_eq!(opt.state_keys(0).unwrap_err().to_string(), index);
     }
 }

@@ -154,7 +154,7 @@ pub(super) fn model(cfg: &OptimConfig, pdt: DType, seed: u64, spec: bool) -> Opt
 pub(super) fn snapshot(m: &Model) -> (Vec<Vec<u8>>, Vec<(String, Tensor)>) {
     let mut st = Vec::new();
     for i in 0..m.opt.num_params() {
-        for k in m.opt.state_keys(i) {
+        for k in m.opt.keys_of(i) {
             st.push((format!("{i}.{k}"), m.opt.get_state(i, &k).unwrap()));
         }
     }

@@ -61,8 +61,15 @@ pub(super) fn values(key: &str, t: &Tensor) -> Result<Vec<f32>> {
 
 impl Optimizer {
     /// The keys `get_state` / checkpoints use for parameter `i`'s native state (empty
-    /// before its first step). `step` is listed for Adam/AdamW, as torch stores it.
-    pub fn state_keys(&self, i: usize) -> Vec<String> {
+    /// before its first step). `step` is listed for Adam/AdamW, as torch stores it. An
+    /// out-of-range `i` is an error naming `index`.
+    pub fn state_keys(&self, i: usize) -> Result<Vec<String>> {
+        self.check_index(i)?;
+        Ok(self.keys_of(i))
+    }
+
+    /// `state_keys` for internal loops over known indices (unchecked).
+    pub(crate) fn keys_of(&self, i: usize) -> Vec<String> {
         let p = &self.params[i];
         // A device state's keys follow from its layout: nothing is read back for them.
         let empty;
@@ -153,7 +160,7 @@ impl Optimizer {
             Error::NotFound(format!(
                 "parameter {} has no state key {key:?} (it has: step, master, {})",
                 p.fqn,
-                self.state_keys(i).join(", ")
+                self.keys_of(i).join(", ")
             ))
         };
         if key == STEP {

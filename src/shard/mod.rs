@@ -3,6 +3,6 @@ mod placement;
 mod runs;
 mod spec;
 
-pub use placement::Placement;
+pub use placement::{grouped_placements, Placement};
 pub use runs::{chunk_range, padded_shard_size, Runs};
 pub use spec::{coord_to_rank, mesh_coords, rank_to_coord, Chunk, ShardInfo, ShardSpec};

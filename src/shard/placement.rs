@@ -1,6 +1,6 @@
-//! One mesh dim's placement as torch's DTensor names it: `Replicate`, `Partial`,
-//! `Shard(dim)` and `_StridedShard(dim, split_factor)`.
+//! One mesh dim's DTensor placement, its CLI spelling and the grouped-weight shift.
 use crate::error::{Error, Result};
+use crate::tensor::MAX_DIMS;
 
 /// How a tensor is laid out along one mesh dim: torch's DTensor placements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -27,17 +27,44 @@ impl Placement {
     }
 
     /// The grouped-weight shift: a placement written for a 2-D `(out, in)` weight,
-    /// applied to the stacked `(num_gemms, out, in)` tensor, splits one dim later.
-    pub fn shifted_for_grouped(&self) -> Placement {
-        match *self {
+    /// applied to the stacked `(num_gemms, out, in)` tensor, splits one dim later. The
+    /// stacked tensor has one more dim, so a shifted dim must stay below `MAX_DIMS`
+    /// (an error naming `dim` otherwise).
+    pub fn shifted_for_grouped(&self) -> Result<Placement> {
+        self.shifted_named("dim")
+    }
+
+    fn shifted_named(&self, name: &str) -> Result<Placement> {
+        if let Some(d) = self.shard_dim() {
+            if d + 1 >= MAX_DIMS {
+                return Err(Error::invalid(
+                    name,
+                    format!(
+                        "{d}: the stacked tensor's dim {} would exceed FO_MAX_DIMS",
+                        d + 1
+                    ),
+                ));
+            }
+        }
+        Ok(match *self {
             Placement::Shard(d) => Placement::Shard(d + 1),
             Placement::StridedShard { dim, split_factor } => Placement::StridedShard {
                 dim: dim + 1,
                 split_factor,
             },
             other => other,
-        }
+        })
     }
+}
+
+/// Every placement of a weight shifted for its grouped (stacked) form; a bad one is
+/// named `placements[i].dim`, as `ShardSpec::new` names its placements.
+pub fn grouped_placements(placements: &[Placement]) -> Result<Vec<Placement>> {
+    placements
+        .iter()
+        .enumerate()
+        .map(|(i, p)| p.shifted_named(&format!("placements[{i}].dim")))
+        .collect()
 }
 
 /// `R`, `P`, `S<dim>` and `SS<dim>:<split_factor>`: the compact spelling the CLI uses.
@@ -109,7 +136,7 @@ mod tests {
     #[test]
     fn grouped_shift_moves_shard_dims_only() {
         assert_eq!(
-            Placement::Shard(0).shifted_for_grouped(),
+            Placement::Shard(0).shifted_for_grouped().unwrap(),
             Placement::Shard(1)
         );
         assert_eq!(
@@ -117,16 +144,30 @@ mod tests {
                 dim: 1,
                 split_factor: 2
             }
-            .shifted_for_grouped(),
+            .shifted_for_grouped()
+            .unwrap(),
             Placement::StridedShard {
                 dim: 2,
                 split_factor: 2
             }
         );
         assert_eq!(
-            Placement::Replicate.shifted_for_grouped(),
+            Placement::Replicate.shifted_for_grouped().unwrap(),
             Placement::Replicate
         );
+    }
+
+    #[test]
+    fn a_shift_past_max_dims_is_refused() {
+        let last = Placement::Shard(MAX_DIMS - 1);
+        let e = last.shifted_for_grouped().unwrap_err();
+        assert!(e.to_string().starts_with("invalid argument `dim`"), "{e}");
+        let e = grouped_placements(&[Placement::Replicate, last]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `placements[1].dim`: 7: the stacked tensor's dim 8 would exceed FO_MAX_DIMS"
+        );
+        assert!(grouped_placements(&[Placement::Shard(MAX_DIMS - 2)]).is_ok());
     }
 
     #[test]

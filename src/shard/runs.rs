@@ -2,6 +2,8 @@
 //! of a 64M-row tensor costs a few ranges, not 64M integers.
 use std::ops::Range;
 
+use crate::error::{Error, Result};
+
 /// `torch.chunk` along a list of length `len` into `n` pieces: piece `r` is
 /// `[min(len, c*r), min(len, c*(r+1)))` with `c = ceil(len/n)`; trailing pieces may be empty.
 pub fn chunk_range(len: usize, n: usize, r: usize) -> Range<usize> {
@@ -11,9 +13,13 @@ pub fn chunk_range(len: usize, n: usize, r: usize) -> Range<usize> {
     start..end
 }
 
-/// FSDP2's padded shard size: every rank's shard is padded to `ceil(len/n)` rows.
-pub fn padded_shard_size(len: usize, n: usize) -> usize {
-    len.div_ceil(n)
+/// FSDP2's padded shard size: every rank's shard is padded to `ceil(len/world)` rows.
+/// A world of 0 ranks is an error naming `world` (not a division by zero).
+pub fn padded_shard_size(len: usize, world: usize) -> Result<usize> {
+    if world == 0 {
+        return Err(Error::invalid("world", "must be >= 1, got 0"));
+    }
+    Ok(len.div_ceil(world))
 }
 
 /// Sorted, disjoint, non-empty runs of global indices, in local storage order.
@@ -114,8 +120,13 @@ mod tests {
         let sizes: Vec<usize> = (0..4).map(|r| chunk_range(6, 4, r).len()).collect();
         assert_eq!(sizes, vec![2, 2, 2, 0]);
         assert_eq!(chunk_range(0, 3, 1), 0..0);
-        assert_eq!(padded_shard_size(10, 4), 3);
-        assert_eq!(padded_shard_size(0, 4), 0);
+        assert_eq!(padded_shard_size(10, 4).unwrap(), 3);
+        assert_eq!(padded_shard_size(0, 4).unwrap(), 0);
+        let e = padded_shard_size(10, 0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `world`: must be >= 1, got 0"
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! A DTensor shard's full description (global shape, mesh, coordinate, placements) and
-//! what follows from it: the local shape, the global offsets held, the runs along a dim.
+//! `ShardSpec`: one mesh coordinate's shard of a DTensor, validated at construction,
+//! and what follows from it (runs per dim, local shape, offsets, boxes).
 use super::placement::Placement;
 use super::runs::Runs;
 use crate::error::{Error, Result};
@@ -167,11 +167,7 @@ impl ShardSpec {
     pub fn grouped(&self, num_gemms: usize) -> Result<ShardSpec> {
         let mut shape = vec![num_gemms];
         shape.extend_from_slice(&self.global_shape);
-        let placements = self
-            .placements
-            .iter()
-            .map(Placement::shifted_for_grouped)
-            .collect();
+        let placements = super::placement::grouped_placements(&self.placements)?;
         ShardSpec::new(
             shape,
             self.mesh_shape.clone(),
@@ -199,8 +195,23 @@ impl ShardSpec {
     }
 
     /// The global indices held along `dim`, in local storage order, as runs.
-    /// Mesh dims apply in order, each splitting what the previous ones left.
-    pub fn runs(&self, dim: usize) -> Runs {
+    /// Mesh dims apply in order, each splitting what the previous ones left. A `dim`
+    /// outside the tensor is an error naming `dim`.
+    pub fn runs(&self, dim: usize) -> Result<Runs> {
+        if dim >= self.global_shape.len() {
+            return Err(Error::invalid(
+                "dim",
+                format!(
+                    "{dim} is outside a tensor with {} dims",
+                    self.global_shape.len()
+                ),
+            ));
+        }
+        Ok(self.dim_runs(dim))
+    }
+
+    /// `runs` for the loops over `0..ndim` here and in the crate (unchecked).
+    pub(crate) fn dim_runs(&self, dim: usize) -> Runs {
         let mut runs = Runs::full(self.global_shape[dim]);
         for ((p, &n), &c) in self
             .placements
@@ -222,17 +233,17 @@ impl ShardSpec {
 
     /// How many global indices are held along `dim`, without listing them.
     pub fn count(&self, dim: usize) -> usize {
-        self.runs(dim).len()
+        self.dim_runs(dim).len()
     }
 
     /// The global indices held along `dim`, ascending.
     pub fn indices(&self, dim: usize) -> Vec<usize> {
-        self.runs(dim).to_vec()
+        self.dim_runs(dim).to_vec()
     }
 
     pub fn local_shape(&self) -> Vec<usize> {
         (0..self.global_shape.len())
-            .map(|d| self.runs(d).len())
+            .map(|d| self.dim_runs(d).len())
             .collect()
     }
 
@@ -244,7 +255,7 @@ impl ShardSpec {
     /// holds nothing along a sharded dim, the sentinel `global_shape[d]`.
     pub fn global_offset(&self) -> Vec<usize> {
         (0..self.global_shape.len())
-            .map(|d| match self.runs(d).first() {
+            .map(|d| match self.dim_runs(d).first() {
                 Some(i) => i,
                 None if self.is_sharded_dim(d) => self.global_shape[d],
                 None => 0,
@@ -254,7 +265,7 @@ impl ShardSpec {
 
     /// True when the shard is one contiguous box of the global tensor (every dim one run).
     pub fn is_box(&self) -> bool {
-        (0..self.global_shape.len()).all(|d| self.runs(d).0.len() <= 1)
+        (0..self.global_shape.len()).all(|d| self.dim_runs(d).0.len() <= 1)
     }
 
     pub fn info(&self) -> ShardInfo {
@@ -273,7 +284,7 @@ impl ShardSpec {
         let per_dim: Vec<Vec<(usize, std::ops::Range<usize>)>> = (0..self.global_shape.len())
             .map(|d| {
                 let mut local = 0;
-                self.runs(d)
+                self.dim_runs(d)
                     .0
                     .into_iter()
                     .map(|r| {
@@ -435,6 +446,11 @@ mod tests {
         let e =
             ShardSpec::new(vec![usize::MAX / 2, 4], vec![1], vec![0], vec![Replicate]).unwrap_err();
         assert!(e.to_string().contains("2^63-1 elements"), "{e}");
+        let e = spec(&[4, 2], &[2], &[0], &[Shard(0)]).runs(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `dim`: 2 is outside a tensor with 2 dims"
+        );
     }
 
     #[test]

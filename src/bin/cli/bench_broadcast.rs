@@ -90,7 +90,9 @@ fn run_once(
                 let secs = t0.elapsed().as_secs_f64();
                 // Spot-check: each shard starts at its first global row.
                 for (t, (b, s)) in dst.iter().zip(&specs).enumerate() {
-                    if let (Some(&v), Some(row)) = (b.first(), s.runs(0).first()) {
+                    if let (Some(&v), Some(row)) =
+                        (b.first(), s.runs(0).map_err(|e| e.to_string())?.first())
+                    {
                         let want = (t * rows * cols + row * cols) as f32;
                         if v != want {
                             return Err(format!("rank {r} tensor {t}: got {v}, expected {want}"));

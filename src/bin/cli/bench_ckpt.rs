@@ -363,7 +363,8 @@ fn plain_write(path: &Path, packs: &[Packed]) -> Result<(), String> {
     let mut w = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
     for p in packs {
         for i in 0..p.plan.chunks.len() {
-            w.write_all(p.chunk_data(i)).map_err(|e| e.to_string())?;
+            let data = p.chunk_data(i).map_err(|e| e.to_string())?;
+            w.write_all(data).map_err(|e| e.to_string())?;
         }
     }
     w.sync_all().map_err(|e| e.to_string())

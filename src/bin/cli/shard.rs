@@ -47,8 +47,8 @@ pub fn run(a: &ShardArgs) -> Result<(), String> {
         let info = spec.info();
         let ranges: Vec<String> = (0..shape.len())
             .map(|d| {
-                let runs = spec.runs(d);
-                if runs.is_empty() {
+                let runs = spec.runs(d).map_err(|e| e.to_string())?;
+                Ok(if runs.is_empty() {
                     "{}".to_string()
                 } else {
                     runs.0
@@ -56,9 +56,9 @@ pub fn run(a: &ShardArgs) -> Result<(), String> {
                         .map(|r| format!("[{},{})", r.start, r.end))
                         .collect::<Vec<_>>()
                         .join("+")
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, String>>()?;
         println!(
             "{:<6} {:<12} {:<14} {:<14} {:<4} {}",
             rank,

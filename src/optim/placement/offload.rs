@@ -1,18 +1,22 @@
 //! Which parameters to keep on the host, by Megatron's HybridDeviceOptimizer rule.
+use crate::error::{Error, Result};
 
 /// Visits parameters in order and offloads while the offloaded numel is below
 /// `fraction × total`; the parameter that crosses the threshold is included.
-/// `fraction` is clamped to [0, 1]; a NaN fraction offloads nothing.
-pub fn plan_offload(numels: &[usize], fraction: f64) -> Vec<bool> {
+/// A `fraction` outside [0, 1] (or NaN) is an error: clamping would hide a caller's
+/// mistake (say a percentage) behind a plausible plan.
+pub fn plan_offload(numels: &[usize], fraction: f64) -> Result<Vec<bool>> {
+    if !(0.0..=1.0).contains(&fraction) {
+        return Err(Error::invalid(
+            "fraction",
+            format!("{fraction} is outside [0, 1]"),
+        ));
+    }
     // Sums in u128: sizes near i64::MAX must not wrap (a wrapped total plans nonsense).
     let total: u128 = numels.iter().map(|&n| n as u128).sum();
-    let limit = if fraction.is_nan() {
-        0.0
-    } else {
-        fraction.clamp(0.0, 1.0)
-    } * total as f64;
+    let limit = fraction * total as f64;
     let mut offloaded = 0u128;
-    numels
+    Ok(numels
         .iter()
         .map(|&n| {
             let take = (offloaded as f64) < limit;
@@ -21,7 +25,7 @@ pub fn plan_offload(numels: &[usize], fraction: f64) -> Vec<bool> {
             }
             take
         })
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -31,31 +35,58 @@ mod tests {
     #[test]
     fn sizes_near_i64_max_do_not_wrap_the_total() {
         let big = i64::MAX as usize;
-        assert_eq!(plan_offload(&[3, big, big], 0.5), vec![true, true, false]);
-        assert_eq!(plan_offload(&[big, big, big], 1.0), vec![true, true, true]);
+        assert_eq!(
+            plan_offload(&[3, big, big], 0.5).unwrap(),
+            vec![true, true, false]
+        );
+        assert_eq!(
+            plan_offload(&[big, big, big], 1.0).unwrap(),
+            vec![true, true, true]
+        );
     }
 
     #[test]
     fn crossing_param_is_included_and_later_ones_are_not() {
         assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.5),
+            plan_offload(&[10, 10, 10, 10], 0.5).unwrap(),
             vec![true, true, false, false]
         );
         assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.3),
+            plan_offload(&[10, 10, 10, 10], 0.3).unwrap(),
             vec![true, true, false, false]
         );
         assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.25),
+            plan_offload(&[10, 10, 10, 10], 0.25).unwrap(),
             vec![true, false, false, false]
         );
         assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.2),
+            plan_offload(&[10, 10, 10, 10], 0.2).unwrap(),
             vec![true, false, false, false]
         );
-        assert_eq!(plan_offload(&[5, 100, 1], 0.01), vec![true, false, false]);
-        assert_eq!(plan_offload(&[5, 100, 1], 0.0), vec![false, false, false]);
-        assert_eq!(plan_offload(&[5, 100, 1], 1.0), vec![true, true, true]);
-        assert_eq!(plan_offload(&[], 0.5), Vec::<bool>::new());
+        assert_eq!(
+            plan_offload(&[5, 100, 1], 0.01).unwrap(),
+            vec![true, false, false]
+        );
+        assert_eq!(
+            plan_offload(&[5, 100, 1], 0.0).unwrap(),
+            vec![false, false, false]
+        );
+        assert_eq!(
+            plan_offload(&[5, 100, 1], 1.0).unwrap(),
+            vec![true, true, true]
+        );
+        assert_eq!(plan_offload(&[], 0.5).unwrap(), Vec::<bool>::new());
+    }
+
+    #[test]
+    fn fractions_outside_0_1_are_refused_not_clamped() {
+        for f in [1.5, -0.1, f64::NAN, f64::INFINITY] {
+            let e = plan_offload(&[1], f).unwrap_err();
+            assert!(
+                matches!(&e, crate::error::Error::InvalidArgument { name, .. } if name == "fraction"),
+                "{f}: {e}"
+            );
+            assert!(e.to_string().contains("is outside [0, 1]"), "{e}");
+        }
     }
 }

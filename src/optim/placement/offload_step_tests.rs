@@ -48,7 +48,7 @@ fn grads(s: u64) -> Vec<Vec<u8>> {
 fn state(opt: &Optimizer) -> String {
     let mut out = String::new();
     for i in 0..opt.num_params() {
-        for k in opt.state_keys(i) {
+        for k in opt.keys_of(i) {
             out += &format!("{k}={:?};", opt.get_state(i, &k).unwrap());
         }
     }

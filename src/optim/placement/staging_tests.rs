@@ -67,7 +67,7 @@ fn everything(opt: &Optimizer) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     for i in 0..opt.num_params() {
         out.push((format!("p{i}"), opt.param_tensor(i).unwrap()));
-        for k in opt.state_keys(i).into_iter().chain(["master".to_string()]) {
+        for k in opt.keys_of(i).into_iter().chain(["master".to_string()]) {
             let t = opt.get_state(i, &k).unwrap();
             out.push((format!("p{i}.{k}"), t));
         }
@@ -128,7 +128,7 @@ fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
         assert_eq!(dev.total_state_bytes(), host.total_state_bytes());
         // Debug prints -0.0 and 0.0 apart, and every code and scale.
         for i in 0..SIZES.len() {
-            assert_eq!(dev.state_keys(i), host.state_keys(i));
+            assert_eq!(dev.keys_of(i), host.keys_of(i));
         }
         assert_eq!(
             format!("{:?}", everything(&dev)),
@@ -165,7 +165,7 @@ fn device_state_is_written_by_key_as_host_state_is() {
         step(&mut dev, dt, 0, EMULATED);
         for i in [1, 3] {
             let entries: Vec<(String, Tensor)> = from
-                .state_keys(i)
+                .keys_of(i)
                 .into_iter()
                 .chain(["master".to_string()])
                 .map(|k| {

@@ -109,7 +109,7 @@ pub fn run(a: &DemoArgs) -> Result<(), String> {
 
 fn demo(ranks: usize, steps: usize, seed: u64, out: &Path) -> Result<(), String> {
     let numels: Vec<usize> = mlp::PARAMS.iter().map(|(_, s)| mlp::numel(s)).collect();
-    let offloaded = fo::optim::plan_offload(&numels, 0.5);
+    let offloaded = fo::optim::plan_offload(&numels, 0.5).map_err(|e| e.to_string())?;
     let setup = Setup {
         seed,
         steps,

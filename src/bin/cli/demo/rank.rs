@@ -81,7 +81,7 @@ impl Rank {
         for (i, (_, shape)) in PARAMS.iter().enumerate() {
             let spec = spec_for(shape, world, rank)?;
             params.push(
-                local_rows(&full[i], shape, &spec)
+                local_rows(&full[i], shape, &spec)?
                     .into_iter()
                     .map(bf16_bits)
                     .collect::<Vec<u16>>(),
@@ -113,7 +113,7 @@ impl Rank {
         let mut flat = vec![0f32; sizes.iter().sum()];
         let mut at = 0;
         for (i, (_, shape)) in PARAMS.iter().enumerate() {
-            let rows = self.specs[i].runs(0);
+            let rows = self.specs[i].runs(0)?;
             let row_len: usize = shape[1..].iter().product();
             if let Some(r) = rows.0.first() {
                 let dst = &mut flat[at + r.start * row_len..at + r.end * row_len];
@@ -153,7 +153,7 @@ impl Rank {
         let mut at = 0;
         for (i, (_, shape)) in PARAMS.iter().enumerate() {
             let n = mlp::numel(shape);
-            shards.push(local_rows(&flat[at..at + n], shape, &self.specs[i]));
+            shards.push(local_rows(&flat[at..at + n], shape, &self.specs[i])?);
             at += n;
         }
         let mut views = Vec::new();
@@ -213,13 +213,14 @@ impl Rank {
 }
 
 /// The rows of a row-major `full` tensor that `spec` holds along dim 0 (one run: Shard(0)).
-pub fn local_rows(full: &[f32], shape: &[usize], spec: &ShardSpec) -> Vec<f32> {
+pub fn local_rows(full: &[f32], shape: &[usize], spec: &ShardSpec) -> Result<Vec<f32>> {
     let row_len: usize = shape[1..].iter().product();
-    spec.runs(0)
+    Ok(spec
+        .runs(0)?
         .0
         .iter()
         .flat_map(|r| full[r.start * row_len..r.end * row_len].iter().copied())
-        .collect()
+        .collect())
 }
 
 pub fn host_view(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<HostTensor> {
