@@ -5,12 +5,12 @@
 //! every device clearly; the unit tests provide a host emulation (`emulated`: host memory,
 //! the host build of the same kernel text), so device state, staging, the hybrid step and
 //! the clip's device norm above this trait run in CI without a GPU.
-use super::ring::Ring;
+use super::ring::{PinnedCopy, Ring};
 use crate::error::Result;
 use crate::kernels::norm_table::NormTable;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
-pub trait Backend: Send + Sync {
+pub trait Backend: PinnedCopy + Send + Sync {
     /// `bytes` (at least 1) of device memory, zeroed in order on `stream`.
     ///
     /// # Safety
@@ -37,18 +37,6 @@ pub trait Backend: Send + Sync {
     /// `dst` must be `src.len()` writable bytes of this device; `stream` valid or 0.
     unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
 
-    /// `bytes` (at least 1) of page-locked host memory, for copies that overlap work.
-    ///
-    /// # Safety
-    /// None beyond the backend's own; the memory is freed with `free_pinned`.
-    unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64>;
-
-    /// Frees memory from `alloc_pinned` (no copy into or out of it may be in flight).
-    ///
-    /// # Safety
-    /// `ptr` came from `alloc_pinned` of this backend and is not used afterwards.
-    unsafe fn free_pinned(&self, ptr: u64);
-
     /// `bytes` (at least 1) of device memory, allocated in order on `stream` (its
     /// contents undefined), for `free_async` on the same stream.
     ///
@@ -61,35 +49,6 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// `ptr` came from `alloc_async` and no work on another stream still uses it.
     unsafe fn free_async(&self, ptr: u64, stream: usize);
-
-    /// Copies `bytes` from pinned host memory `src` (from `alloc_pinned`) to device memory
-    /// `dst`, in order on `stream`; returns at once. `src` must stay allocated and
-    /// unchanged until an event recorded after the copy has completed (`Ring` does this).
-    ///
-    /// # Safety
-    /// `dst` must be `bytes` writable bytes of this device; `stream` valid or 0.
-    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
-
-    /// Copies `bytes` from device memory `src` to pinned host memory `dst`, in order on
-    /// `stream`; returns at once (the data is there once an event recorded after it
-    /// completed).
-    ///
-    /// # Safety
-    /// As `copy_to_device`, the other way.
-    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
-
-    /// Records an event on `stream` (after the work queued there so far): a handle for
-    /// `wait_event`.
-    ///
-    /// # Safety
-    /// `stream` valid or 0.
-    unsafe fn record_event(&self, stream: usize) -> Result<u64>;
-
-    /// Waits (on the host) until `event` has completed, and releases it.
-    ///
-    /// # Safety
-    /// `event` came from `record_event` of this backend and is waited for once.
-    unsafe fn wait_event(&self, event: u64) -> Result<()>;
 
     /// This device's pinned staging ring (asynchronous copies go through it).
     fn ring(&self) -> &Ring;

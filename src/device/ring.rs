@@ -9,7 +9,6 @@
 //! pieces (at most `SLOTS` in flight).
 use std::sync::Mutex;
 
-use super::backend::Backend;
 use crate::error::Result;
 
 /// Slots in a ring: the pieces that can be in flight at once.
@@ -24,6 +23,51 @@ pub const SLOT_BYTES: usize = 16 << 10;
 const MIN_SLOT: usize = 4 << 10;
 /// The most pinned memory one device's ring holds.
 pub const RING_BYTES: usize = SLOTS * SLOT_BYTES;
+
+/// What the ring needs of a device (a part of `Backend`): pinned host memory, copies
+/// between it and device memory that return at once, and events to know when they are done.
+pub trait PinnedCopy: Send + Sync {
+    /// `bytes` (at least 1) of page-locked host memory, for copies that overlap work.
+    ///
+    /// # Safety
+    /// None beyond the backend's own; the memory is freed with `free_pinned`.
+    unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64>;
+
+    /// Frees memory from `alloc_pinned` (no copy into or out of it may be in flight).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_pinned` of this backend and is not used afterwards.
+    unsafe fn free_pinned(&self, ptr: u64);
+
+    /// Copies `bytes` from pinned host memory `src` (from `alloc_pinned`) to device memory
+    /// `dst`, in order on `stream`; returns at once. `src` must stay allocated and
+    /// unchanged until an event recorded after the copy has completed (`Ring` does this).
+    ///
+    /// # Safety
+    /// `dst` must be `bytes` writable bytes of this device; `stream` valid or 0.
+    unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Copies `bytes` from device memory `src` to pinned host memory `dst`, in order on
+    /// `stream`; returns at once (the data is there once an event recorded after it
+    /// completed).
+    ///
+    /// # Safety
+    /// As `copy_to_device`, the other way.
+    unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
+    /// Records an event on `stream` (after the work queued there so far): a handle for
+    /// `wait_event`.
+    ///
+    /// # Safety
+    /// `stream` valid or 0.
+    unsafe fn record_event(&self, stream: usize) -> Result<u64>;
+
+    /// Waits (on the host) until `event` has completed, and releases it.
+    ///
+    /// # Safety
+    /// `event` came from `record_event` of this backend and is waited for once.
+    unsafe fn wait_event(&self, event: u64) -> Result<()>;
+}
 
 #[derive(Default)]
 struct Slot {
@@ -47,7 +91,7 @@ struct State {
 
 impl State {
     /// The next slot, idle (its last copy done) and at least `bytes` large.
-    unsafe fn take(&mut self, b: &dyn Backend, bytes: usize) -> Result<usize> {
+    unsafe fn take(&mut self, b: &dyn PinnedCopy, bytes: usize) -> Result<usize> {
         let k = self.next;
         self.next = (k + 1) % SLOTS;
         let s = &mut self.slots[k];
@@ -69,6 +113,7 @@ impl State {
 
 impl Ring {
     /// Copies `src` to device memory `dst` of `b` in order on `stream`, through the ring;
+
     /// returns once every piece is in a slot (`src` may be dropped), without waiting for
     /// the device.
     ///
@@ -76,7 +121,7 @@ impl Ring {
     /// `dst` must be `src.len()` writable bytes of `b`'s device; `stream` valid or 0.
     pub unsafe fn upload(
         &self,
-        b: &dyn Backend,
+        b: &dyn PinnedCopy,
         dst: u64,
         src: &[u8],
         stream: usize,
@@ -100,7 +145,7 @@ impl Ring {
     /// `src` must be `dst.len()` readable bytes of `b`'s device; `stream` valid or 0.
     pub unsafe fn download(
         &self,
-        b: &dyn Backend,
+        b: &dyn PinnedCopy,
         src: u64,
         dst: &mut [u8],
         stream: usize,
@@ -159,6 +204,7 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::backend::Backend;
     use crate::device::emulated;
 
     #[test]

@@ -5,10 +5,9 @@ use std::ffi::c_void;
 use cudarc::driver::{result as cu, sys as cusys};
 
 use super::{cuda_err, Device};
-use crate::device::backend::Backend;
-use crate::device::backend::Memory;
+use crate::device::backend::{Backend, Memory};
 use crate::device::context::Current;
-use crate::device::ring::Ring;
+use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::{NormTable, LANES};
 
@@ -16,24 +15,7 @@ fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream
 }
 
-impl Backend for Device {
-    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
-        if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
-            let _ = cu::free_sync(ptr);
-            return Err(cuda_err("cuMemsetD8Async", e));
-        }
-        Ok(ptr)
-    }
-
-    unsafe fn free(&self, ptr: u64) {
-        // cuMemFree waits for the work still using the memory.
-        if let Ok(_cur) = Current::push(self.ctx) {
-            let _ = cu::free_sync(ptr);
-        }
-    }
-
+impl PinnedCopy for Device {
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
         let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         cu::malloc_host(bytes.max(1), 0)
@@ -44,39 +26,6 @@ impl Backend for Device {
     unsafe fn free_pinned(&self, ptr: u64) {
         if let Ok(_cur) = Current::push(self.ctx) {
             let _ = cu::free_host(ptr as *mut c_void);
-        }
-    }
-
-    unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        let s = stream_of(stream);
-        cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
-        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
-    }
-
-    unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        let s = stream_of(stream);
-        cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
-        // A pageable source may be staged lazily: wait, so `src` may be reused at once.
-        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
-    }
-
-    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
-        cu::malloc_async(stream_of(stream), bytes.max(1))
-            .map_err(|e| cuda_err("cuMemAllocAsync", e))
-    }
-
-    unsafe fn free_async(&self, ptr: u64, stream: usize) {
-        if let Ok(_cur) = Current::push(self.ctx) {
-            let _ = cu::free_async(ptr, stream_of(stream));
         }
     }
 
@@ -113,6 +62,58 @@ impl Backend for Device {
             .map_err(|e| cuda_err("cuEventSynchronize", e));
         let _ = cu::event::destroy(ev);
         r
+    }
+}
+
+impl Backend for Device {
+    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
+        if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
+            let _ = cu::free_sync(ptr);
+            return Err(cuda_err("cuMemsetD8Async", e));
+        }
+        Ok(ptr)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        // cuMemFree waits for the work still using the memory.
+        if let Ok(_cur) = Current::push(self.ctx) {
+            let _ = cu::free_sync(ptr);
+        }
+    }
+
+    unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let s = stream_of(stream);
+        cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let s = stream_of(stream);
+        cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
+        // A pageable source may be staged lazily: wait, so `src` may be reused at once.
+        cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        cu::malloc_async(stream_of(stream), bytes.max(1))
+            .map_err(|e| cuda_err("cuMemAllocAsync", e))
+    }
+
+    unsafe fn free_async(&self, ptr: u64, stream: usize) {
+        if let Ok(_cur) = Current::push(self.ctx) {
+            let _ = cu::free_async(ptr, stream_of(stream));
+        }
     }
 
     fn ring(&self) -> &Ring {

@@ -3,33 +3,13 @@
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::{device_at, devices, holds, host_marks, Addr, Emulated, Event, DOWNLOADS};
-use crate::device::backend::Backend;
-use crate::device::backend::Memory;
-use crate::device::ring::Ring;
+use crate::device::backend::{Backend, Memory};
+use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
 use crate::kernels::step_table::FoStepTensor;
 
-impl Backend for Emulated {
-    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = self.enter();
-        let w = self.worker(stream)?;
-        let p = self.raw_alloc(bytes)?;
-        let (at, n) = (Addr(p as usize), bytes.max(1));
-        w.push(Box::new(move || {
-            let at = at;
-            std::ptr::write_bytes(at.0 as *mut u8, 0, n)
-        }));
-        Ok(p)
-    }
-
-    unsafe fn free(&self, ptr: u64) {
-        let _cur = self.enter();
-        // cuMemFree waits for the device's work.
-        self.synchronize();
-        self.raw_free(ptr)
-    }
-
+impl PinnedCopy for Emulated {
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
         let _cur = self.enter();
         let p = self.raw_alloc(bytes)?;
@@ -43,33 +23,6 @@ impl Backend for Emulated {
         let bytes = self.live.lock().unwrap().get(&ptr).copied().unwrap_or(0);
         self.raw_free(ptr);
         self.count(-(bytes as isize), 0);
-    }
-
-    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = self.enter();
-        self.worker(stream)?;
-        let p = self.raw_alloc(bytes)?;
-        self.count(0, bytes.max(1) as isize);
-        Ok(p)
-    }
-
-    unsafe fn free_async(&self, ptr: u64, stream: usize) {
-        let _cur = self.enter();
-        let Ok(w) = self.worker(stream) else { return };
-        let d = device_at(self.ordinal).expect("an emulated device");
-        let at = Addr(ptr as usize);
-        w.push(Box::new(move || {
-            let at = at;
-            let bytes = d
-                .live
-                .lock()
-                .unwrap()
-                .get(&(at.0 as u64))
-                .copied()
-                .unwrap_or(0);
-            d.raw_free(at.0 as u64);
-            d.count(0, -(bytes as isize));
-        }));
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
@@ -125,6 +78,54 @@ impl Backend for Emulated {
             done = ev.1.wait(done).unwrap();
         }
         Ok(())
+    }
+}
+
+impl Backend for Emulated {
+    unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = self.enter();
+        let w = self.worker(stream)?;
+        let p = self.raw_alloc(bytes)?;
+        let (at, n) = (Addr(p as usize), bytes.max(1));
+        w.push(Box::new(move || {
+            let at = at;
+            std::ptr::write_bytes(at.0 as *mut u8, 0, n)
+        }));
+        Ok(p)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        let _cur = self.enter();
+        // cuMemFree waits for the device's work.
+        self.synchronize();
+        self.raw_free(ptr)
+    }
+
+    unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
+        let _cur = self.enter();
+        self.worker(stream)?;
+        let p = self.raw_alloc(bytes)?;
+        self.count(0, bytes.max(1) as isize);
+        Ok(p)
+    }
+
+    unsafe fn free_async(&self, ptr: u64, stream: usize) {
+        let _cur = self.enter();
+        let Ok(w) = self.worker(stream) else { return };
+        let d = device_at(self.ordinal).expect("an emulated device");
+        let at = Addr(ptr as usize);
+        w.push(Box::new(move || {
+            let at = at;
+            let bytes = d
+                .live
+                .lock()
+                .unwrap()
+                .get(&(at.0 as u64))
+                .copied()
+                .unwrap_or(0);
+            d.raw_free(at.0 as u64);
+            d.count(0, -(bytes as isize));
+        }));
     }
 
     fn ring(&self) -> &Ring {
