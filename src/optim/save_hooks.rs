@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::optimizer::{Optimizer, Param};
-use crate::ckpt::snapshot::Snapshot;
+use crate::ckpt::snapshot::{Snapshot, StepMark};
 use crate::error::Result;
 use crate::optim::math::state::ParamState;
 
@@ -25,6 +25,12 @@ impl Optimizer {
             Some(s) => s.before_write(self, i),
             None => Ok(()),
         }
+    }
+
+    /// While the returned mark lives, an async save's writer pauses before its next fetch
+    /// (unless a mutator waits for it): the step runs without it on the cores.
+    pub(crate) fn mark_step(&self) -> Option<StepMark> {
+        self.save_in_flight().map(|s| s.mark_step())
     }
 
     /// Detaches the last async save's snapshot (to wait for it and recycle its pool).

@@ -159,7 +159,9 @@ impl Optimizer {
         pool.install(|| numerics::check(self, grads, &grad_bytes))?;
         let device_step = self.prepare_device_step(grads)?;
         // An async save in flight gets what it still needs of every parameter this step
-        // writes before anything is written (a failure here changes nothing).
+        // writes before anything is written (a failure here changes nothing), and its
+        // writer waits for the step's end.
+        let _mark = self.mark_step();
         for (i, g) in grads.iter().enumerate() {
             if g.is_some() {
                 self.before_write(i)?;
