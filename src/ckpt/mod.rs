@@ -49,6 +49,8 @@ pub mod quant;
 pub mod reader;
 pub mod reshard;
 pub mod snapshot;
+#[cfg(test)]
+mod step_pause_tests;
 pub mod validate;
 pub mod verify;
 pub mod writer;

@@ -23,6 +23,7 @@
 #[path = "stage_copy.rs"]
 pub(super) mod stage_copy;
 use stage_copy::{copy_state, Recycled};
+pub use stage_copy::{default_staging_budget, FALLBACK_STAGING_BUDGET};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -33,22 +34,6 @@ use crate::optim::math::state::ParamState;
 use crate::optim::placement::staging::StagedParam;
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
-
-/// The staging pool's budget when the caller gives none (0) and the host does not say how
-/// much memory is available: 256 MiB.
-pub const FALLBACK_STAGING_BUDGET: usize = 256 << 20;
-
-/// The staging pool's budget when the caller gives none (0): `full_copy`, every byte the
-/// save could ever copy (what torch's `dcp.async_save` always stages), so no step waits for
-/// the disk; but at most half the memory `available` at the call, where a step may then
-/// wait for the writer instead (correctness never depends on the budget). Unknown
-/// available memory: at most `FALLBACK_STAGING_BUDGET`.
-pub fn default_staging_budget(full_copy: usize, available: Option<u64>) -> usize {
-    let cap = available.map_or(FALLBACK_STAGING_BUDGET, |a| {
-        usize::try_from(a / 2).unwrap_or(usize::MAX)
-    });
-    full_copy.min(cap)
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -499,25 +484,5 @@ impl Snapshot {
 
     pub fn stats(&self) -> SnapshotStats {
         self.lock().stats
-    }
-}
-
-#[cfg(test)]
-mod budget_tests {
-    use super::{default_staging_budget, FALLBACK_STAGING_BUDGET};
-
-    #[test]
-    fn the_default_is_every_copy_within_half_the_available_memory() {
-        assert_eq!(default_staging_budget(512 << 20, Some(24 << 30)), 512 << 20);
-        assert_eq!(
-            default_staging_budget(512 << 20, Some(600 << 20)),
-            300 << 20
-        );
-        assert_eq!(
-            default_staging_budget(1 << 30, None),
-            FALLBACK_STAGING_BUDGET
-        );
-        assert_eq!(default_staging_budget(4096, None), 4096);
-        assert_eq!(default_staging_budget(0, Some(1 << 30)), 0);
     }
 }

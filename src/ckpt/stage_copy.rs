@@ -1,17 +1,33 @@
-//! The copies an async save's staging pool holds (`snapshot.rs`), made on the step's
-//! path: a parameter's state is copied before the step writes it, so this memcpy is what
-//! a step with a save in flight pays. Into fresh memory it costs a page fault per 4 KiB:
-//! on the 2-core test machine a 64 MiB copy took 26-70 ms that way (1-2.5 GB/s), 3-8 ms
-//! into memory already faulted in (8-19 GB/s). So the pool recycles: the buffers of
-//! copies the writer is done with are kept ([`Recycled`]) and reused by later copies of
-//! the same shape, in this save and in the next save of the same optimizer. The kept
-//! buffers count against the budget: copies alive plus buffers kept never exceed it.
-//! (Advising fresh buffers as transparent huge pages was tried: 7 ms per 64 MiB when the
-//! kernel has huge pages free, 250-700 ms when it must compact memory first, as it did
-//! with the page cache full of the save's own writes; not kept.)
+//! An async save's staging pool (`snapshot.rs`): its default budget, and the copies it
+//! holds, made on the step's path: a parameter's state is copied before the step writes
+//! it, so this memcpy is what a step with a save in flight pays. Into fresh memory it
+//! costs a page fault per 4 KiB: on the 2-core test machine a 64 MiB copy took 26-70 ms
+//! that way (1-2.5 GB/s), 3-8 ms into memory already faulted in (8-19 GB/s). So the pool
+//! recycles: the buffers of copies the writer is done with are kept ([`Recycled`]) and
+//! reused by later copies of the same shape, in this save and in the next save of the
+//! same optimizer. The kept buffers count against the budget: copies alive plus buffers
+//! kept never exceed it. (Advising fresh buffers as transparent huge pages was tried: 7 ms
+//! per 64 MiB when the kernel has huge pages free, 250-700 ms when it must compact memory
+//! first, as it did with the page cache full of the save's own writes; not kept.)
 use std::any::Any;
 
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+
+/// The staging pool's budget when the caller gives none (0) and the host does not say how
+/// much memory is available: 256 MiB.
+pub const FALLBACK_STAGING_BUDGET: usize = 256 << 20;
+
+/// The staging pool's budget when the caller gives none (0): `full_copy`, every byte the
+/// save could ever copy (what torch's `dcp.async_save` always stages), so no step waits for
+/// the disk; but at most half the memory `available` at the call, where a step may then
+/// wait for the writer instead (correctness never depends on the budget). Unknown
+/// available memory: at most `FALLBACK_STAGING_BUDGET`.
+pub fn default_staging_budget(full_copy: usize, available: Option<u64>) -> usize {
+    let cap = available.map_or(FALLBACK_STAGING_BUDGET, |a| {
+        usize::try_from(a / 2).unwrap_or(usize::MAX)
+    });
+    full_copy.min(cap)
+}
 
 /// Buffers of finished copies, kept for the next copies of the same shapes.
 #[derive(Default)]
@@ -231,5 +247,25 @@ mod tests {
             };
             assert_eq!(copy_state(&h, &mut Recycled::default()), h);
         }
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::{default_staging_budget, FALLBACK_STAGING_BUDGET};
+
+    #[test]
+    fn the_default_is_every_copy_within_half_the_available_memory() {
+        assert_eq!(default_staging_budget(512 << 20, Some(24 << 30)), 512 << 20);
+        assert_eq!(
+            default_staging_budget(512 << 20, Some(600 << 20)),
+            300 << 20
+        );
+        assert_eq!(
+            default_staging_budget(1 << 30, None),
+            FALLBACK_STAGING_BUDGET
+        );
+        assert_eq!(default_staging_budget(4096, None), 4096);
+        assert_eq!(default_staging_budget(0, Some(1 << 30)), 0);
     }
 }
