@@ -247,7 +247,8 @@ def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: i
     """`save`, in the background: returns once a copy-on-write snapshot of the state is
     registered; the checkpoint holds the state as of this call, byte-identical to `save`'s,
     while `opt.step`, `set_state` and `load` go on. Until the save is waited for, change the
-    params only through `opt.step` and register no new ones. `staging_budget`: bytes the
+    params only through `opt.step` and register no new ones. The writer pauses while a step
+    runs (steps lose little; the save completes between them). `staging_budget`: bytes the
     snapshot's copy pool may hold (0: the stored state the save writes, within half the
     available memory; a full pool makes the step wait for the
     writer; its buffers are kept for the optimizer's next save, within the budget). With `comm`, every rank calls this and `wait()` (the commit runs there)."""

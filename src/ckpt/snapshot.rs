@@ -11,7 +11,9 @@
 //! writer encodes the entries from the copy exactly as from the live state); when the
 //! pool is over its budget the mutator waits until the writer has freed enough (or has
 //! read `i` itself). The writer takes a staged copy when there is one and
-//! reads the live state otherwise, so the file holds the state as of the call.
+//! reads the live state otherwise, so the file holds the state as of the call. While a
+//! step runs (`mark_step`) the writer pauses before its next fetch, unless a mutator
+//! waits for it: the step keeps the cores and the memory bus, the save ends later.
 //!
 //! Granularity: one parameter's state is copied at once (the unit a step writes). A
 //! parameter is read by the writer while its slot is `Reading`, and every mutator of that
