@@ -13,7 +13,8 @@
 //! read `i` itself). The writer takes a staged copy when there is one and
 //! reads the live state otherwise, so the file holds the state as of the call. While a
 //! step runs (`mark_step`) the writer pauses before its next fetch, unless a mutator
-//! waits for it: the step keeps the cores and the memory bus, the save ends later.
+//! waits for it or a step has ended since its last fetch: the step keeps the cores and
+//! the memory bus, the save ends later, and steps back to back never starve it.
 //!
 //! Granularity: one parameter's state is copied at once (the unit a step writes). A
 //! parameter is read by the writer while its slot is `Reading`, and every mutator of that
@@ -80,6 +81,10 @@ struct Inner {
     /// Steps running (`StepMark`): the writer pauses before its next fetch so the step
     /// has the cores and the memory bus to itself, unless a mutator waits for the writer.
     steps: usize,
+    /// Steps ended so far, and the count at the writer's last fetch: after each step's
+    /// end the writer fetches at least once, so steps back to back never starve it.
+    steps_ended: u64,
+    writer_epoch: u64,
     /// Mutators waiting for the writer (room in the pool, a parameter it reads).
     waiting: usize,
     stats: SnapshotStats,
@@ -93,6 +98,7 @@ impl Drop for StepMark {
     fn drop(&mut self) {
         let mut g = self.0.lock();
         g.steps -= 1;
+        g.steps_ended += 1;
         self.0.cv.notify_all();
     }
 }
@@ -220,6 +226,8 @@ impl Snapshot {
                 released: false,
                 held: false,
                 steps: 0,
+                steps_ended: 0,
+                writer_epoch: 0,
                 waiting: 0,
                 stats: SnapshotStats {
                     bytes_total: total,
@@ -371,9 +379,10 @@ impl Snapshot {
     pub(super) fn take(&self, e: usize, read: &mut ReadEntry<'_>) -> Result<Tensor> {
         let (i, src, b) = &self.entries[e];
         let mut g = self.lock();
-        while g.held || (g.steps > 0 && g.waiting == 0) {
+        while g.held || (g.steps > 0 && g.waiting == 0 && g.writer_epoch == g.steps_ended) {
             g = self.wait(g);
         }
+        g.writer_epoch = g.steps_ended;
         g.stats.bytes_written += *b as u64;
         if g.runs_left[e] == 0 {
             return Err(Error::Internal(format!(

@@ -1,5 +1,5 @@
 //! The writer's pause while a step runs (`Snapshot::mark_step`): it fetches nothing until
-//! the step ends, except for a mutator that waits for it, which it always serves.
+//! the step ends, except for a mutator that waits for it and once after each step's end.
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -66,7 +66,24 @@ fn the_writer_waits_for_a_step_but_serves_a_mutator_that_waits_for_it() {
     );
     // A mutation during the step waits for the writer, which goes on for it.
     within("before_write during a step", || opt.before_write(0)).unwrap();
-    assert!(save.stats().bytes_written > 0);
+    let served = save.stats().bytes_written;
+    assert!(served > 0);
+    // Steps back to back: after each step's end the writer fetches once more, even if
+    // the next step is already running, so it is never starved; then it pauses again.
+    drop(mark);
+    let mark = opt.mark_step().expect("a save is in flight");
+    let t0 = std::time::Instant::now();
+    while save.stats().bytes_written == served {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the writer starved");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let once = save.stats().bytes_written;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        save.stats().bytes_written,
+        once,
+        "more than one fetch during a step"
+    );
     drop(mark);
     within("the save after the step", || save.wait(None, None)).unwrap();
     let st = save.stats();
