@@ -1208,6 +1208,10 @@ fo_status fo_optimizer_step_abort(struct fo_optimizer *opt, struct fo_overlap_st
    read everything; destroying the optimizer waits for the writer;
  - a second `fo_state_save_async` of the same optimizer waits for the first's writer.
 
+ The writer yields to the step: while `fo_optimizer_step` runs it pauses before its
+ next read (unless the step waits for it), so steps lose little and the save completes
+ between them (during forward and backward).
+
  `comm` (NULL: none; else its rank and world size must be the options'): every rank
  must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
  the commit collective runs, on the calling thread; the writer thread never touches
