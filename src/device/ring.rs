@@ -113,7 +113,6 @@ impl State {
 
 impl Ring {
     /// Copies `src` to device memory `dst` of `b` in order on `stream`, through the ring;
-
     /// returns once every piece is in a slot (`src` may be dropped), without waiting for
     /// the device.
     ///
