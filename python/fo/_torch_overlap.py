@@ -7,9 +7,28 @@ backward goes on; `optimizer.step()` hands over whatever has a gradient and was 
 over yet, and closes the step (`fo_optimizer_step_end`). The result has the bits of the
 plain step with the same gradients (`overlap=False`), clipping included: fo keeps an undo
 record of each early step and re-steps with the clipped gradients when the clip coefficient
-is below 1. So the gradients handed over must not change until `step()`: a second backward
-(gradient accumulation) runs under `opt.no_handover()`, and `zero_grad()` while a step is
-open abandons it (nothing changed, as torch drops the gradients).
+is below 1.
+
+What a real loop does between backward and `step()` is honoured, never silently wrong:
+- A gradient whose copy is still in flight is not read: FSDP2 with `CPUOffloadPolicy`
+  (pinned memory) copies each reduced gradient to the host with `non_blocking=True` and
+  records `fsdp_param.grad_offload_event` before calling the hooks (torch 2.11 does; 2.15
+  copies synchronously when a hook is registered). The hand-over waits for that event
+  without blocking backward: the gradient is queued and handed over by a later hook once
+  the event has completed, or by `step()`.
+- A gradient edited after its hand-over (`clip_grad_norm_`, `GradScaler.unscale_`, HF
+  Trainer's clipping; an in-place edit bumps the tensor's `_version`, a replaced `.grad` is
+  another tensor) makes `step()` roll every early step back and step again with the final
+  gradients (`last_step_stats["redone"]` says why). After two such steps in a row the hooks
+  stop handing over (a warning says so and what to use instead: `max_grad_norm=`): the
+  step then costs what `overlap=False` costs, never more.
+- A gradient that changes before `step()` because a second backward accumulated into it
+  (gradient accumulation without `no_handover()`) or a new backward followed
+  `model.zero_grad()` (GradScaler skipped the step): the early steps are rolled back and the
+  step starts over from the new gradients.
+- A step left open when the state is read or written (`state_dict()`, `opt.state[p]`, a
+  checkpoint) or by `zero_grad()` is rolled back first: parameters and state exactly as
+  before the backward, as torch drops a step that never ran.
 
 Clipping is an optimizer argument (`max_grad_norm`, `norm_type`, `error_if_nonfinite`),
 since the step starts before the user could call `clip_grad_norm_`; it means the same with
@@ -21,6 +40,7 @@ torch.distributed's default group.
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib
 import ctypes
+import sys
 import warnings
 import weakref
 
@@ -30,8 +50,9 @@ from . import comm as _comm
 from . import optim as _optim
 from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
-from ._torch_args import TorchArg, is_dtensor
+from ._torch_args import TorchArg, is_dtensor, local
 
+UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
 OPTION_KEYS = ("overlap", "max_grad_norm", "norm_type", "error_if_nonfinite", "undo_budget_bytes")
 
 
@@ -71,12 +92,82 @@ def _torch_comm():
                                      dist.barrier)
 
 
+def _fsdp_offload_event(p, frame):
+    """FSDP2's event for the non-blocking device-to-host copy of p's gradient, or None.
+    FSDP2's `foreach_reduce` records it on `fsdp_param.grad_offload_event` and then calls
+    `hook(fsdp_param.sharded_param)`, so it is a local of the hook's caller; FSDP2 itself
+    waits for it only in its final callback, after every hook ran."""
+    for _ in range(3):
+        if frame is None:
+            return None
+        fsdp_param = frame.f_locals.get("fsdp_param")
+        if fsdp_param is not None and getattr(fsdp_param, "sharded_param", None) is p:
+            return getattr(fsdp_param, "grad_offload_event", None)
+        frame = frame.f_back
+    return None
+
+
+def _grad_mark(g):
+    """What tells whether a gradient changed since it was handed over: the tensor object (a
+    replaced `.grad` is another one) and its in-place edit counters (a DTensor's and its
+    local shard's: FSDP2 accumulates into the local tensor)."""
+    if g is None:
+        return None
+    loc = local(g)
+    try:
+        return g, g._version, loc._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: identity only
+        return g, None, None
+
+
+def _same_grad(mark, g):
+    return mark is not None and g is mark[0] and _grad_mark(g)[1:] == mark[1:]
+
+
+# Optimizers with an overlapped step open. While there is one, a global forward pre-hook
+# rolls their early steps back before any forward outside backward runs: a forward between
+# backward and step() (the next micro-batch of gradient accumulation without no_handover(),
+# an evaluation, the next iteration after a skipped step) must see the parameters as they
+# were, which no later rollback could repair. The hook exists only while a step is open, so a
+# loop that runs backward then step() never calls it (nor does torch.compile trace it).
+_OPEN = weakref.WeakSet()
+_forward_hook = None
+
+
+@torch.compiler.disable  # fo's bookkeeping, not model code: Dynamo never traces it
+def _before_forward(module, args):
+    if torch._C._current_graph_task_id() != -1:
+        return  # a forward recomputed inside backward (activation checkpointing)
+    for opt in list(_OPEN):
+        if not any(p in opt._handed for p in module._parameters.values()):
+            continue  # another model's forward (or a container's): this step is not its concern
+        opt._warn_once("forward", "fo.torch overlap=True: a forward ran between backward and optimizer.step() "
+                       "(gradient accumulation without `with optimizer.no_handover():`, an evaluation, or a "
+                       "step skipped); fo put its early steps back so the forward sees the parameters as "
+                       "before (same result, less overlap)")
+        opt._settle_open()
+
+
+def _track_open(opt, is_open):
+    global _forward_hook
+    if is_open:
+        _OPEN.add(opt)
+        if _forward_hook is None:
+            _forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(_before_forward)
+    else:
+        _OPEN.discard(opt)
+        if not _OPEN and _forward_hook is not None:
+            _forward_hook.remove()
+            _forward_hook = None
+
+
 def _hook(ref):
+    @torch.compiler.disable  # runs eagerly in backward; traced, every call would break a graph
     def hook(p):
         opt = ref()
-        if opt is not None and not opt._accumulating:
-            opt._hand_over(p)
-            opt._in_backward += 1
+        if opt is not None and not opt._accumulating and not opt._deferred:
+            event = _fsdp_offload_event(p, sys._getframe(1))
+            opt._from_backward(p, event)
     return hook
 
 
@@ -89,6 +180,13 @@ class Overlap:
         self._accumulating = False
         self._open, self._in_backward = False, 0
         self._handed = {}  # param -> the TorchArg fo reads its gradient through until step_end
+        self._marks = {}  # param -> _grad_mark of the gradient handed over
+        self._pending = []  # (param, event): gradients whose copy had not landed at their hook
+        self._deferred = None  # why the hooks no longer hand over (None: they do)
+        self._redone_in_a_row = 0
+        self._unscaled = False  # GradScaler unscaled every gradient since hand-over
+        self._undone = {}  # rollbacks since the last step(): UNDO_KEYS -> count
+        self._warned = set()
         self._hooks = []
         self._clip_comm = None
         self.last_step_stats = None
@@ -162,23 +260,58 @@ class Overlap:
         opts.error_if_nonfinite = int(o["error_if_nonfinite"])
         opts.undo_budget_bytes = o["undo_budget_bytes"]
         check(_optim._step_begin(self._fo._handle, ctypes.byref(opts)))
-        self._open, self._handed, self._in_backward = True, {}, 0
+        self._open, self._handed, self._marks, self._in_backward = True, {}, {}, 0
+        _track_open(self, True)
+
+    def _from_backward(self, p, event):
+        """A post-accumulate-grad hook: hands p's gradient over, or queues it while its copy
+        (`event`) is in flight; first hands over the queued ones whose copy has landed."""
+        self._poll_pending(wait=False)
+        if event is not None and not event.query():
+            if not self._open:
+                self._begin()
+            self._pending = [(q, e) for q, e in self._pending if q is not p] + [(p, event)]
+            return
+        if self._hand_over(p):
+            self._in_backward += 1
+
+    def _poll_pending(self, wait):
+        """Hands over the queued gradients whose copy has landed (`wait`: all of them, waiting
+        for each copy), in the order their hooks ran."""
+        still = []
+        for p, event in self._pending:
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                still.append((p, event))
+                continue
+            if self._hand_over(p) and not wait:
+                self._in_backward += 1
+        self._pending = still
 
     def _hand_over(self, p):
-        """Hands p's gradient to fo (opening the step if none is). A gradient fo refuses
-        fails the step: it is closed at once (nothing changed) and the error raised."""
+        """Hands p's gradient to fo (opening the step if none is); False if fo already holds
+        this very gradient. A gradient that changed since it was handed over means the step
+        fo began was not the one `step()` will close (a second backward accumulated into it,
+        or a new backward followed model.zero_grad()): the step starts over from here. A
+        gradient fo refuses fails the step: it is closed at once (nothing changed) and the
+        error raised."""
         if not self._open:
             self._begin()
         name = self._name.get(p, "?")
-        if p in self._handed:
-            # A second backward accumulated into gradients fo is reading: the step cannot
-            # stand: close it now, changing nothing.
-            self._fail(RuntimeError(
-                f"the gradient of parameter {name} was handed over twice in one step: a second "
-                "backward ran before optimizer.step(). Run every micro-batch but the last under "
-                "`with optimizer.no_handover():` (gradient accumulation); this step was abandoned, "
-                "nothing changed"))
         g = p.grad
+        if p in self._handed:
+            if _same_grad(self._marks.get(p), g):
+                return False
+            self._warn_once("rehanded", f"fo.torch overlap=True: the gradient of parameter {name} changed "
+                            "after backward handed it over (a second backward before optimizer.step(): "
+                            "gradient accumulation without `with optimizer.no_handover():`, or "
+                            "model.zero_grad() after a skipped step); fo put its early steps back and "
+                            "starts the step over from the new gradients (same result, less overlap)")
+            self._abandon()
+            self._begin()
+        if g is None:
+            return False
         if g.layout != torch.strided:
             self._fail(RuntimeError(f"{type(self).__name__} does not support sparse gradients "
                                     f"(parameter {name}) with overlap=True"))
@@ -188,32 +321,87 @@ class Overlap:
             self._fail(e)
         idx = (ctypes.c_int32 * 1)(self._index[p])
         arr = (type(arg.struct) * 1)(arg.struct)
-        self._handed[p] = arg
+        self._handed[p], self._marks[p] = arg, _grad_mark(g)
         status = _optim._grads_ready(self._fo._handle, idx, arr, 1)
         if status:
             try:
                 check(status)
             except FoError as e:
                 self._fail(e)
+        return True
 
     def _fail(self, error):
         """Closes the open step as failed (fo puts back what it stepped) and raises `error`."""
         self._abandon()
+        self._undone = {}
         raise error
 
     def _abandon(self):
         """Closes the open step changing nothing (fo_optimizer_step_abort puts every early
         step back; local to this rank, no collective)."""
+        self._pending = []
+        if not self._open:
+            return
         stats = _optim.OverlapStats()
         status = _optim._step_abort(self._fo._handle, ctypes.byref(stats))
-        self._open, self._handed = False, {}
+        self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
+        _track_open(self, False)
         self.last_step_stats = _stats_dict(stats)
+        for k in UNDO_KEYS:  # counted into the stats of the step() that follows
+            self._undone[k] = self._undone.get(k, 0) + self.last_step_stats[k]
         check(status)
+
+    def _settle_open(self):
+        """A step left open (backward handed gradients over and `step()` was not called: a
+        skipped step, or state read between backward and step) is rolled back before fo's
+        state is read or written: parameters and state as before that backward."""
+        if getattr(self, "_open", False):
+            self._abandon()
+
+    def _edited(self):
+        """Names of the handed-over parameters whose gradient changed since (edited in place,
+        replaced or removed; all of them after a GradScaler unscale)."""
+        if self._unscaled:
+            return [self._name.get(p, "?") for p in self._handed]
+        return [self._name.get(p, "?") for p in self._handed if not _same_grad(self._marks.get(p), p.grad)]
+
+    # -- GradScaler ---------------------------------------------------------------------
+    # fo.torch's optimizers set `_step_supports_amp_scaling`, so `GradScaler.step(opt)` does
+    # not unscale the gradients itself: it sets `opt.grad_scale` (None if `unscale_` already
+    # ran) and `opt.found_inf` and calls `step()`. Unscaling here is the same op with the same
+    # factor as `GradScaler.unscale_`, so the bits are those of torch's own flow; and fo knows
+    # the gradients changed (that op leaves `_version` alone, so no edit check could see it).
+    def _grad_scaler_step(self):
+        """GradScaler's part of `step()`: False if the step is skipped (inf/NaN gradients,
+        any open step rolled back), else True with the gradients unscaled."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return True
+        if float(found_inf) > 0:
+            self._settle_open()
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inv_scale = scale.double().reciprocal().float()
+            groups = {}
+            for _, p, _ in self._names():
+                if p.grad is not None:
+                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            dummy = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+            for (device, _), grads in groups.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy.to(device), inv_scale.to(device))
+        # with scale None, GradScaler.unscale_ already unscaled them in place
+        self._unscaled = True
+        return True
 
     def _end(self):
         """optimizer.step() with overlap=True: hands over the gradients no hook handed over
         (their parameters' hooks did not fire: set by hand, or only under no_handover),
-        then closes the step. Also opens one when no hook fired (a plain step)."""
+        then closes the step. Also opens one when no hook fired (a plain step). Early steps
+        that can no longer stand (hyper-parameters or gradients changed after backward
+        handed them over) are rolled back and the step taken again: the bits of overlap=False."""
+        self._poll_pending(wait=True)
+        redone, in_backward = None, self._in_backward
         if self._open and (len(self.param_groups) != len(self._pushed) or any(
                 self._group_hp(g) != hp for g, hp in zip(self.param_groups, self._pushed))):
             # param_groups changed between backward and step (an lr set just before step):
@@ -221,7 +409,21 @@ class Overlap:
             warnings.warn("fo.torch overlap=True: param_groups changed after backward started handing "
                           "gradients over; this step was redone without overlap. Change lr etc. "
                           "before backward (e.g. scheduler.step() after optimizer.step()).", stacklevel=3)
+            redone = "param_groups changed after backward"
             self._abandon()
+        edited = self._edited() if self._open else []
+        if edited:
+            redone = f"{len(edited)} gradients changed after backward handed them over ({edited[0]}, ...)"
+            self._abandon()
+        self._redone_in_a_row = self._redone_in_a_row + 1 if edited else 0
+        if self._redone_in_a_row >= 2 and self._deferred is None:
+            self._deferred = redone
+            warnings.warn(
+                f"fo.torch overlap=True: gradients were edited between backward and optimizer.step() in two "
+                f"steps in a row (e.g. parameter {edited[0]}: clip_grad_norm_, GradScaler.unscale_, a trainer's "
+                "clipping), so every early step had to be redone; from now on gradients are handed over at "
+                "step() (the cost of overlap=False). To overlap, clip with the optimizer's max_grad_norm= "
+                "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)", stacklevel=3)
         if not self._open:
             self._begin()
         for _, p, _ in self._names():
@@ -229,24 +431,33 @@ class Overlap:
                 self._hand_over(p)
         stats = _optim.OverlapStats()
         status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
-        self._open, self._handed = False, {}
-        self.last_step_stats = dict(_stats_dict(stats), handed_over_in_backward=self._in_backward)
+        self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
+        _track_open(self, False)
+        self.last_step_stats = dict(_stats_dict(stats), handed_over_in_backward=in_backward, redone=redone)
+        for k, v in self._undone.items():  # early steps put back before this step() closed
+            self.last_step_stats[k] += v
+        self._undone = {}
+        self._in_backward = 0
         check(status)
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
 
     def _overlap_zero_grad(self, set_to_none=True):
         """torch's zero_grad (overlap=True only: an instance attribute, so overlap=False keeps
         torch's own, which torch.compile knows). While an overlapped step is open (backward handed gradients
         over, step() not called yet) it abandons that step first: nothing is changed, as
         torch drops those gradients."""
-        if self._open:
-            self._abandon()
+        self._settle_open()
+        self._undone = {}  # that step is dropped: its rollback is not the next step's
         type(self).zero_grad(self, set_to_none=set_to_none)
 
     def remove_hooks(self):
         """Removes the post-accumulate-grad hooks overlap=True registered (the optimizer then
         steps as with overlap=False); an open step is abandoned first."""
-        if self._open:
-            self._abandon()
+        self._settle_open()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -76,6 +76,7 @@ def _arithmetic_name(value):
 
 class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
+    _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
     def __init__(self, params, defaults):
         for flag in ("amsgrad", "maximize", "differentiable"):
@@ -191,7 +192,9 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             self._load_param(p, st)
 
     def _flush(self):
-        """Edits made through `opt.state` reach fo (see fo._torch_state)."""
+        """Edits made through `opt.state` reach fo (see fo._torch_state); a step left open
+        (overlap=True: backward handed gradients over, step() not called) is rolled back first."""
+        self._settle_open()
         edits = self.state.edits()
         if edits:
             self._sync(also=set(edits))
@@ -211,6 +214,8 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         return loss
 
     def _step(self):
+        if not self._grad_scaler_step():
+            return
         if self._ov["overlap"]:
             self._end()
             self.state.after_step()
@@ -235,10 +240,12 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             check(_optim._step(self._fo._handle, grads.array, n))
         finally:
             grads.release()
+            self._unscaled = False
         self.state.after_step()
 
     # -- state ------------------------------------------------------------------------
     def _has_state(self, p):
+        self._settle_open()  # state is read: a step left open is rolled back (fo._torch_overlap)
         i = self._index.get(p)
         return i is not None and bool(self._fo.state_keys(i))
 

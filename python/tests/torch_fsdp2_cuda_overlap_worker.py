@@ -1,0 +1,74 @@
+"""One torchrun rank of test_torch_fsdp2_cuda.py (issue 33, case 1): FSDP2 with
+CPUOffloadPolicy(pin_memory=True) on CUDA + NCCL, fo.torch.AdamW with overlap=True against
+overlap=False on the same model and batches. FSDP2 copies each reduced gradient to pinned host
+memory with non_blocking=True and records `fsdp_param.grad_offload_event` (torch versions that
+keep the copy non-blocking when a post-accumulate-grad hook is registered, e.g. 2.11); fo must
+not read a gradient before its copy lands. Two overlapped runs and the plain run must end with
+the same bits.
+
+    torchrun --nproc-per-node 1 torch_fsdp2_cuda_overlap_worker.py OUT_JSON [WIDTH LAYERS STEPS]
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+import fo.torch
+
+
+def build(mesh, width, layers):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                  for _ in range(layers)]).cuda()
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for m in model:
+        fully_shard(m, mesh=mesh, offload_policy=offload)
+    fully_shard(model, mesh=mesh, offload_policy=offload)
+    return model
+
+
+def run(mesh, width, layers, steps, overlap, state_format):
+    model = build(mesh, width, layers)
+    opt = fo.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, state_format=state_format,
+                         overlap=overlap)
+    losses, stats = [], []
+    for s in range(steps):
+        g = torch.Generator(device="cuda").manual_seed(1000 + s)
+        x = torch.randn(64, width, device="cuda", generator=g)
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        stats.append(opt.last_step_stats)
+    params = [p.to_local().detach().cpu().clone() for p in model.parameters()]
+    return losses, params, stats
+
+
+def main():
+    out = sys.argv[1]
+    width, layers, steps = (int(a) for a in (sys.argv[2:5] if len(sys.argv) > 4 else (1024, 8, 6)))
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    for fmt in ("quant8", "fp32"):
+        ref_losses, ref_params, _ = run(mesh, width, layers, steps, False, fmt)
+        runs = [run(mesh, width, layers, steps, True, fmt) for _ in range(2)]
+        res[fmt] = {
+            "same_bits": [all(torch.equal(a, b) for a, b in zip(ref_params, r[1])) for r in runs],
+            "same_losses": [r[0] == ref_losses for r in runs],
+            "handed_over_in_backward": [s["handed_over_in_backward"] for s in runs[0][2]],
+            "redone": [s["redone"] for s in runs[0][2]],
+        }
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
