@@ -64,7 +64,7 @@ else
   "$TORCH_VENV/bin/python" -m pip install -q torch==2.15.0 -r python/requirements-test.txt
   echo "installed torch into $TORCH_VENV in $(( $(date +%s) - t0 ))s"
 fi
-"$TORCH_VENV/bin/python" -m pip install -q -r python/requirements-test.txt
+"$TORCH_VENV/bin/python" -m pip install -q -r python/requirements-test.txt -r python/requirements-torch.txt
 
 step "NCCL where torch's wheel puts it (site-packages/nvidia/nccl/lib/libnccl.so.2): fo finds the loaded copy and calls ncclGetVersion (no GPU needed)"
 NCCL_SO=$(find "$TORCH_VENV" -path '*/nvidia/nccl/lib/libnccl.so.2' -print -quit 2>/dev/null || true)
