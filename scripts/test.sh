@@ -37,14 +37,23 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)"
 ctest --test-dir build --output-on-failure
 
-step "NVRTC compiles the GPU kernels to PTX for sm_80 and sm_90 (--fmad=false, no warnings; no GPU needed)"
+step "NVRTC 12 and 13 compile the GPU kernels to PTX for sm_80 and sm_90 (--fmad=false, no warnings; no GPU needed)"
+# The pinned wheels: CUDA 12's, and CUDA 13's at the version torch 2.15's cu13 wheels pin
+# (its only file layout: site-packages/nvidia/cu13/lib/libnvrtc.so.13).
 NVRTC_SITE="${HOME}/.cache/fo/nvrtc-12.8.93"
-[ -f "$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ] ||
+NVRTC12_SO="$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+[ -f "$NVRTC12_SO" ] ||
   .venv/bin/python -m pip install -q --target "$NVRTC_SITE" nvidia-cuda-nvrtc-cu12==12.8.93
-.venv/bin/python scripts/nvrtc_check.py "$NVRTC_SITE/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
+NVRTC13_SITE="${HOME}/.cache/fo/nvrtc-13.2.86"
+NVRTC13_SO="$NVRTC13_SITE/nvidia/cu13/lib/libnvrtc.so.13"
+[ -f "$NVRTC13_SO" ] ||
+  .venv/bin/python -m pip install -q --no-deps --target "$NVRTC13_SITE" nvidia-cuda-nvrtc==13.2.86
+.venv/bin/python scripts/nvrtc_check.py "$NVRTC12_SO"
+.venv/bin/python scripts/nvrtc_check.py "$NVRTC13_SO"
 
-step "NVRTC through fo's own launch code: the embedded kernels compile for sm_80/sm_90 (no GPU needed)"
+step "NVRTC through fo's own search and launch code: FO_NVRTC_LIBRARY, a loaded copy, the wheels' site-packages layout, the library path; the embedded kernels compile for sm_80/sm_90 with NVRTC 12 and 13 (no GPU needed)"
 LD_LIBRARY_PATH="$NVRTC_SITE/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  FO_TEST_NVRTC12_LIBRARY="$NVRTC12_SO" FO_TEST_NVRTC13_LIBRARY="$NVRTC13_SO" \
   cargo test --release --features cuda --lib device::nvrtc
 
 step "pytest (Python ctypes binding and examples)"

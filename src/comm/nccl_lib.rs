@@ -13,10 +13,11 @@
 //! Loading and `ncclGetVersion` need no GPU, so CI checks this path against the wheel.
 //! Plain `dlopen`, no CUDA: built (and its search tested) with or without the `cuda` feature.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crate::device::dl;
 use crate::error::{Error, Result};
 
 pub type NcclResult = c_int;
@@ -121,20 +122,16 @@ unsafe impl Send for NcclLib {}
 unsafe impl Sync for NcclLib {}
 
 /// Where `libnccl.so.2` of the `nvidia-nccl-cu*` wheel would be, for each `site-packages`
-/// directory one of `loaded` (paths of loaded libraries) lives in; in order, no repeats.
-pub fn wheel_candidates<'a>(loaded: impl IntoIterator<Item = &'a str>) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = Vec::new();
-    for p in loaded {
-        for marker in ["/site-packages/", "/dist-packages/"] {
-            if let Some(at) = p.find(marker) {
-                let c = Path::new(&p[..at + marker.len()]).join("nvidia/nccl/lib/libnccl.so.2");
-                if !out.contains(&c) {
-                    out.push(c);
-                }
-            }
-        }
-    }
-    out
+/// directory one of `loaded` (paths of loaded libraries) lives in, then `$VIRTUAL_ENV`'s
+/// (`venv`); in order, no repeats.
+pub fn wheel_candidates<'a>(
+    loaded: impl IntoIterator<Item = &'a str>,
+    venv: Option<&Path>,
+) -> Vec<PathBuf> {
+    dl::site_packages(loaded, venv)
+        .into_iter()
+        .map(|s| s.join("nvidia/nccl/lib/libnccl.so.2"))
+        .collect()
 }
 
 /// The NCCL library of this process, loaded on first success (a failure is not kept:
@@ -155,38 +152,33 @@ pub fn lib() -> Result<&'static NcclLib> {
 fn load(explicit: Option<String>) -> Result<NcclLib> {
     if let Some(p) = explicit {
         // SAFETY: loading a library the user named for this purpose.
-        let h = unsafe { open(&p, libc::RTLD_NOW) }
+        let h = unsafe { dl::open(&p, libc::RTLD_NOW) }
             .map_err(|e| Error::Unsupported(format!("FO_NCCL_LIBRARY={p}: {e}")))?;
         return unsafe { resolve(h) };
     }
     let mut tried = Vec::new();
     for name in ["libnccl.so.2", "libnccl.so"] {
         // SAFETY: RTLD_NOLOAD only finds a library already in the process.
-        if let Ok(h) = unsafe { open(name, libc::RTLD_NOW | libc::RTLD_NOLOAD) } {
+        if let Ok(h) = unsafe { dl::open(name, libc::RTLD_NOW | libc::RTLD_NOLOAD) } {
             return unsafe { resolve(h) };
         }
     }
     tried.push("a libnccl already loaded (torch's)".to_string());
-    let mut dirs = wheel_candidates(loaded_libraries().iter().map(String::as_str));
-    if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
-        let lib = Path::new(&venv).join("lib");
-        for e in std::fs::read_dir(&lib).into_iter().flatten().flatten() {
-            let c = e.path().join("site-packages/nvidia/nccl/lib/libnccl.so.2");
-            if !dirs.contains(&c) {
-                dirs.push(c);
-            }
-        }
-    }
+    let venv = dl::virtual_env();
+    let dirs = wheel_candidates(
+        dl::loaded_libraries().iter().map(String::as_str),
+        venv.as_deref(),
+    );
     for c in dirs.iter().filter(|c| c.is_file()) {
         // SAFETY: the NCCL wheel's library.
-        if let Ok(h) = unsafe { open(&c.to_string_lossy(), libc::RTLD_NOW) } {
+        if let Ok(h) = unsafe { dl::open(&c.to_string_lossy(), libc::RTLD_NOW) } {
             return unsafe { resolve(h) };
         }
     }
     tried.extend(dirs.iter().map(|d| d.display().to_string()));
     for name in ["libnccl.so.2", "libnccl.so"] {
         // SAFETY: the system's NCCL, by its usual names.
-        match unsafe { open(name, libc::RTLD_NOW) } {
+        match unsafe { dl::open(name, libc::RTLD_NOW) } {
             Ok(h) => return unsafe { resolve(h) },
             Err(e) => tried.push(e),
         }
@@ -198,34 +190,16 @@ fn load(explicit: Option<String>) -> Result<NcclLib> {
     )))
 }
 
-/// `dlopen`, with `dlerror`'s text on failure.
-unsafe fn open(name: &str, flags: c_int) -> std::result::Result<*mut c_void, String> {
-    let c = CString::new(name).map_err(|_| format!("{name:?}: a path with a NUL byte"))?;
-    let h = libc::dlopen(c.as_ptr(), flags);
-    if h.is_null() {
-        let e = libc::dlerror();
-        let why = if e.is_null() {
-            "not found".to_string()
-        } else {
-            CStr::from_ptr(e).to_string_lossy().into_owned()
-        };
-        return Err(format!("{name}: {why}"));
-    }
-    Ok(h)
-}
-
 /// Every function of `NcclLib` from the library `h` (kept loaded for the process).
 unsafe fn resolve(h: *mut c_void) -> Result<NcclLib> {
-    let path = library_path(h);
+    let path = dl::library_path(h, "libnccl");
     let sym = |name: &CStr| -> Result<*mut c_void> {
-        let f = libc::dlsym(h, name.as_ptr());
-        if f.is_null() {
-            return Err(Error::Unsupported(format!(
+        dl::symbol(h, name).ok_or_else(|| {
+            Error::Unsupported(format!(
                 "{path}: no symbol {} (NCCL older than 2.14?)",
                 name.to_string_lossy()
-            )));
-        }
-        Ok(f)
+            ))
+        })
     };
     macro_rules! f {
         ($name:literal) => {
@@ -249,42 +223,6 @@ unsafe fn resolve(h: *mut c_void) -> Result<NcclLib> {
     })
 }
 
-/// The file a `dlopen` handle came from.
-unsafe fn library_path(h: *mut c_void) -> String {
-    let mut map: *mut libc::c_void = std::ptr::null_mut();
-    // RTLD_DI_LINKMAP = 2: the handle's `struct link_map`, whose second field is l_name.
-    if libc::dlinfo(h, 2, &mut map as *mut _ as *mut c_void) == 0 && !map.is_null() {
-        let name = *(map as *const *const c_char).add(1);
-        if !name.is_null() {
-            return CStr::from_ptr(name).to_string_lossy().into_owned();
-        }
-    }
-    "libnccl".into()
-}
-
-/// The paths of every library loaded in this process.
-fn loaded_libraries() -> Vec<String> {
-    unsafe extern "C" fn each(
-        info: *mut libc::dl_phdr_info,
-        _size: usize,
-        data: *mut c_void,
-    ) -> c_int {
-        let out = &mut *(data as *mut Vec<String>);
-        let name = (*info).dlpi_name;
-        if !name.is_null() {
-            let s = CStr::from_ptr(name).to_string_lossy();
-            if !s.is_empty() {
-                out.push(s.into_owned());
-            }
-        }
-        0
-    }
-    let mut out: Vec<String> = Vec::new();
-    // SAFETY: the callback only reads the entries it is given.
-    unsafe { libc::dl_iterate_phdr(Some(each), &mut out as *mut _ as *mut c_void) };
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,7 +236,7 @@ mod tests {
             "/usr/lib/python3/dist-packages/fo/libfo.so",
         ];
         assert_eq!(
-            wheel_candidates(loaded),
+            wheel_candidates(loaded, None),
             [
                 PathBuf::from("/v/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"),
                 PathBuf::from("/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2"),
@@ -327,10 +265,5 @@ mod tests {
         assert!(l
             .describe(4, std::ptr::null_mut())
             .starts_with("NCCL error 4 (invalid argument"));
-    }
-
-    #[test]
-    fn loaded_libraries_include_libc() {
-        assert!(loaded_libraries().iter().any(|l| l.contains("libc.so")));
     }
 }

@@ -1,7 +1,8 @@
 //! The device room: which memory a tensor lives in (`device` -1: host, >= 0: a CUDA
 //! ordinal), the `Backend` trait one device implements, and its implementations.
 //!
-//! `cuda` (feature `cuda`: CUDA through cudarc, the kernels compiled by `nvrtc`),
+//! `cuda` (feature `cuda`: CUDA through cudarc, the kernels compiled by `nvrtc` with the
+//! NVRTC `nvrtc_lib` finds where pip puts it; `dl`: the library search it shares with NCCL),
 //! `no_cuda` (built without the feature: every device refused, saying so), `emulated`
 //! (unit tests: host memory posing as two devices, adversarial about ordering and
 //! lifetimes). Shared by all: `open` (which backend serves an ordinal; tensor bytes wherever they live), `check` (the one "contiguous, on an open device, its memory"
@@ -13,12 +14,15 @@ pub mod check;
 pub mod context;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dl;
 #[cfg(test)]
 pub mod emulated;
 #[cfg(not(feature = "cuda"))]
 mod no_cuda;
 #[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+pub mod nvrtc_lib;
 pub mod open;
 pub mod ring;
 

@@ -9,8 +9,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::nvrtc::{result as nvr, sys as nvsys};
-
+use super::nvrtc_lib::{self, NvrtcLib, NvrtcProgram};
 use crate::error::{Error, Result};
 use crate::kernels::gpu::KERNEL_SOURCES;
 
@@ -27,13 +26,13 @@ pub const NORM_ENTRIES: [&str; 3] = [
 /// fuse, as on the CPU path.
 pub const NVRTC_OPTIONS: [&str; 3] = ["--fmad=false", "-std=c++17", "--restrict"];
 
-/// Why NVRTC cannot be used (compiling needs no GPU and no libcuda), or None.
-pub fn missing_nvrtc() -> Option<&'static str> {
-    // SAFETY: only tries to load the library; no NVRTC call is made.
-    if !unsafe { nvsys::is_culib_present() } {
-        return Some("the NVRTC library (libnvrtc.so) could not be loaded; add its directory to LD_LIBRARY_PATH");
-    }
-    None
+/// Why NVRTC cannot be used (compiling needs no GPU and no libcuda), or None. The
+/// message names every place the library was looked for (`nvrtc_lib`).
+pub fn missing_nvrtc() -> Option<String> {
+    nvrtc_lib::lib().err().map(|e| match e {
+        Error::Unsupported(m) => m,
+        e => e.to_string(),
+    })
 }
 /// The `--gpu-architecture` option for compute capability `major.minor` (PTX for the
 /// device's own virtual architecture; the driver finishes it for the exact chip).
@@ -50,88 +49,121 @@ pub fn cubin_arch_option(major: i32, minor: i32) -> String {
 
 /// Compiles the kernels to a CUBIN for `arch` (a `cubin_arch_option`).
 pub fn compile_cubin(arch: &str) -> Result<Vec<u8>> {
-    compile(arch, |prog| {
+    compile_cubin_with(nvrtc_lib::lib()?, arch)
+}
+
+/// `compile_cubin` with the NVRTC `nv`.
+pub fn compile_cubin_with(nv: &NvrtcLib, arch: &str) -> Result<Vec<u8>> {
+    compile(nv, arch, |prog| {
         let mut size = 0usize;
         // SAFETY: a compiled program; the buffer holds `size` bytes.
         unsafe {
-            nvsys::nvrtcGetCUBINSize(prog, &mut size).result()?;
+            nv.check("nvrtcGetCUBINSize", (nv.get_cubin_size)(prog, &mut size))?;
             let mut out = vec![0u8; size];
-            nvsys::nvrtcGetCUBIN(prog, out.as_mut_ptr() as *mut c_char).result()?;
+            nv.check(
+                "nvrtcGetCUBIN",
+                (nv.get_cubin)(prog, out.as_mut_ptr() as *mut c_char),
+            )?;
             Ok(out)
         }
     })
 }
 
-/// NVRTC's version as "major.minor".
+/// NVRTC's version as "major.minor" and the file it was loaded from.
 pub fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: writes two ints (the library is present: checked by the callers).
-    match unsafe { nvsys::nvrtcVersion(&mut major, &mut minor) }.result() {
-        Ok(()) => format!("{major}.{minor}"),
-        Err(e) => format!("unknown ({e:?})"),
+    match nvrtc_lib::lib() {
+        Ok(l) => format!("{}.{} ({})", l.version.0, l.version.1, l.path),
+        Err(_) => "unknown (not loaded)".into(),
     }
 }
 
 /// Compiles the kernels to PTX with `arch` (an `arch_option`). The headers are handed to
 /// NVRTC in memory, so no file or include path is needed at run time. Errors carry
-/// NVRTC's log.
+/// NVRTC's log. The PTX ends with its NUL, as `cuModuleLoadData` reads it.
 pub fn compile_ptx(arch: &str) -> Result<Vec<c_char>> {
-    compile(arch, |prog| {
-        // SAFETY: a compiled program.
-        unsafe { nvr::get_ptx(prog) }.map(|v| v.into_iter().map(|b| b as u8).collect::<Vec<u8>>())
-    })
-    .map(|v| v.into_iter().map(|b| b as c_char).collect())
+    compile_ptx_with(nvrtc_lib::lib()?, arch)
+}
+
+/// `compile_ptx` with the NVRTC `nv`.
+pub fn compile_ptx_with(nv: &NvrtcLib, arch: &str) -> Result<Vec<c_char>> {
+    let ptx = compile(nv, arch, |prog| {
+        let mut size = 0usize;
+        // SAFETY: a compiled program; the buffer holds `size` bytes (NUL included).
+        unsafe {
+            nv.check("nvrtcGetPTXSize", (nv.get_ptx_size)(prog, &mut size))?;
+            let mut out = vec![0u8; size];
+            nv.check(
+                "nvrtcGetPTX",
+                (nv.get_ptx)(prog, out.as_mut_ptr() as *mut c_char),
+            )?;
+            Ok(out)
+        }
+    })?;
+    Ok(ptx.into_iter().map(|b| b as c_char).collect())
 }
 
 /// Compiles the kernels with `arch` and takes the output with `get`.
-fn compile<T: Into<Vec<u8>>>(
+fn compile(
+    nv: &NvrtcLib,
     arch: &str,
-    get: impl FnOnce(nvsys::nvrtcProgram) -> std::result::Result<T, nvr::NvrtcError>,
+    get: impl FnOnce(NvrtcProgram) -> Result<Vec<u8>>,
 ) -> Result<Vec<u8>> {
-    if let Some(m) = missing_nvrtc() {
-        return Err(Error::Unsupported(m.into()));
-    }
     let cstr = |s: &str| CString::new(s).expect("kernel sources hold no NUL");
     let names: Vec<CString> = KERNEL_SOURCES.iter().map(|(n, _)| cstr(n)).collect();
     let texts: Vec<CString> = KERNEL_SOURCES.iter().map(|(_, t)| cstr(t)).collect();
     let name_ptrs: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
     let text_ptrs: Vec<*const c_char> = texts.iter().map(|c| c.as_ptr()).collect();
     let main = cstr("#include \"fo_step.cuh\"\n#include \"fo_norm.cuh\"\n");
-    let mut opts: Vec<String> = vec![arch.to_string()];
-    opts.extend(NVRTC_OPTIONS.iter().map(|s| s.to_string()));
-    let nv = |what: &str, e: nvr::NvrtcError| Error::Unsupported(format!("NVRTC {what}: {e:?}"));
+    let opts: Vec<CString> = std::iter::once(arch)
+        .chain(NVRTC_OPTIONS)
+        .map(cstr)
+        .collect();
+    let opt_ptrs: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
     // SAFETY: every pointer outlives the program, which is destroyed before returning.
     unsafe {
-        let mut prog: nvsys::nvrtcProgram = std::ptr::null_mut();
-        nvsys::nvrtcCreateProgram(
-            &mut prog,
-            main.as_ptr(),
-            c"fo_kernels.cu".as_ptr(),
-            names.len() as i32,
-            text_ptrs.as_ptr(),
-            name_ptrs.as_ptr(),
-        )
-        .result()
-        .map_err(|e| nv("nvrtcCreateProgram", e))?;
-        let compiled = nvr::compile_program(prog, &opts);
+        let mut prog: NvrtcProgram = std::ptr::null_mut();
+        nv.check(
+            "nvrtcCreateProgram",
+            (nv.create_program)(
+                &mut prog,
+                main.as_ptr(),
+                c"fo_kernels.cu".as_ptr(),
+                names.len() as i32,
+                text_ptrs.as_ptr(),
+                name_ptrs.as_ptr(),
+            ),
+        )?;
+        let compiled = nv.check(
+            "nvrtcCompileProgram",
+            (nv.compile_program)(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr()),
+        );
         let out = match compiled {
-            Ok(()) => get(prog)
-                .map(Into::into)
-                .map_err(|e| nv("nvrtcGetPTX/nvrtcGetCUBIN", e)),
-            Err(e) => {
-                let log = nvr::get_program_log(prog)
-                    .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                Err(Error::Unsupported(format!(
-                    "NVRTC could not compile fo's kernels ({} {}): {e:?}\n{log}",
-                    arch,
-                    NVRTC_OPTIONS.join(" ")
-                )))
-            }
+            Ok(()) => get(prog),
+            Err(e) => Err(Error::Unsupported(format!(
+                "NVRTC could not compile fo's kernels ({} {}): {e}\n{}",
+                arch,
+                NVRTC_OPTIONS.join(" "),
+                program_log(nv, prog)
+            ))),
         };
-        let _ = nvr::destroy_program(prog);
+        let _ = (nv.destroy_program)(&mut prog);
         out
     }
+}
+
+/// NVRTC's log for `prog` (empty when it cannot be read).
+unsafe fn program_log(nv: &NvrtcLib, prog: NvrtcProgram) -> String {
+    let mut size = 0usize;
+    if (nv.get_program_log_size)(prog, &mut size) != 0 || size == 0 {
+        return String::new();
+    }
+    let mut log = vec![0u8; size];
+    if (nv.get_program_log)(prog, log.as_mut_ptr() as *mut c_char) != 0 {
+        return String::new();
+    }
+    CStr::from_bytes_until_nul(&log)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// The CUBIN for compute capability `major.minor`, compiled once per architecture (see
@@ -185,19 +217,63 @@ mod tests {
         assert_eq!(cubin_arch_option(9, 0), "--gpu-architecture=sm_90");
     }
 
-    /// Runs where NVRTC loads (no GPU needed): scripts/test.sh puts the pinned NVRTC wheel
-    /// on LD_LIBRARY_PATH for it.
+    /// The NVRTCs this test process has: the one fo's search finds (scripts/test.sh puts
+    /// the NVRTC 12 wheel on LD_LIBRARY_PATH for it) and each wheel that
+    /// `FO_TEST_NVRTC{12,13}_LIBRARY` names. Prints why one is absent.
+    fn nvrtcs() -> Vec<&'static NvrtcLib> {
+        let mut out: Vec<&'static NvrtcLib> = Vec::new();
+        match nvrtc_lib::lib() {
+            Ok(l) => out.push(l),
+            Err(e) => eprintln!("fo's search found no NVRTC: {e}"),
+        }
+        for major in [12, 13] {
+            let Some(wheel) = nvrtc_lib::tests::test_wheel(major) else {
+                continue;
+            };
+            let search = nvrtc_lib::Search {
+                explicit: Some(&wheel),
+                loaded: &[],
+                venv: None,
+                names: &[],
+            };
+            let l = nvrtc_lib::load(&search).unwrap();
+            // The same file as the search's (LD_LIBRARY_PATH on the wheel) is checked once.
+            let same = |a: &str, b: &str| {
+                std::fs::canonicalize(a)
+                    .ok()
+                    .is_some_and(|a| std::fs::canonicalize(b).ok() == Some(a))
+            };
+            if !out.iter().any(|o| same(&o.path, &l.path)) {
+                out.push(Box::leak(Box::new(l)));
+            }
+        }
+        out
+    }
+
+    /// Runs where NVRTC loads (no GPU needed): each NVRTC 12 and 13 compiles the kernels to
+    /// PTX, and to CUBIN for the architectures it lists.
     #[test]
     fn nvrtc_compiles_the_embedded_kernels_to_ptx_and_cubin_for_sm80_and_sm90() {
-        if let Some(why) = missing_nvrtc() {
-            eprintln!("skipped: {why}");
+        let all = nvrtcs();
+        if all.is_empty() {
+            eprintln!("skipped: no NVRTC loads here");
             return;
         }
+        for nv in all {
+            compiles_the_kernels(nv);
+        }
+    }
+
+    fn compiles_the_kernels(nv: &NvrtcLib) {
+        let who = format!("NVRTC {}.{} ({})", nv.version.0, nv.version.1, nv.path);
+        // fo's calls are checked against NVRTC 12 and 13 (13 removed only nvrtcGetNVVM*);
+        // a new major needs the same check before it is accepted.
+        assert!((12..=13).contains(&nv.version.0), "{who}");
         let written = include_str!("../kernels/gpu/fo_rules.cuh")
             .matches("fo_fma(")
             .count();
         for (major, minor) in [(8, 0), (9, 0)] {
-            let ptx = compile_ptx(&arch_option(major, minor)).unwrap();
+            let ptx = compile_ptx_with(nv, &arch_option(major, minor)).unwrap();
             let bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
             let text = CStr::from_bytes_until_nul(&bytes)
                 .unwrap()
@@ -206,40 +282,49 @@ mod tests {
             for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
                 assert!(
                     text.contains(&format!(".entry {entry}")),
-                    "sm_{major}{minor}: {entry}"
+                    "{who} sm_{major}{minor}: {entry}"
                 );
             }
             // --fmad=false holds for f64 too: the norm's sums are not contracted.
-            assert!(!text.contains("fma.rn.f64"), "sm_{major}{minor}");
+            assert!(!text.contains("fma.rn.f64"), "{who} sm_{major}{minor}");
             assert!(
                 text.contains(&format!(".target sm_{major}{minor}")),
-                "sm_{major}{minor}"
+                "{who} sm_{major}{minor}"
             );
             // --fmad=false took effect: the only fused multiply-adds are the written ones.
             assert_eq!(
                 text.matches("fma.rn.f32").count(),
                 written,
-                "sm_{major}{minor}"
+                "{who} sm_{major}{minor}"
             );
         }
-        // The CUBIN the device loads first (PTX is the fallback): an ELF for each.
+        // The CUBIN the device loads first (PTX is the fallback): an ELF for each
+        // architecture this NVRTC lists.
+        let archs = nv.supported_archs().unwrap();
+        let mut cubins = Vec::new();
         for (major, minor) in [(8, 0), (9, 0)] {
-            let cubin = compile_cubin(&cubin_arch_option(major, minor)).unwrap();
-            assert!(cubin.starts_with(b"\x7fELF"), "sm_{major}{minor}");
+            if !archs.contains(&(major * 10 + minor)) {
+                eprintln!("{who}: no sm_{major}{minor} among {archs:?}, no CUBIN to check");
+                continue;
+            }
+            cubins.push(format!("sm_{major}{minor}"));
+            let cubin = compile_cubin_with(nv, &cubin_arch_option(major, minor)).unwrap();
+            assert!(cubin.starts_with(b"\x7fELF"), "{who} sm_{major}{minor}");
             for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
                 assert!(
                     cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
-                    "sm_{major}{minor} CUBIN: {entry}"
+                    "{who} sm_{major}{minor} CUBIN: {entry}"
                 );
             }
         }
-        assert!(nvrtc_version().starts_with("12."), "{}", nvrtc_version());
-        let e = compile_ptx("--gpu-architecture=compute_10")
+        eprintln!("{who}: PTX for compute_80 and compute_90, CUBIN for {cubins:?}");
+        let e = compile_ptx_with(nv, "--gpu-architecture=compute_10")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("NVRTC could not compile fo's kernels (--gpu-architecture=compute_10"),
-            "{e}"
+            e.contains("NVRTC could not compile fo's kernels (--gpu-architecture=compute_10")
+                && e.contains("NVRTC_ERROR_INVALID_OPTION"),
+            "{who}: {e}"
         );
     }
     #[test]

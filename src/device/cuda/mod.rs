@@ -29,10 +29,17 @@ const BLOCK: u32 = 128;
 const BLOCKS_PER_SM: u32 = 8;
 
 /// Why GPU steps cannot run in this process (a library that does not load), or None.
-pub fn missing_library() -> Option<&'static str> {
+/// libcuda comes with the NVIDIA driver, never with pip, so cudarc's search of the
+/// library path by name is the right one for it (`libcuda.so.1` is the driver's soname);
+/// NVRTC comes from pip too and has fo's own search (`nvrtc_lib`).
+pub fn missing_library() -> Option<String> {
     // SAFETY: only tries to load libcuda; no CUDA call is made.
     if !unsafe { cusys::is_culib_present() } {
-        return Some("the CUDA driver library (libcuda.so) could not be loaded");
+        return Some(format!(
+            "the CUDA driver library (libcuda.so) could not be loaded; tried {} on the \
+             library path (it comes with the NVIDIA driver, not with pip)",
+            cudarc::get_lib_name_candidates("cuda").join(", ")
+        ));
     }
     missing_nvrtc()
 }
@@ -40,7 +47,7 @@ pub fn missing_library() -> Option<&'static str> {
 /// What is missing for device tensors, or where they are taken.
 pub(super) fn missing() -> String {
     match missing_library() {
-        Some(m) => m.into(),
+        Some(m) => m,
         None => "device tensors are taken by fo_optimizer_add_param, fo_optimizer_step, \
                  fo_optimizer_set_mirror, fo_clip_grad_norm and fo_broadcast_state_dict, not here"
             .into(),
@@ -145,8 +152,9 @@ unsafe fn load_module(ordinal: i32, major: i32, minor: i32) -> Result<(cusys::CU
                 "device = {ordinal}: the CUDA driver (CUDA {}) is older than NVRTC {} that \
                  compiled fo's kernels, so it cannot load their PTX \
                  (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), and the sm_{major}{minor} CUBIN did not \
-                 load either ({cubin_err}); update the driver, or put an NVRTC no newer than \
-                 the driver first on LD_LIBRARY_PATH",
+                 load either ({cubin_err}); update the driver, or set FO_NVRTC_LIBRARY to \
+                 an NVRTC no newer than the driver (pip's nvidia-cuda-nvrtc-cu12 for a CUDA 12 \
+                 driver)",
                 driver_version(),
                 nvrtc_version()
             )))
