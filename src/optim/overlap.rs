@@ -152,7 +152,10 @@ impl Optimizer {
             self.check_grad(i, g, d)?;
         }
         // Early (speculative) steps need an undo record within the budget and a host
-        // parameter with a host gradient; the rest waits for step_end's `step_on`.
+        // parameter with a host gradient; the rest waits for step_end's `step_on`. Once
+        // the clip is certain to scale, an early step would only be rolled back and taken
+        // again: from then on gradients wait for step_end, with no undo record.
+        let certain = clip_is_certain(&open.opts, open.inbox.arrived_partials());
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early = Vec::with_capacity(indices.len());
         for ((&i, &d), g) in indices.iter().zip(devices).zip(grads) {
@@ -160,7 +163,7 @@ impl Optimizer {
             let need = p.tensor.nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
             // A host parameter with a device gradient (the offload case) comes down first.
             let host_step = p.device < 0 && (d < 0 || g.nbytes() > 0);
-            let fits = host_step && used.saturating_add(need) <= budget;
+            let fits = host_step && !certain && used.saturating_add(need) <= budget;
             if fits {
                 used += need;
             }
@@ -262,6 +265,23 @@ impl Optimizer {
     }
 }
 
+/// Whether the gradients already measured make the clip scale for sure: this rank's share
+/// of the total norm already exceeds `max_norm` (with a margin for the order of the final
+/// sum). The total over every rank only adds to it (each rank's shards are summed,
+/// replicated gradients counted once), so the clip coefficient will be below 1 whatever
+/// arrives later. Only an optimization: the results are the same either way.
+fn clip_is_certain(o: &OverlapOptions, (largest, sum): (f64, f64)) -> bool {
+    if !o.clipping() {
+        return false;
+    }
+    let local = if o.norm_type.is_infinite() {
+        largest
+    } else {
+        sum.powf(1.0 / o.norm_type)
+    };
+    local.is_finite() && local > o.max_norm * (1.0 + 1e-3) + 1e-6
+}
+
 #[cfg(test)]
 #[path = "overlap_tests.rs"]
 pub(super) mod tests;
@@ -269,6 +289,10 @@ pub(super) mod tests;
 #[cfg(test)]
 #[path = "overlap_clip_tests.rs"]
 mod clip_tests;
+
+#[cfg(test)]
+#[path = "overlap_defer_tests.rs"]
+mod defer_tests;
 
 #[cfg(test)]
 #[path = "overlap_offload_tests.rs"]

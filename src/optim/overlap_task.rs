@@ -235,6 +235,21 @@ impl Inbox {
         }
     }
 
+    /// The clip-norm shares of the gradients whose task is back: the largest `|g|` and
+    /// the sum of `|g|^p` over them (as `clip::grad_norms` gives each).
+    pub fn arrived_partials(&self) -> (f64, f64) {
+        let g = self.lock();
+        g.1.iter()
+            .filter_map(|d| d.partial)
+            .fold((0.0, 0.0), |(m, s), (pm, ps)| (f64::max(m, pm), s + ps))
+    }
+
+    /// Buckets still on the pool (tests wait for them).
+    #[cfg(test)]
+    pub fn pending(&self) -> usize {
+        self.lock().0
+    }
+
     /// Waits until every bucket sent to the pool is back; takes their parameters.
     /// The work always ends (kernels over finite memory), so no timeout.
     pub fn wait_all(&self) -> Vec<Done> {

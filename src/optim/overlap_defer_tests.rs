@@ -1,0 +1,85 @@
+//! Once the clip is certain to scale, the overlapped step stops stepping early (each such
+//! step would be rolled back and taken again) and keeps the bits of clip-then-step.
+use super::tests::{cfg_for, model, snapshot, Grads, Rng, SHAPES, SHARD};
+use super::{OverlapOptions, OverlapStats};
+use crate::clip::clip_grad_norm;
+use crate::comm::Comm;
+use crate::dtype::DType;
+use crate::optim::config::Algorithm;
+use crate::tensor::HostTensor;
+
+/// Hands the gradients over one at a time, each after the previous one's task is back
+/// (so the clip norm's shares measured so far are known when the next arrives).
+unsafe fn one_by_one(
+    m: &mut super::tests::Model,
+    g: &[HostTensor],
+    opts: OverlapOptions,
+) -> (crate::error::Result<()>, OverlapStats) {
+    m.opt.step_begin(opts).unwrap();
+    for (i, v) in g.iter().enumerate() {
+        m.opt.grads_ready(&[i], &[v.clone()], &[-1]).unwrap();
+        let t = std::time::Instant::now();
+        while m.opt.open.as_ref().unwrap().inbox.pending() > 0 {
+            assert!(
+                t.elapsed().as_secs() < 60,
+                "the pool never returned the task"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    let mut stats = OverlapStats::default();
+    let r = m.opt.step_end(None, &mut stats);
+    (r, stats)
+}
+
+#[test]
+fn a_clip_certain_to_scale_defers_the_rest_and_keeps_the_bits() {
+    let comm = Comm::local_group(1).pop().unwrap();
+    for (max_norm, p, certain) in [
+        (1e-3, 2.0, true),
+        (1e-3, f64::INFINITY, true),
+        (1e6, 2.0, false),
+    ] {
+        let mut cfg = cfg_for(Algorithm::AdamW, DType::BF16);
+        cfg.lr = 1e-2;
+        let mut a = model(&cfg, DType::BF16, 3, true).unwrap();
+        let mut b = model(&cfg, DType::BF16, 3, true).unwrap();
+        let mut rng = Rng::new(9);
+        let mut ga = Grads::new(&mut rng, 1.0, false);
+        let mut gb = Grads {
+            dt: ga.dt.clone(),
+            bufs: ga.bufs.clone(),
+        };
+        let (va, vb) = (ga.views(), gb.views());
+        let list: Vec<(HostTensor, bool)> = va
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.clone(), i == SHARD))
+            .collect();
+        let total = unsafe { clip_grad_norm(&comm, &list, max_norm, p, false) }.unwrap();
+        let all: Vec<Option<HostTensor>> = va.iter().cloned().map(Some).collect();
+        unsafe { a.opt.step(&all) }.unwrap();
+        let opts = OverlapOptions {
+            max_norm,
+            norm_type: p,
+            ..OverlapOptions::default()
+        };
+        let (r, st) = unsafe { one_by_one(&mut b, &vb, opts) };
+        r.unwrap();
+        assert_eq!(st.total_norm.to_bits(), total.to_bits());
+        assert!(snapshot(&a) == snapshot(&b), "max_norm {max_norm} p {p}");
+        assert!(ga.bufs == gb.bufs, "the gradients are left scaled alike");
+        let n = SHAPES.len() as u64;
+        if certain {
+            // the first non-empty gradient alone exceeds max_norm: the rest wait for step_end
+            let early = 1 + SHAPES
+                .iter()
+                .position(|s| s.iter().product::<usize>() > 0)
+                .unwrap() as u64;
+            assert_eq!((st.speculative, st.deferred), (early, n - early), "{st:?}");
+            assert_eq!(st.rolled_back, early, "{st:?}");
+        } else {
+            assert_eq!((st.speculative, st.deferred), (n, 0), "{st:?}");
+        }
+    }
+}
