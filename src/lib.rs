@@ -2,18 +2,26 @@
 //!
 //! The crate is a safe Rust core with a thin C ABI on top (`ffi`, exported from
 //! `libfo.so` and described by the generated `include/fo.h`). Each module holds one
-//! concept; read them in this order. (`cbindgen:ignore` keeps the core out of the
-//! generated header: only `ffi` is the ABI.)
+//! concept: first the four jobs (`fo_wrap_uneven`, `fo_optimizer_step`, `fo_state_pack`,
+//! `fo_broadcast_state_dict`), then what they stand on. (`cbindgen:ignore` keeps the core
+//! out of the generated header: only `ffi` is the ABI.)
 
-/// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
+// The four jobs.
+/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
 /// cbindgen:ignore
-pub mod broadcast;
-/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
+pub mod shard;
+/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state:
+/// the handle, its math (`optim::math`) and its placement (`optim::placement`).
 /// cbindgen:ignore
-pub mod cast;
+pub mod optim;
 /// Distributed checkpoints: pack, save, load with resharding, consolidate, verify.
 /// cbindgen:ignore
 pub mod ckpt;
+/// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
+/// cbindgen:ignore
+pub mod broadcast;
+
+// What they stand on: collectives, devices, kernels, tensors, errors; the C ABI last.
 /// The FSDP2-safe global gradient norm and clip.
 /// cbindgen:ignore
 pub mod clip;
@@ -23,30 +31,26 @@ pub mod comm;
 /// Devices: host or CUDA ordinal, the backend trait, CUDA / no-CUDA / emulated backends.
 /// cbindgen:ignore
 pub mod device;
-/// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
-/// cbindgen:ignore
-pub mod dtype;
-/// The crate's one error type and its mapping to C status codes.
-/// cbindgen:ignore
-pub mod error;
-/// The C ABI: pointer and code conversion, panic catching, status codes. No logic lives here.
-pub mod ffi;
 /// The element-wise kernels by target: host SIMD, GPU `.cuh` source, the tables both read.
 /// cbindgen:ignore
 pub mod kernels;
-/// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state:
-/// the handle, its math (`optim::math`) and its placement (`optim::placement`).
-/// cbindgen:ignore
-pub mod optim;
-/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
-/// cbindgen:ignore
-pub mod shard;
-/// What the host reports about itself (memory available now).
-/// cbindgen:ignore
-pub mod sys;
 /// Owned tensors and borrowed views over host memory, with strides.
 /// cbindgen:ignore
 pub mod tensor;
+/// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
+/// cbindgen:ignore
+pub mod dtype;
+/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
+/// cbindgen:ignore
+pub mod cast;
+/// The crate's one error type and its mapping to C status codes.
+/// cbindgen:ignore
+pub mod error;
+/// What the host reports about itself (memory available now).
+/// cbindgen:ignore
+pub mod sys;
+/// The C ABI: pointer and code conversion, panic catching, status codes. No logic lives here.
+pub mod ffi;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -6,8 +6,10 @@
 //! is the one exception: it waits for the call in progress to return, then frees, so the
 //! other thread never runs on freed memory.
 //!
-//! The same guard is the seam for background work (an async save or an overlapped step
-//! will hold it, or hand out work that holds it, across calls).
+//! Background work does not hold the guard across calls: an async save's writer reads a
+//! snapshot taken at the call (`ckpt::snapshot`, copy-on-write against later steps) and an
+//! overlapped step's tasks own the state moved into them; while a step is open the core
+//! refuses every call that would touch what they hold (`Optimizer::refuse_if_step_open`).
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Condvar, Mutex, MutexGuard};

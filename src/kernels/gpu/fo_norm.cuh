@@ -1,7 +1,7 @@
 // Gradient norms and the clip's scaling on the device (fo_clip_grad_norm with device
 // gradients), so a gradient never crosses PCIe: only per-chunk partials come back.
 //
-// The sum is cut so that the host reproduces it bit for bit (src/clip/norm.rs): a
+// The sum is cut so that the host reproduces it bit for bit (src/clip/norms.rs): a
 // tensor is cut into chunks of FO_NORM_CHUNK elements; in a chunk, lane l (of 32) adds
 // |x| or x*x (in f64) of elements l, l+32, l+64, ... in order from 0.0; a chunk's sum
 // is the lanes' xor butterfly (offsets 16, 8, 4, 2, 1); the host adds a tensor's chunk
