@@ -17,7 +17,7 @@ unsafe fn one_by_one(
 ) -> (crate::error::Result<()>, OverlapStats) {
     m.opt.step_begin(opts).unwrap();
     for (i, v) in g.iter().enumerate() {
-        m.opt.grads_ready(&[i], &[v.clone()], &[-1]).unwrap();
+        m.opt.grads_ready(&[i], std::slice::from_ref(v), &[-1]).unwrap();
         let t = std::time::Instant::now();
         while m.opt.open.as_ref().unwrap().inbox.pending() > 0 {
             assert!(
