@@ -74,17 +74,24 @@ fn options(rank: usize, world: usize, id: &str) -> SaveOptions {
 
 /// The committed files of a checkpoint, as bytes (what a load reads).
 fn committed_bytes(dir: &Path) -> Vec<Vec<u8>> {
-    let ck = Checkpoint::open(dir).unwrap_or_else(|e| panic!("{} does not open: {e}", dir.display()));
+    let ck =
+        Checkpoint::open(dir).unwrap_or_else(|e| panic!("{} does not open: {e}", dir.display()));
     ck.files.iter().map(|f| std::fs::read(f).unwrap()).collect()
 }
 
 /// `dir` holds save `id` (whose synchronous twin is in `reference`), byte for byte, and
 /// a fresh optimizer loads it.
 fn assert_holds(dir: &Path, id: &str, reference: &Path, world: usize, rank: usize) {
-    let ck = Checkpoint::open(dir).unwrap_or_else(|e| panic!("{} does not open: {e}", dir.display()));
+    let ck =
+        Checkpoint::open(dir).unwrap_or_else(|e| panic!("{} does not open: {e}", dir.display()));
     let got = ck.meta.as_ref().unwrap().save_id.clone();
     drop(ck);
-    assert_eq!(got, id, "{} holds save {got:?}, not the newest {id:?}", dir.display());
+    assert_eq!(
+        got,
+        id,
+        "{} holds save {got:?}, not the newest {id:?}",
+        dir.display()
+    );
     assert!(
         committed_bytes(dir) == committed_bytes(reference),
         "{} holds save {id:?}, but not its bytes",
@@ -198,39 +205,48 @@ fn second_with_comm(
 fn a_second_save_through_a_communicator_before_the_first_wait_is_refused_as_busy() {
     for world in [1, 2] {
         let dir = tmp(&format!("race-comm-{world}"));
-        let refs: Vec<PathBuf> = (0..2).map(|k| tmp(&format!("race-comm-{world}-r{k}"))).collect();
+        let refs: Vec<PathBuf> = (0..2)
+            .map(|k| tmp(&format!("race-comm-{world}-r{k}")))
+            .collect();
         let (d, rf) = (dir.clone(), refs.clone());
-        common::run_ranks(common::group(world, 60.0), Duration::from_secs(300), move |comm| {
-            let (r, w) = (comm.rank(), comm.world_size());
-            let mut m = Model::new(w, r);
-            for run in 0..12 {
-                let (a, b) = (format!("a{run}"), format!("b{run}"));
-                m.step(3 * run);
-                fo::ckpt::save_optimizer_comm(&m.opt, &rf[0], &options(r, w, &a), &comm).unwrap();
-                let step = (run % 2 == 0).then_some(3 * run + 1);
-                let (wa, wb) = second_with_comm(&mut m, &d, &comm, &a, &b, step);
-                assert!(wa.is_ok(), "rank {r} run {run}: first wait {wa:?}");
-                match wb {
-                    Some(Err(Error::Busy(msg))) => assert!(msg.contains(&a), "{msg}"),
-                    other => panic!("rank {r} run {run}: second save {other:?}, not busy"),
+        common::run_ranks(
+            common::group(world, 60.0),
+            Duration::from_secs(300),
+            move |comm| {
+                let (r, w) = (comm.rank(), comm.world_size());
+                let mut m = Model::new(w, r);
+                for run in 0..12 {
+                    let (a, b) = (format!("a{run}"), format!("b{run}"));
+                    m.step(3 * run);
+                    fo::ckpt::save_optimizer_comm(&m.opt, &rf[0], &options(r, w, &a), &comm)
+                        .unwrap();
+                    let step = (run % 2 == 0).then_some(3 * run + 1);
+                    let (wa, wb) = second_with_comm(&mut m, &d, &comm, &a, &b, step);
+                    assert!(wa.is_ok(), "rank {r} run {run}: first wait {wa:?}");
+                    match wb {
+                        Some(Err(Error::Busy(msg))) => assert!(msg.contains(&a), "{msg}"),
+                        other => panic!("rank {r} run {run}: second save {other:?}, not busy"),
+                    }
+                    comm.barrier().unwrap();
+                    if r == 0 {
+                        assert_holds(&d, &a, &rf[0], w, r);
+                    }
+                    comm.barrier().unwrap();
+                    // After the first's wait, the second save goes through and replaces it.
+                    m.step(3 * run + 2);
+                    fo::ckpt::save_optimizer_comm(&m.opt, &rf[1], &options(r, w, &b), &comm)
+                        .unwrap();
+                    let mut s =
+                        save_async(&mut m.opt, &d, &options(r, w, &b), Some(&comm), 0).unwrap();
+                    s.wait(None, Some(&comm)).unwrap();
+                    comm.barrier().unwrap();
+                    if r == 0 {
+                        assert_holds(&d, &b, &rf[1], w, r);
+                    }
+                    comm.barrier().unwrap();
                 }
-                comm.barrier().unwrap();
-                if r == 0 {
-                    assert_holds(&d, &a, &rf[0], w, r);
-                }
-                comm.barrier().unwrap();
-                // After the first's wait, the second save goes through and replaces it.
-                m.step(3 * run + 2);
-                fo::ckpt::save_optimizer_comm(&m.opt, &rf[1], &options(r, w, &b), &comm).unwrap();
-                let mut s = save_async(&mut m.opt, &d, &options(r, w, &b), Some(&comm), 0).unwrap();
-                s.wait(None, Some(&comm)).unwrap();
-                comm.barrier().unwrap();
-                if r == 0 {
-                    assert_holds(&d, &b, &rf[1], w, r);
-                }
-                comm.barrier().unwrap();
-            }
-        });
+            },
+        );
         std::fs::remove_dir_all(dir).unwrap();
         for d in refs {
             std::fs::remove_dir_all(d).unwrap();

@@ -106,19 +106,29 @@ pub unsafe extern "C" fn fo_state_save_async(
     out: *mut *mut fo_save,
 ) -> fo_status {
     guard(|| {
-        let out = arg_mut(out, "out")?;
-        let o = arg_ref(options, "options")?;
-        let so = o.pack.to_options()?;
-        let budget = usize::try_from(o.staging_budget_bytes).map_err(|_| {
-            Error::invalid("options.staging_budget_bytes", "does not fit this machine")
-        })?;
-        let dir = arg_path(dir, "dir")?;
-        let mut o = enter_opt(opt, "fo_state_save_async")?;
         let c = match comm.is_null() {
             true => None,
             false => Some(enter(comm, "fo_state_save_async")?),
         };
-        let save = ckpt::save_async(&mut o, dir, &so, c.as_deref(), budget)?;
+        // Every local check feeds the ranks' agreement (with a communicator), so a bad
+        // argument on one rank is every rank's error instead of the others' timeout.
+        let out = arg_mut(out, "out");
+        let mut held = enter_opt(opt, "fo_state_save_async");
+        let args = (|| {
+            out.as_ref().map_err(Error::clone)?;
+            let o = arg_ref(options, "options")?;
+            let so = o.pack.to_options()?;
+            let budget = usize::try_from(o.staging_budget_bytes).map_err(|_| {
+                Error::invalid("options.staging_budget_bytes", "does not fit this machine")
+            })?;
+            Ok((arg_path(dir, "dir")?, so, budget))
+        })();
+        let local = match held.as_mut() {
+            Err(busy) => Err(busy.clone()),
+            Ok(o) => args.map(|(dir, so, budget)| (&mut **o, dir, so, budget)),
+        };
+        let save = ckpt::async_save::save_async_checked(c.as_deref(), local)?;
+        let out = out?;
         let comm = comm.as_ref().map(|fc| {
             let link = Arc::new(CommLink {
                 comm: Mutex::new(fc as *const fo_comm),
