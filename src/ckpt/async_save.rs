@@ -11,8 +11,9 @@
 //!   [`AsyncSave::wait`], on the caller's thread again: the communicator is never used
 //!   from the writer thread, so it is never used from two threads at once.
 //!
-//! Lifecycle: a second async save of the same optimizer waits for the first's writer
-//! (and is refused while the first has a communicator commit not yet waited for); the
+//! Lifecycle: a second async save of the same optimizer, or into the same directory from
+//! another optimizer of the process, waits for the first's commit, or is refused (Busy)
+//! while the first's communicator commit waits for its `wait` (`in_flight`); the
 //! optimizer refuses `add_param` while the writer reads it, and its drop waits for the
 //! writer to let go of it; dropping an `AsyncSave` joins its writer. Device-resident
 //! state is staged to the host at the call (what the synchronous path reads), outside
