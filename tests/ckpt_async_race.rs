@@ -30,7 +30,8 @@ const SHAPES: [(&str, &[usize]); 3] = [
 
 struct Model {
     opt: Optimizer,
-    params: Vec<Buf>,
+    /// The registered parameters' memory: it must outlive `opt` (dropped after it).
+    _params: Vec<Buf>,
     specs: Vec<ShardSpec>,
 }
 
@@ -45,7 +46,11 @@ impl Model {
             params.push(b);
             specs.push(s);
         }
-        Model { opt, params, specs }
+        Model {
+            opt,
+            _params: params,
+            specs,
+        }
     }
 
     fn step(&mut self, t: usize) {
