@@ -2,11 +2,13 @@
 // _step_end): bit-identical to fo_optimizer_step with the same gradients, handed over in
 // reverse order and in buckets; with clipping, to fo_clip_grad_norm then
 // fo_optimizer_step (clipping that triggers and that does not); a bad gradient fails the
-// step with nothing changed; misuse is an error; destroy with a step open restores.
+// step with nothing changed; misuse is an error; destroy with a step open restores;
+// ranks of one communicator that disagree on clipping fail every rank, nothing stepped.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.hpp"
@@ -221,6 +223,33 @@ void destroy_with_a_step_open_restores() {
 
 }  // namespace
 
+// Issue 38: through a communicator, rank 0 clipping while rank 1 does not used to step
+// rank 1 (FO_OK) while rank 0 timed out in the norm's all-reduce. Every rank now fails at
+// once with FO_ERR_INVALID_ARGUMENT naming both choices, and nothing is stepped.
+void ranks_disagreeing_on_clipping_fail_every_rank_with_nothing_stepped() {
+  fo_comm* comms[2] = {nullptr, nullptr};
+  CHECK_OK(fo_comm_create_local_group(2, 60.0, comms));
+  std::vector<std::thread> ts;
+  for (int rank = 0; rank < 2; ++rank) {
+    ts.emplace_back([&, rank] {
+      Model m;
+      Grads g(5, 1.0f);
+      std::string before = m.bits();
+      fo_overlap_options o{rank == 0 ? 0.5 : 0.0, 2.0, 0, UINT64_MAX};
+      CHECK_OK(fo_optimizer_step_begin(m.opt, &o));
+      int32_t all[4] = {0, 1, 2, 3};
+      CHECK_OK(fo_optimizer_grads_ready(m.opt, all, g.views.data(), 4));
+      fo_overlap_stats st;
+      CHECK(fo_optimizer_step_end(m.opt, comms[rank], &st) == FO_ERR_INVALID_ARGUMENT);
+      std::string msg = fo_test::last_error();
+      CHECK(msg.find("rank 1 does not clip while rank 0 clips") != std::string::npos);
+      CHECK(m.bits() == before);
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (auto* c : comms) fo_comm_destroy(c);
+}
+
 int main() {
   same_bits_as_one_step();
   clipping_equals_clip_then_step();
@@ -228,5 +257,6 @@ int main() {
   misuse_is_an_error();
   abort_puts_every_early_step_back();
   destroy_with_a_step_open_restores();
+  ranks_disagreeing_on_clipping_fail_every_rank_with_nothing_stepped();
   return fo_test::summary("test_overlap");
 }

@@ -3,9 +3,13 @@
 // synchronous save of the state as of the call; poll and stats report progress and the
 // staging pool's high-water mark within its budget; a write error surfaces at wait with
 // FO_ERR_IO and the path; a communicator save commits at wait on every rank; a second
-// save waits for the first's writer; destroying the communicator before the wait fails
-// the save (FO_ERR_COMM), never a use-after-free.
+// save waits for the first's writer (and into one directory, for its commit, or is
+// FO_ERR_BUSY while a communicator commit awaits its wait); ranks that disagree fail
+// every rank at once; destroying the communicator before the wait fails the save
+// (FO_ERR_COMM), never a use-after-free.
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -229,6 +233,142 @@ static void destroying_the_comm_before_wait_fails_the_save_and_keeps_the_previou
   fs::remove_all(ref);
 }
 
+// The ranks' threads meet here (C++17 has no std::barrier).
+struct Barrier {
+  std::mutex m;
+  std::condition_variable cv;
+  int n, waiting = 0, round = 0;
+  explicit Barrier(int n) : n(n) {}
+  void wait() {
+    std::unique_lock<std::mutex> g(m);
+    int r = round;
+    if (++waiting == n) {
+      waiting = 0;
+      ++round;
+      cv.notify_all();
+    } else {
+      cv.wait(g, [&] { return round != r; });
+    }
+  }
+};
+
+// A directory holds save `id` (whose synchronous twin is `ref`), byte for byte, and a
+// fresh optimizer of the same rank loads it.
+static void holds(const std::string& dir, const std::string& ref, int world, int rank) {
+  same_files(dir, ref);
+  CHECK_OK(fo_checkpoint_verify(dir.c_str()));
+  Rank fresh(world, rank);
+  fo_load_options lo{1, 0, 1};
+  CHECK_OK(fo_state_load(fresh.opt, dir.c_str(), &lo, nullptr));
+}
+
+// Issue 38: a loop saving every N steps into `latest/` starts the next save before it
+// waits for the previous one. Without a communicator the second save waits for the
+// first's commit: both waits are OK and the directory holds the second save. Many runs,
+// with and without a step between the calls.
+static void a_second_save_into_one_dir_commits_after_the_first() {
+  Rank r(1, 0);
+  std::string dir = tmpdir("race"), ra = tmpdir("race-a"), rb = tmpdir("race-b");
+  for (int run = 0; run < 20; ++run) {
+    std::string a = "a" + std::to_string(run), b = "b" + std::to_string(run);
+    fo_pack_options pa{0, 1, 0, 1, -1, a.c_str()}, pb{0, 1, 0, 1, -1, b.c_str()};
+    r.step(2 * run);
+    CHECK_OK(fo_state_save(r.opt, ra.c_str(), &pa));
+    fo_save_options sa{pa, 0}, sb{pb, 0};
+    fo_save *s1 = nullptr, *s2 = nullptr;
+    CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &sa, nullptr, &s1));
+    if (run % 2 == 0) r.step(2 * run + 1);
+    CHECK_OK(fo_state_save(r.opt, rb.c_str(), &pb));
+    CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &sb, nullptr, &s2));
+    CHECK_OK(fo_save_wait(s1, INFINITY));
+    CHECK_OK(fo_save_wait(s2, INFINITY));
+    fo_save_destroy(s1);
+    fo_save_destroy(s2);
+    holds(dir, rb, 1, 0);
+  }
+  for (auto& d : {dir, ra, rb}) fs::remove_all(d);
+}
+
+// The same through a communicator (1 and 2 ranks): the first save commits at its wait,
+// which the second cannot run for it, so the second is FO_ERR_BUSY on every rank,
+// naming the first; the first's wait commits it; saved again after that wait, the
+// second commits and replaces it.
+static void a_second_save_through_a_comm_before_the_first_wait_is_busy() {
+  for (int world : {1, 2}) {
+    std::string dir = tmpdir("race-c"), ra = tmpdir("race-c-a"), rb = tmpdir("race-c-b");
+    std::vector<fo_comm*> comms(world, nullptr);
+    CHECK_OK(fo_comm_create_local_group(world, 60.0, comms.data()));
+    Barrier sync(world);
+    std::vector<std::thread> ts;
+    for (int rank = 0; rank < world; ++rank) {
+      ts.emplace_back([&, rank] {
+        Rank r(world, rank);
+        fo_comm* c = comms[rank];
+        for (int run = 0; run < 8; ++run) {
+          std::string a = "a" + std::to_string(run), b = "b" + std::to_string(run);
+          fo_pack_options pa{rank, world, 0, 1, -1, a.c_str()}, pb{rank, world, 0, 1, -1, b.c_str()};
+          r.step(3 * run);
+          CHECK_OK(fo_state_save_comm(r.opt, ra.c_str(), &pa, c));
+          fo_save_options sa{pa, 0}, sb{pb, 0};
+          fo_save *s1 = nullptr, *s2 = nullptr;
+          CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &sa, c, &s1));
+          if (run % 2 == 0) r.step(3 * run + 1);
+          CHECK(fo_state_save_async(r.opt, dir.c_str(), &sb, c, &s2) == FO_ERR_BUSY);
+          CHECK(fo_test::last_error().find("\"" + a + "\"") != std::string::npos);
+          CHECK(s2 == nullptr);
+          CHECK_OK(fo_save_wait(s1, INFINITY));
+          fo_save_destroy(s1);
+          sync.wait();
+          if (rank == 0) holds(dir, ra, world, rank);
+          sync.wait();
+          r.step(3 * run + 2);
+          CHECK_OK(fo_state_save_comm(r.opt, rb.c_str(), &pb, c));
+          CHECK_OK(fo_state_save_async(r.opt, dir.c_str(), &sb, c, &s2));
+          CHECK_OK(fo_save_wait(s2, 1e300));
+          fo_save_destroy(s2);
+          sync.wait();
+          if (rank == 0) holds(dir, rb, world, rank);
+          sync.wait();
+        }
+      });
+    }
+    for (auto& t : ts) t.join();
+    for (auto* c : comms) fo_comm_destroy(c);
+    for (auto& d : {dir, ra, rb}) fs::remove_all(d);
+  }
+}
+
+// Ranks that disagree fail every rank at once with FO_ERR_INVALID_ARGUMENT naming both
+// values (the synchronous save's behaviour), never FO_ERR_INTERNAL or a timeout.
+static void ranks_saving_into_different_dirs_fail_every_rank() {
+  std::string d0 = tmpdir("dd0"), d1 = tmpdir("dd1");
+  fo_comm* comms[2] = {nullptr, nullptr};
+  CHECK_OK(fo_comm_create_local_group(2, 60.0, comms));
+  std::vector<std::thread> ts;
+  for (int rank = 0; rank < 2; ++rank) {
+    ts.emplace_back([&, rank] {
+      Rank r(2, rank);
+      r.step(0);
+      fo_save_options so{{rank, 2, 0, 0, -1, "s"}, 0};
+      fo_save* s = nullptr;
+      const std::string& dir = rank == 0 ? d0 : d1;
+      CHECK(fo_state_save_async(r.opt, dir.c_str(), &so, comms[rank], &s) == FO_ERR_INVALID_ARGUMENT);
+      std::string m = fo_test::last_error();
+      CHECK(m.find(d0) != std::string::npos && m.find(d1) != std::string::npos);
+      // One rank's bad option: every rank's error at once.
+      fo_save_options bad{{rank == 1 ? 7 : 0, 2, 0, 0, -1, "s"}, 0};
+      CHECK(fo_state_save_async(r.opt, d0.c_str(), &bad, comms[rank], &s) == FO_ERR_INVALID_ARGUMENT);
+      CHECK(fo_test::last_error().find("options.rank") != std::string::npos);
+      CHECK(s == nullptr);
+      CHECK(fo_save_wait(nullptr, INFINITY) == FO_ERR_INVALID_ARGUMENT);  // NULL save
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (auto* c : comms) fo_comm_destroy(c);
+  fs::remove_all(d0);
+  fs::remove_all(d1);
+}
+
 int main() {
   async_save_equals_sync_save_while_steps_run();
   a_write_error_surfaces_at_wait_with_the_path();
@@ -236,5 +376,8 @@ int main() {
   two_ranks_commit_at_wait_through_a_communicator();
   a_second_save_waits_for_the_first_and_both_hold_their_call_state();
   destroying_the_comm_before_wait_fails_the_save_and_keeps_the_previous();
+  a_second_save_into_one_dir_commits_after_the_first();
+  a_second_save_through_a_comm_before_the_first_wait_is_busy();
+  ranks_saving_into_different_dirs_fail_every_rank();
   return fo_test::summary("test_save_async");
 }

@@ -1178,7 +1178,11 @@ fo_status fo_optimizer_grads_ready(struct fo_optimizer *opt,
  does (they stay scaled, as after it) and steps every handed-over parameter again. On
  error no parameter and no state has changed. `stats` (NULL: not wanted) is written
  either way. No step open: FO_ERR_INVALID_ARGUMENT; `comm` busy: FO_ERR_BUSY with the
- step still open (call again).
+ step still open (call again). With `comm` the ranks first agree (a broadcast and an
+ all-reduce) that every rank has a step open with the same clip options of
+ `fo_optimizer_step_begin` (max_norm, norm_type, error_if_nonfinite): otherwise every
+ rank returns FO_ERR_INVALID_ARGUMENT naming the first differing rank's choice and rank
+ 0's, and nothing is stepped on any rank.
  */
 fo_status fo_optimizer_step_end(struct fo_optimizer *opt,
                                 struct fo_comm *comm,
@@ -1206,14 +1210,23 @@ fo_status fo_optimizer_step_abort(struct fo_optimizer *opt, struct fo_overlap_st
    see a write the caller makes directly to its memory;
  - `fo_optimizer_add_param` is refused (FO_ERR_INVALID_ARGUMENT) until the writer has
    read everything; destroying the optimizer waits for the writer;
- - a second `fo_state_save_async` of the same optimizer waits for the first's writer.
+ - a second `fo_state_save_async` of the same optimizer, or into the same directory
+   from any optimizer of this process (the ranks of one save excepted), waits until
+   the first save has committed (or failed) without a communicator, so the directory
+   always ends holding the newest save; while the first has a communicator and its
+   `fo_save_wait` has not begun (its commit runs there), the second is refused with
+   FO_ERR_BUSY naming the save in flight, changing nothing: wait for the first, then
+   save again. Saves from other processes into one directory are not coordinated.
 
  The writer yields to the step: while `fo_optimizer_step` runs it pauses before its
  next read (unless the step waits for it), so steps lose little and the save completes
  between them (during forward and backward).
 
  `comm` (NULL: none; else its rank and world size must be the options'): every rank
- must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
+ must call this (the ranks agree here, on this thread, on every rank's argument checks,
+ the directory, mode, params and save id, before anything is written: a rank's bad
+ argument or a difference is every rank's FO_ERR_INVALID_ARGUMENT, naming the rank and
+ both values) and `fo_save_wait`, where
  the commit collective runs, on the calling thread; the writer thread never touches
  the communicator. `fo_comm_destroy` before that wait waits for the save's writer and
  then detaches the save: its `fo_save_wait` returns FO_ERR_COMM (not committed; the
@@ -1228,14 +1241,15 @@ fo_status fo_state_save_async(struct fo_optimizer *opt,
                               struct fo_save **out);
 
 /*
- Waits up to `timeout_s` seconds (negative: no limit) for the save, then returns the
- status of the whole save, its commit included: FO_OK once committed (with a
+ Waits up to `timeout_s` seconds (negative, INFINITY or more than a week: no limit;
+ NaN: FO_ERR_INVALID_ARGUMENT) for the save, then returns the status of the whole save, its commit included: FO_OK once committed (with a
  communicator: on every rank, after the commit collective that runs here; every rank
  must call it). FO_ERR_TIMEOUT when the writer is still at work (the save goes on:
  wait again). A failure (an I/O error names the path and cause) leaves the previous
  checkpoint the visible one. Later calls return the same status.
  */
-fo_status fo_save_wait(struct fo_save *save, double timeout_s);
+fo_status fo_save_wait(struct fo_save *save,
+                       double timeout_s);
 
 /*
  Whether the background work is over (`*done` 1 or 0) and how many bytes of state the

@@ -213,3 +213,73 @@ fn a_second_save_while_one_is_in_flight_waits_for_the_first_writer() {
         std::fs::remove_dir_all(d).unwrap();
     }
 }
+
+/// Issue 38, item 3: `fo_save_wait(s, INFINITY)` (and any timeout beyond a week) waits
+/// without limit, as a negative timeout does; NaN stays an error naming `timeout_s`.
+#[test]
+fn an_infinite_or_huge_timeout_waits_without_limit() {
+    let mut f = Fixture::new();
+    f.step();
+    let dir = tmp("inf");
+    let cdir = CString::new(dir.to_str().unwrap()).unwrap();
+    for (k, t) in [f64::INFINITY, 1e300, 8.0 * 24.0 * 3600.0, f64::MAX]
+        .into_iter()
+        .enumerate()
+    {
+        let id = CString::new(format!("inf{k}")).unwrap();
+        let mut s: *mut fo_save = std::ptr::null_mut();
+        unsafe {
+            let st = fo_state_save_async(
+                f.opt,
+                cdir.as_ptr(),
+                &options(&id, 0),
+                std::ptr::null(),
+                &mut s,
+            );
+            assert_eq!(st, FO_OK, "{}", last());
+            assert_eq!(fo_save_wait(s, f64::NAN), FO_ERR_INVALID_ARGUMENT);
+            assert!(last().contains("timeout_s"), "{}", last());
+            assert_eq!(fo_save_wait(s, t), FO_OK, "timeout {t}: {}", last());
+            fo_save_destroy(s);
+        }
+        f.step();
+    }
+    assert_eq!(unsafe { fo_checkpoint_verify(cdir.as_ptr()) }, FO_OK);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Issue 38, item 1 through the C ABI: with a communicator, a second save into the same
+/// directory before the first's wait is FO_ERR_BUSY naming the save in flight, and the
+/// first still commits at its wait.
+#[test]
+fn a_second_save_before_the_first_comm_wait_is_busy_naming_it() {
+    let mut f = Fixture::new();
+    f.step();
+    let dir = tmp("busy");
+    let cdir = CString::new(dir.to_str().unwrap()).unwrap();
+    unsafe {
+        let mut comm: *mut fo_comm = std::ptr::null_mut();
+        assert_eq!(fo_comm_create_local_group(1, 60.0, &mut comm), FO_OK);
+        let (mut a, mut b): (*mut fo_save, *mut fo_save) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(
+            fo_state_save_async(f.opt, cdir.as_ptr(), &options(c"first", 0), comm, &mut a),
+            FO_OK
+        );
+        f.step();
+        let s = fo_state_save_async(f.opt, cdir.as_ptr(), &options(c"second", 0), comm, &mut b);
+        assert_eq!(s, FO_ERR_BUSY, "{}", last());
+        assert!(last().contains("\"first\""), "{}", last());
+        assert!(b.is_null());
+        assert_eq!(fo_save_wait(a, -1.0), FO_OK, "{}", last());
+        fo_save_destroy(a);
+        assert_eq!(
+            fo_state_save_async(f.opt, cdir.as_ptr(), &options(c"second", 0), comm, &mut b),
+            FO_OK
+        );
+        assert_eq!(fo_save_wait(b, -1.0), FO_OK, "{}", last());
+        fo_save_destroy(b);
+        fo_comm_destroy(comm);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

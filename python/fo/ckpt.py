@@ -202,7 +202,8 @@ def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1
 class AsyncSave(_Owned):
     """A save in flight (`fo_state_save_async`): `wait(timeout=None)` returns once the
     whole save (its commit included) is done and raises `FoError` if it failed (FO_ERR_TIMEOUT
-    when `timeout` seconds pass first; the save goes on); `done()` and `bytes_written` never
+    when `timeout` seconds pass first; the save goes on; None, `math.inf` or more than a
+    week: no limit); `done()` and `bytes_written` never
     block; `stats()` adds the staging pool's high-water mark. It keeps the optimizer (and
     the communicator) alive until it is closed; closing frees the handle after waiting for
     the writer (a save with a communicator that was never waited for is not committed)."""
@@ -251,7 +252,13 @@ def save_async(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: i
     runs (steps lose little; the save completes between them). `staging_budget`: bytes the
     snapshot's copy pool may hold (0: the stored state the save writes, within half the
     available memory; a full pool makes the step wait for the
-    writer; its buffers are kept for the optimizer's next save, within the budget). With `comm`, every rank calls this and `wait()` (the commit runs there)."""
+    writer; its buffers are kept for the optimizer's next save, within the budget). With `comm`, every rank calls this and `wait()` (the commit runs there); the ranks agree
+    on their arguments here first, so a rank's bad argument or a different directory, mode
+    or save id raises FO_ERR_INVALID_ARGUMENT on every rank, before anything is written.
+    A second save of the same optimizer, or into the same directory from this process,
+    waits until the first has committed (so the directory ends holding the newest save);
+    while the first has a `comm` and was not waited for yet, it raises FoError
+    FO_ERR_BUSY naming the first (wait for it, then save again)."""
     o = SaveOptions(_options(rank, world_size, mode, params, write_unsharded, save_id), int(staging_budget))
     h = _P()
     check(_save_async(opt._handle, os.fsencode(directory), ctypes.byref(o), None if comm is None else comm._h,

@@ -1,6 +1,7 @@
 """fo.ckpt.save_async: the checkpoint holds the state as of the call (the same bytes as
 fo.ckpt.save then) while the optimizer steps and sets state; wait() raises the
 background failure with its path; done(), bytes_written and stats() report progress."""
+import math
 import os
 import threading
 
@@ -103,3 +104,52 @@ def test_comm_save_commits_at_wait_on_every_rank(tmp_path):
         t.join()
     assert not errors, errors
     fo.ckpt.verify(tmp_path)
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300, 8 * 24 * 3600.0])
+def test_wait_takes_infinity_and_huge_timeouts_as_no_limit(tmp_path, timeout):
+    opt, _, step = make_rank(1, 0)
+    with fo.ckpt.save_async(opt, tmp_path) as h:
+        step(1)
+        h.wait(timeout=timeout)  # refused as "inf is not a duration" before issue 38
+    fo.ckpt.verify(tmp_path)
+    with fo.ckpt.save_async(opt, tmp_path / "nan") as h:
+        with pytest.raises(fo.FoError) as e:
+            h.wait(timeout=math.nan)
+        assert e.value.name == "FO_ERR_INVALID_ARGUMENT" and "timeout_s" in e.value.message
+        h.wait()
+
+
+def test_a_second_save_into_the_same_dir_commits_after_the_first(tmp_path):
+    opt, _, step = make_rank(1, 0)
+    latest, ref = tmp_path / "latest", tmp_path / "ref"
+    for run in range(10):
+        step(2 * run)
+        a = fo.ckpt.save_async(opt, latest, save_id=f"a{run}")
+        step(2 * run + 1)
+        fo.ckpt.save(opt, ref, save_id=f"b{run}")
+        b = fo.ckpt.save_async(opt, latest, save_id=f"b{run}")
+        a.wait()
+        b.wait()
+        a.close()
+        b.close()
+        assert files(latest) == files(ref), f"run {run}: latest/ is not the newest save"
+        fo.ckpt.verify(latest)
+
+
+def test_a_second_save_through_a_comm_before_the_first_wait_is_busy(tmp_path):
+    (comm,) = fo.Comm.local_group(1, timeout=60)
+    opt, _, step = make_rank(1, 0)
+    ref = tmp_path / "ref"
+    fo.ckpt.save(opt, ref, save_id="first")
+    first = fo.ckpt.save_async(opt, tmp_path / "latest", save_id="first", comm=comm)
+    step(1)
+    with pytest.raises(fo.FoError) as e:
+        fo.ckpt.save_async(opt, tmp_path / "latest", save_id="second", comm=comm)
+    assert e.value.name == "FO_ERR_BUSY" and '"first"' in e.value.message
+    first.wait()
+    first.close()
+    assert files(tmp_path / "latest") == files(ref)
+    with fo.ckpt.save_async(opt, tmp_path / "latest", save_id="second", comm=comm) as h:
+        h.wait()
+    fo.ckpt.verify(tmp_path / "latest")

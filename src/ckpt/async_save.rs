@@ -11,8 +11,9 @@
 //!   [`AsyncSave::wait`], on the caller's thread again: the communicator is never used
 //!   from the writer thread, so it is never used from two threads at once.
 //!
-//! Lifecycle: a second async save of the same optimizer waits for the first's writer
-//! (and is refused while the first has a communicator commit not yet waited for); the
+//! Lifecycle: a second async save of the same optimizer, or into the same directory from
+//! another optimizer of the process, waits for the first's commit, or is refused (Busy)
+//! while the first's communicator commit waits for its `wait` (`in_flight`); the
 //! optimizer refuses `add_param` while the writer reads it, and its drop waits for the
 //! writer to let go of it; dropping an `AsyncSave` joins its writer. Device-resident
 //! state is staged to the host at the call (what the synchronous path reads), outside
@@ -26,12 +27,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::collective::{agree_save_id, commit_collective};
+use super::collective::{agree_arguments, agree_save_id, commit_collective};
 use super::commit::mark_done;
+use super::in_flight::{self, Phase, Registration};
 use super::live_reader::LiveReader;
 use super::optim::{pack_options, plan_entries, SaveOptions};
 use super::snapshot::{Snapshot, SnapshotStats};
-use super::writer::{finish, publish, resolve_save_id, stage_rank_file};
+use super::writer::{check_dir, finish, publish, resolve_save_id, stage_rank_file};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
@@ -55,6 +57,8 @@ pub struct AsyncSave {
     commit_pending: bool,
     /// The whole save's outcome once `wait` has seen it (repeated waits return it).
     settled: Option<Result<()>>,
+    /// Its entry among the process's saves in flight (`in_flight`).
+    registration: Registration,
 }
 
 /// How many times `stage_rank_file` fetches each entry (once per run of its chunks).
@@ -82,7 +86,17 @@ pub fn save_async(
     comm: Option<&Comm>,
     staging_budget: usize,
 ) -> Result<AsyncSave> {
-    start(opt, dir, o, comm, staging_budget, false)
+    start(comm, Ok((opt, dir, o.clone(), staging_budget)), false)
+}
+
+/// `save_async` for callers whose arguments may have failed to convert on this rank (the
+/// C ABI): with a communicator the ranks first agree on every rank's local checks, so
+/// the first failing rank's error becomes every rank's at once.
+pub fn save_async_checked(
+    comm: Option<&Comm>,
+    local: Result<(&mut Optimizer, &Path, SaveOptions, usize)>,
+) -> Result<AsyncSave> {
+    start(comm, local, false)
 }
 
 /// Test support: `save_async` with the writer held before its first fetch (let it go
@@ -95,50 +109,55 @@ pub fn save_async_held(
     comm: Option<&Comm>,
     staging_budget: usize,
 ) -> Result<AsyncSave> {
-    start(opt, dir, o, comm, staging_budget, true)
+    start(comm, Ok((opt, dir, o.clone(), staging_budget)), true)
 }
 
 fn start(
-    opt: &mut Optimizer,
-    dir: &Path,
-    o: &SaveOptions,
     comm: Option<&Comm>,
-    staging_budget: usize,
+    local: Result<(&mut Optimizer, &Path, SaveOptions, usize)>,
     held: bool,
 ) -> Result<AsyncSave> {
-    // Before waiting for a previous save or entering a collective: a bad option is
-    // this rank's own mistake, reported at once.
-    o.validate()?;
-    // The previous save's writer must be done with the optimizer (one snapshot at a
-    // time); its files commit on their own (no communicator) or at its wait.
-    // Its pool's kept buffers serve this save's copies (`stage_copy`).
+    // Every rank's own checks first, then (with a communicator) agreement on them and on
+    // the arguments, all before anything waits or writes: a rank's mistake fails every
+    // rank at once with that rank's error, never as a collective timeout elsewhere.
+    let local = local.and_then(|(opt, dir, o, budget)| {
+        check_local(dir, &o, comm)?;
+        Ok((opt, dir, o, budget))
+    });
+    let (opt, dir, o, staging_budget) = match comm {
+        Some(c) => agree(c, local)?,
+        None => local?,
+    };
+    let o = &o;
+    let save_id = match comm {
+        Some(c) => {
+            agree_arguments(c, dir, o)?;
+            agree_save_id(c, &o.save_id)?
+        }
+        None => resolve_save_id(&o.save_id, o.world_size)?,
+    };
+    // No two commits into one directory at once (`in_flight`): waits for earlier saves
+    // that commit on their own, refuses (Busy) while one's commit waits for its `wait`.
+    let entered = in_flight::enter(
+        opt.last_save(),
+        dir,
+        &save_id,
+        o.rank,
+        o.world_size,
+        comm.is_some(),
+    );
+    let registration = match comm {
+        Some(c) => agree(c, entered)?,
+        None => entered?,
+    };
+    // The previous save's writer is done (one snapshot at a time); its pool's kept
+    // buffers serve this save's copies (`stage_copy`).
     let recycled = match opt.take_save() {
         Some(prev) => {
             prev.wait_released();
             prev.take_recycled()
         }
         None => Default::default(),
-    };
-    let save_id = match comm {
-        Some(c) => {
-            let local = if o.rank != c.rank() || o.world_size != c.world_size() {
-                Err(Error::invalid(
-                    "options.rank",
-                    format!(
-                        "rank {} of {} differs from the communicator's rank {} of {}",
-                        o.rank,
-                        o.world_size,
-                        c.rank(),
-                        c.world_size()
-                    ),
-                ))
-            } else {
-                Ok(())
-            };
-            agree(c, local)?;
-            agree_save_id(c, &o.save_id)?
-        }
-        None => resolve_save_id(&o.save_id, o.world_size)?,
     };
     let planned = (|| {
         let (metas, srcs) = plan_entries(opt, o)?;
@@ -182,12 +201,15 @@ fn start(
         snap.stage_now(opt, i)?;
     }
     let reader = LiveReader::new(opt);
+    registration.0.attach(&snap);
     snap.hold(held);
     opt.attach_save(snap.clone());
     let outcome: Arc<(Mutex<Outcome>, Condvar)> = Arc::default();
     let with_comm = comm.is_some();
     let thread = {
         let (snap, outcome, dir) = (snap.clone(), outcome.clone(), dir.to_path_buf());
+        let ticket = registration.0.clone();
+        let at = dir.clone();
         std::thread::Builder::new()
             .name("fo-save".into())
             .spawn(move || {
@@ -215,12 +237,17 @@ fn start(
                         finish(&dir, staged)
                     }
                 });
+                // Without a communicator the commit is done (or failed): a later save
+                // into the directory may go on.
+                if !with_comm {
+                    ticket.settle();
+                }
                 let (m, cv) = &*outcome;
                 let mut g = m.lock().unwrap_or_else(|e| e.into_inner());
                 (g.done, g.result) = (true, Some(result));
                 cv.notify_all();
             })
-            .map_err(|e| Error::Internal(format!("cannot start the save's writer thread: {e}")))
+            .map_err(|e| Error::io(at, e))
     };
     let thread = match thread {
         Ok(t) => t,
@@ -238,7 +265,27 @@ fn start(
         world_size: o.world_size,
         commit_pending: with_comm,
         settled: None,
+        registration,
     })
+}
+
+/// This rank's own checks of a save's arguments (no collective).
+fn check_local(dir: &Path, o: &SaveOptions, comm: Option<&Comm>) -> Result<()> {
+    o.validate()?;
+    check_dir(dir)?;
+    match comm {
+        Some(c) if o.rank != c.rank() || o.world_size != c.world_size() => Err(Error::invalid(
+            "options.rank",
+            format!(
+                "rank {} of {} differs from the communicator's rank {} of {}",
+                o.rank,
+                o.world_size,
+                c.rank(),
+                c.world_size()
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 impl AsyncSave {
@@ -324,6 +371,9 @@ impl AsyncSave {
         let result = match (self.commit_pending, comm) {
             (true, Some(Ok(c))) => {
                 self.commit_pending = false;
+                // From here the commit no longer waits for the caller: a later save into
+                // the directory waits for it instead of being refused.
+                self.registration.0.set_phase(Phase::Committing);
                 commit_collective(c, &self.dir, &self.save_id, self.world_size, bg)
             }
             (true, Some(Err(why))) => {
@@ -333,6 +383,7 @@ impl AsyncSave {
             _ => bg,
         };
         self.settled = Some(result.as_ref().map(|_| ()).map_err(Error::clone));
+        self.registration.0.settle();
         result
     }
 }

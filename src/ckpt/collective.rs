@@ -62,7 +62,7 @@ const MAX_DIR: usize = 4096;
 /// Every rank's arguments against rank 0's: the directory and the options that shape the
 /// checkpoint (mode, params, world size). Rank 0 broadcasts its own; a rank that differs
 /// fails every rank with an error naming both values.
-fn agree_arguments(comm: &Comm, dir: &Path, o: &SaveOptions) -> Result<()> {
+pub(crate) fn agree_arguments(comm: &Comm, dir: &Path, o: &SaveOptions) -> Result<()> {
     let mine = format!(
         "{}\0{:?}\0{:?}\0{}",
         dir.display(),
@@ -188,14 +188,29 @@ pub(crate) fn commit_collective(
             if done {
                 Ok(())
             } else {
-                Err(Error::Internal(format!(
-                    "every rank reported its file of save {save_id:?} staged, but a done marker is missing in {}",
-                    dir.display()
-                )))
+                Err(markers_unseen(dir, save_id, world_size))
             }
         })
     } else {
         Ok(())
     };
     agree(comm, committed)
+}
+
+/// Every rank staged its file, yet rank 0 does not see all done markers: the ranks wrote
+/// into different directories behind one path (a relative path from different working
+/// directories, a disk that is not shared between hosts). The caller's setup, not fo's.
+fn markers_unseen(dir: &Path, save_id: &str, world_size: usize) -> Error {
+    let stage = super::commit::stage_dir(dir, save_id);
+    let unseen: Vec<usize> = (0..world_size)
+        .filter(|r| !stage.join(format!("done-{r}.json")).exists())
+        .take(16)
+        .collect();
+    Error::invalid(
+        "dir",
+        format!(
+            "every rank reported its file of save {save_id:?} staged, but rank 0 does not see              the files of ranks {unseen:?} in {}: every rank must save into the same directory,              one that rank 0 can read (a shared filesystem)",
+            dir.display()
+        ),
+    )
 }

@@ -36,6 +36,7 @@ pub mod convert;
 pub mod diff;
 pub mod format;
 pub mod full;
+pub(crate) mod in_flight;
 pub mod index;
 pub mod info;
 pub mod live_reader;

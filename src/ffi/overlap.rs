@@ -175,7 +175,11 @@ pub unsafe extern "C" fn fo_optimizer_grads_ready(
 /// does (they stay scaled, as after it) and steps every handed-over parameter again. On
 /// error no parameter and no state has changed. `stats` (NULL: not wanted) is written
 /// either way. No step open: FO_ERR_INVALID_ARGUMENT; `comm` busy: FO_ERR_BUSY with the
-/// step still open (call again).
+/// step still open (call again). With `comm` the ranks first agree (a broadcast and an
+/// all-reduce) that every rank has a step open with the same clip options of
+/// `fo_optimizer_step_begin` (max_norm, norm_type, error_if_nonfinite): otherwise every
+/// rank returns FO_ERR_INVALID_ARGUMENT naming the first differing rank's choice and rank
+/// 0's, and nothing is stepped on any rank.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_step_end(
     opt: *mut fo_optimizer,

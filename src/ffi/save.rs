@@ -83,14 +83,23 @@ impl Guarded for fo_save {
 ///   see a write the caller makes directly to its memory;
 /// - `fo_optimizer_add_param` is refused (FO_ERR_INVALID_ARGUMENT) until the writer has
 ///   read everything; destroying the optimizer waits for the writer;
-/// - a second `fo_state_save_async` of the same optimizer waits for the first's writer.
+/// - a second `fo_state_save_async` of the same optimizer, or into the same directory
+///   from any optimizer of this process (the ranks of one save excepted), waits until
+///   the first save has committed (or failed) without a communicator, so the directory
+///   always ends holding the newest save; while the first has a communicator and its
+///   `fo_save_wait` has not begun (its commit runs there), the second is refused with
+///   FO_ERR_BUSY naming the save in flight, changing nothing: wait for the first, then
+///   save again. Saves from other processes into one directory are not coordinated.
 ///
 /// The writer yields to the step: while `fo_optimizer_step` runs it pauses before its
 /// next read (unless the step waits for it), so steps lose little and the save completes
 /// between them (during forward and backward).
 ///
 /// `comm` (NULL: none; else its rank and world size must be the options'): every rank
-/// must call this (the save id is agreed here, on this thread) and `fo_save_wait`, where
+/// must call this (the ranks agree here, on this thread, on every rank's argument checks,
+/// the directory, mode, params and save id, before anything is written: a rank's bad
+/// argument or a difference is every rank's FO_ERR_INVALID_ARGUMENT, naming the rank and
+/// both values) and `fo_save_wait`, where
 /// the commit collective runs, on the calling thread; the writer thread never touches
 /// the communicator. `fo_comm_destroy` before that wait waits for the save's writer and
 /// then detaches the save: its `fo_save_wait` returns FO_ERR_COMM (not committed; the
@@ -106,19 +115,29 @@ pub unsafe extern "C" fn fo_state_save_async(
     out: *mut *mut fo_save,
 ) -> fo_status {
     guard(|| {
-        let out = arg_mut(out, "out")?;
-        let o = arg_ref(options, "options")?;
-        let so = o.pack.to_options()?;
-        let budget = usize::try_from(o.staging_budget_bytes).map_err(|_| {
-            Error::invalid("options.staging_budget_bytes", "does not fit this machine")
-        })?;
-        let dir = arg_path(dir, "dir")?;
-        let mut o = enter_opt(opt, "fo_state_save_async")?;
         let c = match comm.is_null() {
             true => None,
             false => Some(enter(comm, "fo_state_save_async")?),
         };
-        let save = ckpt::save_async(&mut o, dir, &so, c.as_deref(), budget)?;
+        // Every local check feeds the ranks' agreement (with a communicator), so a bad
+        // argument on one rank is every rank's error instead of the others' timeout.
+        let out = arg_mut(out, "out");
+        let mut held = enter_opt(opt, "fo_state_save_async");
+        let args = (|| {
+            out.as_ref().map_err(Error::clone)?;
+            let o = arg_ref(options, "options")?;
+            let so = o.pack.to_options()?;
+            let budget = usize::try_from(o.staging_budget_bytes).map_err(|_| {
+                Error::invalid("options.staging_budget_bytes", "does not fit this machine")
+            })?;
+            Ok((arg_path(dir, "dir")?, so, budget))
+        })();
+        let local = match held.as_mut() {
+            Err(busy) => Err(busy.clone()),
+            Ok(o) => args.map(|(dir, so, budget)| (&mut **o, dir, so, budget)),
+        };
+        let save = ckpt::async_save::save_async_checked(c.as_deref(), local)?;
+        let out = out?;
         let comm = comm.as_ref().map(|fc| {
             let link = Arc::new(CommLink {
                 comm: Mutex::new(fc as *const fo_comm),
@@ -137,8 +156,24 @@ pub unsafe extern "C" fn fo_state_save_async(
     })
 }
 
-/// Waits up to `timeout_s` seconds (negative: no limit) for the save, then returns the
-/// status of the whole save, its commit included: FO_OK once committed (with a
+/// Beyond this many seconds (a week) a wait's timeout means "no limit": a host passes
+/// INFINITY or a huge number for that, and no caller means a longer finite wait.
+const NO_LIMIT_BEYOND_S: f64 = 7.0 * 24.0 * 3600.0;
+
+/// `fo_save_wait`'s `timeout_s`: None (no limit) when negative, INFINITY or beyond a
+/// week; NaN is refused.
+fn wait_timeout(timeout_s: f64) -> Result<Option<Duration>, Error> {
+    if timeout_s.is_nan() {
+        return Err(Error::invalid("timeout_s", "is NaN"));
+    }
+    if !(0.0..=NO_LIMIT_BEYOND_S).contains(&timeout_s) {
+        return Ok(None);
+    }
+    Ok(Some(Duration::from_secs_f64(timeout_s)))
+}
+
+/// Waits up to `timeout_s` seconds (negative, INFINITY or more than a week: no limit;
+/// NaN: FO_ERR_INVALID_ARGUMENT) for the save, then returns the status of the whole save, its commit included: FO_OK once committed (with a
 /// communicator: on every rank, after the commit collective that runs here; every rank
 /// must call it). FO_ERR_TIMEOUT when the writer is still at work (the save goes on:
 /// wait again). A failure (an I/O error names the path and cause) leaves the previous
@@ -147,15 +182,7 @@ pub unsafe extern "C" fn fo_state_save_async(
 pub unsafe extern "C" fn fo_save_wait(save: *mut fo_save, timeout_s: f64) -> fo_status {
     guard(|| {
         let mut s = enter(save, "fo_save_wait")?;
-        let timeout = if timeout_s.is_nan() {
-            return Err(Error::invalid("timeout_s", "is NaN"));
-        } else if timeout_s < 0.0 {
-            None
-        } else {
-            Some(Duration::try_from_secs_f64(timeout_s).map_err(|e| {
-                Error::invalid("timeout_s", format!("{timeout_s} is not a duration: {e}"))
-            })?)
-        };
+        let timeout = wait_timeout(timeout_s)?;
         let Some(link) = s.comm.clone() else {
             return s.save.wait(timeout, None);
         };

@@ -106,3 +106,82 @@ fn a_non_finite_norm_with_error_if_nonfinite_fails_and_scales_nothing() {
     assert!(snapshot(&m) == before);
     assert!(grads.bufs == kept, "nothing scaled");
 }
+
+/// Two ranks of one communicator close an overlapped step with `opts[rank]` after
+/// handing over every gradient; returns each rank's result and whether its parameters
+/// and state are as before the step.
+fn two_ranks_end(opts: [Option<OverlapOptions>; 2]) -> Vec<(crate::error::Result<()>, bool)> {
+    let comms = crate::comm::Comm::local_group_with(
+        2,
+        crate::comm::LocalGroupOptions {
+            timeout: std::time::Duration::from_secs(30),
+        },
+    );
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let r = comm.rank();
+                    let cfg = cfg_for(Algorithm::AdamW, DType::F32);
+                    let mut m = model(&cfg, DType::F32, 21, true).unwrap();
+                    let before = snapshot(&m);
+                    let mut rng = Rng::new(7);
+                    let mut grads = Grads::new(&mut rng, 1.0, false);
+                    let g = grads.views();
+                    if let Some(o) = opts[r] {
+                        let all: Vec<usize> = (0..SHAPES.len()).collect();
+                        unsafe {
+                            m.opt.step_begin(o).unwrap();
+                            m.opt.grads_ready(&all, &g, &vec![-1; all.len()]).unwrap();
+                        }
+                    }
+                    let t0 = std::time::Instant::now();
+                    let mut st = super::OverlapStats::default();
+                    let res = unsafe { m.opt.step_end(Some(&comm), &mut st) };
+                    assert!(t0.elapsed().as_secs() < 10, "rank {r} waited for a timeout");
+                    (res, snapshot(&m) == before)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Issue 38: rank 0 clipping while rank 1 does not used to step rank 1 (OK) while rank 0
+/// timed out in the norm's all-reduce. Now every rank fails at once, naming both
+/// choices, and nothing is stepped anywhere; a rank without a step open fails every rank.
+#[test]
+fn ranks_that_disagree_on_clipping_fail_every_rank_at_once_with_nothing_stepped() {
+    let clip = OverlapOptions {
+        max_norm: 0.5,
+        ..OverlapOptions::default()
+    };
+    let other = OverlapOptions {
+        max_norm: 0.25,
+        ..clip
+    };
+    for (opts, want) in [
+        ([Some(clip), Some(OverlapOptions::default())], "rank 1 does not clip while rank 0 clips (max_norm 0.5"),
+        ([Some(OverlapOptions::default()), Some(clip)], "rank 1 clips (max_norm 0.5, norm_type 2, error_if_nonfinite false) while rank 0 does not clip"),
+        ([Some(clip), Some(other)], "max_norm 0.25"),
+        ([None, Some(clip)], "no overlapped step is open"),
+    ] {
+        for (r, (res, unchanged)) in two_ranks_end(opts).into_iter().enumerate() {
+            let e = res.unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument { .. }) && e.to_string().contains(want),
+                "rank {r}: {e}"
+            );
+            assert!(unchanged, "rank {r} stepped");
+        }
+    }
+    // Agreeing ranks still step (and clip alike).
+    for (r, (res, unchanged)) in two_ranks_end([Some(clip), Some(clip)])
+        .into_iter()
+        .enumerate()
+    {
+        res.unwrap();
+        assert!(!unchanged, "rank {r} did not step");
+    }
+}

@@ -5,11 +5,12 @@
 use std::time::Instant;
 
 use super::optimizer::Optimizer;
+use super::overlap_open::OverlapOptions;
 use super::overlap_open::{no_step, Given, OpenStep, OverlapStats};
 use super::overlap_task::Done;
 use crate::clip::{self, ClipGrad};
-use crate::comm::Comm;
-use crate::error::Result;
+use crate::comm::{agree, Comm};
+use crate::error::{Error, Result};
 
 impl Optimizer {
     /// Closes the overlapped step: waits for the pool, combines the clip norm (through
@@ -21,13 +22,27 @@ impl Optimizer {
     /// # Safety
     /// As `step_on` for the handed-over gradients; registered parameters still valid.
     pub unsafe fn step_end(&mut self, comm: Option<&Comm>, stats: &mut OverlapStats) -> Result<()> {
-        let mut open = self.open.take().ok_or_else(|| no_step("step_end"))?;
+        let open = self.open.take();
+        let local = open
+            .as_ref()
+            .map(|o| o.opts)
+            .ok_or_else(|| no_step("step_end"));
+        // With a communicator every rank learns first, before anything is kept or
+        // re-stepped, whether a rank has no step open or clips otherwise: a rank that
+        // clips alone would wait in the norm's all-reduce while the others step.
+        let agreed = match comm {
+            Some(c) => agree_clip(c, local),
+            None => local.map(|_| ()),
+        };
+        let Some(mut open) = open else {
+            return agreed.and(Err(no_step("step_end")));
+        };
         let mut dones = open.inbox.wait_all();
         dones.sort_by_key(|d| d.i);
         for d in dones.iter_mut() {
             self.params[d.i].state = d.param.state.take();
         }
-        let r = self.finish(&mut open, &mut dones, comm);
+        let r = agreed.and_then(|_| self.finish(&mut open, &mut dones, comm));
         if r.is_err() {
             self.roll_back(&mut dones, &mut open.stats);
         }
@@ -202,4 +217,63 @@ impl Optimizer {
             stats.rollback_ns += t.elapsed().as_nanos() as u64;
         }
     }
+}
+
+/// What a rank's step does with the norm: (max_norm, norm_type, error_if_nonfinite), all
+/// zero without clipping.
+fn clip_key(o: &OverlapOptions) -> [f64; 3] {
+    match o.clipping() {
+        true => [o.max_norm, o.norm_type, o.error_if_nonfinite as u8 as f64],
+        false => [0.0; 3],
+    }
+}
+
+fn describe(k: &[f64; 3]) -> String {
+    match k[0] > 0.0 {
+        true => format!(
+            "clips (max_norm {}, norm_type {}, error_if_nonfinite {})",
+            k[0],
+            k[1],
+            k[2] != 0.0
+        ),
+        false => "does not clip".into(),
+    }
+}
+
+/// Every rank's step options (`local`: its open step's, or why it has none) against rank
+/// 0's: rank 0 broadcasts its clip key, and the first failing rank's error becomes every
+/// rank's. One broadcast and one all-reduce (plus a broadcast on failure).
+fn agree_clip(comm: &Comm, local: Result<OverlapOptions>) -> Result<()> {
+    let mine = local.as_ref().map(clip_key).unwrap_or_default();
+    let mut buf = [0u8; 24];
+    if comm.rank() == 0 {
+        for (b, v) in buf.chunks_exact_mut(8).zip(mine) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    comm.broadcast(&mut buf, 0)?;
+    let mut theirs = [0.0; 3];
+    for (v, b) in theirs.iter_mut().zip(buf.chunks_exact(8)) {
+        *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+    }
+    let checked = local.and_then(|_| {
+        if theirs
+            .iter()
+            .zip(&mine)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+        {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "opts",
+            format!(
+                "rank {} {} while rank 0 {}: every rank of an overlapped step through one \
+                 communicator must pass the same clip options to step_begin (nothing stepped)",
+                comm.rank(),
+                describe(&mine),
+                describe(&theirs)
+            ),
+        ))
+    });
+    agree(comm, checked)
 }

@@ -38,6 +38,11 @@ impl Optimizer {
         self.save.take()
     }
 
+    /// The last async save's snapshot, still attached (in flight or not).
+    pub(crate) fn last_save(&self) -> Option<&Arc<Snapshot>> {
+        self.save.as_ref()
+    }
+
     /// Attaches a new async save's snapshot: from now on `before_write` serves it.
     pub(crate) fn attach_save(&mut self, snap: Arc<Snapshot>) {
         self.save = Some(snap);
