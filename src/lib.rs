@@ -7,21 +7,24 @@
 //! out of the generated header: only `ffi` is the ABI.)
 
 // The four jobs.
-/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
+/// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
 /// cbindgen:ignore
-pub mod shard;
+pub mod broadcast;
+/// Distributed checkpoints: pack, save, load with resharding, consolidate, verify.
+/// cbindgen:ignore
+pub mod ckpt;
 /// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state:
 /// the handle, its math (`optim::math`) and its placement (`optim::placement`).
 /// cbindgen:ignore
 pub mod optim;
-/// Distributed checkpoints: pack, save, load with resharding, consolidate, verify.
+/// DTensor sharding: placements, `torch.chunk` splitting, uneven and strided shards.
 /// cbindgen:ignore
-pub mod ckpt;
-/// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
-/// cbindgen:ignore
-pub mod broadcast;
+pub mod shard;
 
 // What they stand on: collectives, devices, kernels, tensors, errors; the C ABI last.
+/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
+/// cbindgen:ignore
+pub mod cast;
 /// The FSDP2-safe global gradient norm and clip.
 /// cbindgen:ignore
 pub mod clip;
@@ -31,26 +34,23 @@ pub mod comm;
 /// Devices: host or CUDA ordinal, the backend trait, CUDA / no-CUDA / emulated backends.
 /// cbindgen:ignore
 pub mod device;
-/// The element-wise kernels by target: host SIMD, GPU `.cuh` source, the tables both read.
-/// cbindgen:ignore
-pub mod kernels;
-/// Owned tensors and borrowed views over host memory, with strides.
-/// cbindgen:ignore
-pub mod tensor;
 /// Element types (`F32`, `BF16`, ...) with their C codes and safetensors names.
 /// cbindgen:ignore
 pub mod dtype;
-/// Element-wise dtype conversion with fo's casting rules (no implicit float8, int<->float opt-in).
-/// cbindgen:ignore
-pub mod cast;
 /// The crate's one error type and its mapping to C status codes.
 /// cbindgen:ignore
 pub mod error;
+/// The C ABI: pointer and code conversion, panic catching, status codes. No logic lives here.
+pub mod ffi;
+/// The element-wise kernels by target: host SIMD, GPU `.cuh` source, the tables both read.
+/// cbindgen:ignore
+pub mod kernels;
 /// What the host reports about itself (memory available now).
 /// cbindgen:ignore
 pub mod sys;
-/// The C ABI: pointer and code conversion, panic catching, status codes. No logic lives here.
-pub mod ffi;
+/// Owned tensors and borrowed views over host memory, with strides.
+/// cbindgen:ignore
+pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

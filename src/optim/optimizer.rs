@@ -4,6 +4,7 @@
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
 use super::config::OptimConfig;
 use super::overlap_open::OpenStep;
+use super::overlap_task::Saved;
 use super::placement::Mirror;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -45,6 +46,10 @@ pub struct Optimizer {
     /// The overlapped step in progress (`overlap`), if any: while it is open every other
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
     pub(super) open: Option<Box<OpenStep>>,
+    /// The undo records of the last overlapped step, by parameter, kept for the next one
+    /// to fill (`overlap_task::prepare`): an overlapped step then allocates nothing, and
+    /// they never hold more than one step's undo high water.
+    pub(super) undo_spares: Vec<Option<Saved>>,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -77,6 +82,7 @@ impl Optimizer {
             stream: 0,
             save: None,
             open: None,
+            undo_spares: Vec::new(),
         })
     }
 

@@ -261,6 +261,7 @@ impl Optimizer {
             grad,
             fresh,
             fetch,
+            spare: self.undo_spares.get_mut(i).and_then(Option::take),
         }
     }
 }

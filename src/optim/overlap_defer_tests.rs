@@ -17,7 +17,9 @@ unsafe fn one_by_one(
 ) -> (crate::error::Result<()>, OverlapStats) {
     m.opt.step_begin(opts).unwrap();
     for (i, v) in g.iter().enumerate() {
-        m.opt.grads_ready(&[i], std::slice::from_ref(v), &[-1]).unwrap();
+        m.opt
+            .grads_ready(&[i], std::slice::from_ref(v), &[-1])
+            .unwrap();
         let t = std::time::Instant::now();
         while m.opt.open.as_ref().unwrap().inbox.pending() > 0 {
             assert!(
@@ -81,5 +83,72 @@ fn a_clip_certain_to_scale_defers_the_rest_and_keeps_the_bits() {
         } else {
             assert_eq!((st.speculative, st.deferred), (n, 0), "{st:?}");
         }
+    }
+}
+
+/// The second overlapped step refills the first's undo records (the same allocations),
+/// after a step kept and after one rolled back, and keeps the bits of plain steps.
+#[test]
+fn undo_records_are_refilled_from_step_to_step() {
+    let cfg = cfg_for(Algorithm::AdamW, DType::BF16);
+    let mut a = model(&cfg, DType::BF16, 5, false).unwrap();
+    let mut b = model(&cfg, DType::BF16, 5, false).unwrap();
+    let comm = Comm::local_group(1).pop().unwrap();
+    let mut rng = Rng::new(21);
+    let mut seen: Option<Vec<(usize, [usize; 2])>> = None;
+    for (step, max_norm) in [0.0, 0.0, 1e-3, 0.0].into_iter().enumerate() {
+        let mut ga = Grads::new(&mut rng, 1.0, step == 0);
+        let mut gb = Grads {
+            dt: ga.dt.clone(),
+            bufs: ga.bufs.clone(),
+        };
+        let (va, vb) = (ga.views(), gb.views());
+        if max_norm > 0.0 {
+            let list: Vec<(HostTensor, bool)> = va.iter().map(|v| (v.clone(), false)).collect();
+            unsafe { clip_grad_norm(&comm, &list, max_norm, 2.0, false) }.unwrap();
+        }
+        let all: Vec<Option<HostTensor>> = va.iter().cloned().map(Some).collect();
+        unsafe { a.opt.step(&all) }.unwrap();
+        let opts = OverlapOptions {
+            max_norm,
+            ..OverlapOptions::default()
+        };
+        unsafe { b.opt.step_begin(opts) }.unwrap();
+        let idx: Vec<usize> = (0..vb.len()).collect();
+        unsafe { b.opt.grads_ready(&idx, &vb, &vec![-1; vb.len()]) }.unwrap();
+        let mut st = OverlapStats::default();
+        unsafe { b.opt.step_end(None, &mut st) }.unwrap();
+        assert!(snapshot(&a) == snapshot(&b), "step {step}");
+        // where each spare's parameter bytes live, and the first moments of the spare and
+        // of the parameter (a rollback swaps those two: no allocation either way)
+        let codes = |st: Option<&crate::optim::math::state::ParamState>| match st
+            .and_then(|st| st.m.as_ref())
+        {
+            Some(crate::optim::math::state::Moment::Signed { codes, .. }) => {
+                codes.as_ptr() as usize
+            }
+            _ => 0,
+        };
+        let now: Vec<(usize, [usize; 2])> = (0..b.opt.params.len())
+            .filter_map(|i| {
+                let s = b.opt.undo_spares.get(i)?.as_ref()?;
+                let mut m = [
+                    codes(s.state.as_ref()),
+                    codes(b.opt.params[i].state.as_ref()),
+                ];
+                m.sort();
+                Some((s.bytes.as_ptr() as usize, m))
+            })
+            .collect();
+        assert!(!now.is_empty());
+        if step >= 2 {
+            // from the step after the first one with state, the same buffers come back
+            assert_eq!(
+                seen.as_ref(),
+                Some(&now),
+                "step {step}: the undo records were reallocated"
+            );
+        }
+        seen = Some(now);
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::optimizer::Optimizer;
 use super::overlap_open::OverlapOptions;
 use super::overlap_open::{no_step, Given, OpenStep, OverlapStats};
-use super::overlap_task::Done;
+use super::overlap_task::{Done, Saved};
 use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
@@ -46,8 +46,19 @@ impl Optimizer {
         if r.is_err() {
             self.roll_back(&mut dones, &mut open.stats);
         }
+        self.keep_spares(&mut dones);
         *stats = open.stats;
         r
+    }
+
+    /// Keeps the step's undo records for the next overlapped step to fill.
+    fn keep_spares(&mut self, dones: &mut [Done]) {
+        self.undo_spares.resize_with(self.params.len(), || None);
+        for d in dones.iter_mut() {
+            if let Some(u) = d.undo.take().or_else(|| d.spare.take()) {
+                self.undo_spares[d.i] = Some(u);
+            }
+        }
     }
 
     /// Closes the open overlapped step changing nothing: waits for the pool and puts every
@@ -63,6 +74,7 @@ impl Optimizer {
             self.params[d.i].state = d.param.state.take();
         }
         self.roll_back(&mut dones, &mut open.stats);
+        self.keep_spares(&mut dones);
         *stats = open.stats;
         Ok(())
     }
@@ -204,7 +216,13 @@ impl Optimizer {
                         dst.expect("parameters are contiguous")
                             .copy_from_slice(&u.bytes)
                     };
-                    self.params[d.i].state = u.state;
+                    // The record's buffers, with the state it replaced, serve the next
+                    // step (`keep_spares`); not `d.undo`: a second rollback finds nothing.
+                    let stepped = std::mem::replace(&mut self.params[d.i].state, u.state);
+                    d.spare = Some(Saved {
+                        bytes: u.bytes,
+                        state: stepped,
+                    });
                     stats.rolled_back += 1;
                     stats.rolled_back_bytes += bytes as u64;
                     n += 1;

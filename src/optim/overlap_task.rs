@@ -17,7 +17,7 @@ use super::step::push_param_jobs;
 use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
-use crate::optim::math::state::ParamState;
+use crate::optim::math::state::{ErrorBits, Moment, ParamState};
 use crate::tensor::{try_with_capacity, HostTensor};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
@@ -30,6 +30,8 @@ pub(super) struct Item {
     pub fresh: bool,
     /// The offload case: the gradient is on a device and comes down first.
     pub fetch: Option<Fetch>,
+    /// The previous overlapped step's undo record of this parameter, to fill again.
+    pub spare: Option<Saved>,
 }
 
 /// A device gradient's way down to a host copy (through the device's pinned ring), after
@@ -59,6 +61,8 @@ pub(super) struct Done {
     pub fresh: bool,
     /// Taken before the step; None when the parameter was not stepped.
     pub undo: Option<Saved>,
+    /// A rolled-back record's buffers, kept for the next step (`keep_spares`).
+    pub spare: Option<Saved>,
     /// The gradient's `(largest |g|, sum |g|^p)` for the clip norm.
     pub partial: Option<(f64, f64)>,
     /// A failure before the step (the gradient check, the undo's allocation, a panic):
@@ -90,6 +94,61 @@ impl Done {
     }
 }
 
+/// `*dst = Some(src.clone())`, reusing the buffers `dst` already holds where their kinds
+/// match (`Vec::clone_from` keeps its allocation).
+fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState) {
+    let Some(d) = dst else {
+        *dst = Some(src.clone());
+        return;
+    };
+    d.step = src.step;
+    d.m_valid = src.m_valid;
+    clone_moment_into(&mut d.m, &src.m);
+    clone_moment_into(&mut d.v, &src.v);
+    match (&mut d.error_bits, &src.error_bits) {
+        (Some(ErrorBits::I8(a)), Some(ErrorBits::I8(b))) => a.clone_from(b),
+        (Some(ErrorBits::I16(a)), Some(ErrorBits::I16(b))) => a.clone_from(b),
+        (a, b) => *a = b.clone(),
+    }
+}
+
+fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>) {
+    match (dst, src) {
+        (Some(Moment::F32(a)), Some(Moment::F32(b))) => a.clone_from(b),
+        (Some(Moment::Half(ha, a)), Some(Moment::Half(hb, b))) => {
+            *ha = *hb;
+            a.clone_from(b)
+        }
+        (
+            Some(Moment::Signed { codes, scales }),
+            Some(Moment::Signed {
+                codes: c,
+                scales: s,
+            }),
+        ) => {
+            codes.clone_from(c);
+            scales.clone_from(s)
+        }
+        (
+            Some(Moment::Unsigned {
+                codes,
+                scales,
+                root,
+            }),
+            Some(Moment::Unsigned {
+                codes: c,
+                scales: s,
+                root: r,
+            }),
+        ) => {
+            codes.clone_from(c);
+            scales.clone_from(s);
+            *root = *r
+        }
+        (a, b) => *a = b.clone(),
+    }
+}
+
 fn panic_error(what: &str, p: Box<dyn std::any::Any + Send>) -> Error {
     let msg = p
         .downcast_ref::<&str>()
@@ -106,6 +165,7 @@ fn panic_error(what: &str, p: Box<dyn std::any::Any + Send>) -> Error {
 /// # Safety
 /// As `run`.
 unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
+    let spare = it.spare;
     let mut d = Done {
         i: it.i,
         param: it.param,
@@ -114,6 +174,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         gathered: None,
         fresh: it.fresh,
         undo: None,
+        spare: None,
         partial: None,
         error: None,
         bad_result: None,
@@ -147,9 +208,25 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         numerics::check_param(&d.param, &d.cfg, g, d.grad.dtype())?;
         let now = d.param.tensor.contiguous_bytes();
         let now = now.expect("parameters are contiguous");
-        let mut bytes = try_with_capacity(now.len(), "the overlapped step's undo record")?;
+        // The last step's record is refilled in place: fresh memory would be faulted in
+        // page by page at every step (as costly as the copy itself).
+        let (bytes, mut state) = match spare {
+            Some(s) => (Some(s.bytes), s.state),
+            None => (None, None),
+        };
+        let mut bytes = match bytes {
+            Some(b) if b.capacity() >= now.len() => b,
+            _ => try_with_capacity(now.len(), "the overlapped step's undo record")?,
+        };
+        bytes.clear();
         bytes.extend_from_slice(now);
-        let state = if d.fresh { None } else { d.param.state.clone() };
+        let state = match (&d.param.state, d.fresh) {
+            (Some(src), false) => {
+                clone_state_into(&mut state, src);
+                state
+            }
+            _ => None,
+        };
         d.undo = Some(Saved { bytes, state });
         Ok(())
     }));

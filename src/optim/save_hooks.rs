@@ -83,6 +83,7 @@ impl Optimizer {
             stream: self.stream,
             save: None,
             open: None,
+            undo_spares: Vec::new(),
         }
     }
 }
