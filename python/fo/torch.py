@@ -250,28 +250,45 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         i = self._index.get(p)
         return i is not None and bool(self._fo.state_keys(i))
 
+    def _export_keys(self, p):
+        """The keys `_export(p)` gives (torch's names; `master` when error bits are kept)."""
+        native = self._fo.state_keys(self._index[p])
+        keys = [k for k in PORTABLE if k in native or k + _names.CODES_SUFFIX in native]
+        return keys + [_names.MASTER] if _names.ERROR_BITS in native else keys
+
     def _export(self, p, local_only=False):
         """Parameter p's state in torch's keys, decoded to float32 (`master`: the float32
         master weight, present when error bits are kept)."""
         i = self._index[p]
-        native = self._fo.state_keys(i)
-        out = {}
-        for key in PORTABLE:
-            if key in native or key + _names.CODES_SUFFIX in native:
-                out[key] = self._get(i, key, p)
-        if _names.ERROR_BITS in native:
-            out[_names.MASTER] = self._get(i, _names.MASTER, p)
+        out = {key: self._get(i, key, p) for key in self._export_keys(p)}
         if not local_only:
             out = {k: (v if k == "step" else like_param(v, p)) for k, v in out.items()}
         return out
 
     def _get(self, i, key, p):
         # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
-        # would decode the whole tensor once more to say so
+        # is not asked, to keep each read one call
         t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
-        arg = TorchArg(t, f"state {key}")
-        check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
+        self._read(i, key, t)
         return t
+
+    def _read(self, i, key, out):
+        """Decodes state `key` of fo parameter `i` straight into `out` (a host tensor of the
+        state's shape; fo checks dtype, shape and strides before writing anything)."""
+        arg = TorchArg(out, f"state {key}")
+        check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
+
+    def _refresh(self, p, key, t):
+        """A state tensor handed out earlier and still held (`t`, local) gets p's current `key`:
+        decoded straight into it when it is a float32 host tensor of the state's shape (what
+        was handed out), else copied in from a fresh decode; left alone if its shape changed."""
+        if tuple(t.shape) != (() if key == "step" else tuple(local(p).shape)):
+            return
+        if t.dtype == torch.float32 and t.device.type == "cpu":
+            self._read(self._index[p], key, t)
+            torch.autograd.graph.increment_version(t)  # written in place, as copy_ would count it
+        else:
+            t.copy_(self._get(self._index[p], key, p))
 
     def _load_param(self, p, entries):
         keys, args = [], []
