@@ -1025,7 +1025,9 @@ fo_status fo_optimizer_step(struct fo_optimizer *opt, const struct fo_tensor *gr
  equal the state's: see `fo_optimizer_state_info`). Keys: `step` (0-dim), `exp_avg`,
  `exp_avg_sq`, `momentum_buffer` and `master` (the f32 master weight) decode to any
  float dtype (F32 exact); raw keys `<name>::quantized` (I8/U8), `<name>::scales` (F16)
- and `error_bits` (I8/I16) copy as stored, in their own dtype.
+ and `error_bits` (I8/I16) copy as stored, in their own dtype. Decodes straight into
+ `out`, in parallel on fo's threads (`fo_set_num_threads`); nothing is written when
+ the key, dtype or shape is wrong.
  */
 fo_status fo_optimizer_get_state(const struct fo_optimizer *opt,
                                  int32_t index,
@@ -1034,7 +1036,7 @@ fo_status fo_optimizer_get_state(const struct fo_optimizer *opt,
 
 /*
  The dtype and shape `fo_optimizer_get_state` gives for `key` as stored (`shape` has
- room for FO_MAX_DIMS entries).
+ room for FO_MAX_DIMS entries). Nothing is decoded.
  */
 fo_status fo_optimizer_state_info(const struct fo_optimizer *opt,
                                   int32_t index,

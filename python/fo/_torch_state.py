@@ -116,15 +116,14 @@ class State(Mapping):
             for k, v in st.items():
                 self.watched[(p, k)] = (weakref.ref(v), None)
         self.handed.clear()
-        fresh = {}
+        keys = {}
         for (p, k), (ref, _) in list(self.watched.items()):
             t = ref()
             if t is None:
                 del self.watched[(p, k)]
                 continue
-            if p not in fresh:
-                fresh[p] = self._opt._export(p, local_only=True) if self._opt._has_state(p) else {}
-            new = fresh[p].get(k)
-            if new is not None and tuple(local(t).shape) == tuple(new.shape):
-                local(t).copy_(new.reshape(local(t).shape))
+            if p not in keys:
+                keys[p] = self._opt._export_keys(p) if self._opt._has_state(p) else ()
+            if k in keys[p]:
+                self._opt._refresh(p, k, local(t))  # decoded straight into t, no copy in between
             self.watched[(p, k)] = (ref, _version(t))

@@ -33,6 +33,7 @@ import torch
 from . import _codes as _names
 from . import _torch_compile as _compile
 from . import optim as _optim
+from . import _torch_checks as _checks
 from ._ffi import check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
@@ -68,6 +69,11 @@ def _arithmetic_code(value):
     return code
 
 
+def _check_state_format(value):
+    if not isinstance(value, str) or value not in _optim.STATE_FORMATS:
+        raise ValueError(f"state_format {value!r} is not one of {sorted(_optim.STATE_FORMATS)}")
+
+
 def _arithmetic_name(value):
     """The name param_groups show ("exact"/"fast") for a name or fo code."""
     code = _arithmetic_code(value)
@@ -83,7 +89,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         defaults["arithmetic"] = _arithmetic_name(defaults.get("arithmetic", DEFAULT_ARITHMETIC))
-        _optim.STATE_FORMATS[defaults["state_format"]]  # KeyError names a bad format early
+        _check_state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
         self._ov, self._hooked = options, False  # add_param_group (called by torch's __init__) reads them
@@ -109,6 +115,8 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         if "arithmetic" in param_group:
             param_group["arithmetic"] = _arithmetic_name(param_group["arithmetic"])
+        if "state_format" in param_group:
+            _check_state_format(param_group["state_format"])
         super().add_param_group(param_group)
         if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
             self._hook_params(self.param_groups[-1]["params"])
@@ -249,28 +257,45 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         i = self._index.get(p)
         return i is not None and bool(self._fo.state_keys(i))
 
+    def _export_keys(self, p):
+        """The keys `_export(p)` gives (torch's names; `master` when error bits are kept)."""
+        native = self._fo.state_keys(self._index[p])
+        keys = [k for k in PORTABLE if k in native or k + _names.CODES_SUFFIX in native]
+        return keys + [_names.MASTER] if _names.ERROR_BITS in native else keys
+
     def _export(self, p, local_only=False):
         """Parameter p's state in torch's keys, decoded to float32 (`master`: the float32
         master weight, present when error bits are kept)."""
         i = self._index[p]
-        native = self._fo.state_keys(i)
-        out = {}
-        for key in PORTABLE:
-            if key in native or key + _names.CODES_SUFFIX in native:
-                out[key] = self._get(i, key, p)
-        if _names.ERROR_BITS in native:
-            out[_names.MASTER] = self._get(i, _names.MASTER, p)
+        out = {key: self._get(i, key, p) for key in self._export_keys(p)}
         if not local_only:
             out = {k: (v if k == "step" else like_param(v, p)) for k, v in out.items()}
         return out
 
     def _get(self, i, key, p):
         # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
-        # would decode the whole tensor once more to say so
+        # is not asked, to keep each read one call
         t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
-        arg = TorchArg(t, f"state {key}")
-        check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
+        self._read(i, key, t)
         return t
+
+    def _read(self, i, key, out):
+        """Decodes state `key` of fo parameter `i` straight into `out` (a host tensor of the
+        state's shape; fo checks dtype, shape and strides before writing anything)."""
+        arg = TorchArg(out, f"state {key}")
+        check(_optim._get_state(self._fo._handle, i, key.encode(), ctypes.byref(arg.struct)))
+
+    def _refresh(self, p, key, t):
+        """A state tensor handed out earlier and still held (`t`, local) gets p's current `key`:
+        decoded straight into it when it is a float32 host tensor of the state's shape (what
+        was handed out), else copied in from a fresh decode; left alone if its shape changed."""
+        if tuple(t.shape) != (() if key == "step" else tuple(local(p).shape)):
+            return
+        if t.dtype == torch.float32 and t.device.type == "cpu":
+            self._read(self._index[p], key, t)
+            torch.autograd.graph.increment_version(t)  # written in place, as copy_ would count it
+        else:
+            t.copy_(self._get(self._index[p], key, p))
 
     def _load_param(self, p, entries):
         keys, args = [], []
@@ -371,10 +396,13 @@ def _sparse_message(opt, name):
             "instead")
 
 
-def _torch_flags(foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, **overlap):
+def _torch_flags(kind, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 **overlap):
     """torch's implementation flags. fo's step is always one fused kernel per parameter, so
     `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
-    them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors."""
+    them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors.
+    `kind` (the optimizer's name) names the constructor when a keyword is unknown."""
+    _checks.unexpected(kind, [k for k in overlap if k not in OPTION_KEYS])
     if capturable:
         raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
                                  "fo.torch steps host tensors: drop capturable (fused/foreach are accepted)")
@@ -402,8 +430,10 @@ class AdamW(_FoOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+        flags = _torch_flags("AdamW", **flags)  # first: Python refuses an unknown keyword before the body runs
+        _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                      **_torch_flags(**flags), decoupled_weight_decay=True,
+                                      **flags, decoupled_weight_decay=True,
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))
 
     def _hp(self, g):
@@ -417,8 +447,10 @@ class Adam(AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0,
                  arithmetic=DEFAULT_ARITHMETIC, **flags):
+        flags = _torch_flags("Adam", **flags)
+        _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         _FoOptimizer.__init__(self, params, dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **_torch_flags(**flags),
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **flags,
             decoupled_weight_decay=decoupled_weight_decay, **_fo_args(state_format, master_weight_bits, arithmetic)))
 
     @property
@@ -434,8 +466,10 @@ class SGD(_FoOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+        flags = _torch_flags("SGD", **flags)
+        _checks.sgd(lr, momentum, dampening, weight_decay, nesterov)
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, **_torch_flags(**flags),
+                                      nesterov=nesterov, **flags,
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))
 
     def _hp(self, g):
@@ -450,8 +484,9 @@ class Lion(_FoOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format="quant8",
                  master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-                                      **_torch_flags(**flags),
+        flags = _torch_flags("Lion", **flags)
+        _checks.lion(lr, betas, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, **flags,
                                       **_fo_args(state_format, master_weight_bits, arithmetic)))
 
     def _hp(self, g):

@@ -257,12 +257,10 @@ def test_unsupported_options_are_refused():
         fo.torch.SGD(ps, maximize=True)
     with pytest.raises(fo.FoError, match="capturable"):  # fused/foreach are accepted (fo's step is fused)
         fo.torch.AdamW(ps, capturable=True)
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match=r"state_format 'fp8' is not one of \['fp32', 'param_dtype', "):
         fo.torch.AdamW(ps, state_format="fp8")
-    with pytest.raises(fo.FoError, match="lr"):  # fo validates what torch would
-        opt = fo.torch.AdamW(ps, lr=-1.0)
-        ps[0].grad = torch.zeros_like(ps[0])
-        opt.step()
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):  # at construction, as torch
+        fo.torch.AdamW(ps, lr=-1.0)
 
 
 def test_bf16_params_with_24_bit_master_weights_export_the_master():
@@ -308,3 +306,108 @@ def test_state_dict_hooks_run_as_torchs():
     assert sd["extra"] == 1 and set(sd["state"][0]) == {"momentum_buffer"}
     opt.load_state_dict(sd)
     assert seen == ["pre", "loaded"]
+
+
+# -- constructor checks: torch's conditions, exception types and words --------------------
+T = torch.tensor
+BAD = [  # (kwargs, refused by AdamW/Adam, refused by SGD)
+    (dict(lr=-1e-3), True, True),
+    (dict(lr=float("nan")), True, False),  # torch's Adam writes `not 0 <= lr`, its SGD `lr < 0`
+    (dict(lr=T([1e-3, 1e-3])), True, True),
+    (dict(lr=T(1e-3), foreach=True), True, False),
+    (dict(betas=(1.0, 0.999)), True, None),
+    (dict(betas=(-0.1, 0.999)), True, None),
+    (dict(betas=(0.9, 1.5)), True, None),
+    (dict(betas=(0.9, T(0.99))), True, None),
+    (dict(betas=(T(0.9), 0.99)), True, None),
+    (dict(betas=(T(0.9), T(0.99)), foreach=True), True, None),
+    (dict(betas=(T([0.9, 0.9]), T(0.99))), True, None),
+    (dict(eps=-1e-8), True, None),
+    (dict(weight_decay=-0.1), True, True),
+    (dict(momentum=-0.5), None, True),
+    (dict(nesterov=True), None, True),
+    (dict(nesterov=True, momentum=0.9, dampening=0.1), None, True),
+]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_bad_hyper_parameters_are_refused_at_construction_as_torch_refuses_them(name, case):
+    kwargs, adam, sgd = BAD[case]
+    if (sgd if name == "SGD" else adam) is None:
+        pytest.skip(f"{name} has no such argument")
+    ps = list(make_model().parameters())
+    try:
+        getattr(torch.optim, name)(ps, **kwargs)
+        want = None
+    except (ValueError, RuntimeError) as e:  # a 2-element beta fails torch's range check itself
+        want = (type(e), str(e))
+    assert (want is not None) == (sgd if name == "SGD" else adam), f"torch's {name} changed: {want}"
+    if want is None:
+        getattr(fo.torch, name)(ps, **kwargs)  # accepted by both
+        return
+    with pytest.raises(want[0]) as got:
+        getattr(fo.torch, name)(ps, **kwargs)
+    assert (type(got.value), str(got.value)) == want
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1e-4), "Invalid learning rate: -0.0001"),
+    (dict(lr=T([1e-4, 1e-4])), "Tensor lr must be 1-element"),
+    (dict(betas=(1.0, 0.99)), "Invalid beta parameter at index 0: 1.0"),
+    (dict(betas=(0.9, -0.5)), "Invalid beta parameter at index 1: -0.5"),
+    (dict(weight_decay=-1.0), "Invalid weight_decay value: -1.0"),
+])
+def test_lion_refuses_what_adam_would_in_adams_words(kwargs, message):
+    with pytest.raises(ValueError) as got:
+        fo.torch.Lion(make_model().parameters(), **kwargs)
+    assert str(got.value) == message
+
+
+def test_edge_values_torch_accepts_construct_and_step():
+    for name, kwargs in [("AdamW", dict(lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0)),
+                         ("Adam", dict(lr=T(1e-2), betas=(T(0.9), T(0.99)))),
+                         ("SGD", dict(lr=T([1e-2]), momentum=0.9, nesterov=True)),
+                         ("Lion", dict(lr=0.0, betas=(0.0, 0.0)))]:
+        m = make_model()
+        opt = getattr(fo.torch, name)(m.parameters(), state_format="fp32", **kwargs)
+        train(m, opt, steps=1)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Lion"])
+def test_an_unknown_keyword_names_the_optimizer_as_python_does(name):
+    ps = list(make_model().parameters())
+    with pytest.raises(TypeError) as got:
+        getattr(fo.torch, name)(ps, lr=1e-3, foo=1)
+    assert str(got.value) == f"{name}.__init__() got an unexpected keyword argument 'foo'"
+    if name != "Lion":
+        with pytest.raises(TypeError) as want:
+            getattr(torch.optim, name)(ps, lr=1e-3, foo=1)
+        assert str(got.value) == str(want.value)
+
+
+def test_a_bad_state_format_lists_the_formats_also_in_a_new_param_group():
+    opt = fo.torch.AdamW(make_model()[0].parameters())
+    with pytest.raises(ValueError, match=r"state_format 'q8' is not one of \['fp32', 'param_dtype', 'quant8', "):
+        opt.add_param_group({"params": make_model()[2].parameters(), "state_format": "q8"})
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
+def test_torchs_own_optimizer_error_inputs(name):
+    """torch's error inputs for its own optimizers (torch/testing/_internal/common_optimizers.py),
+    run as torch's test_optim.py::test_errors runs them, against fo.torch's."""
+    co = pytest.importorskip("torch.testing._internal.common_optimizers")
+    inputs = getattr(co, f"optim_error_inputs_func_{name.lower()}")(device="cpu", dtype=torch.float32)
+    assert inputs
+    for e in inputs:
+        oi = e.optimizer_error_input
+        cls = getattr(fo.torch, name)
+        build = lambda: cls(oi.params, **oi.kwargs)  # noqa: E731
+        if e.error_on == co.OptimizerErrorEnum.STEP_ERROR:
+            build, opt = (lambda: opt.step()), cls(oi.params, **oi.kwargs)
+        if issubclass(e.error_type, Warning):
+            with pytest.warns(e.error_type, match=e.error_regex):
+                build()
+        else:
+            with pytest.raises(e.error_type, match=e.error_regex):
+                build()

@@ -333,6 +333,42 @@ def test_fo_threads_are_its_own_pool_apart_from_torchs():
     assert fo.get_num_threads() == before
 
 
+
+def _bits(t):
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_state_of_large_params_reads_the_same_bits_at_any_thread_count_and_tracks_torch():
+    # More elements than fo decodes per parallel chunk (65536) times three, and not a
+    # multiple of the quant8 group: state reads split across threads and a short last group.
+    torch.manual_seed(0)
+    shape = (3, 65_549)
+    grads = [torch.randn(shape) * 1e-2 for _ in range(2)]
+    for fmt in ("fp32", "quant8"):
+        w = torch.nn.Parameter(torch.randn(shape))
+        ref = torch.nn.Parameter(w.detach().clone())
+        opt, topt = fo.torch.AdamW([w], lr=1e-2, state_format=fmt), torch.optim.AdamW([ref], lr=1e-2)
+        for g in grads:
+            w.grad, ref.grad = g.clone(), g.clone()
+            opt.step()
+            topt.step()
+        reads = []
+        try:
+            for threads in (1, 2):
+                fo.set_num_threads(threads)
+                opt.state.handed.clear()  # read afresh from fo (what the first read after a step does)
+                reads.append((opt.state_dict()["state"][0], dict(opt.state[w])))
+        finally:
+            fo.set_num_threads(0)
+        for sd, st in reads:
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(_bits(sd[k]), _bits(reads[0][0][k])), f"{fmt} {k}"
+                assert torch.equal(_bits(st[k]), _bits(reads[0][0][k])), f"{fmt} {k} via opt.state"
+        if fmt == "fp32":
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(reads[0][0][k], topt.state[ref][k], rtol=1e-5, atol=1e-7)
+
+
 # -- torch's companions ---------------------------------------------------------------------
 def test_swa_utils_schedule_and_average_with_an_fo_optimizer():
     from torch.optim.swa_utils import SWALR, AveragedModel

@@ -14,7 +14,9 @@ use crate::tensor::Tensor;
 /// equal the state's: see `fo_optimizer_state_info`). Keys: `step` (0-dim), `exp_avg`,
 /// `exp_avg_sq`, `momentum_buffer` and `master` (the f32 master weight) decode to any
 /// float dtype (F32 exact); raw keys `<name>::quantized` (I8/U8), `<name>::scales` (F16)
-/// and `error_bits` (I8/I16) copy as stored, in their own dtype.
+/// and `error_bits` (I8/I16) copy as stored, in their own dtype. Decodes straight into
+/// `out`, in parallel on fo's threads (`fo_set_num_threads`); nothing is written when
+/// the key, dtype or shape is wrong.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_get_state(
     opt: *const fo_optimizer,
@@ -28,20 +30,12 @@ pub unsafe extern "C" fn fo_optimizer_get_state(
             arg_str(key, "key")?,
         );
         let dst = arg_ref(out, "out")?.to_host("out")?;
-        let t = opt.get_state_as(self::index(index, "index")?, key, dst.dtype())?;
-        if t.shape != dst.shape() {
-            return Err(Error::Shape(format!(
-                "state {key} has shape {:?}; out has shape {:?}",
-                t.shape,
-                dst.shape()
-            )));
-        }
-        dst.write_bytes(&t.data)
+        opt.get_state_into(self::index(index, "index")?, key, &dst)
     })
 }
 
 /// The dtype and shape `fo_optimizer_get_state` gives for `key` as stored (`shape` has
-/// room for FO_MAX_DIMS entries).
+/// room for FO_MAX_DIMS entries). Nothing is decoded.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_state_info(
     opt: *const fo_optimizer,
@@ -52,17 +46,16 @@ pub unsafe extern "C" fn fo_optimizer_state_info(
     out_shape: *mut i64,
 ) -> fo_status {
     guard(|| {
-        let t = enter_opt(opt, "fo_optimizer_state_info")?
-            .get_state(self::index(index, "index")?, arg_str(key, "key")?)?;
+        let (dtype, shape) = enter_opt(opt, "fo_optimizer_state_info")?
+            .state_info(self::index(index, "index")?, arg_str(key, "key")?)?;
         let (dt, nd) = (
             arg_mut(out_dtype, "out_dtype")?,
             arg_mut(out_ndim, "out_ndim")?,
         );
-        let shape = arg_slice_mut(out_shape, super::FO_MAX_DIMS, "out_shape")?;
-        (*dt, *nd) = (t.dtype.code(), t.shape.len() as i32);
-        shape
-            .iter_mut()
-            .zip(t.shape.iter().chain(std::iter::repeat(&0)))
+        let out = arg_slice_mut(out_shape, super::FO_MAX_DIMS, "out_shape")?;
+        (*dt, *nd) = (dtype.code(), shape.len() as i32);
+        out.iter_mut()
+            .zip(shape.iter().chain(std::iter::repeat(&0)))
             .for_each(|(o, &s)| *o = s as i64);
         Ok(())
     })

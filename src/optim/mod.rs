@@ -25,6 +25,7 @@ pub mod threads;
 
 mod groups_json;
 mod state_io;
+mod state_out;
 mod state_set;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};

@@ -3,8 +3,6 @@
 //! format), the raw compressed keys `<name>::quantized` / `<name>::scales` and
 //! `error_bits`, and `master` (the f32 master weight: the param, completed by its error
 //! bits).
-use half::f16;
-
 use super::config::Algorithm;
 use super::optimizer::Optimizer;
 use crate::ckpt::naming::{
@@ -13,10 +11,10 @@ use crate::ckpt::naming::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::math::master_split::{reconstruct_one, Half};
 use crate::optim::math::state::{ErrorBits, Moment};
 use crate::optim::placement::staging::StagedParam;
-use crate::tensor::Tensor;
+use crate::optim::state_out::{fill, is_float, Source};
+use crate::tensor::{try_with_capacity, HostTensor, Tensor};
 
 /// The name of the momentum-like state of an algorithm.
 pub(super) fn m_name(a: Algorithm) -> &'static str {
@@ -39,14 +37,6 @@ fn moment_keys(name: &str, m: &Moment, out: &mut Vec<String>) {
 
 pub(super) fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
     v.iter().flat_map(|&x| f(x)).collect()
-}
-
-fn f32_tensor(shape: &[usize], v: &[f32]) -> Tensor {
-    Tensor {
-        dtype: DType::F32,
-        shape: shape.to_vec(),
-        data: le_bytes(v, f32::to_le_bytes),
-    }
 }
 
 /// A float tensor's values as f32, or an error naming the key.
@@ -100,56 +90,28 @@ impl Optimizer {
 
     /// The f32 master weights of parameter `i` (error bits applied when present).
     pub fn master(&self, i: usize) -> Result<Vec<f32>> {
-        self.master_staged(&mut self.stage(i)?)
+        let t = self.get_state(i, MASTER)?;
+        Ok(t.data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
-    fn master_staged(&self, sp: &mut StagedParam<'_>) -> Result<Vec<f32>> {
-        sp.param(self)?;
-        let (t, st) = (sp.param.as_ref().expect("read above"), sp.state.as_deref());
-        Ok(
-            match (
-                Half::from_dtype(t.dtype),
-                st.and_then(|s| s.error_bits.as_ref()),
-            ) {
-                (Ok(h), Some(e)) => {
-                    let bits: Vec<u16> = t
-                        .data
-                        .chunks_exact(2)
-                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                        .collect();
-                    match e {
-                        ErrorBits::I8(e) => bits
-                            .iter()
-                            .zip(e)
-                            .map(|(&b, &c)| reconstruct_one(h, b, c))
-                            .collect(),
-                        ErrorBits::I16(e) => bits
-                            .iter()
-                            .zip(e)
-                            .map(|(&b, &c)| reconstruct_one(h, b, c))
-                            .collect(),
-                    }
-                }
-                _ => t.to_f32()?,
-            },
-        )
-    }
-
-    /// One state entry of parameter `i`: raw keys as stored, moment names decoded to f32,
-    /// `step` as an f32 0-dim tensor, `master` as f32.
-    pub fn get_state(&self, i: usize, key: &str) -> Result<Tensor> {
-        self.get_state_staged(&mut self.stage(i)?, key)
-    }
-
-    /// `get_state` of a staged parameter.
-    pub(crate) fn get_state_staged(&self, sp: &mut StagedParam<'_>, key: &str) -> Result<Tensor> {
+    /// Where state `key` of staged parameter `sp` is read from, and its shape. For
+    /// `master`, `sp.param` must have been read (`StagedParam::param`).
+    fn source<'s>(&self, sp: &'s StagedParam<'_>, key: &str) -> Result<(Source<'s>, Vec<usize>)> {
         let i = sp.i;
         let p = &self.params[i];
         let shape = p.tensor.shape().to_vec();
+        let st = sp.state.as_deref();
         if key == MASTER {
-            return Ok(f32_tensor(&shape, &self.master_staged(sp)?));
+            let param = sp.param.as_ref().ok_or_else(|| {
+                Error::Internal(format!("master of {} read before its parameter", p.fqn))
+            })?;
+            let err = st.and_then(|s| s.error_bits.as_ref());
+            return Ok((Source::Master { param, err }, shape));
         }
-        let st = sp.state.as_deref().ok_or_else(|| {
+        let st = st.ok_or_else(|| {
             Error::NotFound(format!(
                 "parameter {} has no optimizer state yet (no step taken, nothing loaded)",
                 p.fqn
@@ -164,20 +126,12 @@ impl Optimizer {
             ))
         };
         if key == STEP {
-            return Ok(f32_tensor(&[], &[st.step as f32]));
+            return Ok((Source::Step(st.step as f32), vec![]));
         }
         if key == ERROR_BITS {
             return match st.error_bits.as_ref().ok_or_else(missing)? {
-                ErrorBits::I8(e) => Ok(Tensor {
-                    dtype: DType::I8,
-                    shape,
-                    data: le_bytes(e, i8::to_le_bytes),
-                }),
-                ErrorBits::I16(e) => Ok(Tensor {
-                    dtype: DType::I16,
-                    shape,
-                    data: le_bytes(e, i16::to_le_bytes),
-                }),
+                ErrorBits::I8(e) => Ok((Source::I8(e), shape)),
+                ErrorBits::I16(e) => Ok((Source::I16(e), shape)),
             };
         }
         let (name, raw) = split_state_name(key);
@@ -190,27 +144,36 @@ impl Optimizer {
         }
         .ok_or_else(missing)?;
         match (raw, m) {
-            (None, m) => Ok(f32_tensor(&shape, &m.decode())),
-            (Some(CODES_PART), Moment::Signed { codes, .. }) => Ok(Tensor {
-                dtype: DType::I8,
-                shape,
-                data: le_bytes(codes, i8::to_le_bytes),
-            }),
-            (Some(CODES_PART), Moment::Unsigned { codes, .. }) => Ok(Tensor {
-                dtype: DType::U8,
-                shape,
-                data: codes.clone(),
-            }),
+            (None, m) => Ok((Source::Decoded(m), shape)),
+            (Some(CODES_PART), Moment::Signed { codes, .. }) => Ok((Source::I8(codes), shape)),
+            (Some(CODES_PART), Moment::Unsigned { codes, .. }) => Ok((Source::U8(codes), shape)),
             (
                 Some(SCALES_PART),
                 Moment::Signed { scales, .. } | Moment::Unsigned { scales, .. },
-            ) => Ok(Tensor {
-                dtype: DType::F16,
-                shape: vec![scales.len()],
-                data: le_bytes(scales, |s| s.to_le_bytes()),
-            }),
+            ) => Ok((Source::F16(scales), vec![scales.len()])),
             _ => Err(missing()),
         }
+    }
+
+    /// The dtype and shape `get_state` gives for `key`, without decoding anything.
+    pub fn state_info(&self, i: usize, key: &str) -> Result<(DType, Vec<usize>)> {
+        let sp = self.stage(i)?;
+        if key == MASTER {
+            return Ok((DType::F32, self.params[i].tensor.shape().to_vec()));
+        }
+        let (src, shape) = self.source(&sp, key)?;
+        Ok((src.dtype(), shape))
+    }
+
+    /// One state entry of parameter `i`: raw keys as stored, moment names decoded to f32,
+    /// `step` as an f32 0-dim tensor, `master` as f32.
+    pub fn get_state(&self, i: usize, key: &str) -> Result<Tensor> {
+        self.get_state_staged(&mut self.stage(i)?, key)
+    }
+
+    /// `get_state` of a staged parameter.
+    pub(crate) fn get_state_staged(&self, sp: &mut StagedParam<'_>, key: &str) -> Result<Tensor> {
+        self.get_state_as_staged(sp, key, None)
     }
 
     /// `get_state` converted to `dtype`: float values convert to any float dtype (bf16
@@ -219,37 +182,68 @@ impl Optimizer {
         self.get_state_as_staged(&mut self.stage(i)?, key, dtype)
     }
 
-    /// `get_state_as` of a staged parameter.
+    /// `get_state_as` of a staged parameter (`None`: the entry's own dtype), decoded on
+    /// the caller's thread: checkpoint writers read through here, and an asynchronous one
+    /// must not take fo's pool from the steps it runs beside.
     pub(crate) fn get_state_as_staged(
         &self,
         sp: &mut StagedParam<'_>,
         key: &str,
-        dtype: DType,
+        dtype: impl Into<Option<DType>>,
     ) -> Result<Tensor> {
-        let t = self.get_state_staged(sp, key)?;
-        if t.dtype == dtype {
-            return Ok(t);
+        if key == MASTER {
+            sp.param(self)?;
         }
-        if t.dtype != DType::F32
-            || !matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
-        {
-            return Err(Error::Dtype(format!(
-                "state key {key} is {}; it cannot be read as {dtype}",
-                t.dtype
+        let (src, shape) = self.source(sp, key)?;
+        let dtype = dtype.into().unwrap_or(src.dtype());
+        read_as(key, &src, dtype)?;
+        let n: usize = shape.iter().product();
+        let mut data = try_with_capacity::<u8>(n * dtype.size(), &format!("state {key}"))?;
+        data.resize(n * dtype.size(), 0);
+        fill(&src, dtype, &mut data, false)?;
+        Ok(Tensor { dtype, shape, data })
+    }
+
+    /// `get_state_as(i, key, dst.dtype())` written into `dst`, caller memory of the
+    /// entry's shape (any strides), decoded in parallel on fo's pool straight into it when
+    /// it is contiguous. Nothing is written unless the key, dtype and shape are right.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes and not accessed by anyone else during the call.
+    pub unsafe fn get_state_into(&self, i: usize, key: &str, dst: &HostTensor) -> Result<()> {
+        let mut sp = self.stage(i)?;
+        if key == MASTER {
+            sp.param(self)?;
+        }
+        let (src, shape) = self.source(&sp, key)?;
+        read_as(key, &src, dst.dtype())?;
+        if shape != dst.shape() {
+            return Err(Error::Shape(format!(
+                "state {key} has shape {shape:?}; out has shape {:?}",
+                dst.shape()
             )));
         }
-        let v = t.to_f32()?;
-        let data = match dtype {
-            DType::F64 => le_bytes(&v, |x| (x as f64).to_le_bytes()),
-            DType::BF16 => le_bytes(&v, |x| {
-                crate::optim::math::master_split::bf16_bits_rne(x).to_le_bytes()
-            }),
-            _ => le_bytes(&v, |x| f16::from_f32(x).to_bits().to_le_bytes()),
-        };
-        Ok(Tensor {
-            dtype,
-            shape: t.shape,
-            data,
-        })
+        match dst.contiguous_bytes_mut() {
+            Some(out) => fill(&src, dst.dtype(), out, true),
+            None => {
+                // A strided destination: decode contiguously, then scatter.
+                let mut v = try_with_capacity::<u8>(dst.nbytes(), "out")?;
+                v.resize(dst.nbytes(), 0);
+                fill(&src, dst.dtype(), &mut v, true)?;
+                dst.write_bytes(&v)
+            }
+        }
     }
+}
+
+/// An error unless `src` can be read as `dtype`: its own dtype, or any float dtype for
+/// decoded (f32) values.
+fn read_as(key: &str, src: &Source, dtype: DType) -> Result<()> {
+    if dtype == src.dtype() || (src.dtype() == DType::F32 && is_float(dtype)) {
+        return Ok(());
+    }
+    Err(Error::Dtype(format!(
+        "state key {key} is {}; it cannot be read as {dtype}",
+        src.dtype()
+    )))
 }

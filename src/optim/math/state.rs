@@ -161,16 +161,21 @@ impl Moment {
         }
     }
 
-    /// The values as f32 (what `get_state` returns for the decoded keys).
-    pub fn decode(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.numel()];
-        let mut me = self.clone();
-        for (i, c) in me.chunks_mut(1 << 14).into_iter().enumerate() {
-            let lo = i << 14;
-            let hi = (lo + (1 << 14)).min(out.len());
-            c.load(&mut out[lo..hi], false);
+    /// Elements `lo..hi` (group-aligned `lo`), read-only: what state reads decode from
+    /// (no `&mut`, so a read never copies the moment to get a chunk of it).
+    #[inline(always)]
+    pub fn view(&self, lo: usize, hi: usize) -> MomentView<'_> {
+        let (gl, gh) = (lo / GROUP, hi.div_ceil(GROUP));
+        match self {
+            Moment::F32(v) => MomentView::F32(&v[lo..hi]),
+            Moment::Half(h, v) => MomentView::Half(*h, &v[lo..hi]),
+            Moment::Signed { codes, scales } => MomentView::Signed(&codes[lo..hi], &scales[gl..gh]),
+            Moment::Unsigned {
+                codes,
+                scales,
+                root,
+            } => MomentView::Unsigned(&codes[lo..hi], &scales[gl..gh], *root),
         }
-        out
     }
 
     /// Overwrites the values from f32 (quantizing where the format is quantized).
@@ -179,6 +184,49 @@ impl Moment {
             let lo = i << 14;
             let hi = (lo + (1 << 14)).min(src.len());
             c.store(&src[lo..hi]);
+        }
+    }
+}
+
+/// A read-only piece of a `Moment`, starting at a group boundary: the one decoder that
+/// steps (through `MomentChunk::load`) and state reads share, so both see the same bits.
+pub enum MomentView<'a> {
+    F32(&'a [f32]),
+    Half(Half, &'a [u16]),
+    Signed(&'a [i8], &'a [f16]),
+    Unsigned(&'a [u8], &'a [f16], Root),
+}
+
+impl MomentView<'_> {
+    /// Decodes into `out` (same length). `kernel`: the values the update uses, where
+    /// `Quant8Wide` floors a zero variance code (see `StateFormat::Quant8Wide`).
+    #[inline(always)]
+    pub fn load(&self, out: &mut [f32], kernel: bool) {
+        match self {
+            MomentView::F32(s) => out.copy_from_slice(s),
+            MomentView::Half(h, s) => with_half!(*h, hc => {
+                for (o, &b) in out.iter_mut().zip(s.iter()) {
+                    *o = hc.to_f32(b);
+                }
+            }),
+            MomentView::Signed(c, s) => {
+                for ((c, &s), o) in c.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
+                    quant8::decode_signed_group(c, s, o);
+                }
+            }
+            MomentView::Unsigned(c, s, root) => {
+                let floor = kernel && *root == Root::Fourth;
+                for ((c, &s), o) in c.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
+                    if *root == Root::Sqrt {
+                        quant8::decode_unsigned_sqrt_group(c, s, o);
+                    } else {
+                        let sc = s.to_f32();
+                        for (o, &c) in o.iter_mut().zip(c) {
+                            *o = root_decode(*root, c, sc, floor);
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -206,36 +254,21 @@ impl MomentChunk<'_> {
         }
     }
 
-    /// Decodes into `out` (same length). `kernel`: the values the update uses, where
-    /// `Quant8Wide` floors a zero variance code (see `StateFormat::Quant8Wide`).
+    /// This piece, read-only.
+    #[inline(always)]
+    pub fn view(&self) -> MomentView<'_> {
+        match self {
+            MomentChunk::F32(s) => MomentView::F32(s),
+            MomentChunk::Half(h, s) => MomentView::Half(*h, s),
+            MomentChunk::Signed(c, s) => MomentView::Signed(c, s),
+            MomentChunk::Unsigned(c, s, r) => MomentView::Unsigned(c, s, *r),
+        }
+    }
+
+    /// Decodes into `out` (same length): `MomentView::load`.
     #[inline(always)]
     pub fn load(&self, out: &mut [f32], kernel: bool) {
-        match self {
-            MomentChunk::F32(s) => out.copy_from_slice(s),
-            MomentChunk::Half(h, s) => with_half!(*h, hc => {
-                for (o, &b) in out.iter_mut().zip(s.iter()) {
-                    *o = hc.to_f32(b);
-                }
-            }),
-            MomentChunk::Signed(c, s) => {
-                for ((c, &s), o) in c.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
-                    quant8::decode_signed_group(c, s, o);
-                }
-            }
-            MomentChunk::Unsigned(c, s, root) => {
-                let floor = kernel && *root == Root::Fourth;
-                for ((c, &s), o) in c.chunks(GROUP).zip(s.iter()).zip(out.chunks_mut(GROUP)) {
-                    if *root == Root::Sqrt {
-                        quant8::decode_unsigned_sqrt_group(c, s, o);
-                    } else {
-                        let sc = s.to_f32();
-                        for (o, &c) in o.iter_mut().zip(c) {
-                            *o = root_decode(*root, c, sc, floor);
-                        }
-                    }
-                }
-            }
-        }
+        self.view().load(out, kernel)
     }
 
     /// Encodes `src` (same length) into this piece.
