@@ -27,6 +27,37 @@ class FoError(RuntimeError):
         self.message = message
 
 
+class Owned:
+    """The one base of every Python object that owns an fo handle (`Optimizer`, `Comm`,
+    `Packed`, `AsyncSave`): `close()` (also on leaving a `with` block and on garbage
+    collection) frees it once through `_free`, then `_release` drops whatever the handle
+    kept alive."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def _free(self, handle) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:  # None also when __init__ failed
+            self._free(self._handle)
+            self._handle = None
+            self._release()
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def _candidates():
     env = os.environ.get("FO_LIBRARY")
     if env:

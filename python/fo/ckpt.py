@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _codes as C
 from . import layout
-from ._ffi import MAX_DIMS, FoError, Placement, check, declare
+from ._ffi import MAX_DIMS, FoError, Owned, Placement, check, declare
 from .optim import Optimizer, _string, numpy_dtype
 from .shard import placement as _placement
 
@@ -111,37 +111,7 @@ def _options(rank, world_size, mode, params, write_unsharded, save_id):
     return PackOptions(rank, world_size, MODES[mode], PARAMS[params], w, None if save_id is None else save_id.encode())
 
 
-class _Owned:
-    """An fo handle this object frees: `close()` (also on leaving a `with` block and on
-    garbage collection) frees it once through `_free`, then `_release` drops whatever the
-    handle kept alive."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def _free(self, handle) -> None:
-        raise NotImplementedError
-
-    def _release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._free(self._handle)
-            self._handle = None
-            self._release()
-
-    def __del__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class Packed(_Owned):
+class Packed(Owned):
     """A rank's packed state: `entries()` lists its chunks (key, dtype, shapes, global
     offsets, data) for a host that writes them itself; `save(dir)` writes fo's file."""
 
@@ -199,7 +169,7 @@ def save(opt: Optimizer, directory: PathLike, rank: int = 0, world_size: int = 1
         check(_save_comm(opt._handle, os.fsencode(directory), ctypes.byref(o), comm._h))
 
 
-class AsyncSave(_Owned):
+class AsyncSave(Owned):
     """A save in flight (`fo_state_save_async`): `wait(timeout=None)` returns once the
     whole save (its commit included) is done and raises `FoError` if it failed (FO_ERR_TIMEOUT
     when `timeout` seconds pass first; the save goes on; None, `math.inf` or more than a

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ._codes import FO_MAX_LOCAL_WORLD, FO_REDUCE_MAX, FO_REDUCE_SUM, codes
-from ._ffi import Tensor, TensorArg, check, declare
+from ._ffi import Owned, Tensor, TensorArg, check, declare
 from .shard import ShardSpec
 
 SUM, MAX = FO_REDUCE_SUM, FO_REDUCE_MAX
@@ -75,11 +75,11 @@ def _bytes_at(ptr, n):
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
 
 
-class Comm:
+class Comm(Owned):
     """One rank's communicator. Close it (or let it be collected) when done."""
 
     def __init__(self, handle, keepalive=None):
-        self._h = ctypes.c_void_p(handle)
+        super().__init__(ctypes.c_void_p(handle))
         self._keepalive = keepalive
         self.last_callback_error = None
         r, w = ctypes.c_int32(), ctypes.c_int32()
@@ -151,19 +151,13 @@ class Comm:
         starts with its own stream. A non-zero stream needs libfo built with `cuda`."""
         check(_set_stream(self._h, cuda_stream or None))
 
-    def close(self) -> None:
-        if self._h:
-            _destroy(self._h)
-            self._h = ctypes.c_void_p()
+    @property
+    def _h(self):
+        """The handle for fo calls (NULL once closed: fo then refuses it by name)."""
+        return self._handle if self._handle is not None else ctypes.c_void_p()
 
-    def __del__(self):
-        self.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _free(self, handle) -> None:
+        _destroy(handle)
 
 
 def _arg(a):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from . import _codes as C
-from ._ffi import MAX_DIMS, ShardSpecStruct, Tensor, TensorArg, check, declare, lib, tensor_array
+from ._ffi import MAX_DIMS, Owned, ShardSpecStruct, Tensor, TensorArg, check, declare, lib, tensor_array
 
 if TYPE_CHECKING:
     from .shard import ShardSpec
@@ -152,24 +152,19 @@ def _string(fn, *args):
     return buf.value.decode()
 
 
-class Optimizer:
+class Optimizer(Owned):
     """An fo optimizer over numpy arrays (kept referenced: they are updated in place)."""
 
     def __init__(self, algorithm: str = "adamw", **hp: Any) -> None:
-        self._handle = None
+        super().__init__(None)
         h = _P()
         check(_create(ctypes.byref(config(algorithm, **hp)), ctypes.byref(h)))
         self._handle = h
         self._params: list[tuple[np.ndarray, ShardSpec | None]] = []
         self._fqns: list[str] = []
 
-    def close(self) -> None:
-        if self._handle is not None:
-            _destroy(self._handle)
-            self._handle = None
-
-    def __del__(self):
-        self.close()
+    def _free(self, handle) -> None:
+        _destroy(handle)
 
     def add_param_group(self, algorithm: str = "adamw", **hp: Any) -> int:
         g = ctypes.c_int32(-1)

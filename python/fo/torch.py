@@ -44,10 +44,9 @@ __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 ARITHMETIC = _optim.ARITHMETIC
-HAS_ARITHMETIC = "arithmetic" in dict(_optim.OptimConfig._fields_)
-# fo.torch steps host tensors, where the fast arithmetic runs: it is the default wherever the
-# library has it (within fo's stated bound of exact per step; "exact" = FlashOptim's bits).
-DEFAULT_ARITHMETIC = "fast" if HAS_ARITHMETIC else "exact"
+# fo.torch steps host tensors, where the fast arithmetic runs: it is the default (within fo's
+# stated bound of exact per step; "exact" = FlashOptim's bits).
+DEFAULT_ARITHMETIC = "fast"
 
 
 def _create(cfg):
@@ -64,8 +63,6 @@ def _arithmetic_code(value):
     code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
     if code not in ARITHMETIC.values():
         raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
-    if code != ARITHMETIC["exact"] and not HAS_ARITHMETIC:
-        raise error(UNSUPPORTED, f"arithmetic={value!r}: this libfo's fo_optim_config has no arithmetic field")
     return code
 
 
@@ -133,9 +130,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
         hp["state_format"] = group["state_format"]
         hp["master_weight_bits"] = int(group["master_weight_bits"])
-        code = _arithmetic_code(group["arithmetic"])
-        if HAS_ARITHMETIC:
-            hp["arithmetic"] = code
+        hp["arithmetic"] = _arithmetic_code(group["arithmetic"])
         return hp
 
     # -- registration -----------------------------------------------------------------

@@ -60,9 +60,11 @@ def test_overlap_under_fsdp2_cpu_offload_has_the_bits_of_the_plain_step(tmp_path
     default group, and every rank ends with the plain step's bits."""
     out = overlap_runs(tmp_path_factory)[clip]
     assert out["same_bits_on_every_rank"]
-    assert all(s["handed_over_in_backward"] == 6 and s["speculative"] == 6 for s in out["stats"])
-    if clip == "clip":
-        assert all(s["clipped"] and s["rolled_back"] == 6 for s in out["stats"])
+    assert all(s["handed_over_in_backward"] == 6 and s["speculative"] + s["deferred"] == 6 for s in out["stats"])
+    if clip == "clip":  # early steps stop once the clip is certain to scale; those taken are redone
+        assert all(s["clipped"] and s["rolled_back"] == s["speculative"] >= 1 for s in out["stats"])
+    else:
+        assert all(s["speculative"] == 6 for s in out["stats"])
 
 
 _OVERLAP = {}

@@ -278,16 +278,12 @@ def test_bf16_params_with_24_bit_master_weights_export_the_master():
     assert not torch.equal(st["master"], w.detach().float())
 
 
-def test_arithmetic_reaches_fo_when_the_library_has_it():
+def test_arithmetic_reaches_fo():
     w = torch.nn.Parameter(torch.randn(4, 3))
-    if fo.torch.HAS_ARITHMETIC:
-        opt = fo.torch.AdamW([w], lr=1e-3, arithmetic="fast")
-        w.grad = torch.ones_like(w)
-        opt.step()
-        assert opt._fo.group_config(0).arithmetic == 1
-    else:
-        with pytest.raises(fo.FoError, match="no arithmetic field"):
-            fo.torch.AdamW([w], lr=1e-3, arithmetic="fast")
+    opt = fo.torch.AdamW([w], lr=1e-3, arithmetic="fast")
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert opt._fo.group_config(0).arithmetic == 1
     fo.torch.AdamW([w], arithmetic="exact")  # fo's default arithmetic, with or without the field
     with pytest.raises(ValueError, match="arithmetic"):
         fo.torch.AdamW([w], arithmetic="sloppy")

@@ -39,9 +39,7 @@ def params_equal(a, b):
 def test_default_is_quant8_with_fast_arithmetic_and_exact_is_one_argument_away():
     ps = list(make_model().parameters())
     g = fo.torch.AdamW(ps).param_groups[0]
-    assert (g["state_format"], g["arithmetic"]) == ("quant8", fo.torch.DEFAULT_ARITHMETIC)
-    if fo.torch.HAS_ARITHMETIC:
-        assert g["arithmetic"] == "fast"
+    assert (g["state_format"], g["arithmetic"]) == ("quant8", fo.torch.DEFAULT_ARITHMETIC) == ("quant8", "fast")
     for make in (lambda ps: fo.torch.Adam(ps, weight_decay=0.1), lambda ps: fo.torch.SGD(ps, lr=0.1, momentum=0.9),
                  lambda ps: fo.torch.Lion(ps, weight_decay=0.1)):
         model = make_model()
@@ -54,10 +52,8 @@ def test_default_is_quant8_with_fast_arithmetic_and_exact_is_one_argument_away()
     train(a, oa, 3)
     train(b, ob, 3)
     assert ob._fo.group_config(0).arithmetic == 0
-    if fo.torch.HAS_ARITHMETIC:
-        assert oa._fo.group_config(0).arithmetic == 1
-        # fast and exact are different arithmetic, close to each other
-        assert not params_equal(a, b)
+    assert oa._fo.group_config(0).arithmetic == 1
+    assert not params_equal(a, b)  # fast and exact are different arithmetic, close to each other
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5)
 
