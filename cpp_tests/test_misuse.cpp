@@ -269,13 +269,8 @@ std::vector<Case> cases() {
     fo_save_destroy(s);
     return st;
   });
-  E("fo_save_wait", "timeout inf", [](Fx& f) {
-    fo_save* s = nullptr; SO o{f.pack, 0};
-    Fx::must(fo_state_save_async(f.opt, f.empty.c_str(), &o, nullptr, &s), "save_async");
-    fo_status st = fo_save_wait(s, kInf);
-    fo_save_destroy(s);
-    return st;
-  });
+  // INFINITY (or any timeout past a week) means "no limit", as a negative one does
+  // (issue 38): tests/ffi_save_lifecycle.rs and test_save_async.cpp wait with it.
   E("fo_save_poll", "save NULL", [](Fx&) { int32_t d = 0; uint64_t b = 0; return fo_save_poll(nullptr, &d, &b); });
   E("fo_save_stats_get", "save NULL", [](Fx&) { fo_save_stats st; return fo_save_stats_get(nullptr, &st); });
   E("fo_save_stats_get", "out NULL", [](Fx& f) {
