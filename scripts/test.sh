@@ -26,11 +26,12 @@ step "python venv (.venv) with numpy, safetensors, pytest, ml_dtypes"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q -r python/requirements-test.txt
 
-step "cargo fmt --check; cargo clippy -D warnings (default and cuda features, every target)"
+step "cargo fmt --check; cargo clippy -D warnings (default and cuda features, every target); cargo doc without warnings"
 if command -v rustup >/dev/null; then rustup component add rustfmt clippy >/dev/null 2>&1 || true; fi
 cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
 cargo clippy --release --features cuda --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 
 step "cargo test (Rust unit, integration and oracle tests; header freshness)"
 cargo test --release --all-targets

@@ -78,7 +78,7 @@ struct Item {
     src_compressed: bool,
 }
 
-/// What [`write`] will write: checked against SRC, before anything is created.
+/// What [`write()`] will write: checked against SRC, before anything is created.
 pub struct Plan {
     items: Vec<Item>,
     pub mesh: Vec<usize>,

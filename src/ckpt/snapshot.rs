@@ -5,7 +5,7 @@
 //! the background writer from the optimizer's live state, unless something is about to
 //! change that state first. Every mutation of a parameter's state or memory (the step,
 //! `set_states`, a load, `write_param`) calls `Optimizer::before_write(i)`, which lands
-//! in [`Snapshot::before_write`]: if parameter `i` still has entries the writer has not
+//! in `Snapshot::before_write`: if parameter `i` still has entries the writer has not
 //! taken, the parameter is copied into a staging pool first (its stored state cloned,
 //! plus its elements when an entry reads them: a memcpy on the mutator's path; the
 //! writer encodes the entries from the copy exactly as from the live state); when the
