@@ -6,7 +6,7 @@ use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
-use crate::optim::config::{Algorithm, OptimConfig};
+use crate::optim::math::config::{Algorithm, OptimConfig};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 

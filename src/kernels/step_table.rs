@@ -11,7 +11,7 @@
 //! supports.
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::config::{OptimConfig, StateFormat};
+use crate::optim::math::config::{OptimConfig, StateFormat};
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::{ErrorBits, Moment, ParamState, Root};

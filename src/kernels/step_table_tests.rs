@@ -3,7 +3,7 @@
 use std::mem::{align_of, offset_of, size_of};
 
 use super::*;
-use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::math::master_split::Half;
 
 /// The numbers `table_layout()` in cpp_tests/test_gpu_kernels_host.cpp asserts for the
@@ -281,7 +281,7 @@ fn moment_kinds_follow_the_stored_format() {
 
 #[test]
 fn state_layout_is_what_new_state_creates() {
-    use crate::optim::config::Arithmetic;
+    use crate::optim::math::config::Arithmetic;
     let algos = Algorithm::ALL;
     let formats = [
         StateFormat::Fp32,

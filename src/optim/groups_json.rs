@@ -2,7 +2,7 @@
 //! FlashOptim's extra entries and fo's format, parameters listed by FQN.
 use serde_json::{json, Value};
 
-use super::config::Algorithm;
+use super::math::config::Algorithm;
 use super::optimizer::Optimizer;
 
 impl Optimizer {

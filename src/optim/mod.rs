@@ -1,8 +1,8 @@
 //! The optimizer: FlashOptim 0.1.4's algorithms and compressed state formats as a handle
 //! (registration, groups, the step's entry), its math (`math`) and its placement (`placement`).
 //!
-//! - `config`: algorithms, state formats, one param group's hyper-parameters;
-//! - `math`: the element-wise rules and the state codecs (pure, host-tested);
+//! - `math`: the element-wise rules, the state codecs and `config` (algorithms, state
+//!   formats, one param group's hyper-parameters): pure, host-tested, below the kernels;
 //! - `placement`: host / device / offloaded parameters and the host view of each;
 //! - `optimizer`: the handle (groups, params, accessors); `step`: the step's entry, which
 //!   drives `crate::kernels` (host SIMD, GPU tables);
@@ -10,7 +10,6 @@
 //! - `threads`: fo's thread pool; `overlap`: the overlapped step (parameters stepped as
 //!   their gradients arrive, bit-identical to one step, clipping included);
 //! - `save_hooks`: what an async save in flight needs to hear before state changes.
-pub mod config;
 pub mod math;
 pub mod numerics;
 pub mod optimizer;
@@ -29,6 +28,8 @@ mod state_out;
 mod state_set;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+/// `optim::config` is `math::config` (the codes sit below the kernels that read them).
+pub use math::config;
 pub use optimizer::Optimizer;
 pub use placement::offload::plan_offload;
 pub use threads::{num_threads, set_num_threads};

@@ -8,7 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::config::OptimConfig;
+use super::math::config::OptimConfig;
 use super::optimizer::{Optimizer, Param};
 use crate::dtype::DType;
 use crate::error::{Error, Result};

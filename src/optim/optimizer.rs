@@ -2,7 +2,7 @@
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
 //! state, and the accessors. The step's entry is in `step`, its device half in
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
-use super::config::OptimConfig;
+use super::math::config::OptimConfig;
 use super::overlap_open::OpenStep;
 use super::overlap_task::Saved;
 use super::placement::Mirror;

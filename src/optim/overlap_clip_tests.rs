@@ -9,7 +9,7 @@ use crate::clip::clip_grad_norm;
 use crate::comm::Comm;
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::optim::config::Algorithm;
+use crate::optim::math::config::Algorithm;
 use crate::tensor::HostTensor;
 
 /// Clip-then-step against the overlapped step with the same clipping, for clipping that

@@ -5,7 +5,7 @@ use super::{OverlapOptions, OverlapStats};
 use crate::clip::clip_grad_norm;
 use crate::comm::Comm;
 use crate::dtype::DType;
-use crate::optim::config::Algorithm;
+use crate::optim::math::config::Algorithm;
 use crate::tensor::HostTensor;
 
 /// Hands the gradients over one at a time, each after the previous one's task is back

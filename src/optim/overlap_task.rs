@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use rayon::prelude::*;
 
-use super::config::OptimConfig;
+use super::math::config::OptimConfig;
 use super::numerics;
 use super::optimizer::Param;
 use super::step::push_param_jobs;

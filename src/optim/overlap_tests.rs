@@ -5,7 +5,7 @@
 use super::{OverlapOptions, OverlapStats};
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::optim::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::shard::{Placement, ShardSpec};
 use crate::tensor::{HostTensor, Tensor};

@@ -3,7 +3,7 @@
 //! format), the raw compressed keys `<name>::quantized` / `<name>::scales` and
 //! `error_bits`, and `master` (the f32 master weight: the param, completed by its error
 //! bits).
-use super::config::Algorithm;
+use super::math::config::Algorithm;
 use super::optimizer::Optimizer;
 use crate::ckpt::naming::{
     self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,

@@ -2,7 +2,7 @@
 //! parameters on their GPU while host ones step on the CPU), and the helpers only steps use.
 use rayon::prelude::*;
 
-use super::config::OptimConfig;
+use super::math::config::OptimConfig;
 use super::numerics;
 use super::optimizer::{is_param_dtype, Optimizer, Param};
 use super::threads;

@@ -7,7 +7,7 @@
 //! without a GPU; skipped, with the reason printed, where g++ is absent.
 use crate::dtype::DType;
 use crate::kernels::step_table::{build_table, StatePtrs, TableEntry};
-use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::Optimizer;

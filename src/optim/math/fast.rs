@@ -20,7 +20,7 @@
 //! code, one bf16/f16 ulp), `ULP_BOUND_FINE` for 32-bit masters and f32 params (whose
 //! resolution is about one f32 ulp, where the f32 roundings fast saves or adds show),
 //! the unit taken at the larger of the old and new value (tests/optim_fast.rs).
-use crate::optim::config::{Algorithm, OptimConfig};
+use crate::optim::math::config::{Algorithm, OptimConfig};
 
 /// Bound per step, fast vs exact from the same state, for 24-bit masters, 16-bit params
 /// without error bits and 16-bit (`param_dtype`) states, in units of their resolution.

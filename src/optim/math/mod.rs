@@ -1,12 +1,15 @@
 //! The optimizer's math, free of any handle or placement: the element-wise updates and the
 //! stored formats they decode and encode. Everything here is pure and tested on the host.
 //!
+//! - `config`: algorithms, state formats, arithmetic and one param group's
+//!   hyper-parameters, with their C codes;
 //! - `rule`: the element-wise updates (torch's arithmetic for fp32 state, FlashOptim's for
 //!   compressed state) and their per-step scalars;
 //! - `fast`: the `fast` arithmetic's scalars and its bound (distance from exact);
 //! - `quant8`: the 8-bit grouped state codec;
 //! - `master_split`: bf16/f16 params plus error bits as a 24- or 32-bit master weight;
 //! - `state`: stored state and the chunk views kernels decode and encode.
+pub mod config;
 pub mod fast;
 pub mod master_split;
 pub mod quant8;

@@ -14,7 +14,7 @@
 //! SGD dampening follows torch in both contracts: the first step sets the buffer to the
 //! gradient undampened (FlashOptim dampens it; identical when dampening = 0).
 use super::fast::FastRule;
-use crate::optim::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
 #[derive(Debug, Clone, Copy)]
 pub enum Rule {

@@ -3,7 +3,7 @@
 //! step never reaches, since every case here fails before a launch.
 use super::*;
 use crate::dtype::DType;
-use crate::optim::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
 fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
     unsafe {

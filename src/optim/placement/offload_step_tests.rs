@@ -3,7 +3,7 @@
 //! an all-host step; mirrors follow every change; refusals change nothing.
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
-use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use crate::device::open::{read_tensor, write_tensor};
 use crate::error::Result;
 use crate::kernels::step_table::StateLayout;
-use crate::optim::config::OptimConfig;
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::state::ParamState;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::placement::DeviceState;

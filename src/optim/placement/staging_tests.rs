@@ -9,7 +9,7 @@ use crate::ckpt::load::{load, LoadOptions};
 use crate::ckpt::optim::{save, Mode, ParamsAs, SaveOptions};
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
-use crate::optim::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::tensor::{HostTensor, Tensor};
 

@@ -4,7 +4,7 @@
 use super::*;
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
-use crate::optim::config::{Algorithm, OptimConfig};
+use crate::optim::math::config::{Algorithm, OptimConfig};
 
 const N: usize = 300;
 
