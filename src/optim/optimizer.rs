@@ -45,6 +45,18 @@ pub struct Optimizer {
     /// The overlapped step in progress (`overlap`), if any: while it is open every other
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
     pub(super) open: Option<Box<OpenStep>>,
+    /// What device steps keep from one step to the next: validated device memory and
+    /// resident launch tables (`placement::device_table`).
+    pub(crate) resident: DeviceResident,
+}
+
+/// What device steps reuse across steps, so a step's host cost does not grow with the
+/// pointer checks and table uploads of unchanged tensors.
+#[derive(Default)]
+pub(crate) struct DeviceResident {
+    /// Device memory validated for gradients (a lock: gradients are checked under `&self`).
+    pub known: std::sync::Mutex<crate::device::check::KnownMemory>,
+    pub tables: super::placement::device_table::ResidentTables,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -77,6 +89,7 @@ impl Optimizer {
             stream: 0,
             save: None,
             open: None,
+            resident: DeviceResident::default(),
         })
     }
 

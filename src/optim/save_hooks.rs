@@ -78,6 +78,7 @@ impl Optimizer {
             stream: self.stream,
             save: None,
             open: None,
+            resident: Default::default(),
         }
     }
 }
