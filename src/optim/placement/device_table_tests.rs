@@ -161,3 +161,39 @@ fn a_step_with_unchanged_pointers_queries_no_pointer_and_uploads_no_table() {
     drop(dev);
     unsafe { b.free(seg.ptr) };
 }
+
+/// The offload case (host parameters, device gradients) takes the same validated ranges:
+/// an unchanged device gradient is not looked up again, and the bits are the host's.
+#[test]
+fn offloaded_gradients_are_looked_up_once_per_allocation() {
+    if emulated::skip() {
+        return;
+    }
+    let b = emulated::device().unwrap();
+    let seg = Segment {
+        ptr: unsafe { b.alloc_zeroed(4096, 0) }.unwrap(),
+        bytes: 4096,
+    };
+    let mem: Vec<Vec<u8>> = (0..3)
+        .map(|i| encode(DT, &values(SIZES[i], i as u64 + 5)))
+        .collect();
+    let (mut hm, mut om) = (mem.clone(), mem);
+    let (mut host, mut off) = (build(&mut hm, -1), build(&mut om, -1));
+    let at = [0, 512, 1024];
+    for s in 1..4 {
+        let g = seg.grads(&at, s);
+        unsafe { host.step(&g) }.unwrap();
+        let q = emulated::pointer_queries_on_this_thread();
+        unsafe { off.step_on(&g, &[EMULATED; 3]) }.unwrap();
+        let q = emulated::pointer_queries_on_this_thread() - q;
+        emulated::synchronize_all();
+        assert_eq!(q, if s == 1 { 3 } else { 0 }, "step {s}");
+        assert_eq!(hm, om, "step {s}: parameters");
+        for i in 0..SIZES.len() {
+            let want = format!("{:?}", host.param_state(i).unwrap());
+            assert_eq!(format!("{:?}", off.param_state(i).unwrap()), want, "p{i}");
+        }
+    }
+    drop(off);
+    unsafe { b.free(seg.ptr) };
+}
