@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -166,8 +167,8 @@ struct Runner {
   int step(const std::vector<std::vector<float>>& grads) {
     std::vector<std::string> g(ps.size());
     std::vector<fo_tensor> gt(ps.size());
-    std::vector<fo_step_tensor> table;
-    uint64_t groups = 0;
+    // One launch per step count (the rule's scalars and SGD's `first` go with the launch).
+    std::map<uint64_t, std::pair<std::vector<fo_step_tensor>, uint64_t>> launches;
     for (size_t i = 0; i < ps.size(); ++i) {
       Param& p = ps[i];
       gt[i] = fo_tensor{nullptr, c.gdtype, (int32_t)p.shape.size(), p.shape.data(), nullptr, -1};
@@ -179,16 +180,22 @@ struct Runner {
       fo_step_tensor t{};
       t.param = ptr(p.k_bytes), t.grad = ptr(g[i]), t.error_bits = ptr(p.err);
       t.m = ptr(p.m), t.m_scales = (uint16_t*)ptr(p.m_scales), t.v = ptr(p.v), t.v_scales = (uint16_t*)ptr(p.v_scales);
+      auto& [table, groups] = launches[p.step];
       t.numel = p.numel, t.group_begin = groups, t.param_dtype = c.pdtype, t.grad_dtype = c.gdtype;
       t.error_bits_width = c.cfg.master_weight_bits == 24 ? 8 : c.cfg.master_weight_bits == 32 ? 16 : 0;
-      t.m_kind = p.m_kind, t.v_kind = p.v_kind, t.first = p.step == 1, t.rule = make_rule(c.cfg, p.step);
+      t.m_kind = p.m_kind, t.v_kind = p.v_kind;
       table.push_back(t);
       groups += (p.numel + 31) / 32;
     }
     CHECK_OK(fo_optimizer_step(opt, gt.data(), gt.size()));
-    // A small grid, so the grid-stride loop and the table search both get exercised.
-    if (!table.empty())
-      fo_host_launch(3, 4, [&] { fo_step_kernel(table.data(), (int)table.size(), groups); });
+    // A small grid of whole warps (6), so the grid-stride loop and the table search both
+    // get exercised.
+    for (auto& [step, launch] : launches) {
+      auto& [table, groups] = launch;
+      fo_rule rule = make_rule(c.cfg, step);
+      int32_t first = step == 1;
+      fo_host_launch(3, 64, [&] { fo_step_kernel(table.data(), (int)table.size(), groups, rule, first); });
+    }
     return compare();
   }
 
@@ -446,17 +453,16 @@ void device_tensors_are_refused_clearly() {
 static_assert(sizeof(fo_rule) == 68 && alignof(fo_rule) == 4, "fo_rule layout");
 static_assert(offsetof(fo_rule, nesterov) == 12 && offsetof(fo_rule, l2) == 16, "fo_rule layout");
 static_assert(offsetof(fo_rule, bc2_sqrt) == 48 && offsetof(fo_rule, wdamp) == 64, "fo_rule layout");
-static_assert(sizeof(fo_step_tensor) == 168 && alignof(fo_step_tensor) == 8, "fo_step_tensor layout");
+static_assert(sizeof(fo_step_tensor) == 96 && alignof(fo_step_tensor) == 8, "fo_step_tensor layout");
 void table_layout() {
-  const size_t want[] = {0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96};
+  const size_t want[] = {0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88};
   const size_t got[] = {offsetof(fo_step_tensor, param),       offsetof(fo_step_tensor, grad),
                         offsetof(fo_step_tensor, error_bits),  offsetof(fo_step_tensor, m),
                         offsetof(fo_step_tensor, m_scales),    offsetof(fo_step_tensor, v),
                         offsetof(fo_step_tensor, v_scales),    offsetof(fo_step_tensor, numel),
                         offsetof(fo_step_tensor, group_begin), offsetof(fo_step_tensor, param_dtype),
                         offsetof(fo_step_tensor, grad_dtype),  offsetof(fo_step_tensor, error_bits_width),
-                        offsetof(fo_step_tensor, m_kind),      offsetof(fo_step_tensor, v_kind),
-                        offsetof(fo_step_tensor, first),       offsetof(fo_step_tensor, rule)};
+                        offsetof(fo_step_tensor, m_kind),      offsetof(fo_step_tensor, v_kind)};
   for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); ++i) CHECK(got[i] == want[i]);
   std::printf("table layout: fo_step_tensor %zu bytes, fo_rule %zu bytes (as step_table_tests.rs)\n",
               sizeof(fo_step_tensor), sizeof(fo_rule));

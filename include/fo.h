@@ -919,7 +919,8 @@ fo_status fo_clip_grad_norm(struct fo_comm *comm,
  offloaded-gradient copies are ordered on; NULL (the default) is the legacy default
  stream. A step does not wait for its kernels: they run after the work queued on
  `stream` before the call, work queued on it after the call runs after them, and
- `fo_optimizer_step` returns once they are queued (its launch tables go through a
+ `fo_optimizer_step` returns once they are queued (each param group's launch table
+ stays in device memory; a table that changed, because a pointer did, goes through a
  pinned ring of 4 slots per device, so a launch may wait for the table copy of the
  launch 4 before it, never for its own kernels). Calls that bring data to or from
  the host do wait for the stream: reading device state (get_state, pack, save),
@@ -936,15 +937,18 @@ fo_status fo_clip_grad_norm(struct fo_comm *comm,
  device parameters, gradients, mirrors and fo's device state are memory of the device
  the parameter was registered on (fo_optimizer_add_param, fo_optimizer_set_mirror and
  fo_optimizer_step ask the driver, cuPointerGetAttribute, and refuse host memory or
- another device's with FO_ERR_INVALID_ARGUMENT naming the argument); a gradient must stay valid until the step's kernels
+ another device's with FO_ERR_INVALID_ARGUMENT naming the argument; a step asks only
+ about gradients outside the allocations the optimizer already validated, taking an
+ allocation once validated to stay that device's memory: a gradient in memory the
+ caller freed and that became host or another device's memory is not detected); a
+ gradient must stay valid until the step's kernels
  have run (stream order), a parameter for the optimizer's lifetime; `stream` must
  outlive every step launched on it. A CUDA error while launching returns
  FO_ERR_INTERNAL and leaves device parameters' state undefined (validation errors
  change nothing, as for host steps). Without the `cuda` build feature, or when libcuda
  or NVRTC cannot be loaded, returns FO_ERR_UNSUPPORTED naming what is missing.
  */
-fo_status fo_optimizer_set_stream(struct fo_optimizer *opt,
-                                  void *stream);
+fo_status fo_optimizer_set_stream(struct fo_optimizer *opt, void *stream);
 
 /*
  Gives host parameter `index` a device mirror: `mirror` is device memory (`device` >= 0)

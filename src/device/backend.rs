@@ -8,6 +8,7 @@
 use super::ring::{PinnedCopy, Ring};
 use crate::error::Result;
 use crate::kernels::norm_table::NormTable;
+use crate::kernels::step_table::FoRule;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
 pub trait Backend: PinnedCopy + Send + Sync {
@@ -53,8 +54,17 @@ pub trait Backend: PinnedCopy + Send + Sync {
     /// This device's pinned staging ring (asynchronous copies go through it).
     fn ring(&self) -> &Ring;
 
-    /// Launches `fo_step_kernel` on `stream` over a table already in device memory
-    /// (`count` tensors spanning `total_groups` groups), without waiting for it.
+    /// Copies a step table's changed bytes `src` to `dst` (inside a resident table) in
+    /// order on `stream`, through the pinned ring; `src` may be reused when this returns.
+    /// One call per upload, so the emulated device can count them.
+    ///
+    /// # Safety
+    /// As `Ring::upload`: `dst` must be `src.len()` writable bytes of this device.
+    unsafe fn upload_table(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
+
+    /// Launches `fo_step_kernel` on `stream` over `count` rows of a table already in
+    /// device memory (spanning `total_groups` groups), with the rule scalars and SGD's
+    /// `first` flag by value, without waiting for it.
     ///
     /// # Safety
     /// `table` and every address in it must be memory of this device that stays valid
@@ -64,6 +74,8 @@ pub trait Backend: PinnedCopy + Send + Sync {
         table: u64,
         count: i32,
         total_groups: u64,
+        rule: &FoRule,
+        first: bool,
         stream: usize,
     ) -> Result<()>;
 
@@ -94,6 +106,14 @@ pub trait Backend: PinnedCopy + Send + Sync {
     /// # Safety
     /// None: the address is only looked up.
     unsafe fn memory_of(&self, ptr: u64) -> Result<Memory>;
+
+    /// The whole allocation `ptr` lies in, `(start, bytes)`, where the driver knows it
+    /// (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` / `RANGE_SIZE` for device memory), else
+    /// None. Asked only after `memory_of` said `ptr` is this device's memory.
+    ///
+    /// # Safety
+    /// None: the address is only looked up.
+    unsafe fn allocation_of(&self, ptr: u64) -> Result<Option<(u64, u64)>>;
 
     /// Makes the work queued on `to` from now on wait for the work queued on `from` so
     /// far (an event recorded on `from`, waited for on `to`); the host does not wait.

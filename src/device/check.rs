@@ -39,14 +39,19 @@ impl DeviceArg<'_> {
 /// `t`'s address is only queried (never read); any value is safe to pass.
 pub unsafe fn check_tensor(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
     check_contiguous(t, a)?;
+    open_for(device, a)?;
+    check_memory(t, device, a)
+}
+
+/// Opens `device` for argument `a`, naming it in the refusal.
+fn open_for(device: i32, a: &DeviceArg<'_>) -> Result<()> {
     super::open_device(device).map_err(|e| match e {
         Error::Unsupported(m) if a.by_arg || a.context.is_empty() => {
             Error::Unsupported(format!("{}.{m}", a.arg))
         }
         Error::Unsupported(m) => Error::Unsupported(a.say(m)),
         e => e,
-    })?;
-    check_memory(t, device, a)
+    })
 }
 
 /// The contiguity half of `check_tensor`: fo's kernels and copies take flat memory.
@@ -97,4 +102,83 @@ pub unsafe fn check_memory(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Re
         ));
     }
     Ok(())
+}
+
+/// Device memory this optimizer has already validated, so a step queries the driver only
+/// for gradients outside it: an unchanged gradient costs no `cuPointerGetAttribute`, and
+/// torch's gradients, which its caching allocator carves out of a few large segments,
+/// cost one look-up per segment, not one per tensor per step.
+///
+/// Why this is as sound as querying every step. What the check stops is memory that is
+/// not the device's (a host tensor, another GPU's tensor given with `device = N`): a
+/// kernel touching it faults, a sticky error that kills the CUDA context torch shares. A
+/// range enters here only after the driver said its first and last byte are device N's,
+/// and it is the whole allocation the driver reports (`allocation_of`), or else just the
+/// bytes checked. While an allocation lives its addresses stay that device's memory, so
+/// every tensor inside it passes without a look-up. An entry can only be stale after
+/// the caller freed the allocation and the same addresses were mapped again as something
+/// else before a step; a gradient there is memory freed under fo, which breaks the
+/// borrowing rule of every fo call (memory stays alive for the call), and which the
+/// per-step query did not catch either (it looked at two bytes: an address reused by the
+/// same device passed, a hole in the middle passed). A pointer outside every entry,
+/// including host memory given as a device gradient, is still queried and refused before
+/// anything is queued.
+#[derive(Default)]
+pub struct KnownMemory {
+    /// `(device, start, end)`: validated byte ranges, oldest first.
+    ranges: Vec<(i32, u64, u64)>,
+}
+
+/// Ranges kept; past it the oldest is forgotten (and queried again if used again).
+const KNOWN_RANGES: usize = 1024;
+
+impl KnownMemory {
+    /// `check_tensor`, with the memory half skipped inside a range already validated.
+    ///
+    /// # Safety
+    /// As `check_tensor`.
+    pub unsafe fn check_tensor(
+        &mut self,
+        t: &HostTensor,
+        device: i32,
+        a: &DeviceArg<'_>,
+    ) -> Result<()> {
+        check_contiguous(t, a)?;
+        open_for(device, a)?;
+        self.check(t, device, a)
+    }
+
+    /// `check_memory`, skipped for a tensor inside a range already validated on `device`.
+    ///
+    /// # Safety
+    /// As `check_memory`.
+    pub unsafe fn check(&mut self, t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+        let lo = t.as_ptr() as u64;
+        let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
+            return check_memory(t, device, a); // empty (nothing to check) or wrapping
+        };
+        let inside = |&(d, s, e): &(i32, u64, u64)| d == device && s <= lo && hi <= e;
+        if self.ranges.iter().any(inside) {
+            return Ok(());
+        }
+        check_memory(t, device, a)?;
+        let (s, e) = match backend(device)?.allocation_of(lo)? {
+            Some((s, n)) if s <= lo && s.checked_add(n).is_some_and(|e| hi <= e) => (s, s + n),
+            _ => (lo, hi),
+        };
+        if self.ranges.len() == KNOWN_RANGES {
+            self.ranges.remove(0);
+        }
+        self.ranges.push((device, s, e));
+        Ok(())
+    }
+
+    /// Validated ranges held (tests).
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
 }

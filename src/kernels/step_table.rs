@@ -183,10 +183,9 @@ pub struct FoStepTensor {
     pub error_bits_width: i32,
     pub m_kind: i32,
     pub v_kind: i32,
-    pub first: i32,
-    pub rule: FoRule,
     /// The C struct's tail padding (to its 8-byte alignment), spelled out so the table's
-    /// bytes are all initialized when they are copied to the device.
+    /// bytes are all initialized when they are copied to the device (and compare equal
+    /// from step to step, so an unchanged table is not uploaded again).
     pub _pad: i32,
 }
 
@@ -378,12 +377,25 @@ pub struct TableEntry {
     pub first: bool,
 }
 
-/// A param group's launch: the table and the number of 32-element groups it spans (one
-/// thread per group).
+/// One kernel launch over `count` rows of a table from row `row`: the rows whose tensors
+/// step with the same rule scalars and SGD `first` flag (usually all of a param group's;
+/// more launches only where parameters' step counts differ). The rule goes by value with
+/// the launch, so the rows hold nothing that changes from step to step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepLaunch {
+    pub row: usize,
+    pub count: usize,
+    /// The 32-element groups of these rows (one thread per group).
+    pub total_groups: u64,
+    pub rule: FoRule,
+    pub first: bool,
+}
+
+/// A param group's table (what stays resident on the device) and its launches.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepTable {
     pub tensors: Vec<FoStepTensor>,
-    pub total_groups: u64,
+    pub launches: Vec<StepLaunch>,
 }
 
 impl StepTable {
@@ -409,11 +421,13 @@ fn float_dtype(d: DType, what: &str) -> Result<i32> {
     }
 }
 
-/// Builds one launch's table from `entries`, in order: empty tensors are left out (no
-/// group to step), `group_begin` is the running sum of each tensor's groups, so the
-/// kernel's binary search over it finds the tensor of any global group.
+/// Builds a param group's table from `entries`: empty tensors are left out (no group to
+/// step); the rest are ordered by launch (entries sharing rule scalars and `first`, in
+/// the order each first appears, then in entry order), and `group_begin` is the running
+/// sum of groups within a launch, so the kernel's binary search over a launch's rows
+/// finds the tensor of any of its groups.
 pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
-    let mut t = StepTable::default();
+    let mut launches: Vec<(FoRule, bool, Vec<FoStepTensor>, u64)> = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         if e.numel == 0 {
             continue;
@@ -421,7 +435,20 @@ pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
         let kind_of = |m: Option<MomentPtrs>| m.map_or(MomentKind::None, |m| m.kind) as i32;
         let ptrs = |m: Option<MomentPtrs>| m.map_or((0, 0), |m| (m.data, m.scales));
         let ((m, m_scales), (v, v_scales)) = (ptrs(e.state.m), ptrs(e.state.v));
-        t.tensors.push(FoStepTensor {
+        let rule = FoRule::new(&e.rule)?;
+        // Compared as bits: a NaN scalar still lands in one launch with its equals.
+        let same = |l: &&mut (FoRule, bool, Vec<FoStepTensor>, u64)| {
+            rule_bits(&l.0) == rule_bits(&rule) && l.1 == e.first
+        };
+        let at = match launches.iter_mut().position(|l| same(&l)) {
+            Some(k) => k,
+            None => {
+                launches.push((rule, e.first, Vec::new(), 0));
+                launches.len() - 1
+            }
+        };
+        let l = &mut launches[at];
+        l.2.push(FoStepTensor {
             param: e.param,
             grad: e.grad,
             error_bits: e.state.error_bits,
@@ -430,19 +457,34 @@ pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
             v,
             v_scales,
             numel: e.numel as u64,
-            group_begin: t.total_groups,
+            group_begin: l.3,
             param_dtype: float_dtype(e.param_dtype, &format!("table entry {i}: param"))?,
             grad_dtype: float_dtype(e.grad_dtype, &format!("table entry {i}: grad"))?,
             error_bits_width: e.state.error_bits_width,
             m_kind: kind_of(e.state.m),
             v_kind: kind_of(e.state.v),
-            first: e.first as i32,
-            rule: FoRule::new(&e.rule)?,
             _pad: 0,
         });
-        t.total_groups += e.numel.div_ceil(GROUP) as u64;
+        l.3 += e.numel.div_ceil(GROUP) as u64;
+    }
+    let mut t = StepTable::default();
+    for (rule, first, rows, total_groups) in launches {
+        t.launches.push(StepLaunch {
+            row: t.tensors.len(),
+            count: rows.len(),
+            total_groups,
+            rule,
+            first,
+        });
+        t.tensors.extend(rows);
     }
     Ok(t)
+}
+
+/// A rule's scalars as bits, for grouping entries into launches.
+fn rule_bits(r: &FoRule) -> [u32; 17] {
+    // SAFETY: FoRule is repr(C), 17 four-byte fields, no padding (pinned by the layout test).
+    unsafe { std::mem::transmute_copy(r) }
 }
 
 #[cfg(test)]

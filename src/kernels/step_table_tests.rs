@@ -16,7 +16,7 @@ fn table_layout_matches_the_kernel() {
     assert_eq!(offset_of!(FoRule, l2), 16);
     assert_eq!(offset_of!(FoRule, bc2_sqrt), 48);
     assert_eq!(offset_of!(FoRule, wdamp), 64);
-    assert_eq!(size_of::<FoStepTensor>(), 168);
+    assert_eq!(size_of::<FoStepTensor>(), 96);
     assert_eq!(align_of::<FoStepTensor>(), 8);
     let offsets = [
         offset_of!(FoStepTensor, param),
@@ -33,12 +33,11 @@ fn table_layout_matches_the_kernel() {
         offset_of!(FoStepTensor, error_bits_width),
         offset_of!(FoStepTensor, m_kind),
         offset_of!(FoStepTensor, v_kind),
-        offset_of!(FoStepTensor, first),
-        offset_of!(FoStepTensor, rule),
+        offset_of!(FoStepTensor, _pad),
     ];
     assert_eq!(
         offsets,
-        [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92, 96]
+        [0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 76, 80, 84, 88, 92]
     );
 }
 
@@ -137,12 +136,35 @@ fn mixed_group_table_has_every_field() {
         .collect();
     let t = build_table(&entries).unwrap();
     assert_eq!(t.tensors.len(), 7, "the empty tensor is left out");
+    // Launches cover consecutive rows; within one, `group_begin` runs from 0 and every
+    // row's entry has the launch's rule and `first`.
+    let (mut row_of, mut next, mut total) = (vec![usize::MAX; entries.len()], 0, 0);
+    for l in &t.launches {
+        assert_eq!(l.row, next);
+        let mut begin = 0;
+        for (k, x) in t.tensors[l.row..l.row + l.count].iter().enumerate() {
+            let i = (x.param / 0x1000 - 1) as usize;
+            row_of[i] = l.row + k;
+            assert_eq!(x.group_begin, begin);
+            begin += x.numel.div_ceil(32);
+            assert_eq!(l.rule, FoRule::new(&entries[i].rule).unwrap());
+            assert_eq!(l.first, entries[i].first);
+        }
+        assert_eq!(l.total_groups, begin);
+        (next, total) = (next + l.count, total + begin);
+    }
+    assert_eq!(next, 7);
     // Groups: 100 -> 4, 33 -> 2, 64 -> 2, 7 -> 1, 95 -> 3, 1 -> 1, 40 -> 2.
-    let begins: Vec<u64> = t.tensors.iter().map(|x| x.group_begin).collect();
-    assert_eq!(begins, [0, 4, 6, 8, 9, 12, 13]);
-    assert_eq!(t.total_groups, 15);
-    let kinds: Vec<(i32, i32, i32)> = t
-        .tensors
+    assert_eq!(total, 15);
+    // No two launches have equal keys (equal rules share one launch).
+    for (a, la) in t.launches.iter().enumerate() {
+        for lb in &t.launches[a + 1..] {
+            assert!(rule_bits(&la.rule) != rule_bits(&lb.rule) || la.first != lb.first);
+        }
+    }
+    let kept: Vec<usize> = vec![0, 1, 3, 4, 5, 6, 7];
+    let rows: Vec<&FoStepTensor> = kept.iter().map(|&i| &t.tensors[row_of[i]]).collect();
+    let kinds: Vec<(i32, i32, i32)> = rows
         .iter()
         .map(|x| (x.m_kind, x.v_kind, x.error_bits_width))
         .collect();
@@ -159,15 +181,12 @@ fn mixed_group_table_has_every_field() {
             (K::Q8Signed as i32, K::None as i32, 0),
         ]
     );
-    let kept: Vec<usize> = vec![0, 1, 3, 4, 5, 6, 7];
-    for (x, &i) in t.tensors.iter().zip(&kept) {
+    for (x, &i) in rows.iter().zip(&kept) {
         let (e, st) = (&entries[i], &states[i]);
         assert_eq!((x.param, x.grad), (e.param, e.grad));
         assert_eq!(x.numel, cases[i].3 as u64);
         assert_eq!(x.param_dtype, cases[i].1.code());
         assert_eq!(x.grad_dtype, cases[i].2.code());
-        assert_eq!(x.first, (cases[i].4 == 1) as i32);
-        assert_eq!(x.rule, FoRule::new(&e.rule).unwrap());
         // Addresses are the state's own buffers; scales only for quantized moments.
         let ptrs = StatePtrs::of_host(&mut st.clone());
         assert_eq!(x.m == 0, st.m.is_none());
@@ -179,10 +198,52 @@ fn mixed_group_table_has_every_field() {
         );
         assert_eq!(x.error_bits == 0, ptrs.error_bits_width == 0);
     }
-    assert_eq!(t.tensors[1].m, entries[1].state.m.unwrap().data);
-    assert_eq!(t.tensors[1].v_scales, entries[1].state.v.unwrap().scales);
-    assert_eq!(t.tensors[1].error_bits, entries[1].state.error_bits);
-    assert_eq!(t.as_bytes().len(), 7 * 168);
+    assert_eq!(rows[1].m, entries[1].state.m.unwrap().data);
+    assert_eq!(rows[1].v_scales, entries[1].state.v.unwrap().scales);
+    assert_eq!(rows[1].error_bits, entries[1].state.error_bits);
+    assert_eq!(t.as_bytes().len(), 7 * 96);
+}
+
+/// One launch per distinct (rule, first): a group stepped together is one launch; a
+/// parameter a step behind (it had no gradient once) gets its own, its rows after.
+#[test]
+fn entries_with_one_rule_share_one_launch() {
+    let c = cfg(Algorithm::AdamW, StateFormat::Quant8, 24);
+    let mut st: Vec<ParamState> = (0..3).map(|_| state(&c, DType::BF16, 40)).collect();
+    let entry = |k: usize, st: &mut ParamState, step: u64| TableEntry {
+        param: 0x1000 * (k as u64 + 1),
+        param_dtype: DType::BF16,
+        grad: 0x100000,
+        grad_dtype: DType::BF16,
+        numel: 40 + k,
+        state: StatePtrs::of_host(st),
+        rule: Rule::new(&c, step),
+        first: step == 1,
+    };
+    let together: Vec<TableEntry> = st
+        .iter_mut()
+        .enumerate()
+        .map(|(k, s)| entry(k, s, 4))
+        .collect();
+    let t = build_table(&together).unwrap();
+    assert_eq!(t.launches.len(), 1);
+    assert_eq!((t.launches[0].count, t.launches[0].total_groups), (3, 6));
+    let behind: Vec<TableEntry> = st
+        .iter_mut()
+        .enumerate()
+        .map(|(k, s)| entry(k, s, if k == 1 { 3 } else { 4 }))
+        .collect();
+    let t = build_table(&behind).unwrap();
+    let params: Vec<u64> = t.tensors.iter().map(|x| x.param).collect();
+    assert_eq!(params, [0x1000, 0x3000, 0x2000]);
+    let l: Vec<(usize, usize, u64)> = t
+        .launches
+        .iter()
+        .map(|l| (l.row, l.count, l.total_groups))
+        .collect();
+    assert_eq!(l, [(0, 2, 4), (2, 1, 2)]);
+    assert_eq!(t.launches[1].rule, FoRule::new(&Rule::new(&c, 3)).unwrap());
+    assert_eq!(t.tensors[2].group_begin, 0);
 }
 
 #[test]

@@ -50,6 +50,18 @@ pub struct Optimizer {
     /// to fill (`overlap_task::prepare`): an overlapped step then allocates nothing, and
     /// they never hold more than one step's undo high water.
     pub(super) undo_spares: Vec<Option<Saved>>,
+    /// What device steps keep from one step to the next: validated device memory and
+    /// resident launch tables (`placement::device_table`).
+    pub(crate) resident: DeviceResident,
+}
+
+/// What device steps reuse across steps, so a step's host cost does not grow with the
+/// pointer checks and table uploads of unchanged tensors.
+#[derive(Default)]
+pub(crate) struct DeviceResident {
+    /// Device memory validated for gradients (a lock: gradients are checked under `&self`).
+    pub known: std::sync::Mutex<crate::device::check::KnownMemory>,
+    pub tables: super::placement::device_table::ResidentTables,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -83,6 +95,7 @@ impl Optimizer {
             save: None,
             open: None,
             undo_spares: Vec::new(),
+            resident: DeviceResident::default(),
         })
     }
 

@@ -84,6 +84,7 @@ impl Optimizer {
             save: None,
             open: None,
             undo_spares: Vec::new(),
+            resident: Default::default(),
         }
     }
 }

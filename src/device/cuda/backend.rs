@@ -10,6 +10,7 @@ use crate::device::context::Current;
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::{NormTable, LANES};
+use crate::kernels::step_table::FoRule;
 
 fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream
@@ -120,21 +121,33 @@ impl Backend for Device {
         &self.ring
     }
 
+    unsafe fn upload_table(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        self.ring.upload(self, dst, src, stream)
+    }
+
     unsafe fn launch_step(
         &self,
         table: u64,
         count: i32,
         total_groups: u64,
+        rule: &FoRule,
+        first: bool,
         stream: usize,
     ) -> Result<()> {
         let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
         let (mut t, mut n, mut total) = (table, count, total_groups);
+        // `fo_rule` by value: cuLaunchKernel copies the struct's 68 bytes from here.
+        let (mut r, mut f) = (*rule, first as i32);
         let mut args = [
             &mut t as *mut _ as *mut c_void,
             &mut n as *mut _ as *mut c_void,
             &mut total as *mut _ as *mut c_void,
+            &mut r as *mut _ as *mut c_void,
+            &mut f as *mut _ as *mut c_void,
         ];
-        self.run(self.func, total_groups, stream_of(stream), &mut args)
+        // A warp per 32-element group, a lane per element (fo_step.cuh); BLOCK is whole warps.
+        let threads = total_groups.saturating_mul(32);
+        self.run(self.func, threads, stream_of(stream), &mut args)
     }
 
     unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {
@@ -261,6 +274,31 @@ impl Backend for Device {
         .result()
         .map_err(|e| cuda_err("cuPointerGetAttribute", e))?;
         Ok(Memory::Device(ordinal))
+    }
+
+    unsafe fn allocation_of(&self, ptr: u64) -> Result<Option<(u64, u64)>> {
+        use cusys::CUpointer_attribute as P;
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let (mut start, mut size): (cusys::CUdeviceptr, usize) = (0, 0);
+        let r = cusys::cuPointerGetAttribute(
+            &mut start as *mut _ as *mut c_void,
+            P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            ptr,
+        )
+        .result()
+        .and_then(|()| {
+            cusys::cuPointerGetAttribute(
+                &mut size as *mut _ as *mut c_void,
+                P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr,
+            )
+            .result()
+        });
+        // A driver that cannot say leaves the cache to the tensor's own bytes.
+        Ok(match r {
+            Ok(()) if start <= ptr && ptr - start < size as u64 => Some((start, size as u64)),
+            _ => None,
+        })
     }
 
     unsafe fn order_streams(&self, from: usize, to: usize) -> Result<()> {

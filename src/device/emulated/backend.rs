@@ -2,12 +2,15 @@
 //! CUDA queues work on a stream; copies check their host side when they run.
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::{device_at, devices, holds, host_marks, Addr, Emulated, Event, DOWNLOADS};
+use super::{
+    device_at, devices, holds, host_marks, Addr, Emulated, Event, DOWNLOADS, POINTER_QUERIES,
+    TABLE_UPLOADS,
+};
 use crate::device::backend::{Backend, Memory};
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
-use crate::kernels::step_table::FoStepTensor;
+use crate::kernels::step_table::{FoRule, FoStepTensor};
 
 impl PinnedCopy for Emulated {
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
@@ -134,6 +137,7 @@ impl Backend for Emulated {
 
     unsafe fn memory_of(&self, ptr: u64) -> Result<Memory> {
         let _cur = self.enter();
+        POINTER_QUERIES.with(|q| q.set(q.get() + 1));
         let p = ptr as usize;
         if host_marks()
             .lock()
@@ -152,6 +156,17 @@ impl Backend for Emulated {
             }
         }
         Ok(Memory::Untracked)
+    }
+
+    unsafe fn allocation_of(&self, ptr: u64) -> Result<Option<(u64, u64)>> {
+        let _cur = self.enter();
+        POINTER_QUERIES.with(|q| q.set(q.get() + 1));
+        let p = ptr as usize;
+        let live = self.live.lock().unwrap();
+        Ok(live
+            .iter()
+            .find(|(&a, &n)| a as usize <= p && p < a as usize + n)
+            .map(|(&a, &n)| (a, n as u64)))
     }
 
     unsafe fn download(&self, src: u64, dst: &mut [u8], stream: usize) -> Result<()> {
@@ -184,23 +199,37 @@ impl Backend for Emulated {
         Ok(())
     }
 
+    unsafe fn upload_table(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
+        let _cur = self.enter();
+        TABLE_UPLOADS.with(|u| u.set(u.get() + 1));
+        self.ring.upload(self, dst, src, stream)
+    }
+
     unsafe fn launch_step(
         &self,
         table: u64,
         count: i32,
         total_groups: u64,
+        rule: &FoRule,
+        first: bool,
         stream: usize,
     ) -> Result<()> {
         let _cur = self.enter();
         let w = self.worker(stream)?;
-        let (run, t) = (self.run.step, Addr(table as usize));
+        let (run, t, rule) = (self.run.step, Addr(table as usize), *rule);
         let failed = self.violations.clone();
         w.push(Box::new(move || {
             let t = t;
             // After a violation the table may be garbage: a sticky error, as a fault on a
             // GPU is, so the test reports the violation instead of crashing.
             if failed.lock().unwrap().is_empty() {
-                run(t.0 as *const FoStepTensor, count, total_groups)
+                run(
+                    t.0 as *const FoStepTensor,
+                    count,
+                    total_groups,
+                    &rule,
+                    first as i32,
+                )
             }
         }));
         Ok(())

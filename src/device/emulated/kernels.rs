@@ -6,10 +6,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use crate::kernels::norm_table::FoNormTensor;
-use crate::kernels::step_table::FoStepTensor;
+use crate::kernels::step_table::{FoRule, FoStepTensor};
 
-/// The host build of `fo_step_kernel` over a table, on a small grid.
-pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64);
+/// The host build of `fo_step_kernel` over a table's rows, on a small grid: (rows, count,
+/// groups, rule, first).
+pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64, *const FoRule, i32);
 /// The host build of the two norm kernels: (table, rows, chunks, power, out).
 pub type RunNorm = unsafe extern "C" fn(*const FoNormTensor, i32, u64, i32, *mut f64);
 /// The host build of `fo_scale_kernel`: (table, rows, chunks, coef, coef64).
@@ -42,12 +43,14 @@ pub fn host_kernel() -> std::result::Result<RunTable, String> {
     host_kernels().map(|k| k.step)
 }
 
-/// A small grid, so the grid-stride loops and the table searches all get exercised.
+/// A small grid, so the grid-stride loops and the table searches all get exercised (the
+/// step kernel's blocks are whole warps: 2 per block, 6 in all).
 const HOST_RUNNERS: &str = r#"#include "fo_step.cuh"
 #include "fo_norm.cuh"
 #include <vector>
-extern "C" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g) {
-  fo_host_launch(3, 4, [&] { fo_step_kernel(t, n, g); });
+extern "C" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g, const fo_rule* r,
+                            int first) {
+  fo_host_launch(3, 64, [&] { fo_step_kernel(t, n, g, *r, first); });
 }
 extern "C" void fo_test_norm(const fo_norm_tensor* t, int n, unsigned long long chunks, int power,
                              double* out) {

@@ -84,11 +84,25 @@ const ALIGN: usize = 256;
 
 thread_local! {
     static DOWNLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static POINTER_QUERIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static TABLE_UPLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Copies down made by this thread so far (a test counts a call's PCIe transfers).
 pub fn downloads_on_this_thread() -> usize {
     DOWNLOADS.with(|d| d.get())
+}
+
+/// Pointer look-ups (`memory_of`, `allocation_of`: what `cuPointerGetAttribute` answers
+/// on a GPU) made by this thread so far, on any emulated device: a test counts a step's.
+/// Per thread, because the tests run in parallel on the same emulated devices.
+pub fn pointer_queries_on_this_thread() -> usize {
+    POINTER_QUERIES.with(|q| q.get())
+}
+
+/// Step-table uploads (`upload_table`) made by this thread so far, on any emulated device.
+pub fn table_uploads_on_this_thread() -> usize {
+    TABLE_UPLOADS.with(|u| u.get())
 }
 
 impl Emulated {

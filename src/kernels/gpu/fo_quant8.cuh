@@ -8,6 +8,17 @@
 #define FO_GROUP 32
 #define FO_ABSMAX_FLOOR 1e-12f
 
+// How a moment state is stored.
+enum fo_moment_kind {
+  FO_MOMENT_NONE = 0,
+  FO_MOMENT_F32 = 1,
+  FO_MOMENT_F16 = 2,
+  FO_MOMENT_BF16 = 3,
+  FO_MOMENT_Q8_SIGNED = 4,  // int8 softsign codes + fp16 scale per 32
+  FO_MOMENT_Q8_SQRT = 5,    // uint8 codes of sqrt(v) + fp16 scale per 32 (quant8)
+  FO_MOMENT_Q8_FOURTH = 6,  // uint8 codes of v^(1/4) + fp16 scale per 32 (quant8_wide)
+};
+
 // |x| as ordered bits, NaN as 0 (so max ignores it, as f32::max does).
 FO_HD uint32_t fo_mag_bits(float x) {
   uint32_t b = fo_bits(x) & 0x7fffffffu;
@@ -28,46 +39,38 @@ FO_HD float fo_signed_decode(int8_t code, float scale) {
   return fo_div(t, 2.0f - fo_abs(t)) * scale;
 }
 
-// Momentum: encodes x[0..n) into codes, returns the fp16 scale bits.
-FO_HD uint16_t fo_signed_encode_group(const float* x, int n, int8_t* codes) {
-  uint32_t m = 0;
-  for (int i = 0; i < n; ++i) {
-    uint32_t b = fo_mag_bits(x[i]);
-    m = b > m ? b : m;
-  }
-  float a = fo_floor_scale(fo_from_bits(m));
-  for (int i = 0; i < n; ++i) {
-    float y = fo_div(x[i], a);
-    float z = fo_div(2.0f * y, 1.0f + fo_abs(y));
-    codes[i] = (int8_t)fo_to_code(fo_floor(z * 127.0f + 0.5f), -127.0f, 127.0f);
-  }
-  return fo_f32_to_f16(a);
+// Encoding is split at the one point where a scale group's elements meet: each element
+// gives a key, the group's scale comes from the largest key (max is order-free, so a
+// warp's shuffle tree and a loop over the 32 elements give the same bits), and then each
+// element is encoded alone with that scale. The kernel runs one lane per element
+// (fo_step.cuh); the keys, scale and per-element code here are the Rust kernels' numbers.
+
+// The key whose maximum over a group gives the group's scale: |x| as ordered bits for
+// the momentum (NaN as 0), v as ordered bits for sqrt companding (NaN and negative as 0),
+// v^(1/4) for fourth-root companding (the same rule: fmaxf from 0 ignores NaN).
+FO_HD uint32_t fo_quant_key(int32_t kind, float x) {
+  if (kind == FO_MOMENT_Q8_SIGNED) return fo_mag_bits(x);
+  if (kind == FO_MOMENT_Q8_SQRT) return fo_nonneg_bits(x);
+  if (kind == FO_MOMENT_Q8_FOURTH) return fo_nonneg_bits(fo_sqrt(fo_sqrt(x)));
+  return 0u;
 }
 
-// Variance, square-root companding (quant8): code = floor(255 sqrt(v)/a + 0.5).
-FO_HD uint16_t fo_sqrt_encode_group(const float* v, int n, uint8_t* codes) {
-  uint32_t m = 0;
-  for (int i = 0; i < n; ++i) {
-    uint32_t b = fo_nonneg_bits(v[i]);
-    m = b > m ? b : m;
-  }
+// The group's f32 scale from its largest key (before rounding to fp16).
+FO_HD float fo_quant_scale(int32_t kind, uint32_t key_max) {
+  float k = fo_from_bits(key_max);
   // sqrt is monotone and correctly rounded: max(sqrt(v)) == sqrt(max(v)).
-  float a = fo_floor_scale(fo_sqrt(fo_from_bits(m)));
-  for (int i = 0; i < n; ++i)
-    codes[i] = (uint8_t)fo_to_code(fo_floor(fo_div(fo_sqrt(v[i]), a) * 255.0f + 0.5f), 0.0f, 255.0f);
-  return fo_f32_to_f16(a);
+  return fo_floor_scale(kind == FO_MOMENT_Q8_SQRT ? fo_sqrt(k) : k);
 }
 
-// Variance, fourth-root companding (quant8_wide).
-FO_HD uint16_t fo_fourth_encode_group(const float* v, int n, uint8_t* codes) {
-  float a = 0.0f;
-  for (int i = 0; i < n; ++i) a = fo_maxnum(a, fo_sqrt(fo_sqrt(v[i])));
-  a = fo_floor_scale(a);
-  for (int i = 0; i < n; ++i) {
-    float r = fo_sqrt(fo_sqrt(v[i]));
-    codes[i] = (uint8_t)fo_to_code(fo_floor(fo_div(r, a) * 255.0f + 0.5f), 0.0f, 255.0f);
+// One element's code with its group's f32 scale `a`.
+FO_HD int32_t fo_quant_code(int32_t kind, float x, float a) {
+  if (kind == FO_MOMENT_Q8_SIGNED) {
+    float y = fo_div(x, a);
+    float z = fo_div(2.0f * y, 1.0f + fo_abs(y));
+    return fo_to_code(fo_floor(z * 127.0f + 0.5f), -127.0f, 127.0f);
   }
-  return fo_f32_to_f16(a);
+  float r = kind == FO_MOMENT_Q8_SQRT ? fo_sqrt(x) : fo_sqrt(fo_sqrt(x));
+  return fo_to_code(fo_floor(fo_div(r, a) * 255.0f + 0.5f), 0.0f, 255.0f);
 }
 
 // Variance decode; `fourth`: quant8_wide, whose code 0 is stepped as half the smallest

@@ -31,9 +31,22 @@ FO_HD float fo_copysign(float a, float s) { return copysignf(a, s); }
 FO_HD float fo_maxnum(float a, float b) { return fmaxf(a, b); }
 FO_HD uint32_t fo_bits(float x) { return __float_as_uint(x); }
 FO_HD float fo_from_bits(uint32_t b) { return __uint_as_float(b); }
+// A warp's lanes run in parallel, one per thread; the max of a value over the warp's 32
+// lanes is a shuffle tree (every lane must reach it: the kernels call it warp-uniformly).
+#define FO_LANES 1
+__device__ __forceinline__ uint32_t fo_warp_max(uint32_t x) {
+  for (int o = 16; o > 0; o >>= 1) {
+    uint32_t y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+// fo's launches use blocks of whole warps (BLOCK = 128 in src/device/cuda).
+__device__ __forceinline__ void fo_require_warp_blocks() {}
 #else
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #define FO_HOST_SHIM 1
 #define FO_HD inline
@@ -57,12 +70,20 @@ FO_HD float fo_from_bits(uint32_t b) {
   std::memcpy(&x, &b, 4);
   return x;
 }
+// A warp on the host: its lane 0 runs all 32 lanes in lockstep (FO_LANES per thread; the
+// others return), so a value's max over the warp is the max its own loop took: identity.
+#define FO_LANES 32
+inline uint32_t fo_warp_max(uint32_t x) { return x; }
 // Thread indices of the launch being emulated: fo_host_launch runs every (block, thread)
-// in turn. The kernels use no shared memory and no barriers, so the order is free.
+// in turn. The kernels use no shared memory and no barriers, so the order is free; the
+// warp kernel needs blocks of whole warps, as on the GPU.
 struct fo_dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 inline thread_local fo_dim3 threadIdx, blockIdx, blockDim, gridDim;
+inline void fo_require_warp_blocks() {
+  if (blockDim.x % 32 != 0) std::abort();
+}
 template <class F>
 inline void fo_host_launch(unsigned grid, unsigned block, F&& kernel) {
   gridDim.x = grid;

@@ -1,28 +1,20 @@
-// Multi-tensor apply: one launch steps every device tensor of a param group. The launch
-// gets a table of tensors in device memory; each tensor is cut into ceil(numel / 32)
-// work items of up to 32 elements and one thread updates one item: decode to f32, apply
-// the rule, encode back, exactly as fo's CPU kernel does per chunk. An item is a quant8
-// scale group where a moment is quantized, else a strided set (see fo_step_group).
+// Multi-tensor apply: one launch steps every device tensor of a param group that shares
+// one rule. The launch gets a table of tensors in device memory; each tensor is cut into
+// ceil(numel / 32) work items of up to 32 consecutive elements (a quant8 scale group),
+// and a warp updates one item, a lane per element: decode to f32, apply the rule, encode
+// back, exactly as fo's CPU kernel does per element (see fo_step_kernel).
 #pragma once
 #include "fo_halfconv.cuh"
 #include "fo_master.cuh"
 #include "fo_quant8.cuh"
 #include "fo_rules.cuh"
 
-// How a moment state is stored.
-enum fo_moment_kind {
-  FO_MOMENT_NONE = 0,
-  FO_MOMENT_F32 = 1,
-  FO_MOMENT_F16 = 2,
-  FO_MOMENT_BF16 = 3,
-  FO_MOMENT_Q8_SIGNED = 4,  // int8 softsign codes + fp16 scale per 32
-  FO_MOMENT_Q8_SQRT = 5,    // uint8 codes of sqrt(v) + fp16 scale per 32 (quant8)
-  FO_MOMENT_Q8_FOURTH = 6,  // uint8 codes of v^(1/4) + fp16 scale per 32 (quant8_wide)
-};
-
 // One tensor of a launch. Pointers are device pointers on the GPU (host pointers in
 // the host build). `group_begin`: the first global group index of this tensor (a prefix
-// sum over the table, in order), so a thread finds its tensor by binary search.
+// sum over the launch's rows, in order), so a thread finds its tensor by binary search.
+// Nothing here changes from step to step (the rule's step-dependent scalars and SGD's
+// `first` are launch arguments), so a table stays resident on the device and is uploaded
+// again only when a pointer changes (src/optim/placement/device_table.rs).
 struct fo_step_tensor {
   void* param;
   const void* grad;
@@ -38,8 +30,6 @@ struct fo_step_tensor {
   int32_t error_bits_width;  // 0, 8 or 16
   int32_t m_kind;            // fo_moment_kind
   int32_t v_kind;
-  int32_t first;  // SGD: the momentum buffer is created by this step
-  fo_rule rule;
 };
 
 FO_HD float fo_moment_load(int32_t kind, const void* s, const uint16_t* scales, uint64_t i) {
@@ -58,32 +48,6 @@ FO_HD float fo_moment_load(int32_t kind, const void* s, const uint16_t* scales, 
                                 kind == FO_MOMENT_Q8_FOURTH);
     default:
       return 0.0f;
-  }
-}
-
-// Stores the group [lo, lo+n) of a moment from x.
-FO_HD void fo_moment_store(int32_t kind, void* s, uint16_t* scales, uint64_t lo, int n, const float* x) {
-  switch (kind) {
-    case FO_MOMENT_F32:
-      for (int i = 0; i < n; ++i) ((float*)s)[lo + i] = x[i];
-      break;
-    case FO_MOMENT_F16:
-      for (int i = 0; i < n; ++i) ((uint16_t*)s)[lo + i] = fo_f32_to_f16(x[i]);
-      break;
-    case FO_MOMENT_BF16:
-      for (int i = 0; i < n; ++i) ((uint16_t*)s)[lo + i] = fo_f32_to_bf16(x[i]);
-      break;
-    case FO_MOMENT_Q8_SIGNED:
-      scales[lo / FO_GROUP] = fo_signed_encode_group(x, n, (int8_t*)s + lo);
-      break;
-    case FO_MOMENT_Q8_SQRT:
-      scales[lo / FO_GROUP] = fo_sqrt_encode_group(x, n, (uint8_t*)s + lo);
-      break;
-    case FO_MOMENT_Q8_FOURTH:
-      scales[lo / FO_GROUP] = fo_fourth_encode_group(x, n, (uint8_t*)s + lo);
-      break;
-    default:
-      break;
   }
 }
 
@@ -116,51 +80,74 @@ FO_HD void fo_moment_store_one(int32_t kind, void* s, uint64_t i, float x) {
   if (kind == FO_MOMENT_BF16) ((uint16_t*)s)[i] = fo_f32_to_bf16(x);
 }
 
-// Steps work item j of tensor t, which has `items` = ceil(numel / 32) of them, each of up
-// to 32 elements. A tensor with a quantized moment needs a scale group's 32 elements in
-// one thread: item j is elements 32j .. 32j+31. Any other tensor is element-wise, so
-// item j takes elements j, j + items, j + 2 items, ...: neighbouring threads touch
-// neighbouring elements (coalesced loads), and the bits are the same, element by element.
-FO_HD void fo_step_group(const fo_step_tensor& t, uint64_t j, uint64_t items) {
-  bool grouped = t.m_kind >= FO_MOMENT_Q8_SIGNED || t.v_kind >= FO_MOMENT_Q8_SIGNED;
-  uint64_t first = grouped ? j * FO_GROUP : j, stride = grouped ? 1 : items;
-  uint64_t left = (t.numel - first + stride - 1) / stride;
-  int n = left < FO_GROUP ? (int)left : FO_GROUP;
-  // A scale group is decoded whole first (its codes share one scale); element-wise
-  // moments are read and written next to their element, so they need no array.
-  float m[FO_GROUP], v[FO_GROUP];
-  if (grouped)
-    for (int i = 0; i < n; ++i) {
-      m[i] = fo_moment_load(t.m_kind, t.m, t.m_scales, first + i);
-      v[i] = fo_moment_load(t.v_kind, t.v, t.v_scales, first + i);
-    }
-  for (int i = 0; i < n; ++i) {
-    uint64_t e = first + i * stride;
-    float mi = grouped ? m[i] : fo_moment_load(t.m_kind, t.m, t.m_scales, e);
-    float vi = grouped ? v[i] : fo_moment_load(t.v_kind, t.v, t.v_scales, e);
-    float p = fo_param_load(t, e);
-    float g = fo_load_any(t.grad, t.grad_dtype, e);
-    fo_rule_apply(t.rule, &p, g, &mi, &vi, t.first != 0);
-    fo_param_store(t, e, p);
-    if (grouped) {
-      m[i] = mi;
-      v[i] = vi;
-    } else {
-      fo_moment_store_one(t.m_kind, t.m, e, mi);
-      fo_moment_store_one(t.v_kind, t.v, e, vi);
-    }
-  }
-  if (grouped) {
-    fo_moment_store(t.m_kind, t.m, t.m_scales, first, n, m);
-    fo_moment_store(t.v_kind, t.v, t.v_scales, first, n, v);
-  }
+FO_HD bool fo_is_quantized(int32_t kind) { return kind >= FO_MOMENT_Q8_SIGNED; }
+
+// Stores element e of a quantized moment: its code with its group's f32 scale `a`, and
+// the fp16 scale itself from the group's first element.
+FO_HD void fo_quant_store(int32_t kind, void* s, uint16_t* scales, uint64_t e, float x, float a) {
+  if (!fo_is_quantized(kind)) return;
+  int32_t code = fo_quant_code(kind, x, a);
+  if (kind == FO_MOMENT_Q8_SIGNED)
+    ((int8_t*)s)[e] = (int8_t)code;
+  else
+    ((uint8_t*)s)[e] = (uint8_t)code;
+  if (e % FO_GROUP == 0) scales[e / FO_GROUP] = fo_f32_to_f16(a);
 }
 
-// One launch for a whole table: a grid-stride loop over all groups of all tensors.
-FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups) {
-  uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-  for (uint64_t gi = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; gi < total_groups; gi += stride) {
+// Steps element e up to its quantized moments: decodes, applies the rule, stores the
+// parameter (and error bits) and any element-wise moment, and returns the new moments
+// in *m and *v for the group's encode. `fresh`: SGD's buffer is created by this step.
+FO_HD void fo_step_one(const fo_step_tensor& t, const fo_rule& rule, bool fresh, uint64_t e, float* m, float* v) {
+  *m = fo_moment_load(t.m_kind, t.m, t.m_scales, e);
+  *v = fo_moment_load(t.v_kind, t.v, t.v_scales, e);
+  float p = fo_param_load(t, e);
+  float g = fo_load_any(t.grad, t.grad_dtype, e);
+  fo_rule_apply(rule, &p, g, m, v, fresh);
+  fo_param_store(t, e, p);
+  fo_moment_store_one(t.m_kind, t.m, e, *m);
+  fo_moment_store_one(t.v_kind, t.v, e, *v);
+}
+
+// One launch for the rows of a table that share one rule. The rule travels by value with
+// the launch (68 bytes of kernel parameters), so a step whose pointers did not change
+// uploads nothing.
+//
+// Multi-tensor apply: every tensor is cut into work items of 32 consecutive elements (a
+// quant8 scale group), and a warp steps one item per iteration of a grid-stride loop
+// over the items of all rows, lane l on element 32j + l, so neighbouring lanes touch
+// neighbouring elements (coalesced) for every tensor, large or small. A quantized
+// group's scale is the max of its lanes' keys: a shuffle tree on the GPU (fo_warp_max),
+// the same max however it is ordered. On the host (fo_shim.cuh) lane 0 of each warp runs
+// all FO_LANES = 32 lanes of it in lockstep, with the cross-lane max taken by this same
+// loop, so the host-shim tests run this text, the GPU's split included.
+FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
+                              fo_rule rule, int32_t first) {
+  fo_require_warp_blocks();
+  if (FO_LANES != 1 && threadIdx.x % FO_GROUP != 0) return;  // the host: lane 0 runs its warp
+  unsigned lane0 = FO_LANES == 1 ? threadIdx.x % FO_GROUP : 0;
+  uint64_t warps = (uint64_t)gridDim.x * blockDim.x / FO_GROUP;
+  for (uint64_t gi = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / FO_GROUP; gi < total_groups;
+       gi += warps) {
     const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
-    fo_step_group(t, gi - t.group_begin, (t.numel + FO_GROUP - 1) / FO_GROUP);
+    uint64_t base = (gi - t.group_begin) * FO_GROUP + lane0;
+    float m[FO_LANES], v[FO_LANES];
+    uint32_t km = 0, kv = 0;
+    for (int k = 0; k < FO_LANES; ++k) {
+      if (base + k >= t.numel) continue;  // a partial group's idle lanes add key 0
+      fo_step_one(t, rule, first != 0, base + k, &m[k], &v[k]);
+      uint32_t a = fo_quant_key(t.m_kind, m[k]), b = fo_quant_key(t.v_kind, v[k]);
+      km = a > km ? a : km;
+      kv = b > kv ? b : kv;
+    }
+    // Uniform over the warp (one item, one tensor), so every lane reaches the shuffles.
+    if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) continue;
+    km = fo_warp_max(km);
+    kv = fo_warp_max(kv);
+    float am = fo_quant_scale(t.m_kind, km), av = fo_quant_scale(t.v_kind, kv);
+    for (int k = 0; k < FO_LANES; ++k) {
+      if (base + k >= t.numel) continue;
+      fo_quant_store(t.m_kind, t.m, t.m_scales, base + k, m[k], am);
+      fo_quant_store(t.v_kind, t.v, t.v_scales, base + k, v[k], av);
+    }
   }
 }

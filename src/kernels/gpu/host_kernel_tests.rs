@@ -71,7 +71,18 @@ fn run_both(run: RunTable, cfg: &OptimConfig, dt: DType) -> usize {
             st.m_valid = true;
         }
         let t = build_table(&entries).unwrap();
-        unsafe { run(t.tensors.as_ptr(), t.tensors.len() as i32, t.total_groups) };
+        for l in &t.launches {
+            let rows = t.tensors[l.row..].as_ptr();
+            unsafe {
+                run(
+                    rows,
+                    l.count as i32,
+                    l.total_groups,
+                    &l.rule,
+                    l.first as i32,
+                )
+            };
+        }
     }
     let mut bad = 0;
     for i in 0..SIZES.len() {

@@ -1,12 +1,16 @@
 //! The device half of `Optimizer::step_on`: parameters registered on a CUDA device step
-//! on it, one launch per (param group, device) over a tensor table (`gpu::table`), on the
+//! on it, one launch per (param group, device) over a tensor table (`step_table`), on the
 //! optimizer's stream. Prepared (validated, state allocated, tables built) before the
 //! step changes anything, then launched before the CPU half runs, so both run at once.
+//!
+//! The host cost of a step whose pointers did not change is the table's build and
+//! compare, and the launches: parameters were validated at registration, gradients are
+//! looked up only outside memory already validated (`check::KnownMemory`), and the table
+//! stays resident on the device, uploaded again only where it changed (`device_table`).
 use std::collections::BTreeMap;
 
 use super::DeviceState;
 use crate::error::{Error, Result};
-use crate::kernels::gpu;
 use crate::kernels::step_table::{build_table, FoRule, StateLayout, StepTable, TableEntry};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
@@ -19,7 +23,8 @@ pub(crate) struct DeviceStep {
     fresh: Vec<(usize, DeviceState)>,
     /// The device parameters this step advances.
     stepped: Vec<usize>,
-    tables: Vec<(i32, StepTable)>,
+    /// `(param group, device, table)`.
+    tables: Vec<(usize, i32, StepTable)>,
 }
 
 impl Optimizer {
@@ -103,7 +108,9 @@ impl Optimizer {
     /// Checks that gradient `g` (on `device`) may step parameter `i`.
     pub(crate) fn check_grad_device(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
         let p = &self.params[i];
-        if device >= 0 {
+        // A device parameter's device was checked against the stream at registration and
+        // at `set_stream`: its gradient, on the same device, needs no look-up per step.
+        if device >= 0 && device != p.device {
             self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
         }
         if p.device >= 0 && p.device != device {
@@ -118,9 +125,15 @@ impl Optimizer {
         }
         let context = format!("gradient of {}", p.fqn);
         if device >= 0 && p.device == -1 {
-            // The offload case: the gradient comes down to the host (`offload_step`).
+            // The offload case: the gradient comes down to the host (`offload_step`);
+            // looked up only outside memory already validated (`KnownMemory`).
+            let mut known = self
+                .resident
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             // SAFETY: the address is only looked up.
-            unsafe { crate::device::check::check_tensor(g, device, &grad_arg(&context)) }?;
+            unsafe { known.check_tensor(g, device, &grad_arg(&context)) }?;
         } else if device >= 0 {
             // A device parameter's device is open; its memory is checked with the
             // device half (`prepare_device_step`).
@@ -160,9 +173,15 @@ impl Optimizer {
                 Error::Unsupported(m) => Error::Unsupported(format!("parameter {}: {m}", p.fqn)),
                 e => e,
             })?;
-            // The gradient is memory of its parameter's device.
+            // The gradient is memory of its parameter's device (looked up only outside
+            // memory already validated: see `KnownMemory` for why that is sound).
+            let mut known = self
+                .resident
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             let context = format!("gradient of {}", p.fqn);
-            crate::device::check::check_memory(g, p.device, &grad_arg(&context))?;
+            known.check(g, p.device, &grad_arg(&context))?;
         }
         let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
         for (i, p) in self.params.iter().enumerate() {
@@ -198,8 +217,8 @@ impl Optimizer {
                     first: !m_valid,
                 });
         }
-        for ((_, device), e) in entries {
-            s.tables.push((device, build_table(&e)?));
+        for ((group, device), e) in entries {
+            s.tables.push((group, device, build_table(&e)?));
         }
         Ok(s)
     }
@@ -212,7 +231,11 @@ impl Optimizer {
         if s.stepped.is_empty() {
             return Ok(());
         }
-        gpu::launch_tables(&s.tables, self.stream)?;
+        for (group, device, t) in &s.tables {
+            self.resident
+                .tables
+                .launch(*group, *device, t, self.stream)?;
+        }
         for (i, st) in s.fresh {
             self.params[i].gpu = Some(st);
         }
@@ -262,3 +285,7 @@ mod tests;
 #[cfg(test)]
 #[path = "stream_tests.rs"]
 mod stream_tests;
+
+#[cfg(test)]
+#[path = "device_table_tests.rs"]
+mod device_table_tests;

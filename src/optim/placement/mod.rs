@@ -4,11 +4,13 @@
 //! - `offload`: Megatron's offload plan (which parameters stay on the host);
 //! - `offload_step`: host parameters with device gradients and device mirrors;
 //! - `device_state` / `device_step`: state in device memory and the device half of the
-//!   step (not run on a GPU yet);
+//!   step (not run on a GPU yet); `device_table`: its launch tables, resident on the
+//!   device between steps;
 //! - `staging`: device parameters and state seen from the host, for state by key and
 //!   checkpoints.
 mod device_state;
 pub(crate) mod device_step;
+pub(crate) mod device_table;
 pub mod offload;
 pub(crate) mod offload_step;
 pub(crate) mod staging;
