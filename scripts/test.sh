@@ -33,8 +33,8 @@ cargo clippy --release --all-targets -- -D warnings
 cargo clippy --release --features cuda --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 # The import graph of src/ (rooms on floors, lowest first): no new arrow running back up and
-# no new circle; lower these counts as the house is put in order.
-python3 scripts/import_graph.py --max-back 2 --max-circles 2
+# no new circle (today: optim -> ckpt, the async save hook and key names); lower these counts as the house is put in order.
+python3 scripts/import_graph.py --max-back 1 --max-circles 1
 
 step "cargo test (Rust unit, integration and oracle tests; header freshness)"
 cargo test --release --all-targets
