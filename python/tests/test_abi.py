@@ -216,19 +216,18 @@ def test_generated_codes_are_the_headers():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     committed = (ROOT / "python" / "fo" / "_codes.py").read_text()
-    naming = (ROOT / "src" / "ckpt" / "naming.rs").read_text()
-    assert committed == gen.render(HEADER, naming), "python/fo/_codes.py is stale: run scripts/gen_py_codes.py"
+    assert committed == gen.render(HEADER, gen.naming_text()), "python/fo/_codes.py is stale: run scripts/gen_py_codes.py"
     got = {k: v for k, v in vars(_codes).items() if k.startswith("FO_")}
     assert got == header_defines()
 
 
 def test_checkpoint_names_come_from_naming_rs():
-    # Python spells no checkpoint name itself: every one is naming.rs's, through _codes.
+    # Python spells no checkpoint name itself: every one is keys.rs's or naming.rs's, through _codes.
     assert (_codes.STATE_PREFIX, _codes.CODES_SUFFIX, _codes.SCALES_SUFFIX) == ("state.", "::quantized", "::scales")
     assert _codes.PART_SEPARATOR + _codes.CODES_PART == _codes.CODES_SUFFIX
     src = "".join((ROOT / "python" / "fo" / f).read_text() for f in ("layout.py", "torch.py", "ckpt.py"))
     for literal in ('"::quantized"', '"::scales"', '"::"', '"state.', 'f"state.', '"error_bits"'):
-        assert literal not in src, f"checkpoint name {literal} spelled outside naming.rs"
+        assert literal not in src, f"checkpoint name {literal} spelled outside keys.rs / naming.rs"
 
 
 @pytest.mark.parametrize("python, prefix", [

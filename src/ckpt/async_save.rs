@@ -20,6 +20,7 @@
 //! the pool's budget. Registered parameters are the caller's memory: while a save is in
 //! flight the caller must change them only through the step (which copies what the save
 //! still needs first).
+use std::any::Any;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -36,7 +37,7 @@ use super::snapshot::{Snapshot, SnapshotStats};
 use super::writer::{check_dir, finish, publish, resolve_save_id, stage_rank_file};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, SaveHook};
 
 /// What the writer thread leaves for `wait`.
 #[derive(Default)]
@@ -72,6 +73,34 @@ fn fetch_runs(plan: &super::pack::Plan, num_entries: usize) -> Vec<usize> {
         last = Some(c.entry);
     }
     runs
+}
+
+/// The optimizer reaches a save in flight through the hook it defines (`optim::SaveHook`),
+/// so that it never names the checkpoints above it.
+impl SaveHook for Snapshot {
+    fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()> {
+        Snapshot::before_write(self, opt, i)
+    }
+    fn is_reading(&self) -> bool {
+        Snapshot::is_reading(self)
+    }
+    fn wait_released(&self) {
+        Snapshot::wait_released(self)
+    }
+    fn begin_step(&self) {
+        Snapshot::begin_step(self)
+    }
+    fn end_step(&self) {
+        Snapshot::end_step(self)
+    }
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+}
+
+/// The snapshot behind an optimizer's save hook (every hook attached is one: `start`).
+fn snapshot_of(hook: &Arc<dyn SaveHook>) -> Option<Arc<Snapshot>> {
+    hook.clone().as_any().downcast::<Snapshot>().ok()
 }
 
 /// Starts saving `opt`'s state of this rank into `dir` in the background and returns
@@ -139,7 +168,7 @@ fn start(
     // No two commits into one directory at once (`in_flight`): waits for earlier saves
     // that commit on their own, refuses (Busy) while one's commit waits for its `wait`.
     let entered = in_flight::enter(
-        opt.last_save(),
+        opt.last_save().and_then(snapshot_of).as_ref(),
         dir,
         &save_id,
         o.rank,
@@ -155,7 +184,9 @@ fn start(
     let recycled = match opt.take_save() {
         Some(prev) => {
             prev.wait_released();
-            prev.take_recycled()
+            snapshot_of(&prev)
+                .map(|s| s.take_recycled())
+                .unwrap_or_default()
         }
         None => Default::default(),
     };

@@ -1,34 +1,25 @@
-//! Checkpoint naming, the one owner: state key names and their quant8 pair suffixes, the
-//! group size those pairs use, and every file name in a checkpoint directory.
+//! Checkpoint naming, the one owner of checkpoint keys and files: the `state.` prefix of
+//! state keys, the group size quant8 pairs use, and every file name in a checkpoint
+//! directory. The state names and their quant8 pair suffixes are the optimizer's
+//! (`optim::keys`), re-exported here so every checkpoint reader names them as before.
 //!
 //! Keys follow `torch.distributed.checkpoint` with `flatten_optimizer_state_dict=True`:
 //! `state.<fqn>.<name>`; FlashOptim's compressed state is the pair `<key>::quantized`
 //! (int8/uint8 codes) + `<key>::scales` (one fp16 scale per [`GROUP`] elements). The
 //! optimizer's own state keys (`fo_optimizer_get_state`) use the same `<name>::<part>`
 //! spelling. Python takes these strings from `python/fo/_codes.py`, which
-//! `scripts/gen_py_codes.py` generates from this file's `pub const ..: &str` items.
+//! `scripts/gen_py_codes.py` generates from this file's and `optim/keys.rs`'s
+//! `pub const ..: &str` items.
 
 /// Prefix of every optimizer-state key of a checkpoint (`state.<fqn>.<name>`).
 pub const STATE_PREFIX: &str = "state.";
-/// Separator between a state name and its compressed part (`exp_avg::quantized`).
-pub const PART_SEPARATOR: &str = "::";
-/// The raw part names after [`PART_SEPARATOR`] (`exp_avg::quantized`, `exp_avg::scales`).
-pub const CODES_PART: &str = "quantized";
-pub const SCALES_PART: &str = "scales";
-/// Suffix of a compressed pair's codes key ([`PART_SEPARATOR`] + [`CODES_PART`]).
-pub const CODES_SUFFIX: &str = "::quantized";
-/// Suffix of a compressed pair's scales key ([`PART_SEPARATOR`] + [`SCALES_PART`]).
-pub const SCALES_SUFFIX: &str = "::scales";
-
-/// State names, as torch and FlashOptim spell them.
-pub const STEP: &str = "step";
-pub const EXP_AVG: &str = "exp_avg";
-pub const EXP_AVG_SQ: &str = "exp_avg_sq";
-pub const MOMENTUM_BUFFER: &str = "momentum_buffer";
-/// The low bits of a bf16/f16 param's f32 master weight (int8 or int16).
-pub const ERROR_BITS: &str = "error_bits";
-/// The f32 master weight (the param completed by its error bits); never saved as state.
-pub const MASTER: &str = "master";
+/// The optimizer's state names and the `<name>::<part>` spelling of a compressed pair:
+/// the optimizer owns them (`optim::keys`), checkpoints name them as it does.
+pub use crate::optim::keys::{
+    codes_key, moment_signed, part_key, part_name, scales_key, split_part, split_state_name, Part,
+    CODES_PART, CODES_SUFFIX, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
+    PART_SEPARATOR, SCALES_PART, SCALES_SUFFIX, STEP,
+};
 
 /// Elements per quant8 group (one fp16 scale per 32 consecutive elements of a rank's
 /// flattened local tensor) and the scales count of `numel` elements: the codec's own
@@ -46,68 +37,9 @@ pub const COMMIT_STAGE_PREFIX: &str = ".fo-stage-";
 /// Marker inside the name of a file being written (`.<name>.tmp-<pid>...`).
 pub const TMP_MARKER: &str = ".tmp-";
 
-/// A compressed part of a state key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Part {
-    /// int8 (momentum) or uint8 (variance) codes.
-    Codes,
-    /// fp16 scales, one per group.
-    Scales,
-}
-
 /// `state.<fqn>.<name>`.
 pub fn state_key(fqn: &str, name: &str) -> String {
     format!("{STATE_PREFIX}{fqn}.{name}")
-}
-
-/// The codes key of compressed `base` (`state.w.exp_avg` -> `state.w.exp_avg::quantized`).
-pub fn codes_key(base: &str) -> String {
-    format!("{base}{CODES_SUFFIX}")
-}
-
-/// The scales key of compressed `base`.
-pub fn scales_key(base: &str) -> String {
-    format!("{base}{SCALES_SUFFIX}")
-}
-
-/// The key of `part` of compressed `base`.
-pub fn part_key(base: &str, part: Part) -> String {
-    match part {
-        Part::Codes => codes_key(base),
-        Part::Scales => scales_key(base),
-    }
-}
-
-/// `(base, part)` of a compressed part's key, None for any other key.
-pub fn split_part(key: &str) -> Option<(&str, Part)> {
-    key.strip_suffix(CODES_SUFFIX)
-        .map(|b| (b, Part::Codes))
-        .or_else(|| key.strip_suffix(SCALES_SUFFIX).map(|b| (b, Part::Scales)))
-}
-
-/// `(name, raw)` of an optimizer state key: `exp_avg::scales` -> `("exp_avg", Some("scales"))`,
-/// `step` -> `("step", None)`.
-pub fn split_state_name(key: &str) -> (&str, Option<&str>) {
-    key.split_once(PART_SEPARATOR)
-        .map_or((key, None), |(n, r)| (n, Some(r)))
-}
-
-/// The raw part name of `part` (`quantized` / `scales`), as [`split_state_name`] gives it.
-pub fn part_name(part: Part) -> &'static str {
-    match part {
-        Part::Codes => CODES_PART,
-        Part::Scales => SCALES_PART,
-    }
-}
-
-/// Whether the moment state `name` is quantized signed (momentum: int8 softsign) or
-/// unsigned (variance: uint8 sqrt); None: `name` is no moment.
-pub fn moment_signed(name: &str) -> Option<bool> {
-    match name {
-        EXP_AVG | MOMENTUM_BUFFER => Some(true),
-        EXP_AVG_SQ => Some(false),
-        _ => None,
-    }
 }
 
 /// The file rank `rank` (0-based) writes, named as PyTorch's HuggingFace writer names it.

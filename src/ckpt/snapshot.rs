@@ -12,9 +12,9 @@
 //! pool is over its budget the mutator waits until the writer has freed enough (or has
 //! read `i` itself). The writer takes a staged copy when there is one and
 //! reads the live state otherwise, so the file holds the state as of the call. While a
-//! step runs (`mark_step`) the writer pauses before its next fetch, unless a mutator
-//! waits for it or a step has ended since its last fetch: the step keeps the cores and
-//! the memory bus, the save ends later, and steps back to back never starve it.
+//! step runs (`Optimizer::mark_step`) the writer pauses before its next fetch, unless a
+//! mutator waits for it or a step has ended since its last fetch: the step keeps the
+//! cores and the memory bus, the save ends later, and steps back to back never starve it.
 //!
 //! Granularity: one parameter's state is copied at once (the unit a step writes). A
 //! parameter is read by the writer while its slot is `Reading`, and every mutator of that
@@ -88,19 +88,6 @@ struct Inner {
     /// Mutators waiting for the writer (room in the pool, a parameter it reads).
     waiting: usize,
     stats: SnapshotStats,
-}
-
-/// A step in progress, as the writer sees it (`Snapshot::mark_step`); dropping it lets
-/// the writer go on.
-pub(crate) struct StepMark(Arc<Snapshot>);
-
-impl Drop for StepMark {
-    fn drop(&mut self) {
-        let mut g = self.0.lock();
-        g.steps -= 1;
-        g.steps_ended += 1;
-        self.0.cv.notify_all();
-    }
 }
 
 /// A parameter as the save needs it, copied before a mutation: its state as stored (a
@@ -260,13 +247,20 @@ impl Snapshot {
         g
     }
 
-    /// Marks a step running until the mark drops: the writer pauses before its next fetch
-    /// meanwhile (a step with a save in flight lost up to a fifth of a synchronous save's
-    /// time to the writer's copies and checksums on 2 cores), except while a mutator waits
-    /// for it.
-    pub(crate) fn mark_step(self: &Arc<Self>) -> StepMark {
+    /// Marks a step running until `end_step` (the optimizer's `StepMark` drops): the
+    /// writer pauses before its next fetch meanwhile (a step with a save in flight lost up
+    /// to a fifth of a synchronous save's time to the writer's copies and checksums on 2
+    /// cores), except while a mutator waits for it.
+    pub(super) fn begin_step(&self) {
         self.lock().steps += 1;
-        StepMark(self.clone())
+    }
+
+    /// The step marked by `begin_step` has ended: the writer goes on.
+    pub(super) fn end_step(&self) {
+        let mut g = self.lock();
+        g.steps -= 1;
+        g.steps_ended += 1;
+        self.cv.notify_all();
     }
 
     /// Entries of `i` the writer still fetches.

@@ -6,10 +6,12 @@
 //! - `placement`: host / device / offloaded parameters and the host view of each;
 //! - `optimizer`: the handle (groups, params, accessors); `step`: the step's entry, which
 //!   drives `crate::kernels` (host SIMD, GPU tables);
+//! - `keys`: state key names (the one owner; checkpoints re-export them);
 //! - `state_io` / `state_set`: state by key, read / written; `numerics`: `check_numerics`;
 //! - `threads`: fo's thread pool; `overlap`: the overlapped step (parameters stepped as
 //!   their gradients arrive, bit-identical to one step, clipping included);
 //! - `save_hooks`: what an async save in flight needs to hear before state changes.
+pub mod keys;
 pub mod math;
 pub mod numerics;
 pub mod optimizer;
@@ -32,4 +34,5 @@ pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 pub use math::config;
 pub use optimizer::Optimizer;
 pub use placement::offload::plan_offload;
+pub(crate) use save_hooks::SaveHook;
 pub use threads::{num_threads, set_num_threads};

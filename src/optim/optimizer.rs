@@ -16,7 +16,7 @@ use crate::shard::ShardSpec;
 use crate::tensor::HostTensor;
 use std::sync::Arc;
 
-use crate::ckpt::snapshot::Snapshot;
+use super::save_hooks::SaveHook;
 
 pub(crate) struct Param {
     pub fqn: String,
@@ -42,7 +42,7 @@ pub struct Optimizer {
     pub(super) stream: usize,
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
-    pub(super) save: Option<Arc<Snapshot>>,
+    pub(super) save: Option<Arc<dyn SaveHook>>,
     /// The overlapped step in progress (`overlap`), if any: while it is open every other
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
     pub(super) open: Option<Box<OpenStep>>,

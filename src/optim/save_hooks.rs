@@ -1,12 +1,42 @@
 //! The optimizer's side of an async save (`ckpt::async_save`): the hook every mutation
 //! of a parameter's state or memory calls first, the detached view the save's writer
 //! reads the tables through, and the drop that waits for the writer.
+//!
+//! The optimizer defines the hook ([`SaveHook`]) and checkpoints implement it (ckpt's
+//! `Snapshot`): the optimizer sits below the checkpoints and never names them.
+use std::any::Any;
 use std::sync::Arc;
 
 use super::optimizer::{Optimizer, Param};
-use crate::ckpt::snapshot::{Snapshot, StepMark};
 use crate::error::Result;
 use crate::optim::math::state::ParamState;
+
+/// What the optimizer calls on a save in flight (ckpt's `Snapshot` implements it).
+pub(crate) trait SaveHook: Send + Sync {
+    /// Called before anything changes parameter `i`'s state or memory: copies what the
+    /// save still needs of it, or waits for the save's writer.
+    fn before_write(&self, opt: &Optimizer, i: usize) -> Result<()>;
+    /// Whether the save's writer still reads the optimizer.
+    fn is_reading(&self) -> bool;
+    /// Blocks until the save's writer no longer reads the optimizer.
+    fn wait_released(&self);
+    /// A step starts: the writer pauses before its next fetch until [`SaveHook::end_step`].
+    fn begin_step(&self);
+    /// The step begun by [`SaveHook::begin_step`] has ended: the writer goes on.
+    fn end_step(&self);
+    /// The hook as `Any`, for the checkpoint side to get its concrete type back.
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+}
+
+/// A step in progress, as a save in flight sees it (`Optimizer::mark_step`); dropping it
+/// lets the save's writer go on.
+pub(crate) struct StepMark(Arc<dyn SaveHook>);
+
+impl Drop for StepMark {
+    fn drop(&mut self) {
+        self.0.end_step();
+    }
+}
 
 impl Drop for Optimizer {
     /// Never frees state a save in flight still reads: waits for its writer to let go.
@@ -30,21 +60,24 @@ impl Optimizer {
     /// While the returned mark lives, an async save's writer pauses before its next fetch
     /// (unless a mutator waits for it): the step runs without it on the cores.
     pub(crate) fn mark_step(&self) -> Option<StepMark> {
-        self.save_in_flight().map(|s| s.mark_step())
+        self.save_in_flight().map(|s| {
+            s.begin_step();
+            StepMark(s.clone())
+        })
     }
 
     /// Detaches the last async save's snapshot (to wait for it and recycle its pool).
-    pub(crate) fn take_save(&mut self) -> Option<Arc<Snapshot>> {
+    pub(crate) fn take_save(&mut self) -> Option<Arc<dyn SaveHook>> {
         self.save.take()
     }
 
     /// The last async save's snapshot, still attached (in flight or not).
-    pub(crate) fn last_save(&self) -> Option<&Arc<Snapshot>> {
+    pub(crate) fn last_save(&self) -> Option<&Arc<dyn SaveHook>> {
         self.save.as_ref()
     }
 
     /// Attaches a new async save's snapshot: from now on `before_write` serves it.
-    pub(crate) fn attach_save(&mut self, snap: Arc<Snapshot>) {
+    pub(crate) fn attach_save(&mut self, snap: Arc<dyn SaveHook>) {
         self.save = Some(snap);
     }
 
@@ -55,7 +88,7 @@ impl Optimizer {
     }
 
     /// The async save still reading this optimizer, if any.
-    pub(crate) fn save_in_flight(&self) -> Option<&Arc<Snapshot>> {
+    pub(crate) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
         self.save.as_ref().filter(|s| s.is_reading())
     }
 

@@ -3,12 +3,12 @@
 //! format), the raw compressed keys `<name>::quantized` / `<name>::scales` and
 //! `error_bits`, and `master` (the f32 master weight: the param, completed by its error
 //! bits).
-use super::math::config::Algorithm;
-use super::optimizer::Optimizer;
-use crate::ckpt::naming::{
+use super::keys::{
     self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
     SCALES_PART, STEP,
 };
+use super::math::config::Algorithm;
+use super::optimizer::Optimizer;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::state::{ErrorBits, Moment};
@@ -29,8 +29,8 @@ fn moment_keys(name: &str, m: &Moment, out: &mut Vec<String>) {
     match m {
         Moment::F32(_) | Moment::Half(..) => out.push(name.to_string()),
         Moment::Signed { .. } | Moment::Unsigned { .. } => {
-            out.push(naming::codes_key(name));
-            out.push(naming::scales_key(name));
+            out.push(keys::codes_key(name));
+            out.push(keys::scales_key(name));
         }
     }
 }

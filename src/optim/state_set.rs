@@ -2,11 +2,11 @@
 //! checked as a whole, then quantized or split into place; reading is in `state_io`.
 use half::f16;
 
-use super::optimizer::Optimizer;
-use super::state_io::{le_bytes, m_name, values};
-use crate::ckpt::naming::{
+use super::keys::{
     split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
 };
+use super::optimizer::Optimizer;
+use super::state_io::{le_bytes, m_name, values};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::master_split::{encode_one, Half};
