@@ -97,7 +97,8 @@ def main():
     med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
     where = torch.cuda.get_device_name() if cuda else "host (gloo)"
     print(f"FSDP2 + CPUOffloadPolicy, {a.layers} x Linear({a.width}) = {n / 1e6:.1f}M params, "
-          f"fo.torch.AdamW {a.state_format}, {where}, {os.cpu_count()} host cores, torch {torch.__version__}")
+          f"fo.torch.AdamW {a.state_format}, {where}, {os.cpu_count()} host cores, torch {torch.__version__} "
+          f"({torch.get_num_threads()} intra-op threads), fo's pool {fo.get_num_threads()} threads")
     for m, name in ((False, "overlap=False"), (True, "overlap=True ")):
         v = [t * 1e3 for t in times[m]]
         print(f"  {name}: {med[m]:8.2f} ms per iteration [{min(v):.2f}-{max(v):.2f}] over {a.rounds} rounds")
