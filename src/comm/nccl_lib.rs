@@ -193,14 +193,7 @@ fn load(explicit: Option<String>) -> Result<NcclLib> {
 /// Every function of `NcclLib` from the library `h` (kept loaded for the process).
 unsafe fn resolve(h: *mut c_void) -> Result<NcclLib> {
     let path = dl::library_path(h, "libnccl");
-    let sym = |name: &CStr| -> Result<*mut c_void> {
-        dl::symbol(h, name).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{path}: no symbol {} (NCCL older than 2.14?)",
-                name.to_string_lossy()
-            ))
-        })
-    };
+    let sym = |name: &CStr| dl::required_symbol(h, name, &path, "NCCL older than 2.14?");
     macro_rules! f {
         ($name:literal) => {
             std::mem::transmute_copy::<*mut c_void, _>(&sym($name)?)

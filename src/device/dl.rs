@@ -41,6 +41,25 @@ pub unsafe fn symbol(h: *mut c_void, name: &CStr) -> Option<*mut c_void> {
     (!f.is_null()).then_some(f)
 }
 
+/// `symbol`, or `Error::Unsupported` naming the library's file, the symbol and what its
+/// absence says (`why`: which libraries lack it).
+///
+/// # Safety
+/// As `symbol`.
+pub unsafe fn required_symbol(
+    h: *mut c_void,
+    name: &CStr,
+    path: &str,
+    why: &str,
+) -> crate::error::Result<*mut c_void> {
+    symbol(h, name).ok_or_else(|| {
+        crate::error::Error::Unsupported(format!(
+            "{path}: no symbol {} ({why})",
+            name.to_string_lossy()
+        ))
+    })
+}
+
 /// The file a `dlopen` handle came from (as the loader recorded it), or `fallback`.
 ///
 /// # Safety

@@ -223,13 +223,13 @@ pub fn already_loaded(loaded: &[String]) -> impl Iterator<Item = &str> {
 
 /// Every function of `NvrtcLib` from the library `h` (kept loaded for the process).
 unsafe fn resolve(h: *mut c_void, path: String, found: Found) -> Result<NvrtcLib> {
-    let sym = |name: &CStr| -> Result<*mut c_void> {
-        dl::symbol(h, name).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "{path}: no symbol {} (not an NVRTC library, or one older than 11.2)",
-                name.to_string_lossy()
-            ))
-        })
+    let sym = |name: &CStr| {
+        dl::required_symbol(
+            h,
+            name,
+            &path,
+            "not an NVRTC library, or one older than 11.2",
+        )
     };
     macro_rules! f {
         ($name:literal) => {
