@@ -75,6 +75,7 @@ impl Optimizer {
             inbox: Inbox::new(),
             pool: threads::pool()?,
             undo_bytes: 0,
+            clip_certain: false,
             failed: None,
             stats: OverlapStats {
                 total_norm: -1.0,
@@ -155,7 +156,8 @@ impl Optimizer {
         // parameter with a host gradient; the rest waits for step_end's `step_on`. Once
         // the clip is certain to scale, an early step would only be rolled back and taken
         // again: from then on gradients wait for step_end, with no undo record.
-        let certain = clip_is_certain(&open.opts, open.inbox.arrived_partials());
+        let certain = open.clip_certain
+            || (open.opts.clipping() && clip_is_certain(&open.opts, open.inbox.arrived_partials()));
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early = Vec::with_capacity(indices.len());
         for ((&i, &d), g) in indices.iter().zip(devices).zip(grads) {
@@ -213,6 +215,7 @@ impl Optimizer {
         }
         let open = self.open.as_mut().expect("checked above");
         open.undo_bytes = used;
+        open.clip_certain = certain;
         open.stats.undo_high_water_bytes = open.undo_bytes as u64;
         if items.is_empty() {
             return Ok(());
@@ -266,15 +269,12 @@ impl Optimizer {
     }
 }
 
-/// Whether the gradients already measured make the clip scale for sure: this rank's share
+/// Whether the gradients already measured make a clipping step's clip scale for sure: this rank's share
 /// of the total norm already exceeds `max_norm` (with a margin for the order of the final
 /// sum). The total over every rank only adds to it (each rank's shards are summed,
 /// replicated gradients counted once), so the clip coefficient will be below 1 whatever
 /// arrives later. Only an optimization: the results are the same either way.
 fn clip_is_certain(o: &OverlapOptions, (largest, sum): (f64, f64)) -> bool {
-    if !o.clipping() {
-        return false;
-    }
     let local = if o.norm_type.is_infinite() {
         largest
     } else {

@@ -85,6 +85,8 @@ pub(crate) struct OpenStep {
     /// Kept alive (and so its threads) until every task is back.
     pub(super) pool: std::sync::Arc<rayon::ThreadPool>,
     pub(super) undo_bytes: usize,
+    /// The clip was found certain to scale (`overlap::clip_is_certain`): it stays so.
+    pub(super) clip_certain: bool,
     /// The first bad gradient handed over: the step fails at `step_end`.
     pub(super) failed: Option<Error>,
     pub(super) stats: OverlapStats,
