@@ -340,8 +340,6 @@ class Overlap:
         """Closes the open step changing nothing (fo_optimizer_step_abort puts every early
         step back; local to this rank, no collective)."""
         self._pending = []
-        if not self._open:
-            return
         stats = _optim.OverlapStats()
         status = _optim._step_abort(self._fo._handle, ctypes.byref(stats))
         self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
