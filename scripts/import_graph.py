@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Lowest first: a room may use rooms on its own floor or below.
 FLOORS = [
-    ["error"],
+    ["error", "sync"],
     ["dtype", "sys"],
     ["tensor", "cast"],
     ["shard"],

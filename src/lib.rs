@@ -45,6 +45,9 @@ pub mod ffi;
 /// The element-wise kernels by target: host SIMD, GPU `.cuh` source, the tables both read.
 /// cbindgen:ignore
 pub mod kernels;
+/// Locking without poisoning (one helper for every lock that outlives a panic).
+/// cbindgen:ignore
+pub(crate) mod sync;
 /// What the host reports about itself (memory available now).
 /// cbindgen:ignore
 pub mod sys;

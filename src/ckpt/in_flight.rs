@@ -17,10 +17,11 @@
 //! different ranks) share the directory by design and do not wait for each other. Saves
 //! from other processes are not seen here: one directory, one saving process group.
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 
 use super::snapshot::Snapshot;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Where a save stands, as far as a later save into its directory is concerned.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -48,11 +49,6 @@ pub(crate) struct Ticket {
 }
 
 static IN_FLIGHT: Mutex<Vec<Arc<Ticket>>> = Mutex::new(Vec::new());
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while holding these locks; a poisoned one is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 impl Ticket {
     fn phase(&self) -> Phase {

@@ -2,7 +2,9 @@
 //! `fo_clip_grad_norm`. Argument conversion failures are handed to the core's `_checked`
 //! entry points, so a bad argument on one rank becomes every rank's error, not a hang.
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::sync::lock;
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
@@ -52,11 +54,6 @@ pub(crate) fn detach_saves(saves: &Mutex<Vec<Weak<CommLink>>>) {
         l.background.wait(None);
         *lock(&l.comm) = std::ptr::null();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while holding these locks; a poisoned one is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Guarded for fo_comm {

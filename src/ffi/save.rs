@@ -1,7 +1,9 @@
 //! The async save C ABI: `fo_state_save_async`, `fo_save_wait`, `fo_save_poll`,
 //! `fo_save_stats`, `fo_save_destroy`. Thin: convert, call `crate::ckpt::async_save`.
 use std::ffi::c_char;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 use std::time::Duration;
 
 use super::args::{arg_mut, arg_path, arg_ref};
@@ -57,11 +59,6 @@ pub(crate) struct SaveState {
     /// The communicator given at the call: the commit collective runs on it in
     /// `fo_save_wait`, entered there like any call on it (never from the writer thread).
     comm: Option<Arc<CommLink>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while holding these locks; a poisoned one is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Guarded for fo_save {
