@@ -5,13 +5,14 @@
 //! every device clearly; the unit tests provide a host emulation (`emulated`: host memory,
 //! the host build of the same kernel text), so device state, staging, the hybrid step and
 //! the clip's device norm above this trait run in CI without a GPU.
-use super::ring::{PinnedCopy, Ring};
+use super::lanes::{LaneStreams, Lanes};
+use super::ring::Ring;
 use crate::error::Result;
 use crate::kernels::norm_table::NormTable;
 use crate::kernels::step_table::FoRule;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
-pub trait Backend: PinnedCopy + Send + Sync {
+pub trait Backend: LaneStreams + Send + Sync {
     /// `bytes` (at least 1) of device memory, zeroed in order on `stream`.
     ///
     /// # Safety
@@ -53,6 +54,9 @@ pub trait Backend: PinnedCopy + Send + Sync {
 
     /// This device's pinned staging ring (asynchronous copies go through it).
     fn ring(&self) -> &Ring;
+
+    /// This device's copy lanes (the offload pipeline's streams and pinned slots).
+    fn lanes(&self) -> &Lanes;
 
     /// Copies a step table's changed bytes `src` to `dst` (inside a resident table) in
     /// order on `stream`, through the pinned ring; `src` may be reused when this returns.

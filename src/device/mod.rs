@@ -7,7 +7,8 @@
 //! (unit tests: host memory posing as two devices, adversarial about ordering and
 //! lifetimes). Shared by all: `open` (which backend serves an ordinal; tensor bytes wherever they live), `check` (the one "contiguous, on an open device, its memory"
 //! check), `context` (the one rule for CUDA contexts: push the device's primary context,
-//! restore the caller's), `ring` (pinned staging with a constant bound). optim, clip,
+//! restore the caller's), `ring` (pinned staging with a constant bound), `lanes` (the
+//! offload pipeline's two copy streams and their pinned slots). optim, clip,
 //! broadcast, comm and ffi use devices only through here.
 pub mod backend;
 pub mod check;
@@ -17,6 +18,7 @@ pub mod cuda;
 pub mod dl;
 #[cfg(test)]
 pub mod emulated;
+pub mod lanes;
 #[cfg(not(feature = "cuda"))]
 mod no_cuda;
 #[cfg(feature = "cuda")]

@@ -12,6 +12,17 @@ use crate::kernels::host::{self as kernel, push_jobs, Job};
 use crate::optim::math::rule::Rule;
 use crate::tensor::HostTensor;
 
+/// Counts host parameter `p`'s step (when it has state) and gives the rule for it and
+/// SGD's `first` flag; None without state.
+pub(crate) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule, bool)> {
+    let st = p.state.as_mut()?;
+    st.step += 1;
+    // torch's SGD copies the first gradient into a buffer that did not exist yet.
+    let first = !st.m_valid;
+    st.m_valid = true;
+    Some((Rule::new(cfg, st.step), first))
+}
+
 /// Advances host parameter `p`'s step (when it has state) and pushes the jobs that step
 /// it with gradient bytes `g` of `grad_dtype`.
 ///
@@ -24,13 +35,11 @@ pub(crate) unsafe fn push_param_jobs<'a>(
     g: &'a [u8],
     grad_dtype: DType,
 ) {
-    let Some(st) = p.state.as_mut() else { return };
-    st.step += 1;
-    // torch's SGD copies the first gradient into a buffer that did not exist yet.
-    let first = !st.m_valid;
-    st.m_valid = true;
+    let Some((rule, first)) = begin_param_step(p, cfg) else {
+        return;
+    };
     if p.tensor.numel() > 0 {
-        let rule = Rule::new(cfg, st.step);
+        let st = p.state.as_mut().expect("begin_param_step saw state");
         push_jobs(jobs, &p.tensor, g, grad_dtype, st, rule, first);
     }
 }

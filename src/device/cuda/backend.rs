@@ -7,6 +7,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use super::{cuda_err, Device};
 use crate::device::backend::{Backend, Memory};
 use crate::device::context::Current;
+use crate::device::lanes::{LaneStreams, Lanes};
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::{NormTable, LANES};
@@ -14,6 +15,17 @@ use crate::kernels::step_table::FoRule;
 
 fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream
+}
+
+impl LaneStreams for Device {
+    unsafe fn create_stream(&self) -> Result<usize> {
+        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        // Non-blocking: the lanes order themselves against the caller's stream with
+        // events, and must not wait for unrelated work on the legacy default stream.
+        cu::stream::create(cu::stream::StreamKind::NonBlocking)
+            .map(|s| s as usize)
+            .map_err(|e| cuda_err("cuStreamCreate", e))
+    }
 }
 
 impl PinnedCopy for Device {
@@ -115,6 +127,10 @@ impl Backend for Device {
         if let Ok(_cur) = Current::push(self.ctx) {
             let _ = cu::free_async(ptr, stream_of(stream));
         }
+    }
+
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
     }
 
     fn ring(&self) -> &Ring {

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{result as cu, sys as cusys};
 
 use super::context::Current;
+use super::lanes::Lanes;
 use super::nvrtc::{
     arch_option, compile_ptx, cubin_arch_option, cubin_for, missing_nvrtc, nvrtc_version, ENTRY,
     NORM_ENTRIES,
@@ -91,6 +92,7 @@ pub struct Device {
     norm: [cusys::CUfunction; 3],
     max_blocks: u32,
     ring: Ring,
+    lanes: Lanes,
 }
 
 // SAFETY: a primary context and a function handle may be used from any thread once the
@@ -209,6 +211,7 @@ impl Device {
             norm,
             max_blocks: sms * BLOCKS_PER_SM,
             ring: Ring::default(),
+            lanes: Lanes::default(),
         })
     }
 

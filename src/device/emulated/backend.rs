@@ -7,10 +7,17 @@ use super::{
     TABLE_UPLOADS,
 };
 use crate::device::backend::{Backend, Memory};
+use crate::device::lanes::{LaneStreams, Lanes};
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
 use crate::kernels::step_table::{FoRule, FoStepTensor};
+
+impl LaneStreams for Emulated {
+    unsafe fn create_stream(&self) -> Result<usize> {
+        Ok(super::create_stream(self.ordinal))
+    }
+}
 
 impl PinnedCopy for Emulated {
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
@@ -129,6 +136,10 @@ impl Backend for Emulated {
             d.raw_free(at.0 as u64);
             d.count(0, -(bytes as isize));
         }));
+    }
+
+    fn lanes(&self) -> &Lanes {
+        &self.lanes
     }
 
     fn ring(&self) -> &Ring {

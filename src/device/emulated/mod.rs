@@ -66,6 +66,7 @@ pub struct Emulated {
     /// Bytes now and at most: pinned, and stream-ordered device memory (`alloc_async`).
     usage: Mutex<Usage>,
     ring: Ring,
+    lanes: super::lanes::Lanes,
 }
 
 /// Staging bytes held by an emulated device, now and at their high-water mark.
@@ -286,6 +287,7 @@ fn devices() -> Option<&'static [Arc<Emulated>]> {
                         events: Default::default(),
                         usage: Default::default(),
                         ring: Ring::default(),
+                        lanes: Default::default(),
                     })
                 })
                 .collect(),

@@ -222,30 +222,61 @@ pub(crate) unsafe fn push_jobs<'a>(
     rule: Rule,
     first: bool,
 ) {
-    let n = param.numel();
-    let ptr = param.as_ptr();
+    push_range_jobs(
+        jobs,
+        param,
+        0..param.numel(),
+        grad,
+        grad_dtype,
+        st,
+        rule,
+        first,
+    )
+}
+
+/// The elements per job for a parameter of `param_dtype` stepped from `grad_dtype`
+/// gradients with state `st` (`push_jobs` cuts at multiples of it).
+pub(crate) fn chunk_for(param_dtype: DType, grad_dtype: DType, st: &ParamState) -> usize {
     let direct = |m: &Option<Moment>| matches!(m, None | Some(Moment::F32(_)));
-    let chunk = if param.dtype() == DType::F32
-        && grad_dtype == DType::F32
-        && direct(&st.m)
-        && direct(&st.v)
-    {
+    if param_dtype == DType::F32 && grad_dtype == DType::F32 && direct(&st.m) && direct(&st.v) {
         CHUNK_DIRECT
     } else {
         CHUNK
-    };
+    }
+}
+
+/// `push_jobs` over elements `range` of the parameter only, with `grad` holding the
+/// gradient of just those elements. `range.start` must be a multiple of `chunk_for`, so
+/// the jobs are exactly the ones `push_jobs` makes over that range (the same bits,
+/// however a tensor is cut into ranges).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn push_range_jobs<'a>(
+    jobs: &mut Vec<Job<'a>>,
+    param: &HostTensor,
+    range: std::ops::Range<usize>,
+    grad: &'a [u8],
+    grad_dtype: DType,
+    st: &'a mut ParamState,
+    rule: Rule,
+    first: bool,
+) {
+    let chunk = chunk_for(param.dtype(), grad_dtype, st);
+    let (lo, hi) = (range.start, range.end);
+    debug_assert!(lo.is_multiple_of(chunk) && hi <= param.numel() && lo <= hi);
+    let n = hi - lo;
+    let ptr = param.as_ptr();
     let pchunks: Vec<ParamChunk<'a>> = match param.dtype() {
-        DType::F32 => std::slice::from_raw_parts_mut(ptr as *mut f32, n)
+        DType::F32 => std::slice::from_raw_parts_mut((ptr as *mut f32).add(lo), n)
             .chunks_mut(chunk)
             .map(ParamChunk::F32)
             .collect(),
         d => {
             let h = Half::from_dtype(d).expect("param dtypes are checked at add_param");
-            let bits = std::slice::from_raw_parts_mut(ptr as *mut u16, n);
+            let bits = std::slice::from_raw_parts_mut((ptr as *mut u16).add(lo), n);
             let errs: Vec<ErrChunk<'a>> = match st.error_bits.as_mut() {
                 None => (0..n.div_ceil(chunk)).map(|_| ErrChunk::None).collect(),
-                Some(ErrorBits::I8(e)) => e.chunks_mut(chunk).map(ErrChunk::I8).collect(),
-                Some(ErrorBits::I16(e)) => e.chunks_mut(chunk).map(ErrChunk::I16).collect(),
+                Some(ErrorBits::I8(e)) => e[lo..hi].chunks_mut(chunk).map(ErrChunk::I8).collect(),
+                Some(ErrorBits::I16(e)) => e[lo..hi].chunks_mut(chunk).map(ErrChunk::I16).collect(),
             };
             bits.chunks_mut(chunk)
                 .zip(errs)
@@ -264,8 +295,12 @@ pub(crate) unsafe fn push_jobs<'a>(
             g.chunks(chunk).map(|c| GradChunk::Half(h, c)).collect()
         }
     };
-    let mut ms = st.m.as_mut().map(|m| m.chunks_mut(chunk).into_iter());
-    let mut vs = st.v.as_mut().map(|v| v.chunks_mut(chunk).into_iter());
+    let mut ms =
+        st.m.as_mut()
+            .map(|m| m.range_chunks_mut(lo, hi, chunk).into_iter());
+    let mut vs =
+        st.v.as_mut()
+            .map(|v| v.range_chunks_mut(lo, hi, chunk).into_iter());
     for (p, g) in pchunks.into_iter().zip(gchunks) {
         let m = ms.as_mut().and_then(|it| it.next());
         let v = vs.as_mut().and_then(|it| it.next());

@@ -137,25 +137,36 @@ impl Moment {
 
     /// Views of `chunk`-element pieces (`chunk` a multiple of 32), in order.
     pub fn chunks_mut(&mut self, chunk: usize) -> Vec<MomentChunk<'_>> {
+        let n = self.numel();
+        self.range_chunks_mut(0, n, chunk)
+    }
+
+    /// Views of `chunk`-element pieces of elements `lo..hi` (`lo` and `chunk` multiples of
+    /// 32), in order: the same views as `chunks_mut` gives over that range when `lo` is a
+    /// multiple of `chunk`, without making views of the rest (the offload pipeline steps
+    /// a tensor one piece at a time).
+    pub fn range_chunks_mut(&mut self, lo: usize, hi: usize, chunk: usize) -> Vec<MomentChunk<'_>> {
         debug_assert_eq!(chunk % GROUP, 0);
+        debug_assert_eq!(lo % GROUP, 0);
+        let groups = lo / GROUP..hi.div_ceil(GROUP);
         match self {
-            Moment::F32(v) => v.chunks_mut(chunk).map(MomentChunk::F32).collect(),
-            Moment::Half(h, v) => v
+            Moment::F32(v) => v[lo..hi].chunks_mut(chunk).map(MomentChunk::F32).collect(),
+            Moment::Half(h, v) => v[lo..hi]
                 .chunks_mut(chunk)
                 .map(|c| MomentChunk::Half(*h, c))
                 .collect(),
-            Moment::Signed { codes, scales } => codes
+            Moment::Signed { codes, scales } => codes[lo..hi]
                 .chunks_mut(chunk)
-                .zip(scales.chunks_mut(chunk / GROUP))
+                .zip(scales[groups].chunks_mut(chunk / GROUP))
                 .map(|(c, s)| MomentChunk::Signed(c, s))
                 .collect(),
             Moment::Unsigned {
                 codes,
                 scales,
                 root,
-            } => codes
+            } => codes[lo..hi]
                 .chunks_mut(chunk)
-                .zip(scales.chunks_mut(chunk / GROUP))
+                .zip(scales[groups].chunks_mut(chunk / GROUP))
                 .map(|(c, s)| MomentChunk::Unsigned(c, s, *root))
                 .collect(),
         }

@@ -3,6 +3,7 @@
 //!
 //! - `offload`: Megatron's offload plan (which parameters stay on the host);
 //! - `offload_step`: host parameters with device gradients and device mirrors;
+//! - `offload_pipe`: their step as a pipeline over the device's copy lanes;
 //! - `device_state` / `device_step`: state in device memory and the device half of the
 //!   step (not run on a GPU yet); `device_table`: its launch tables, resident on the
 //!   device between steps;
@@ -12,6 +13,7 @@ mod device_state;
 pub(crate) mod device_step;
 pub(crate) mod device_table;
 pub mod offload;
+pub(crate) mod offload_pipe;
 pub(crate) mod offload_step;
 pub(crate) mod staging;
 

@@ -1,25 +1,14 @@
 //! The offload case of `Optimizer::step_on`: host parameters (optimizer state and master
 //! weights in host memory) whose gradients live on a GPU, and whose updated values the
-//! model wants back on the GPU (a device *mirror*, `set_mirror`). Megatron's
-//! `HybridDeviceOptimizer` overlaps those copies with the CPU work; so does fo: a copy
-//! thread brings gradients down one tensor at a time through the device's pinned ring
-//! (`device::ring`: a few slots, so fo's pinned memory does not grow with the largest
-//! gradient) into host memory freed after the tensor's step, while the CPU pool steps the
-//! tensors already down (at most two ahead), and each stepped tensor's mirror is written
-//! back before the next one is stepped. With `check_numerics` on for an offloaded
-//! parameter every gradient comes down first, so the check still runs before anything
-//! changes.
-use std::sync::mpsc;
-
-use rayon::prelude::*;
-
+//! model wants back on the GPU (a device *mirror*, `set_mirror`), as Megatron's
+//! `HybridDeviceOptimizer` and FSDP2's `CPUOffloadPolicy` place them. The step itself is
+//! the pipeline in `offload_pipe`; here are the mirrors, and the gradients brought down
+//! whole where they must be read before anything changes (`check_numerics`) or one at a
+//! time (the overlapped step's tasks).
 use super::Mirror;
 use crate::device::open::{backend, write_tensor};
 use crate::error::{Error, Result};
-use crate::kernels::host::{self as kernel, Job};
 use crate::optim::optimizer::Optimizer;
-use crate::optim::step::push_param_jobs;
-use crate::optim::threads;
 use crate::tensor::HostTensor;
 
 /// One offloaded gradient: where it is on the device, and its size.
@@ -157,21 +146,7 @@ impl Optimizer {
         Ok(out)
     }
 
-    /// Steps host parameter `i` with gradient bytes `g` on the pool (its state exists).
-    ///
-    /// # Safety
-    /// As `step_on`; `g` holds the gradient's contiguous bytes.
-    unsafe fn step_host_param(&mut self, i: usize, g: &[u8], gt: &HostTensor) -> Result<()> {
-        let pool = threads::pool()?;
-        let mut jobs: Vec<Job<'_>> = Vec::new();
-        let p = &mut self.params[i];
-        push_param_jobs(&mut jobs, p, &self.groups[p.group], g, gt.dtype());
-        pool.install(|| jobs.into_par_iter().for_each(kernel::run));
-        Ok(())
-    }
-
-    /// The pipelined offload step: a copy thread brings the gradients down in order while
-    /// this thread steps each one as it arrives and writes its mirror back.
+    /// The pipelined offload step (`offload_pipe`), one device at a time.
     ///
     /// # Safety
     /// As `step_on`; the parameters in `which` have state.
@@ -180,32 +155,14 @@ impl Optimizer {
         grads: &[Option<HostTensor>],
         which: &[(usize, i32)],
     ) -> Result<()> {
-        if which.is_empty() {
-            return Ok(());
+        let mut devices: Vec<i32> = which.iter().map(|&(_, d)| d).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        for d in devices {
+            let on: Vec<usize> = which.iter().filter(|w| w.1 == d).map(|w| w.0).collect();
+            self.step_pipelined(grads, d, &on)?;
         }
-        let downloads = self.downloads(grads, which);
-        let stream = self.stream;
-        std::thread::scope(|s| {
-            // One gradient waiting besides the one being stepped and the one coming down:
-            // host memory for gradients stays at three tensors, not all of them.
-            let (tx, rx) = mpsc::sync_channel(1);
-            s.spawn(move || {
-                for (d, dev) in downloads {
-                    // SAFETY: as `step_on`: the gradient is device memory of `dev`.
-                    let r = unsafe { copy_down(d, dev, stream) };
-                    let failed = r.is_err();
-                    if tx.send((d.i, r)).is_err() || failed {
-                        return;
-                    }
-                }
-            });
-            for (i, r) in rx {
-                let g = r?;
-                self.step_host_param(i, &g, grads[i].as_ref().expect("offloaded grads are given"))?;
-                self.refresh_mirror(i)?;
-            }
-            Ok(())
-        })
+        Ok(())
     }
 }
 

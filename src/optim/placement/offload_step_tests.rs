@@ -174,14 +174,13 @@ fn mirrors_are_checked_before_they_are_kept() {
 }
 
 #[test]
-fn offloaded_gradients_larger_than_the_pinned_ring_come_down_in_pieces_with_bounded_pinned_memory()
-{
+fn offloaded_gradients_larger_than_the_pinned_ring_give_the_host_steps_bits() {
     use crate::device::ring::RING_BYTES;
     if emulated::skip() {
         return;
     }
-    // Gradients of 2.5 and 1.3 rings (bf16): before the ring, each kept a pinned buffer of
-    // its own size across steps, so pinned memory grew with the largest gradient.
+    // Gradients of 2.5 and 1.3 rings (bf16): pieces of the pipeline without check_numerics,
+    // through the ring with it (the bound on pinned memory: `offload_pipe`'s tests).
     let sizes = [RING_BYTES * 5 / 4, RING_BYTES * 2 / 3 + 17];
     for numerics in [false, true] {
         let c = cfg(numerics);
@@ -214,8 +213,5 @@ fn offloaded_gradients_larger_than_the_pinned_ring_come_down_in_pieces_with_boun
             emulated::synchronize_all();
             assert!(ha == oa, "step {s}, check_numerics {numerics}");
         }
-        // Only the ring holds pinned memory on an emulated device, whatever else runs.
-        let u = emulated::device().unwrap().usage();
-        assert!(u.pinned_peak <= RING_BYTES, "{u:?}");
     }
 }
