@@ -15,7 +15,9 @@ use super::types::fo_tensor;
 /// pinned ring of 4 slots per device, so a launch may wait for the table copy of the
 /// launch 4 before it, never for its own kernels). Calls that bring data to or from
 /// the host do wait for the stream: reading device state (get_state, pack, save),
-/// writing a mirror or device state, and bringing offloaded gradients down. Ordering
+/// writing a mirror or device state, and bringing offloaded gradients down (the offload
+/// step waits for each gradient piece it steps, and returns with the last mirror writes
+/// queued, not done: work queued on `stream` after the step sees the new mirrors). Ordering
 /// with other streams, and host reads of device parameters, are the caller's (events,
 /// stream synchronize). A stream belongs to one device: every device parameter, mirror
 /// and device gradient must be on the stream's device (this call, fo_optimizer_add_param,
@@ -53,10 +55,17 @@ pub unsafe extern "C" fn fo_optimizer_set_stream(
 /// checkpoint load that writes it. Copies are ordered on the optimizer's stream (see
 /// `fo_optimizer_set_stream`). With the mirror's gradient given on the device to
 /// `fo_optimizer_step` (the offload case: state and master weights on the host, the
-/// model on the GPU), the step brings each gradient down in pieces through a small pinned
-/// ring per device (at most 16 MiB of pinned memory, whatever the gradient's size) while
-/// the CPU steps those already down, and writes each mirror back as soon as its parameter
-/// is stepped. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
+/// model on the GPU), the step is a pipeline: gradients come down in pieces of at most
+/// 4 MiB on a stream of fo's own (after the work queued on the optimizer's stream), each
+/// piece is stepped on every core of fo's pool straight from pinned memory, and its
+/// updated bytes go up into the mirror on a second stream of fo's own while the next
+/// pieces come down and step (both copy directions at once; fo's pinned memory for this
+/// is 32 MiB per device, made at the first such step and reused). The step returns once
+/// the last piece is stepped and its copy queued; the optimizer's stream waits for the
+/// mirror copies, so work queued there afterwards sees the new mirrors (another stream,
+/// or the host, must order itself after the optimizer's stream). With `check_numerics`
+/// every gradient comes down first, through a 16 MiB pinned ring, so the check precedes
+/// any change. NULL `mirror` removes it. FO_ERR_UNSUPPORTED without
 /// the `cuda` build feature or libcuda.
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_set_mirror(

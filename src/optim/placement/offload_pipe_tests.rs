@@ -7,7 +7,7 @@ use super::*;
 use crate::device::backend::Backend;
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::device::lanes::LANES_BYTES;
-use crate::device::ring::{PinnedCopy, RING_BYTES};
+use crate::device::ring::RING_BYTES;
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
