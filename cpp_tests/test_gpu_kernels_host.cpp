@@ -280,6 +280,7 @@ const char* dname(int32_t d) { return d == F32 ? "f32" : d == F16 ? "f16" : "bf1
 void random_matrix() {
   const std::vector<std::vector<int64_t>> shapes = {{100}, {3, 32}, {7}, {0}, {1, 45}};
   int combos = 0, mismatches = 0;
+  uint64_t vectors = fo_vec_loads;  // heap buffers are 16-byte aligned: the vector path runs
   for (const Hyper& h : kHypers)
     for (int32_t fmt = 0; fmt < 4; ++fmt)
       for (int32_t pd : {F32, BF16, F16})
@@ -316,6 +317,7 @@ void random_matrix() {
         }
   std::printf("random matrix: %d combinations x 4 steps, %d mismatching elements\n", combos, mismatches);
   CHECK(combos == 12 * 4 * 7 * 3);
+  CHECK(fo_vec_loads > vectors);
   CHECK(mismatches == 0);
 }
 

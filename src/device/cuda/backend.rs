@@ -10,6 +10,7 @@ use crate::device::context::Current;
 use crate::device::lanes::{LaneStreams, Lanes};
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
+use crate::kernels::gpu::STEP_LANES_PER_GROUP;
 use crate::kernels::norm_table::{NormTable, LANES};
 use crate::kernels::step_table::FoRule;
 
@@ -161,8 +162,8 @@ impl Backend for Device {
             &mut r as *mut _ as *mut c_void,
             &mut f as *mut _ as *mut c_void,
         ];
-        // A warp per 32-element group, a lane per element (fo_step.cuh); BLOCK is whole warps.
-        let threads = total_groups.saturating_mul(32);
+        // Two lanes per 32-element group, 16 elements each (fo_step.cuh); BLOCK is whole warps.
+        let threads = total_groups.saturating_mul(STEP_LANES_PER_GROUP);
         self.run(self.func, threads, stream_of(stream), &mut args)
     }
 

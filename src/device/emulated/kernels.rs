@@ -15,6 +15,9 @@ pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64, *const F
 pub type RunNorm = unsafe extern "C" fn(*const FoNormTensor, i32, u64, i32, *mut f64);
 /// The host build of `fo_scale_kernel`: (table, rows, chunks, coef, coef64).
 pub type RunScale = unsafe extern "C" fn(*const FoNormTensor, i32, u64, f32, f64);
+/// The calling thread's 16-byte vector loads and stores so far in the host build
+/// (fo_shim.cuh counts them; a misaligned one aborts, as it faults on a GPU).
+pub type VecCounts = unsafe extern "C" fn(*mut u64, *mut u64);
 
 /// The kernels' host build, loaded from one shared object.
 #[derive(Clone, Copy)]
@@ -22,11 +25,12 @@ pub struct HostKernels {
     pub step: RunTable,
     pub norm: RunNorm,
     pub scale: RunScale,
+    pub vec_counts: VecCounts,
 }
 
 /// Builds the host kernels into a shared object and loads them (once per process).
 pub fn host_kernels() -> std::result::Result<HostKernels, String> {
-    static K: OnceLock<std::result::Result<[usize; 3], String>> = OnceLock::new();
+    static K: OnceLock<std::result::Result<[usize; 4], String>> = OnceLock::new();
     let f = K.get_or_init(build).clone()?;
     // SAFETY: the addresses of the functions `build` defines, with these signatures.
     Ok(unsafe {
@@ -34,6 +38,7 @@ pub fn host_kernels() -> std::result::Result<HostKernels, String> {
             step: std::mem::transmute::<usize, RunTable>(f[0]),
             norm: std::mem::transmute::<usize, RunNorm>(f[1]),
             scale: std::mem::transmute::<usize, RunScale>(f[2]),
+            vec_counts: std::mem::transmute::<usize, VecCounts>(f[3]),
         }
     })
 }
@@ -62,9 +67,13 @@ extern "C" void fo_test_scale(const fo_norm_tensor* t, int n, unsigned long long
                               double c64) {
   fo_host_launch(3, 4, [&] { fo_scale_kernel(t, n, chunks, c, c64); });
 }
+extern "C" void fo_test_vec_counts(unsigned long long* loads, unsigned long long* stores) {
+  *loads = fo_vec_loads;
+  *stores = fo_vec_stores;
+}
 "#;
 
-fn build() -> std::result::Result<[usize; 3], String> {
+fn build() -> std::result::Result<[usize; 4], String> {
     let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let src = dir.join("run.cpp");
@@ -90,7 +99,7 @@ fn build() -> std::result::Result<[usize; 3], String> {
         panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: a library built just above, defining the three C functions looked up.
+    // SAFETY: a library built just above, defining the four C functions looked up.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
         assert!(!h.is_null(), "dlopen {so:?}");
@@ -103,6 +112,7 @@ fn build() -> std::result::Result<[usize; 3], String> {
             sym(c"fo_test_run"),
             sym(c"fo_test_norm"),
             sym(c"fo_test_scale"),
+            sym(c"fo_test_vec_counts"),
         ])
     }
 }

@@ -26,7 +26,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 pub use kernels::{
-    encode, host_kernel, host_kernels, values, HostKernels, RunNorm, RunScale, RunTable,
+    encode, host_kernel, host_kernels, values, HostKernels, RunNorm, RunScale, RunTable, VecCounts,
 };
 pub use stream::create_stream;
 use stream::{streams, Job, Worker};

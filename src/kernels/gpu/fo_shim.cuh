@@ -31,21 +31,33 @@ FO_HD float fo_copysign(float a, float s) { return copysignf(a, s); }
 FO_HD float fo_maxnum(float a, float b) { return fmaxf(a, b); }
 FO_HD uint32_t fo_bits(float x) { return __float_as_uint(x); }
 FO_HD float fo_from_bits(uint32_t b) { return __uint_as_float(b); }
-// A warp's lanes run in parallel, one per thread; the max of a value over the warp's 32
-// lanes is a shuffle tree (every lane must reach it: the kernels call it warp-uniformly).
-#define FO_LANES 1
-__device__ __forceinline__ uint32_t fo_warp_max(uint32_t x) {
-  for (int o = 16; o > 0; o >>= 1) {
-    uint32_t y = __shfl_xor_sync(0xffffffffu, x, o);
+// The lanes of a scale group run in parallel, one per thread; the max of a value over the
+// group's L lanes (L a power of two dividing 32) is a shuffle tree among those lanes only,
+// so each group may leave the kernel's loop on its own (its lanes must reach it together).
+#define FO_LOCKSTEP 0
+template <unsigned L>
+__device__ __forceinline__ uint32_t fo_lanes_max(uint32_t x) {
+  unsigned lane = threadIdx.x & 31u;
+  unsigned mask = L == 32 ? 0xffffffffu : ((1u << (L % 32)) - 1u) << (lane & ~(L - 1u));
+  for (unsigned o = L / 2; o > 0; o >>= 1) {
+    uint32_t y = __shfl_xor_sync(mask, x, o);
     x = y > x ? y : x;
   }
   return x;
 }
+// 16 bytes in one load or store instruction (ld/st .v4.u32); the address must be 16-byte
+// aligned or the access faults, so callers check the addresses first (fo_vec.cuh).
+typedef uint4 fo_vec16;
+FO_HD fo_vec16 fo_vload(const void* p) { return *(const uint4*)p; }
+FO_HD void fo_vstore(void* p, fo_vec16 w) { *(uint4*)p = w; }
+#define FO_UNROLL _Pragma("unroll")
+#define FO_NO_UNROLL _Pragma("unroll 1")
 // fo's launches use blocks of whole warps (BLOCK = 128 in src/device/cuda).
 __device__ __forceinline__ void fo_require_warp_blocks() {}
 #else
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #define FO_HOST_SHIM 1
@@ -70,13 +82,44 @@ FO_HD float fo_from_bits(uint32_t b) {
   std::memcpy(&x, &b, 4);
   return x;
 }
-// A warp on the host: its lane 0 runs all 32 lanes in lockstep (FO_LANES per thread; the
-// others return), so a value's max over the warp is the max its own loop took: identity.
-#define FO_LANES 32
-inline uint32_t fo_warp_max(uint32_t x) { return x; }
+// A scale group on the host: the thread of its first lane runs all of the group's lanes
+// in lockstep (the others return), so a value's max over the group's lanes is the max its
+// own loop took: identity.
+#define FO_LOCKSTEP 1
+template <unsigned L>
+inline uint32_t fo_lanes_max(uint32_t x) {
+  return x;
+}
+// 16-byte vector accesses. A GPU faults on a misaligned one, so the host build aborts on it
+// too, naming the address: a host test with misaligned tensors proves the kernels check
+// the addresses before taking the vector path. Each thread counts its vector accesses, so
+// a test with aligned tensors proves the vector path is taken.
+struct fo_vec16 {
+  uint32_t x, y, z, w;
+};
+inline thread_local uint64_t fo_vec_loads = 0, fo_vec_stores = 0;
+inline void fo_vec_check(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return;
+  std::fprintf(stderr, "fo_shim: misaligned 16-byte %s at %p (a fault on a GPU)\n", what, p);
+  std::abort();
+}
+inline fo_vec16 fo_vload(const void* p) {
+  fo_vec_check(p, "load");
+  ++fo_vec_loads;
+  fo_vec16 w;
+  std::memcpy(&w, p, 16);
+  return w;
+}
+inline void fo_vstore(void* p, fo_vec16 w) {
+  fo_vec_check(p, "store");
+  ++fo_vec_stores;
+  std::memcpy(p, &w, 16);
+}
+#define FO_UNROLL
+#define FO_NO_UNROLL
 // Thread indices of the launch being emulated: fo_host_launch runs every (block, thread)
 // in turn. The kernels use no shared memory and no barriers, so the order is free; the
-// warp kernel needs blocks of whole warps, as on the GPU.
+// step kernel needs blocks of whole warps, as on the GPU.
 struct fo_dim3 {
   unsigned x = 1, y = 1, z = 1;
 };

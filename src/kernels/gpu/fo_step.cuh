@@ -1,13 +1,22 @@
 // Multi-tensor apply: one launch steps every device tensor of a param group that shares
 // one rule. The launch gets a table of tensors in device memory; each tensor is cut into
 // ceil(numel / 32) work items of up to 32 consecutive elements (a quant8 scale group),
-// and a warp updates one item, a lane per element: decode to f32, apply the rule, encode
-// back, exactly as fo's CPU kernel does per element (see fo_step_kernel).
+// and FO_GROUP_LANES lanes update one item, FO_VEC consecutive elements each: decode to
+// f32, apply the rule, encode back, exactly as fo's CPU kernel does per element (see
+// fo_step_kernel).
 #pragma once
 #include "fo_halfconv.cuh"
 #include "fo_master.cuh"
 #include "fo_quant8.cuh"
 #include "fo_rules.cuh"
+#include "fo_vec.cuh"
+
+// Lanes per scale group: each lane moves its FO_VEC elements of every array in 16-byte
+// vectors (16 int8 codes or error bits: one vector; 16 halves: two; 16 f32: four).
+// src/kernels/gpu/mod.rs (STEP_LANES_PER_GROUP) sizes the launch from this.
+#define FO_GROUP_LANES (FO_GROUP / FO_VEC)
+// Lanes one thread runs: 1 on the GPU, a whole group on the host (fo_shim.cuh).
+#define FO_RUN_LANES (FO_LOCKSTEP ? FO_GROUP_LANES : 1)
 
 // One tensor of a launch. Pointers are device pointers on the GPU (host pointers in
 // the host build). `group_begin`: the first global group index of this tensor (a prefix
@@ -32,80 +41,135 @@ struct fo_step_tensor {
   int32_t v_kind;
 };
 
-FO_HD float fo_moment_load(int32_t kind, const void* s, const uint16_t* scales, uint64_t i) {
+FO_HD int fo_moment_size(int32_t kind) {
+  return kind == FO_MOMENT_NONE ? 0 : kind == FO_MOMENT_F32 ? 4 : kind <= FO_MOMENT_BF16 ? 2 : 1;
+}
+
+FO_HD bool fo_is_quantized(int32_t kind) { return kind >= FO_MOMENT_Q8_SIGNED; }
+
+// Whether every array the row's step moves element by element starts 16-byte aligned
+// (the scales, one per group, are moved alone). Checked on the addresses at each launch:
+// a row's ranges then take vectors wherever they are whole.
+FO_HD bool fo_row_aligned16(const fo_step_tensor& t) {
+  bool ok = fo_aligned16(t.param) && fo_aligned16(t.grad);
+  if (t.error_bits_width != 0) ok = ok && fo_aligned16(t.error_bits);
+  if (t.m_kind != FO_MOMENT_NONE) ok = ok && fo_aligned16(t.m);
+  if (t.v_kind != FO_MOMENT_NONE) ok = ok && fo_aligned16(t.v);
+  return ok;
+}
+
+// Element k of a moment from its word (and its group's f32 scale when quantized).
+FO_HD float fo_moment_decode(int32_t kind, const uint32_t* w, int k, float scale) {
   switch (kind) {
     case FO_MOMENT_F32:
-      return ((const float*)s)[i];
+      return fo_from_bits(w[k]);
     case FO_MOMENT_F16:
-      return fo_f16_to_f32(((const uint16_t*)s)[i]);
+      return fo_f16_to_f32((uint16_t)w[k]);
     case FO_MOMENT_BF16:
-      return fo_bf16_to_f32(((const uint16_t*)s)[i]);
+      return fo_bf16_to_f32((uint16_t)w[k]);
     case FO_MOMENT_Q8_SIGNED:
-      return fo_signed_decode(((const int8_t*)s)[i], fo_f16_to_f32(scales[i / FO_GROUP]));
+      return fo_signed_decode((int8_t)(uint8_t)w[k], scale);
     case FO_MOMENT_Q8_SQRT:
     case FO_MOMENT_Q8_FOURTH:
-      return fo_unsigned_decode(((const uint8_t*)s)[i], fo_f16_to_f32(scales[i / FO_GROUP]),
-                                kind == FO_MOMENT_Q8_FOURTH);
+      return fo_unsigned_decode((uint8_t)w[k], scale, kind == FO_MOMENT_Q8_FOURTH);
     default:
       return 0.0f;
   }
 }
 
-FO_HD float fo_param_load(const fo_step_tensor& t, uint64_t i) {
-  if (t.param_dtype == 0) return ((const float*)t.param)[i];
-  uint16_t b = ((const uint16_t*)t.param)[i];
-  if (t.error_bits_width == 8) return fo_error_reconstruct(t.param_dtype, b, ((const int8_t*)t.error_bits)[i], 127.0f);
-  if (t.error_bits_width == 16)
-    return fo_error_reconstruct(t.param_dtype, b, ((const int16_t*)t.error_bits)[i], 32767.0f);
+// The word of an unquantized moment (quantized ones are encoded after the group's max).
+FO_HD uint32_t fo_moment_encode(int32_t kind, float x) {
+  if (kind == FO_MOMENT_F32) return fo_bits(x);
+  if (kind == FO_MOMENT_F16) return fo_f32_to_f16(x);
+  return fo_f32_to_bf16(x);
+}
+
+// The f32 master of element k from its parameter word p[k] and error bits e[k].
+FO_HD float fo_param_decode(const fo_step_tensor& t, const uint32_t* p, const uint32_t* e, int k) {
+  if (t.param_dtype == 0) return fo_from_bits(p[k]);
+  uint16_t b = (uint16_t)p[k];
+  if (t.error_bits_width == 8) return fo_error_reconstruct(t.param_dtype, b, (int8_t)(uint8_t)e[k], 127.0f);
+  if (t.error_bits_width == 16) return fo_error_reconstruct(t.param_dtype, b, (int16_t)(uint16_t)e[k], 32767.0f);
   return fo_half_to_f32(t.param_dtype, b);
 }
 
-// Rounds master x into the parameter and splits off its error bits.
-FO_HD void fo_param_store(const fo_step_tensor& t, uint64_t i, float x) {
+// Rounds master x into parameter word p[k] and splits off its error bits into e[k].
+FO_HD void fo_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32_t* e, int k) {
   if (t.param_dtype == 0) {
-    ((float*)t.param)[i] = x;
+    p[k] = fo_bits(x);
     return;
   }
   uint16_t b = fo_f32_to_half(t.param_dtype, x);
-  ((uint16_t*)t.param)[i] = b;
-  if (t.error_bits_width == 8) ((int8_t*)t.error_bits)[i] = (int8_t)fo_error_encode(t.param_dtype, x, b, 127.0f);
-  if (t.error_bits_width == 16)
-    ((int16_t*)t.error_bits)[i] = (int16_t)fo_error_encode(t.param_dtype, x, b, 32767.0f);
+  p[k] = b;
+  if (t.error_bits_width == 8) e[k] = (uint8_t)(int8_t)fo_error_encode(t.param_dtype, x, b, 127.0f);
+  if (t.error_bits_width == 16) e[k] = (uint16_t)(int16_t)fo_error_encode(t.param_dtype, x, b, 32767.0f);
 }
 
-// Stores element i of an unquantized moment.
-FO_HD void fo_moment_store_one(int32_t kind, void* s, uint64_t i, float x) {
-  if (kind == FO_MOMENT_F32) ((float*)s)[i] = x;
-  if (kind == FO_MOMENT_F16) ((uint16_t*)s)[i] = fo_f32_to_f16(x);
-  if (kind == FO_MOMENT_BF16) ((uint16_t*)s)[i] = fo_f32_to_bf16(x);
+FO_HD float fo_grad_decode(int32_t dtype, uint32_t w) {
+  if (dtype == 0) return fo_from_bits(w);
+  return dtype == 2 ? fo_bf16_to_f32((uint16_t)w) : fo_f16_to_f32((uint16_t)w);
 }
 
-FO_HD bool fo_is_quantized(int32_t kind) { return kind >= FO_MOMENT_Q8_SIGNED; }
-
-// Stores element e of a quantized moment: its code with its group's f32 scale `a`, and
-// the fp16 scale itself from the group's first element.
-FO_HD void fo_quant_store(int32_t kind, void* s, uint16_t* scales, uint64_t e, float x, float a) {
-  if (!fo_is_quantized(kind)) return;
-  int32_t code = fo_quant_code(kind, x, a);
-  if (kind == FO_MOMENT_Q8_SIGNED)
-    ((int8_t*)s)[e] = (int8_t)code;
-  else
-    ((uint8_t*)s)[e] = (uint8_t)code;
-  if (e % FO_GROUP == 0) scales[e / FO_GROUP] = fo_f32_to_f16(a);
+// The elements of tensor t a lane owns: [*e0, *e0 + n) of group g, lane `lane` of it.
+FO_HD int fo_lane_range(const fo_step_tensor& t, uint64_t g, unsigned lane, uint64_t* e0) {
+  *e0 = g * FO_GROUP + (uint64_t)lane * FO_VEC;
+  uint64_t rest = *e0 < t.numel ? t.numel - *e0 : 0;
+  return rest < FO_VEC ? (int)rest : FO_VEC;
 }
 
-// Steps element e up to its quantized moments: decodes, applies the rule, stores the
-// parameter (and error bits) and any element-wise moment, and returns the new moments
-// in *m and *v for the group's encode. `fresh`: SGD's buffer is created by this step.
-FO_HD void fo_step_one(const fo_step_tensor& t, const fo_rule& rule, bool fresh, uint64_t e, float* m, float* v) {
-  *m = fo_moment_load(t.m_kind, t.m, t.m_scales, e);
-  *v = fo_moment_load(t.v_kind, t.v, t.v_scales, e);
-  float p = fo_param_load(t, e);
-  float g = fo_load_any(t.grad, t.grad_dtype, e);
-  fo_rule_apply(rule, &p, g, m, v, fresh);
-  fo_param_store(t, e, p);
-  fo_moment_store_one(t.m_kind, t.m, e, *m);
-  fo_moment_store_one(t.v_kind, t.v, e, *v);
+// Steps one lane's elements up to their quantized moments: loads every array's range,
+// applies the rule element by element, stores the parameter, error bits and any
+// unquantized moment, and leaves the new moments in m and v and their largest quant keys
+// in *km and *kv for the group's encode. `fresh`: SGD's buffer is created by this step.
+FO_HD void fo_step_lane(const fo_step_tensor& t, const fo_rule& rule, bool fresh, uint64_t g, unsigned lane,
+                        bool aligned, float* m, float* v, uint32_t* km, uint32_t* kv) {
+  uint64_t e0;
+  int n = fo_lane_range(t, g, lane, &e0);
+  if (n == 0) return;
+  bool vec = aligned && n == FO_VEC;
+  int ps = t.param_dtype == 0 ? 4 : 2, gs = t.grad_dtype == 0 ? 4 : 2, es = t.error_bits_width / 8;
+  int ms = fo_moment_size(t.m_kind), vs = fo_moment_size(t.v_kind);
+  uint32_t p[FO_VEC], gr[FO_VEC], e[FO_VEC], mw[FO_VEC], vw[FO_VEC];
+  fo_gather(p, t.param, ps, e0, n, vec);
+  fo_gather(gr, t.grad, gs, e0, n, vec);
+  if (es) fo_gather(e, t.error_bits, es, e0, n, vec);
+  if (ms) fo_gather(mw, t.m, ms, e0, n, vec);
+  if (vs) fo_gather(vw, t.v, vs, e0, n, vec);
+  float sm = fo_is_quantized(t.m_kind) ? fo_f16_to_f32(t.m_scales[g]) : 0.0f;
+  float sv = fo_is_quantized(t.v_kind) ? fo_f16_to_f32(t.v_scales[g]) : 0.0f;
+  // One copy of the rule in the kernel (not unrolled): nvrtc_check.py counts its fused
+  // multiply-adds, and the loop is the same for the vector and the element path.
+  FO_NO_UNROLL
+  for (int k = 0; k < n; ++k) {
+    float mk = fo_moment_decode(t.m_kind, mw, k, sm), vk = fo_moment_decode(t.v_kind, vw, k, sv);
+    float pk = fo_param_decode(t, p, e, k);
+    fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh);
+    fo_param_encode(t, pk, p, e, k);
+    if (ms && !fo_is_quantized(t.m_kind)) mw[k] = fo_moment_encode(t.m_kind, mk);
+    if (vs && !fo_is_quantized(t.v_kind)) vw[k] = fo_moment_encode(t.v_kind, vk);
+    m[k] = mk;
+    v[k] = vk;
+    uint32_t a = fo_quant_key(t.m_kind, mk), b = fo_quant_key(t.v_kind, vk);
+    *km = a > *km ? a : *km;
+    *kv = b > *kv ? b : *kv;
+  }
+  fo_scatter(t.param, p, ps, e0, n, vec);
+  if (es) fo_scatter(t.error_bits, e, es, e0, n, vec);
+  if (ms && !fo_is_quantized(t.m_kind)) fo_scatter(t.m, mw, ms, e0, n, vec);
+  if (vs && !fo_is_quantized(t.v_kind)) fo_scatter(t.v, vw, vs, e0, n, vec);
+}
+
+// Encodes one lane's elements of a quantized moment x with their group's f32 scale `a`;
+// the group's first lane also stores the fp16 scale.
+FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_t* scales, uint64_t g,
+                         unsigned lane, bool aligned, const float* x, float a) {
+  uint64_t e0;
+  int n = fo_lane_range(t, g, lane, &e0);
+  if (!fo_is_quantized(kind) || n == 0) return;
+  uint32_t w[FO_VEC];
+  for (int k = 0; k < n; ++k) w[k] = (uint8_t)fo_quant_code(kind, x[k], a);
+  fo_scatter(s, w, 1, e0, n, aligned && n == FO_VEC);
+  if (lane == 0) scales[g] = fo_f32_to_f16(a);
 }
 
 // One launch for the rows of a table that share one rule. The rule travels by value with
@@ -113,41 +177,40 @@ FO_HD void fo_step_one(const fo_step_tensor& t, const fo_rule& rule, bool fresh,
 // uploads nothing.
 //
 // Multi-tensor apply: every tensor is cut into work items of 32 consecutive elements (a
-// quant8 scale group), and a warp steps one item per iteration of a grid-stride loop
-// over the items of all rows, lane l on element 32j + l, so neighbouring lanes touch
-// neighbouring elements (coalesced) for every tensor, large or small. A quantized
-// group's scale is the max of its lanes' keys: a shuffle tree on the GPU (fo_warp_max),
-// the same max however it is ordered. On the host (fo_shim.cuh) lane 0 of each warp runs
-// all FO_LANES = 32 lanes of it in lockstep, with the cross-lane max taken by this same
-// loop, so the host-shim tests run this text, the GPU's split included.
+// quant8 scale group), and FO_GROUP_LANES = 2 neighbouring lanes step one item per
+// iteration of a grid-stride loop over the items of all rows, lane l on elements
+// [16l, 16l + 16), moved in 16-byte vectors where fo_vec.cuh allows (whole ranges of
+// aligned arrays), else element by element; the math per element is the same either way.
+// A quantized group's scale is the max of its lanes' keys: a shuffle between the two
+// lanes on the GPU (fo_lanes_max), the same max however it is ordered. On the host
+// (fo_shim.cuh) a group's first lane runs both of its lanes in lockstep, with the
+// cross-lane max taken by this same loop, so the host-shim tests run this text, the GPU's
+// split and its vector accesses included.
 FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
                               fo_rule rule, int32_t first) {
   fo_require_warp_blocks();
-  if (FO_LANES != 1 && threadIdx.x % FO_GROUP != 0) return;  // the host: lane 0 runs its warp
-  unsigned lane0 = FO_LANES == 1 ? threadIdx.x % FO_GROUP : 0;
-  uint64_t warps = (uint64_t)gridDim.x * blockDim.x / FO_GROUP;
-  for (uint64_t gi = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / FO_GROUP; gi < total_groups;
-       gi += warps) {
+  if (FO_LOCKSTEP && threadIdx.x % FO_GROUP_LANES != 0) return;
+  uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  // A group's lanes are neighbours and the stride is whole warps, so they leave together.
+  for (uint64_t li = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; li < total_groups * FO_GROUP_LANES;
+       li += stride) {
+    uint64_t gi = li / FO_GROUP_LANES;
     const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
-    uint64_t base = (gi - t.group_begin) * FO_GROUP + lane0;
-    float m[FO_LANES], v[FO_LANES];
-    uint32_t km = 0, kv = 0;
-    for (int k = 0; k < FO_LANES; ++k) {
-      if (base + k >= t.numel) continue;  // a partial group's idle lanes add key 0
-      fo_step_one(t, rule, first != 0, base + k, &m[k], &v[k]);
-      uint32_t a = fo_quant_key(t.m_kind, m[k]), b = fo_quant_key(t.v_kind, v[k]);
-      km = a > km ? a : km;
-      kv = b > kv ? b : kv;
-    }
-    // Uniform over the warp (one item, one tensor), so every lane reaches the shuffles.
+    uint64_t g = gi - t.group_begin;
+    unsigned lane0 = (unsigned)(li % FO_GROUP_LANES);
+    bool aligned = fo_row_aligned16(t);
+    float m[FO_RUN_LANES * FO_VEC], v[FO_RUN_LANES * FO_VEC];
+    uint32_t km = 0, kv = 0;  // a partial group's idle lanes add key 0
+    for (unsigned l = 0; l < FO_RUN_LANES; ++l)
+      fo_step_lane(t, rule, first != 0, g, lane0 + l, aligned, m + l * FO_VEC, v + l * FO_VEC, &km, &kv);
+    // Uniform over the group's lanes (one item, one tensor), so both reach the shuffle.
     if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) continue;
-    km = fo_warp_max(km);
-    kv = fo_warp_max(kv);
+    km = fo_lanes_max<FO_GROUP_LANES>(km);
+    kv = fo_lanes_max<FO_GROUP_LANES>(kv);
     float am = fo_quant_scale(t.m_kind, km), av = fo_quant_scale(t.v_kind, kv);
-    for (int k = 0; k < FO_LANES; ++k) {
-      if (base + k >= t.numel) continue;
-      fo_quant_store(t.m_kind, t.m, t.m_scales, base + k, m[k], am);
-      fo_quant_store(t.v_kind, t.v, t.v_scales, base + k, v[k], av);
+    for (unsigned l = 0; l < FO_RUN_LANES; ++l) {
+      fo_quant_lane(t, t.m_kind, t.m, t.m_scales, g, lane0 + l, aligned, m + l * FO_VEC, am);
+      fo_quant_lane(t, t.v_kind, t.v, t.v_scales, g, lane0 + l, aligned, v + l * FO_VEC, av);
     }
   }
 }

@@ -6,14 +6,14 @@
 //! kinds, state addresses, group prefix sums, SGD's first step) against the kernel
 //! without a GPU; skipped, with the reason printed, where g++ is absent.
 use crate::dtype::DType;
-use crate::kernels::step_table::{build_table, StatePtrs, TableEntry};
+use crate::kernels::step_table::{build_table, MomentKind, StatePtrs, TableEntry};
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::Optimizer;
 use crate::tensor::HostTensor;
 
-use crate::device::emulated::{encode, host_kernel, values, RunTable};
+use crate::device::emulated::{encode, host_kernels, values, HostKernels};
 
 fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
     unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
@@ -21,49 +21,145 @@ fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
 
 const SIZES: [usize; 4] = [100, 33, 0, 70];
 
-/// One config on both sides for 3 steps (step 2 skips tensor 1); mismatching buffers.
-fn run_both(run: RunTable, cfg: &OptimConfig, dt: DType) -> usize {
+/// A kernel-side copy of `len` bytes starting `shift` bytes past a 16-byte boundary.
+struct Shifted {
+    mem: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Shifted {
+    fn new(bytes: &[u8], shift: usize) -> Shifted {
+        let mut mem = vec![0u8; bytes.len() + 32];
+        let at = (16 - mem.as_ptr() as usize % 16) % 16 + shift;
+        mem[at..at + bytes.len()].copy_from_slice(bytes);
+        let len = bytes.len();
+        Shifted { mem, at, len }
+    }
+    fn ptr(&mut self) -> u64 {
+        self.mem[self.at..].as_mut_ptr() as u64
+    }
+    fn bytes(&self) -> &[u8] {
+        &self.mem[self.at..self.at + self.len]
+    }
+}
+
+fn moment_size(k: MomentKind) -> usize {
+    match k {
+        MomentKind::None => 0,
+        MomentKind::F32 => 4,
+        MomentKind::F16 | MomentKind::BF16 => 2,
+        _ => 1,
+    }
+}
+
+/// The kernel side's element-wise state arrays copied to `shift` elements past a 16-byte
+/// boundary (the scales stay: the kernel moves them one at a time): the table's pointers,
+/// and each copy with the address of the state buffer it came from.
+fn shift_state(
+    st: &mut ParamState,
+    numel: usize,
+    shift: usize,
+) -> (StatePtrs, Vec<(u64, Shifted)>) {
+    let mut ptrs = StatePtrs::of_host(st);
+    let mut copies = Vec::new();
+    let mut arrays: Vec<(&mut u64, usize)> = Vec::new();
+    if ptrs.error_bits != 0 {
+        let w = ptrs.error_bits_width as usize / 8;
+        arrays.push((&mut ptrs.error_bits, w));
+    }
+    for m in [ptrs.m.as_mut(), ptrs.v.as_mut()].into_iter().flatten() {
+        arrays.push((&mut m.data, moment_size(m.kind)));
+    }
+    for (p, size) in arrays {
+        // SAFETY: `numel` elements of `size` bytes of `st`'s own buffers.
+        let bytes = unsafe { std::slice::from_raw_parts(*p as *const u8, numel * size) };
+        let mut c = Shifted::new(bytes, shift * size);
+        let home = std::mem::replace(p, c.ptr());
+        copies.push((home, c));
+    }
+    (ptrs, copies)
+}
+
+/// What `run_both` saw: mismatching buffers, and the kernel's 16-byte vector loads and
+/// stores against the count of an aligned run (one per 16 bytes of every array of every
+/// whole range of 16 elements; a gradient is only loaded).
+struct Both {
+    bad: usize,
+    vectors: u64,
+    aligned_vectors: u64,
+}
+
+/// One config on both sides for 3 steps (step 2 skips tensor 1), the kernel's parameter,
+/// gradient and state arrays `shift[0]`, `shift[1]` and `shift[2]` elements past a
+/// 16-byte boundary.
+fn run_both(
+    k: &HostKernels,
+    cfg: &OptimConfig,
+    dt: DType,
+    sizes: &[usize],
+    shift: [usize; 3],
+) -> Both {
     let mut cpu = Optimizer::new(cfg.clone()).unwrap();
-    let mut a: Vec<Vec<u8>> = SIZES
+    let mut a: Vec<Vec<u8>> = sizes
         .iter()
         .enumerate()
         .map(|(i, &n)| encode(dt, &values(n, i as u64 + 1)))
         .collect();
-    let mut b = a.clone();
-    for (i, &n) in SIZES.iter().enumerate() {
+    let mut b: Vec<Shifted> = a
+        .iter()
+        .map(|x| Shifted::new(x, shift[0] * dt.size()))
+        .collect();
+    for (i, &n) in sizes.iter().enumerate() {
         unsafe {
             cpu.add_param(&format!("p{i}"), view(&mut a[i], dt, n), None, 0)
                 .unwrap()
         };
     }
     // The kernel side's state, as `DeviceState` holds it (zeroed, step, m_valid).
-    let mut states: Vec<ParamState> = (0..SIZES.len()).map(|i| cpu.new_state(i)).collect();
+    let mut states: Vec<ParamState> = (0..sizes.len()).map(|i| cpu.new_state(i)).collect();
+    let (mut vectors, mut aligned_vectors) = (0, 0);
     for s in 0..3u64 {
-        let mut grads: Vec<Vec<u8>> = SIZES
+        let grads: Vec<Vec<u8>> = sizes
             .iter()
             .enumerate()
             .map(|(i, &n)| encode(dt, &values(n, 50 + s * 10 + i as u64)))
             .collect();
+        let mut kgrads: Vec<Shifted> = grads
+            .iter()
+            .map(|g| Shifted::new(g, shift[1] * dt.size()))
+            .collect();
         let skip = |i: usize| s == 1 && i == 1;
-        let views: Vec<Option<HostTensor>> = grads
+        let mut cgrads = grads.clone();
+        let views: Vec<Option<HostTensor>> = cgrads
             .iter_mut()
-            .zip(SIZES)
+            .zip(sizes)
             .enumerate()
-            .map(|(i, (g, n))| (!skip(i)).then(|| view(g, dt, n)))
+            .map(|(i, (g, &n))| (!skip(i)).then(|| view(g, dt, n)))
             .collect();
         unsafe { cpu.step(&views).unwrap() };
         let mut entries = Vec::new();
+        let mut copies = Vec::new();
         for (i, st) in states.iter_mut().enumerate() {
             if skip(i) {
                 continue;
             }
+            let (state, c) = shift_state(st, sizes[i], shift[2]);
+            let es = state.error_bits_width as usize / 8;
+            let ms: usize = [state.m, state.v]
+                .iter()
+                .flatten()
+                .map(|m| moment_size(m.kind))
+                .sum();
+            aligned_vectors += ((sizes[i] / 16) * (3 * dt.size() + 2 * (es + ms))) as u64;
+            copies.extend(c);
             entries.push(TableEntry {
-                param: b[i].as_mut_ptr() as u64,
+                param: b[i].ptr(),
                 param_dtype: dt,
-                grad: grads[i].as_ptr() as u64,
+                grad: kgrads[i].ptr(),
                 grad_dtype: dt,
-                numel: SIZES[i],
-                state: StatePtrs::of_host(st),
+                numel: sizes[i],
+                state,
                 rule: Rule::new(cfg, st.step + 1),
                 first: !st.m_valid,
             });
@@ -71,10 +167,12 @@ fn run_both(run: RunTable, cfg: &OptimConfig, dt: DType) -> usize {
             st.m_valid = true;
         }
         let t = build_table(&entries).unwrap();
+        let (mut l0, mut s0, mut l1, mut s1) = (0, 0, 0, 0);
+        unsafe { (k.vec_counts)(&mut l0, &mut s0) };
         for l in &t.launches {
             let rows = t.tensors[l.row..].as_ptr();
             unsafe {
-                run(
+                (k.step)(
                     rows,
                     l.count as i32,
                     l.total_groups,
@@ -83,20 +181,30 @@ fn run_both(run: RunTable, cfg: &OptimConfig, dt: DType) -> usize {
                 )
             };
         }
+        unsafe { (k.vec_counts)(&mut l1, &mut s1) };
+        vectors += l1 - l0 + s1 - s0;
+        for (home, c) in copies {
+            // SAFETY: back into the state buffer the copy was taken from.
+            unsafe { std::ptr::copy_nonoverlapping(c.bytes().as_ptr(), home as *mut u8, c.len) };
+        }
     }
     let mut bad = 0;
-    for i in 0..SIZES.len() {
-        bad += usize::from(a[i] != b[i]);
+    for i in 0..sizes.len() {
+        bad += usize::from(a[i] != b[i].bytes());
         // Debug prints -0.0 and 0.0 apart, and every code and scale.
         let want = format!("{:?}", cpu.param_state(i).unwrap());
         bad += usize::from(format!("{:?}", states[i]) != want);
     }
-    bad
+    Both {
+        bad,
+        vectors,
+        aligned_vectors,
+    }
 }
 
 #[test]
 fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
-    let run = match host_kernel() {
+    let k = match host_kernels() {
         Ok(r) => r,
         Err(why) => {
             eprintln!("skipped: {why}");
@@ -133,11 +241,55 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
             ] {
                 let mut c = base.clone();
                 (c.state_format, c.master_weight_bits) = (f, mw);
-                let bad = run_both(run, &c, dt);
-                assert_eq!(bad, 0, "{:?} {f:?} {dt} mw{mw}", c.algorithm);
+                let r = run_both(&k, &c, dt, &SIZES, [0; 3]);
+                assert_eq!(r.bad, 0, "{:?} {f:?} {dt} mw{mw}", c.algorithm);
+                assert_eq!(r.vectors, r.aligned_vectors, "{:?} {f:?} {dt}", c.algorithm);
                 combos += 1;
             }
         }
     }
     assert_eq!(combos, 9 * 4 * 4);
+}
+
+/// Tensors whose arrays (all, or one) start 1 or 2 elements past a 16-byte boundary (1 to
+/// 8 bytes off), with lengths that leave tails shorter than a vector: the kernel takes no vector
+/// access (a misaligned one aborts in the host shim, as it faults on a GPU), and the bits
+/// are the CPU step's; aligned, it takes exactly one per 16 bytes of every whole range.
+#[test]
+fn the_host_kernel_moves_misaligned_and_tail_ranges_element_by_element() {
+    let k = match host_kernels() {
+        Ok(k) => k,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let sizes = [1, 15, 16, 17, 31, 47, 48, 129];
+    let mut runs = 0;
+    for (a, f, dt, mw) in [
+        (Algorithm::AdamW, StateFormat::Quant8, DType::BF16, 24),
+        (Algorithm::Adam, StateFormat::Fp32, DType::F32, 0),
+        (Algorithm::AdamW, StateFormat::Quant8Wide, DType::F16, 32),
+        (Algorithm::Sgd, StateFormat::ParamDtype, DType::BF16, 0),
+        (Algorithm::Lion, StateFormat::Quant8, DType::F16, 24),
+    ] {
+        let mut c = OptimConfig::default_for(a);
+        (c.lr, c.weight_decay) = (1e-2, 0.05);
+        c.momentum = if a.is_sgd() { 0.9 } else { 0.0 };
+        (c.state_format, c.master_weight_bits) = (f, mw);
+        // All arrays shifted, or one of them (the others aligned).
+        for shift in [[0; 3], [1; 3], [2; 3], [1, 0, 0], [0, 1, 0], [0, 0, 1]] {
+            let r = run_both(&k, &c, dt, &sizes, shift);
+            assert_eq!(r.bad, 0, "{a:?} {f:?} {dt} mw{mw} shifted {shift:?}");
+            assert!(r.aligned_vectors > 0);
+            let want = if shift == [0; 3] {
+                r.aligned_vectors
+            } else {
+                0
+            };
+            assert_eq!(r.vectors, want, "{a:?} {f:?} {dt} shifted {shift:?}");
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 30);
 }

@@ -18,9 +18,14 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fo_master.cuh", include_str!("fo_master.cuh")),
     ("fo_quant8.cuh", include_str!("fo_quant8.cuh")),
     ("fo_rules.cuh", include_str!("fo_rules.cuh")),
+    ("fo_vec.cuh", include_str!("fo_vec.cuh")),
     ("fo_step.cuh", include_str!("fo_step.cuh")),
     ("fo_norm.cuh", include_str!("fo_norm.cuh")),
 ];
+
+/// Threads `fo_step_kernel` wants per 32-element group: `FO_GROUP_LANES` in fo_step.cuh,
+/// each lane on 16 consecutive elements (so its accesses can be 16-byte vectors).
+pub const STEP_LANES_PER_GROUP: u64 = 2;
 
 #[cfg(test)]
 #[path = "host_kernel_tests.rs"]
@@ -42,5 +47,14 @@ mod tests {
         let mut embedded: Vec<String> = KERNEL_SOURCES.iter().map(|(n, _)| n.to_string()).collect();
         embedded.sort();
         assert_eq!(on_disk, embedded);
+    }
+
+    #[test]
+    fn the_launch_sizes_the_step_kernel_as_its_source_says() {
+        let src = |n: &str| KERNEL_SOURCES.iter().find(|(f, _)| *f == n).unwrap().1;
+        assert!(src("fo_vec.cuh").contains("#define FO_VEC 16\n"));
+        assert!(src("fo_quant8.cuh").contains("#define FO_GROUP 32\n"));
+        assert!(src("fo_step.cuh").contains("#define FO_GROUP_LANES (FO_GROUP / FO_VEC)\n"));
+        assert_eq!(STEP_LANES_PER_GROUP, 32 / 16);
     }
 }
