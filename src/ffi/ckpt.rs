@@ -5,12 +5,12 @@ use std::ffi::{c_char, c_void, CString};
 
 use super::args::{arg_flag, arg_mut, arg_path, arg_ref, arg_str};
 use super::codes::{
-    FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER, FO_PACK_PARAMS_NONE,
-    FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
+    FO_MAX_DIMS, FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER,
+    FO_PACK_PARAMS_NONE, FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
 };
 use super::handle::{destroy, enter, Guarded, Handle};
 use super::optim::{enter_opt, fo_optimizer, write_string};
-use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
+use super::status::{fo_status, guard, guard_void};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
 use crate::error::{Error, Result};
 

@@ -71,11 +71,6 @@ fn boxed(c: Comm) -> *mut fo_comm {
     }))
 }
 
-/// `all_reduce_f64`'s `op`: sum.
-pub const FO_REDUCE_SUM: i32 = 0;
-/// `all_reduce_f64`'s `op`: max (must propagate NaN).
-pub const FO_REDUCE_MAX: i32 = 1;
-
 /// The host's collectives. Each returns 0 on success; any other value fails the fo call
 /// with FO_ERR_COMM naming the operation. `user` is passed back to every callback.
 /// - `broadcast`: copy root's `nbytes` at `buf` into every rank's `buf`.

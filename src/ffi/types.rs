@@ -2,8 +2,10 @@
 use std::ffi::c_void;
 
 use super::args::{arg_count, arg_dims, arg_ndim, arg_slice};
-use super::codes::FO_DEVICE_HOST;
-use super::status::FO_MAX_DIMS;
+use super::codes::{
+    FO_DEVICE_HOST, FO_MAX_DIMS, FO_PLACEMENT_PARTIAL, FO_PLACEMENT_REPLICATE, FO_PLACEMENT_SHARD,
+    FO_PLACEMENT_STRIDED_SHARD,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ShardInfo, ShardSpec};
@@ -74,11 +76,6 @@ pub struct fo_placement {
     pub dim: i32,
     pub split_factor: i32,
 }
-
-pub const FO_PLACEMENT_REPLICATE: i32 = 0;
-pub const FO_PLACEMENT_SHARD: i32 = 1;
-pub const FO_PLACEMENT_STRIDED_SHARD: i32 = 2;
-pub const FO_PLACEMENT_PARTIAL: i32 = 3;
 
 impl fo_placement {
     pub(crate) fn to_placement(self, what: &str) -> Result<Placement> {
