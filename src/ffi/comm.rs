@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::sync::lock;
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
+use super::code_tables::BROADCAST_STRATEGY;
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
 use super::handle::{enter, Guarded, Handle};
 use super::status::{fo_status, guard, guard_void};
@@ -188,7 +189,10 @@ impl fo_broadcast_options {
             s => {
                 return Err(Error::invalid(
                     "opts.strategy",
-                    format!("{s} is not 0 (scatter) or 1 (full broadcast)"),
+                    format!(
+                        "unknown strategy {s} (valid: {})",
+                        BROADCAST_STRATEGY.valid()
+                    ),
                 ))
             }
         };

@@ -2,6 +2,7 @@
 use std::ffi::c_void;
 
 use super::args::{arg_count, arg_dims, arg_ndim, arg_slice};
+use super::code_tables::PLACEMENT;
 use super::codes::{
     FO_DEVICE_HOST, FO_MAX_DIMS, FO_PLACEMENT_PARTIAL, FO_PLACEMENT_REPLICATE, FO_PLACEMENT_SHARD,
     FO_PLACEMENT_STRIDED_SHARD,
@@ -99,7 +100,7 @@ impl fo_placement {
             k => {
                 return Err(Error::invalid(
                     format!("{what}.kind"),
-                    format!("unknown placement kind {k} (valid: 0..=3)"),
+                    format!("unknown placement kind {k} (valid: {})", PLACEMENT.valid()),
                 ))
             }
         })
