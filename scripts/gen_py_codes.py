@@ -6,7 +6,9 @@ src/optim/keys.rs (state names, key suffixes) and src/ckpt/naming.rs (the state 
 file names): C has no string constants from cbindgen, so Python spells no checkpoint name
 itself.
 
-Run it after the header changes (`FO_BLESS=1 cargo test --test header`):
+The header's constants come from the code tables (src/codes.rs, src/ffi/code_tables.rs)
+through the generated src/ffi/codes.rs, so this file repeats what those tables say. Run it
+after the header changes (`FO_BLESS=1 cargo test --test header`):
 
     python scripts/gen_py_codes.py            # rewrites python/fo/_codes.py
     python scripts/gen_py_codes.py --check    # exit 1 if the committed file is stale

@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Lowest first: a room may use rooms on its own floor or below.
 FLOORS = [
-    ["error", "sync"],
+    ["error", "sync", "codes"],  # codes: the code_table! macro every coded enum uses
     ["dtype", "sys"],
     ["tensor", "cast"],
     ["shard"],

@@ -2,55 +2,28 @@
 //! `fo_tensor.dtype` and the names safetensors files use.
 use crate::error::{Error, Result};
 
-/// Element types, with the C codes of `fo_tensor.dtype` (part of the ABI).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-    F64,
-    I8,
-    U8,
-    I16,
-    I32,
-    I64,
-    Bool,
-    F8E4M3,
-    F8E5M2,
+crate::codes::code_table! {
+    /// Element types, with the C codes of `fo_tensor.dtype` (part of the ABI) and the
+    /// names safetensors files use (`F32`, `BF16`, `F8_E4M3`: also the C constants' suffix).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum DType {
+        noun = "dtype", c_prefix = "FO_DTYPE_", c_type = i32, c_doc = "`fo_tensor.dtype`: ";
+        F32 = 0, "F32", "32-bit float.";
+        F16 = 1, "F16", "IEEE half.";
+        BF16 = 2, "BF16", "bfloat16.";
+        F64 = 3, "F64", "64-bit float.";
+        I8 = 4, "I8", "signed 8-bit integer.";
+        U8 = 5, "U8", "unsigned 8-bit integer.";
+        I16 = 6, "I16", "signed 16-bit integer.";
+        I32 = 7, "I32", "signed 32-bit integer.";
+        I64 = 8, "I64", "signed 64-bit integer.";
+        Bool = 9, "BOOL", "bool, one byte (0 or 1).";
+        F8E4M3 = 10, "F8_E4M3", "float8 e4m3 (torch `float8_e4m3fn`).";
+        F8E5M2 = 11, "F8_E5M2", "float8 e5m2 (torch `float8_e5m2`).";
+    }
 }
 
 impl DType {
-    pub const ALL: [DType; 12] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F64,
-        DType::I8,
-        DType::U8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::Bool,
-        DType::F8E4M3,
-        DType::F8E5M2,
-    ];
-
-    /// The dtype for a C code; `what` names the argument in the error.
-    pub fn from_code(code: i32, what: &str) -> Result<DType> {
-        DType::ALL
-            .iter()
-            .copied()
-            .find(|d| d.code() == code)
-            .ok_or_else(|| {
-                Error::invalid(what, format!("unknown dtype code {code} (valid: 0..=11)"))
-            })
-    }
-
-    /// The C code (`fo_tensor.dtype`); the order of `ALL` is the ABI.
-    pub fn code(self) -> i32 {
-        DType::ALL.iter().position(|d| *d == self).unwrap() as i32
-    }
-
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -63,27 +36,11 @@ impl DType {
 
     /// The name safetensors uses in its header (`"F32"`, `"BF16"`, `"F8_E4M3"`, ...).
     pub fn safetensors_name(self) -> &'static str {
-        match self {
-            DType::F32 => "F32",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::F64 => "F64",
-            DType::I8 => "I8",
-            DType::U8 => "U8",
-            DType::I16 => "I16",
-            DType::I32 => "I32",
-            DType::I64 => "I64",
-            DType::Bool => "BOOL",
-            DType::F8E4M3 => "F8_E4M3",
-            DType::F8E5M2 => "F8_E5M2",
-        }
+        self.name()
     }
 
     pub fn from_safetensors_name(name: &str) -> Result<DType> {
-        DType::ALL
-            .iter()
-            .copied()
-            .find(|d| d.safetensors_name() == name)
+        DType::by_name(name)
             .ok_or_else(|| Error::Dtype(format!("unsupported safetensors dtype {name:?}")))
     }
 
@@ -96,12 +53,6 @@ impl DType {
 
     pub fn is_float8(self) -> bool {
         matches!(self, DType::F8E4M3 | DType::F8E5M2)
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.safetensors_name())
     }
 }
 

@@ -28,6 +28,9 @@ pub mod cast;
 /// The FSDP2-safe global gradient norm and clip.
 /// cbindgen:ignore
 pub mod clip;
+/// The C codes, each written once: `code_table!` and the tables the ABI's constants come from.
+/// cbindgen:ignore
+pub mod codes;
 /// Communicators: in-process groups, host callbacks, NCCL (feature `cuda`).
 /// cbindgen:ignore
 pub mod comm;

@@ -6,7 +6,7 @@ import ctypes
 import torch
 
 from ._codes import FO_DEVICE_HOST, FO_ERR_DTYPE, FO_ERR_INVALID_ARGUMENT, FO_ERR_UNSUPPORTED
-from ._ffi import DTYPE_CODES, FoError, Tensor, i64p
+from ._ffi import DTYPE_CODES, FoError, Tensor, i64p, lib
 from .shard import Partial, Replicate, Shard, ShardSpec, StridedShard
 
 try:
@@ -26,8 +26,8 @@ INVALID_ARGUMENT, DTYPE, UNSUPPORTED = FO_ERR_INVALID_ARGUMENT, FO_ERR_DTYPE, FO
 
 
 def error(status, message):
-    names = {INVALID_ARGUMENT: "FO_ERR_INVALID_ARGUMENT", DTYPE: "FO_ERR_DTYPE", UNSUPPORTED: "FO_ERR_UNSUPPORTED"}
-    return FoError(status, names[status], message)
+    """The FoError fo itself would raise for `status` (named by fo_status_name, the one table)."""
+    return FoError(status, lib.fo_status_name(status).decode(), message)
 
 
 def is_dtensor(t):

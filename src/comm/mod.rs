@@ -24,22 +24,19 @@ pub use local::{LocalGroupOptions, MAX_LOCAL_WORLD, MAX_TIMEOUT_S};
 
 use crate::error::{Error, Result};
 
-/// How `all_reduce_f64` combines values. `Max` propagates NaN.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    Sum,
-    Max,
+crate::codes::code_table! {
+    /// How `all_reduce_f64` combines values; the codes are what callbacks receive as `op`.
+    /// `Max` propagates NaN.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum ReduceOp {
+        noun = "reduce op", c_prefix = "FO_REDUCE_", c_type = i32,
+        c_doc = "`all_reduce_f64`'s `op`: ";
+        Sum = 0, "sum", "sum.";
+        Max = 1, "max", "max (must propagate NaN).";
+    }
 }
 
 impl ReduceOp {
-    /// The C code (`FO_REDUCE_SUM` 0, `FO_REDUCE_MAX` 1) passed to callbacks.
-    pub fn code(self) -> i32 {
-        match self {
-            ReduceOp::Sum => 0,
-            ReduceOp::Max => 1,
-        }
-    }
-
     /// Combines `b` into `a`; `Max` returns NaN when either side is NaN.
     pub fn combine(self, a: f64, b: f64) -> f64 {
         match self {

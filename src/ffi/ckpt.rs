@@ -4,13 +4,14 @@
 use std::ffi::{c_char, c_void, CString};
 
 use super::args::{arg_flag, arg_mut, arg_path, arg_ref, arg_str};
+use super::code_tables::{PACK_MODE, PACK_PARAMS};
 use super::codes::{
-    FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER, FO_PACK_PARAMS_NONE,
-    FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
+    FO_MAX_DIMS, FO_PACK_MODE_COMPRESSED, FO_PACK_MODE_PORTABLE, FO_PACK_PARAMS_MASTER,
+    FO_PACK_PARAMS_NONE, FO_PACK_PARAMS_STORED, FO_WRITE_UNSHARDED_RANK0,
 };
 use super::handle::{destroy, enter, Guarded, Handle};
 use super::optim::{enter_opt, fo_optimizer, write_string};
-use super::status::{fo_status, guard, guard_void, FO_MAX_DIMS};
+use super::status::{fo_status, guard, guard_void};
 use crate::ckpt::{self, LoadOptions, Mode, Packed, ParamsAs, SaveOptions};
 use crate::error::{Error, Result};
 
@@ -46,7 +47,7 @@ impl fo_pack_options {
             m => {
                 return Err(Error::invalid(
                     "options.mode",
-                    format!("unknown mode {m} (0 compressed, 1 portable)"),
+                    format!("unknown mode {m} (valid: {})", PACK_MODE.valid()),
                 ))
             }
         };
@@ -62,7 +63,7 @@ impl fo_pack_options {
             p => {
                 return Err(Error::invalid(
                     "options.params",
-                    format!("unknown value {p} (0, 1 or 2)"),
+                    format!("unknown value {p} (valid: {})", PACK_PARAMS.valid()),
                 ))
             }
         };
@@ -71,7 +72,7 @@ impl fo_pack_options {
             w => Some(arg_flag(w, "options.write_unsharded").map_err(|_| {
                 Error::invalid(
                     "options.write_unsharded",
-                    format!("{w} is not -1 (rank 0), 0 or 1"),
+                    format!("{w} is not {FO_WRITE_UNSHARDED_RANK0} (rank 0), 0 or 1"),
                 )
             })?),
         };

@@ -3,6 +3,7 @@
 use std::ffi::{c_char, CString};
 
 use super::args::{arg_flag, arg_mut, arg_path, arg_slice};
+use super::code_tables::CONVERT_FORMAT;
 use super::codes::{
     FO_CONVERT_FORMAT_COMPRESSED, FO_CONVERT_FORMAT_KEEP, FO_CONVERT_FORMAT_PORTABLE,
 };
@@ -43,9 +44,7 @@ unsafe fn convert_options(o: &fo_convert_options) -> Result<ConvertOptions> {
         t => {
             return Err(Error::invalid(
                 "options.to",
-                format!(
-                    "unknown format {t} (valid: FO_CONVERT_FORMAT_KEEP, _PORTABLE, _COMPRESSED)"
-                ),
+                format!("unknown format {t} (valid: {})", CONVERT_FORMAT.valid()),
             ))
         }
     };

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::sync::lock;
 
 use super::args::{arg_count, arg_flag, arg_mut, arg_ref, arg_slice, arg_str};
+use super::code_tables::BROADCAST_STRATEGY;
 use super::codes::{FO_BROADCAST_STRATEGY_FULL_BROADCAST, FO_BROADCAST_STRATEGY_SCATTER};
 use super::handle::{enter, Guarded, Handle};
 use super::status::{fo_status, guard, guard_void};
@@ -70,11 +71,6 @@ fn boxed(c: Comm) -> *mut fo_comm {
         saves: Mutex::new(Vec::new()),
     }))
 }
-
-/// `all_reduce_f64`'s `op`: sum.
-pub const FO_REDUCE_SUM: i32 = 0;
-/// `all_reduce_f64`'s `op`: max (must propagate NaN).
-pub const FO_REDUCE_MAX: i32 = 1;
 
 /// The host's collectives. Each returns 0 on success; any other value fails the fo call
 /// with FO_ERR_COMM naming the operation. `user` is passed back to every callback.
@@ -193,7 +189,10 @@ impl fo_broadcast_options {
             s => {
                 return Err(Error::invalid(
                     "opts.strategy",
-                    format!("{s} is not 0 (scatter) or 1 (full broadcast)"),
+                    format!(
+                        "unknown strategy {s} (valid: {})",
+                        BROADCAST_STRATEGY.valid()
+                    ),
                 ))
             }
         };

@@ -5,6 +5,8 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod args;
+/// cbindgen:ignore
+mod code_tables;
 mod codes;
 mod handle;
 mod status;

@@ -71,7 +71,7 @@ impl fo_optim_config {
             )
         })?;
         Ok(OptimConfig {
-            algorithm: Algorithm::from_code(self.algorithm)?,
+            algorithm: Algorithm::from_code(self.algorithm, "algorithm")?,
             lr: self.lr,
             beta1: self.beta1,
             beta2: self.beta2,
@@ -82,10 +82,10 @@ impl fo_optim_config {
             nesterov: arg_flag(self.nesterov, "nesterov")?,
             decouple_lr: arg_flag(self.decouple_lr, "decouple_lr")?,
             initial_lr: self.initial_lr,
-            state_format: StateFormat::from_code(self.state_format)?,
+            state_format: StateFormat::from_code(self.state_format, "state_format")?,
             master_weight_bits: bits,
             check_numerics: arg_flag(self.check_numerics, "check_numerics")?,
-            arithmetic: Arithmetic::from_code(self.arithmetic)?,
+            arithmetic: Arithmetic::from_code(self.arithmetic, "arithmetic")?,
         })
     }
 
@@ -170,7 +170,7 @@ pub(super) unsafe fn write_string(
 pub unsafe extern "C" fn fo_optim_config_default(algorithm: i32, out: *mut fo_optim_config) {
     guard_void(|| {
         if let Some(o) = out.as_mut() {
-            let a = Algorithm::from_code(algorithm).unwrap_or(Algorithm::AdamW);
+            let a = Algorithm::by_code(algorithm).unwrap_or(Algorithm::AdamW);
             *o = fo_optim_config::from_config(&OptimConfig::default_for(a));
             o.algorithm = algorithm;
         }

@@ -1,73 +1,63 @@
-//! Status codes and the thread-local last-error message of the C ABI, and `guard`: the
+//! Status codes (`Status`, the table `FO_OK` and the `FO_ERR_*` constants are generated
+//! from) and the thread-local last-error message of the C ABI, and `guard`: the
 //! panic-catching wrapper every exported function runs its body in.
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use super::codes::{FO_ABI_VERSION, FO_ERR_INTERNAL, FO_OK};
 use crate::error::{Error, Result};
 
 /// Return code of every fo function: `FO_OK` (0) or one of the `FO_ERR_*` codes.
 pub type fo_status = i32;
 
-pub const FO_OK: fo_status = 0;
-/// A NULL pointer, a negative size, an index out of range, an unknown enum value.
-pub const FO_ERR_INVALID_ARGUMENT: fo_status = 1;
-/// An unknown or unsupported dtype, or a dtype that differs where it must not.
-pub const FO_ERR_DTYPE: fo_status = 2;
-/// Shapes that do not agree.
-pub const FO_ERR_SHAPE: fo_status = 3;
-/// A key, parameter or file that does not exist.
-pub const FO_ERR_NOT_FOUND: fo_status = 4;
-/// The operating system refused a file operation.
-pub const FO_ERR_IO: fo_status = 5;
-/// A truncated file, a bad header, a checksum mismatch.
-pub const FO_ERR_CORRUPT: fo_status = 6;
-/// A collective failed, or ranks disagreed.
-pub const FO_ERR_COMM: fo_status = 7;
-/// A non-finite gradient or an unrepresentable update (numerics checks on).
-pub const FO_ERR_NUMERICS: fo_status = 8;
-/// Valid, but not available in this build or on this machine (CUDA absent, ...).
-pub const FO_ERR_UNSUPPORTED: fo_status = 9;
-/// A bug in fo (a caught panic); the message says where.
-pub const FO_ERR_INTERNAL: fo_status = 10;
-/// The handle is in use by another call: another thread (handles take one call at a
-/// time), or a callback re-entering fo with the handle whose call is running it. The
-/// message names the call in progress; nothing was done.
-pub const FO_ERR_BUSY: fo_status = 11;
-/// A wait ran out of time (`fo_save_wait`); the work goes on: wait again.
-pub const FO_ERR_TIMEOUT: fo_status = 12;
-
-/// Most tensor or mesh dims fo accepts.
-pub const FO_MAX_DIMS: usize = 8;
-
-/// Most threads `fo_set_num_threads` accepts.
-pub const FO_MAX_THREADS: i32 = 1024;
-
-/// Most ranks of an in-process group (`fo_comm_create_local_group`).
-pub const FO_MAX_LOCAL_WORLD: i32 = 1024;
-
-/// Most ranks of one checkpoint (`fo_pack_options.world_size`).
-pub const FO_MAX_WORLD_SIZE: i32 = 1 << 20;
-
-/// The ABI version this header describes; compare with `fo_abi_version()` at load time.
-pub const FO_ABI_VERSION: u32 = 2;
+crate::codes::code_table! {
+    /// The C ABI's status codes (`fo_status`): `FO_OK`, then one per `Error` variant, fixed
+    /// forever (`status_of`). The names are the C constants' (`fo_status_name` returns them).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Status {
+        noun = "status", c_prefix = "", c_type = fo_status, c_doc = "";
+        Ok = 0, "FO_OK", "";
+        InvalidArgument = 1, "FO_ERR_INVALID_ARGUMENT",
+            "A NULL pointer, a negative size, an index out of range, an unknown enum value.";
+        Dtype = 2, "FO_ERR_DTYPE",
+            "An unknown or unsupported dtype, or a dtype that differs where it must not.";
+        Shape = 3, "FO_ERR_SHAPE", "Shapes that do not agree.";
+        NotFound = 4, "FO_ERR_NOT_FOUND", "A key, parameter or file that does not exist.";
+        Io = 5, "FO_ERR_IO", "The operating system refused a file operation.";
+        Corrupt = 6, "FO_ERR_CORRUPT", "A truncated file, a bad header, a checksum mismatch.";
+        Comm = 7, "FO_ERR_COMM", "A collective failed, or ranks disagreed.";
+        Numerics = 8, "FO_ERR_NUMERICS",
+            "A non-finite gradient or an unrepresentable update (numerics checks on).";
+        Unsupported = 9, "FO_ERR_UNSUPPORTED",
+            "Valid, but not available in this build or on this machine (CUDA absent, ...).";
+        Internal = 10, "FO_ERR_INTERNAL", "A bug in fo (a caught panic); the message says where.";
+        Busy = 11, "FO_ERR_BUSY",
+            "The handle is in use by another call: another thread (handles take one call at a\n\
+             time), or a callback re-entering fo with the handle whose call is running it. The\n\
+             message names the call in progress; nothing was done.";
+        Timeout = 12, "FO_ERR_TIMEOUT",
+            "A wait ran out of time (`fo_save_wait`); the work goes on: wait again.";
+    }
+}
 
 /// The status code for a core error: one code per variant, fixed forever.
 pub(crate) fn status_of(e: &Error) -> fo_status {
-    match e {
-        Error::InvalidArgument { .. } => FO_ERR_INVALID_ARGUMENT,
-        Error::Dtype(_) => FO_ERR_DTYPE,
-        Error::Shape(_) => FO_ERR_SHAPE,
-        Error::NotFound(_) => FO_ERR_NOT_FOUND,
-        Error::Io { .. } => FO_ERR_IO,
-        Error::Corrupt { .. } => FO_ERR_CORRUPT,
-        Error::Comm(_) => FO_ERR_COMM,
-        Error::Numerics(_) => FO_ERR_NUMERICS,
-        Error::Unsupported(_) => FO_ERR_UNSUPPORTED,
-        Error::Timeout(_) => FO_ERR_TIMEOUT,
-        Error::Internal(_) => FO_ERR_INTERNAL,
-        Error::Busy(_) => FO_ERR_BUSY,
-    }
+    let s = match e {
+        Error::InvalidArgument { .. } => Status::InvalidArgument,
+        Error::Dtype(_) => Status::Dtype,
+        Error::Shape(_) => Status::Shape,
+        Error::NotFound(_) => Status::NotFound,
+        Error::Io { .. } => Status::Io,
+        Error::Corrupt { .. } => Status::Corrupt,
+        Error::Comm(_) => Status::Comm,
+        Error::Numerics(_) => Status::Numerics,
+        Error::Unsupported(_) => Status::Unsupported,
+        Error::Timeout(_) => Status::Timeout,
+        Error::Internal(_) => Status::Internal,
+        Error::Busy(_) => Status::Busy,
+    };
+    s.code()
 }
 
 thread_local! {
@@ -124,23 +114,10 @@ pub extern "C" fn fo_last_error_message() -> *const c_char {
 /// A static name for a status code (`"FO_ERR_SHAPE"`), `"FO_ERR_UNKNOWN"` for others.
 #[no_mangle]
 pub extern "C" fn fo_status_name(status: fo_status) -> *const c_char {
-    let s: &'static [u8] = match status {
-        FO_OK => b"FO_OK\0",
-        FO_ERR_INVALID_ARGUMENT => b"FO_ERR_INVALID_ARGUMENT\0",
-        FO_ERR_DTYPE => b"FO_ERR_DTYPE\0",
-        FO_ERR_SHAPE => b"FO_ERR_SHAPE\0",
-        FO_ERR_NOT_FOUND => b"FO_ERR_NOT_FOUND\0",
-        FO_ERR_IO => b"FO_ERR_IO\0",
-        FO_ERR_CORRUPT => b"FO_ERR_CORRUPT\0",
-        FO_ERR_COMM => b"FO_ERR_COMM\0",
-        FO_ERR_NUMERICS => b"FO_ERR_NUMERICS\0",
-        FO_ERR_UNSUPPORTED => b"FO_ERR_UNSUPPORTED\0",
-        FO_ERR_INTERNAL => b"FO_ERR_INTERNAL\0",
-        FO_ERR_BUSY => b"FO_ERR_BUSY\0",
-        FO_ERR_TIMEOUT => b"FO_ERR_TIMEOUT\0",
-        _ => b"FO_ERR_UNKNOWN\0",
-    };
-    s.as_ptr() as *const c_char
+    match Status::by_code(status) {
+        Some(s) => s.name_c().as_ptr(),
+        None => c"FO_ERR_UNKNOWN".as_ptr(),
+    }
 }
 
 /// The library version, `"MAJOR.MINOR.PATCH"`; a static string.
@@ -157,6 +134,7 @@ pub extern "C" fn fo_abi_version() -> u32 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::codes::{FO_ERR_BUSY, FO_ERR_SHAPE};
     use super::*;
     use std::ffi::CStr;
 
@@ -186,13 +164,19 @@ mod tests {
         codes.sort();
         codes.dedup();
         assert_eq!(codes.len(), all.len());
-        assert_eq!(FO_MAX_DIMS, crate::tensor::MAX_DIMS);
-        assert_eq!(FO_MAX_THREADS as usize, crate::optim::threads::MAX_THREADS);
-        assert_eq!(FO_MAX_LOCAL_WORLD as usize, crate::comm::MAX_LOCAL_WORLD);
-        assert_eq!(
-            FO_MAX_WORLD_SIZE as usize,
-            crate::ckpt::commit::MAX_WORLD_SIZE
-        );
+    }
+
+    #[test]
+    fn status_names_are_the_constants_names() {
+        let name = |c| {
+            unsafe { CStr::from_ptr(fo_status_name(c)) }
+                .to_str()
+                .unwrap()
+        };
+        assert_eq!(name(FO_OK), "FO_OK");
+        assert_eq!(name(FO_ERR_BUSY), "FO_ERR_BUSY");
+        assert_eq!(name(13), "FO_ERR_UNKNOWN");
+        assert_eq!(name(-1), "FO_ERR_UNKNOWN");
     }
 
     #[test]

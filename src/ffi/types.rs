@@ -2,8 +2,11 @@
 use std::ffi::c_void;
 
 use super::args::{arg_count, arg_dims, arg_ndim, arg_slice};
-use super::codes::FO_DEVICE_HOST;
-use super::status::FO_MAX_DIMS;
+use super::code_tables::PLACEMENT;
+use super::codes::{
+    FO_DEVICE_HOST, FO_MAX_DIMS, FO_PLACEMENT_PARTIAL, FO_PLACEMENT_REPLICATE, FO_PLACEMENT_SHARD,
+    FO_PLACEMENT_STRIDED_SHARD,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ShardInfo, ShardSpec};
@@ -75,11 +78,6 @@ pub struct fo_placement {
     pub split_factor: i32,
 }
 
-pub const FO_PLACEMENT_REPLICATE: i32 = 0;
-pub const FO_PLACEMENT_SHARD: i32 = 1;
-pub const FO_PLACEMENT_STRIDED_SHARD: i32 = 2;
-pub const FO_PLACEMENT_PARTIAL: i32 = 3;
-
 impl fo_placement {
     pub(crate) fn to_placement(self, what: &str) -> Result<Placement> {
         let dim = || arg_count(self.dim as i64, &format!("{what}.dim"));
@@ -102,7 +100,7 @@ impl fo_placement {
             k => {
                 return Err(Error::invalid(
                     format!("{what}.kind"),
-                    format!("unknown placement kind {k} (valid: 0..=3)"),
+                    format!("unknown placement kind {k} (valid: {})", PLACEMENT.valid()),
                 ))
             }
         })

@@ -1,58 +1,27 @@
 //! Hyper-parameters of one param group, with FlashOptim 0.1.4's defaults and checks.
 use crate::error::{Error, Result};
 
-/// The update rule. Codes are the C ABI's `fo_optim_config.algorithm`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algorithm {
-    /// Adam with decoupled weight decay (`p *= 1 - lr·wd`).
-    AdamW,
-    /// Adam with L2 weight decay added to the gradient (torch `Adam(weight_decay=)`).
-    Adam,
-    /// SGD with momentum, dampening, Nesterov; L2 (coupled) weight decay.
-    Sgd,
-    /// SGD with decoupled weight decay (`p *= 1 - lr·wd` before the update).
-    SgdW,
-    /// Lion (sign of interpolated momentum), decoupled weight decay.
-    Lion,
+crate::codes::code_table! {
+    /// The update rule. Codes are the C ABI's `fo_optim_config.algorithm`; the names are
+    /// what checkpoints record (`"AdamW"`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Algorithm {
+        noun = "algorithm", c_prefix = "FO_ALGORITHM_", c_type = i32,
+        c_doc = "`fo_optim_config.algorithm`: ";
+        /// Adam with decoupled weight decay (`p *= 1 - lr·wd`).
+        AdamW = 0, "AdamW", "Adam with decoupled weight decay.";
+        /// Adam with L2 weight decay added to the gradient (torch `Adam(weight_decay=)`).
+        Adam = 1, "Adam", "Adam with L2 weight decay (torch `Adam(weight_decay=)`).";
+        /// SGD with momentum, dampening, Nesterov; L2 (coupled) weight decay.
+        Sgd = 2, "SGD", "SGD with momentum, dampening, Nesterov; L2 weight decay.";
+        /// SGD with decoupled weight decay (`p *= 1 - lr·wd` before the update).
+        SgdW = 3, "SGDW", "SGD with decoupled weight decay.";
+        /// Lion (sign of interpolated momentum), decoupled weight decay.
+        Lion = 4, "Lion", "Lion, decoupled weight decay.";
+    }
 }
 
 impl Algorithm {
-    /// Every algorithm, in C ABI code order.
-    pub const ALL: [Algorithm; 5] = [
-        Algorithm::AdamW,
-        Algorithm::Adam,
-        Algorithm::Sgd,
-        Algorithm::SgdW,
-        Algorithm::Lion,
-    ];
-
-    pub fn from_code(c: i32) -> Result<Algorithm> {
-        Ok(match c {
-            0 => Algorithm::AdamW,
-            1 => Algorithm::Adam,
-            2 => Algorithm::Sgd,
-            3 => Algorithm::SgdW,
-            4 => Algorithm::Lion,
-            _ => {
-                return Err(Error::invalid(
-                    "algorithm",
-                    format!("unknown algorithm code {c} (valid: 0..=4)"),
-                ))
-            }
-        })
-    }
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::AdamW => "AdamW",
-            Algorithm::Adam => "Adam",
-            Algorithm::Sgd => "SGD",
-            Algorithm::SgdW => "SGDW",
-            Algorithm::Lion => "Lion",
-        }
-    }
     pub fn is_adam(self) -> bool {
         matches!(self, Algorithm::AdamW | Algorithm::Adam)
     }
@@ -65,102 +34,65 @@ impl Algorithm {
     }
 }
 
-/// How optimizer state is stored. Codes are `fo_optim_config.state_format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StateFormat {
-    /// f32 state; arithmetic reproduces torch.optim's single-tensor CPU implementation.
-    Fp32,
-    /// State in the parameter's dtype (bf16 for bf16 params), FlashOptim `quantize=False`.
-    ParamDtype,
-    /// FlashOptim's 8-bit grouped state (int8 softsign momentum, uint8 sqrt variance,
-    /// fp16 scale per 32 elements). Bit-exact with FlashOptim 0.1.4.
-    Quant8,
-    /// fo's opt-in variant of `Quant8`, same bytes per parameter: the variance is stored
-    /// by its fourth root (`v^(1/4)`, uint8, fp16 scale per 32), so a group spans 65025:1
-    /// in `sqrt(v)` instead of 255:1, and an element whose variance code is 0 while its
-    /// momentum is not is stepped as if `v^(1/4)` were half the smallest non-zero level
-    /// (the largest value the code 0 can stand for), never by `m/eps`. This keeps
-    /// FlashOptim's divergence on tiny-variance elements away (oracle case
-    /// `flash_adamw_mw24_wide_grads`: worst cosine 0.99999, nmse 2.5e-5 against torch's
-    /// fp32 run, where `Quant8` reaches nmse 9.5e8). Momentum is FlashOptim's int8 format.
-    /// The arithmetic is FlashOptim's, as for `Quant8`.
-    Quant8Wide,
+crate::codes::code_table! {
+    /// How optimizer state is stored. Codes are `fo_optim_config.state_format`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum StateFormat {
+        noun = "state format", c_prefix = "FO_STATE_FORMAT_", c_type = i32,
+        c_doc = "`fo_optim_config.state_format`: ";
+        /// f32 state; arithmetic reproduces torch.optim's single-tensor CPU implementation.
+        Fp32 = 0, "fp32", "f32 state, torch.optim's arithmetic.";
+        /// State in the parameter's dtype (bf16 for bf16 params), FlashOptim `quantize=False`.
+        ParamDtype = 1, "param_dtype", "state in the parameter's dtype.";
+        /// FlashOptim's 8-bit grouped state (int8 softsign momentum, uint8 sqrt variance,
+        /// fp16 scale per 32 elements). Bit-exact with FlashOptim 0.1.4.
+        Quant8 = 2, "quant8", "FlashOptim 0.1.4's 8-bit grouped state, bit-exact.";
+        /// fo's opt-in variant of `Quant8`, same bytes per parameter: the variance is stored
+        /// by its fourth root (`v^(1/4)`, uint8, fp16 scale per 32), so a group spans 65025:1
+        /// in `sqrt(v)` instead of 255:1, and an element whose variance code is 0 while its
+        /// momentum is not is stepped as if `v^(1/4)` were half the smallest non-zero level
+        /// (the largest value the code 0 can stand for), never by `m/eps`. This keeps
+        /// FlashOptim's divergence on tiny-variance elements away (oracle case
+        /// `flash_adamw_mw24_wide_grads`: worst cosine 0.99999, nmse 2.5e-5 against torch's
+        /// fp32 run, where `Quant8` reaches nmse 9.5e8). Momentum is FlashOptim's int8 format.
+        /// The arithmetic is FlashOptim's, as for `Quant8`.
+        Quant8Wide = 3, "quant8_wide", "fo's 8-bit variant (variance by its fourth root).";
+    }
 }
 
 impl StateFormat {
-    pub fn from_code(c: i32) -> Result<StateFormat> {
-        Ok(match c {
-            0 => StateFormat::Fp32,
-            1 => StateFormat::ParamDtype,
-            2 => StateFormat::Quant8,
-            3 => StateFormat::Quant8Wide,
-            _ => {
-                return Err(Error::invalid(
-                    "state_format",
-                    format!("unknown state format {c} (valid: 0..=3)"),
-                ))
-            }
-        })
-    }
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            StateFormat::Fp32 => "fp32",
-            StateFormat::ParamDtype => "param_dtype",
-            StateFormat::Quant8 => "quant8",
-            StateFormat::Quant8Wide => "quant8_wide",
-        }
-    }
     pub fn is_quantized(self) -> bool {
         matches!(self, StateFormat::Quant8 | StateFormat::Quant8Wide)
     }
 }
 
-/// How the compressed formats' arithmetic is carried out. Codes are
-/// `fo_optim_config.arithmetic`. Groups with fp32 state (torch's arithmetic, already at
-/// memory speed) step the same way under either.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arithmetic {
-    /// FlashOptim 0.1.4's operations in its order, each correctly rounded: bit-exact with
-    /// its kernels (the testing contract; the default).
-    Exact,
-    /// Reformulated for speed (reciprocal multiplies, fused multiply-adds, table-free
-    /// decode, one square root per element): within the bound `fast::ULP_BOUND` of
-    /// `Exact` per step, the same bits on every instruction set.
-    Fast,
+crate::codes::code_table! {
+    /// How the compressed formats' arithmetic is carried out. Codes are
+    /// `fo_optim_config.arithmetic`. Groups with fp32 state (torch's arithmetic, already at
+    /// memory speed) step the same way under either.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Arithmetic {
+        noun = "arithmetic", c_prefix = "FO_ARITHMETIC_", c_type = i32,
+        c_doc = "`fo_optim_config.arithmetic`: ";
+        /// FlashOptim 0.1.4's operations in its order, each correctly rounded: bit-exact with
+        /// its kernels (the testing contract; the default).
+        Exact = 0, "exact", "FlashOptim's operations, bit-exact (the default).";
+        /// Reformulated for speed (reciprocal multiplies, fused multiply-adds, table-free
+        /// decode, one square root per element): within the bound `fast::ULP_BOUND` of
+        /// `Exact` per step, the same bits on every instruction set.
+        Fast = 1, "fast", "reformulated for speed, within a stated bound of exact.";
+    }
 }
 
 impl Arithmetic {
-    pub fn from_code(c: i32) -> Result<Arithmetic> {
-        match c {
-            0 => Ok(Arithmetic::Exact),
-            1 => Ok(Arithmetic::Fast),
-            _ => Err(Error::invalid(
-                "arithmetic",
-                format!("unknown arithmetic {c} (valid: 0 = exact, 1 = fast)"),
-            )),
-        }
-    }
     pub fn from_name(s: &str) -> Result<Arithmetic> {
-        match s {
-            "exact" => Ok(Arithmetic::Exact),
-            "fast" => Ok(Arithmetic::Fast),
-            _ => Err(Error::invalid(
+        Arithmetic::by_name(s).ok_or_else(|| {
+            let valid = Arithmetic::C_CODES.names();
+            Error::invalid(
                 "arithmetic",
-                format!("unknown arithmetic {s:?} (valid: exact, fast)"),
-            )),
-        }
-    }
-    pub fn code(self) -> i32 {
-        self as i32
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Arithmetic::Exact => "exact",
-            Arithmetic::Fast => "fast",
-        }
+                format!("unknown arithmetic {s:?} (valid: {valid})"),
+            )
+        })
     }
 }
 
@@ -347,7 +279,7 @@ mod tests {
     fn defaults_validate_and_bad_values_name_the_field() {
         for a in Algorithm::ALL {
             OptimConfig::default_for(a).validate().unwrap();
-            assert_eq!(Algorithm::from_code(a.code()).unwrap(), a);
+            assert_eq!(Algorithm::from_code(a.code(), "algorithm").unwrap(), a);
         }
         let mut c = OptimConfig::default_for(Algorithm::AdamW);
         c.beta2 = 1.5;
@@ -369,10 +301,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("master_weight_bits"));
-        assert!(Arithmetic::from_code(2)
+        assert!(Arithmetic::from_code(2, "arithmetic")
             .unwrap_err()
             .to_string()
-            .contains("arithmetic"));
+            .contains("valid: 0 = exact, 1 = fast"));
         assert_eq!(Arithmetic::from_name("fast").unwrap(), Arithmetic::Fast);
         assert!(Arithmetic::from_name("quick")
             .unwrap_err()
