@@ -6,10 +6,14 @@
 // Its GPU half puts the resident parameters on GPU 0 (the shards Megatron keeps on the
 // device) and steps them in the same fo_optimizer_step as the host arena's, on the
 // caller's stream; the result must be the bits of an all-host run. It is skipped, saying
-// why, where libcuda, a GPU or a `--features cuda` build of libfo is missing.
+// why, where libcuda, a GPU or a `--features cuda` build of libfo is missing. Each half
+// prints where its step time goes (std::chrono around the calls it makes): making the
+// gradients, uploading the device ones, the fo_optimizer_step call, and waiting for the
+// stream; the first step apart, since it allocates state (and on a GPU loads the kernels).
 #include <dlfcn.h>
 #include <fo.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -164,9 +168,43 @@ void cu_check(int r, const char* what) {
   }
 }
 
+// Where a step's time goes, summed over steps (ms): the fo_optimizer_step call is the
+// optimizer's own time (on a GPU it returns once the device kernels are queued, after
+// stepping the host arena on the CPU); the stream wait is the device work still running.
+struct StepTimes {
+  double make = 0, upload = 0, call = 0, wait = 0;
+  int steps = 0;
+
+  static double since(std::chrono::steady_clock::time_point& t) {
+    auto now = std::chrono::steady_clock::now();
+    double ms = std::chrono::duration<double, std::milli>(now - t).count();
+    t = now;
+    return ms;
+  }
+  // One line: `first` (the step that allocated state) and the mean of the rest.
+  static void print(const char* what, const StepTimes& first, const StepTimes& rest, bool gpu) {
+    auto part = [gpu](const StepTimes& t, int n) {
+      char buf[160];
+      if (gpu)
+        std::snprintf(buf, sizeof buf, "grads made %.3f, uploaded %.3f, fo_optimizer_step %.3f, stream wait %.3f ms",
+                      t.make / n, t.upload / n, t.call / n, t.wait / n);
+      else
+        std::snprintf(buf, sizeof buf, "grads made %.3f, fo_optimizer_step %.3f ms", t.make / n, t.call / n);
+      return std::string(buf);
+    };
+    std::printf("%s step time: first step %s; next %d steps, mean %s\n", what, part(first, 1).c_str(), rest.steps,
+                rest.steps ? part(rest, rest.steps).c_str() : "-");
+  }
+};
+
 // Deterministic bf16 gradients for step `s`; the resident parameters' go to their device
 // buffers where `dev` is given, and the step runs on `stream`, waited for before return.
-void step(fo_optimizer* opt, int s, const OnDevice* dev = nullptr, const Cuda* cu = nullptr, void* stream = nullptr) {
+// Adds the step's time split to `times` where given.
+void step(fo_optimizer* opt, int s, const OnDevice* dev = nullptr, const Cuda* cu = nullptr, void* stream = nullptr,
+          StepTimes* times = nullptr) {
+  auto t = std::chrono::steady_clock::now();
+  StepTimes local;
+  StepTimes& acc = times ? *times : local;
   std::vector<std::vector<uint16_t>> grads;
   std::vector<fo_tensor> views;
   for (size_t i = 0; i < kParams.size(); ++i) {
@@ -174,6 +212,7 @@ void step(fo_optimizer* opt, int s, const OnDevice* dev = nullptr, const Cuda* c
     for (size_t j = 0; j < g.size(); ++j) g[j] = to_bf16(std::sin(0.37f * (j + 1) + 1.3f * s + i) * 0.1f);
     grads.push_back(std::move(g));
   }
+  acc.make += StepTimes::since(t);
   for (size_t i = 0; i < kParams.size(); ++i) {
     if (dev && dev->grad[i] != 0) {
       cu_check(cu->MemcpyHtoD(dev->grad[i], grads[i].data(), grads[i].size() * 2), "cuMemcpyHtoD (grad)");
@@ -182,9 +221,13 @@ void step(fo_optimizer* opt, int s, const OnDevice* dev = nullptr, const Cuda* c
       views.push_back(bf16_tensor(grads[i].data(), kParams[i]));
     }
   }
+  acc.upload += StepTimes::since(t);
   check(fo_optimizer_step(opt, views.data(), views.size()), "fo_optimizer_step");
+  acc.call += StepTimes::since(t);
   // The device gradients are reused by the next step: wait for this one's kernels.
   if (cu) cu_check(cu->StreamSynchronize(stream), "cuStreamSynchronize");
+  acc.wait += StepTimes::since(t);
+  ++acc.steps;
 }
 
 // The GPU half: returns the number of mismatching parameters (0 also when skipped).
@@ -221,9 +264,10 @@ int gpu_half(const std::vector<int32_t>& offloaded) {
   cu_check(cu.StreamCreate(&stream, 0), "cuStreamCreate");
   check(fo_optimizer_set_stream(opt, stream), "fo_optimizer_set_stream");
   fo_optimizer* ref = make_optimizer(host, offloaded);
+  StepTimes first, rest;
   for (int s = 0; s < kSteps; ++s) {
     step(ref, s);
-    step(opt, s, &dev, &cu, stream);
+    step(opt, s, &dev, &cu, stream, s == 0 ? &first : &rest);
   }
   int failures = 0, on_gpu = 0;
   for (size_t i = 0; i < kParams.size(); ++i) {
@@ -244,6 +288,7 @@ int gpu_half(const std::vector<int32_t>& offloaded) {
   std::printf("GPU half: %d params on GPU 0, %d in the host arena, %d steps: %s\n", on_gpu,
               static_cast<int>(kParams.size()) - on_gpu, kSteps,
               failures == 0 ? "bit-identical to the all-host step" : "MISMATCH");
+  StepTimes::print("GPU half", first, rest, true);
   return failures;
 }
 
@@ -293,7 +338,9 @@ int main(int argc, char** argv) {
   Model model(offloaded);
   init(model);
   fo_optimizer* opt = make_optimizer(model, offloaded);
-  for (int s = 0; s < 5; ++s) step(opt, s);
+  StepTimes first, rest;
+  for (int s = 0; s < 5; ++s) step(opt, s, nullptr, nullptr, nullptr, s == 0 ? &first : &rest);
+  StepTimes::print("host", first, rest, false);
   uint64_t state_bytes = 0;
   check(fo_optimizer_state_bytes(opt, -1, &state_bytes), "fo_optimizer_state_bytes");
   int64_t total = 0;
