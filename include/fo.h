@@ -1175,7 +1175,10 @@ fo_status fo_optimizer_step_begin(struct fo_optimizer *opt,
  the entry is ignored) and returns while fo steps
  them on its thread pool. Any order, any number of calls; parameters never handed over
  are skipped. The gradients' memory must stay valid, and unchanged by the caller, until
- `fo_optimizer_step_end` returns (with clipping it may scale them in place). A bad
+ `fo_optimizer_step_end` returns (with clipping it may scale them in place). A device
+ gradient of a host parameter (the offload case) is ordered here, at this call, after
+ the work queued on the optimizer's stream so far (its producer): it comes down on a
+ stream of fo's own, not behind the work queued on that stream later. A bad
  gradient, an index out of range or handed over twice is returned at once (nothing of
  this call is taken) and fails the step at step_end, which then changes nothing. No
  step open: FO_ERR_INVALID_ARGUMENT.

@@ -52,74 +52,79 @@ struct Slot {
     event: Option<u64>,
 }
 
-struct Lane {
-    stream: usize,
-    slots: [Slot; LANE_SLOTS],
-}
+type Slots = [[Slot; LANE_SLOTS]; 2];
 
 /// The lanes of one device (kept by its backend for the process).
 #[derive(Default)]
 pub struct Lanes {
-    state: Mutex<Option<[Lane; 2]>>,
+    /// The down and up streams, made on first use; apart from the slots, so that a
+    /// stream can be had (to order a copy) while a step holds the slots.
+    streams: Mutex<Option<[usize; 2]>>,
+    slots: Mutex<Option<Slots>>,
 }
 
 /// The lanes held by one step (`Lanes::hold`); other steps on the device wait.
 pub struct Held<'a> {
     b: &'a dyn LaneStreams,
-    lanes: MutexGuard<'a, Option<[Lane; 2]>>,
+    streams: [usize; 2],
+    slots: MutexGuard<'a, Option<Slots>>,
 }
 
 impl Lanes {
-    /// Holds the lanes for one step, making the streams and slots on first use.
+    /// The stream of direction `dir`, made on first use.
+    ///
+    /// # Safety
+    /// `b` is the backend these lanes belong to, every time.
+    pub unsafe fn stream(&self, b: &dyn LaneStreams, dir: Dir) -> Result<usize> {
+        let mut s = crate::sync::lock(&self.streams);
+        if s.is_none() {
+            *s = Some([b.create_stream()?, b.create_stream()?]);
+        }
+        Ok(s.expect("made above")[dir as usize])
+    }
+
+    /// Holds the lanes' slots for one step, making the streams and slots on first use.
     ///
     /// # Safety
     /// `b` is the backend these lanes belong to, every time.
     pub unsafe fn hold<'a>(&'a self, b: &'a dyn LaneStreams) -> Result<Held<'a>> {
-        let mut lanes = crate::sync::lock(&self.state);
-        if lanes.is_none() {
-            let mut made: Vec<Lane> = Vec::with_capacity(2);
-            for _ in 0..2 {
-                let stream = b.create_stream()?;
-                let mut slots: [Slot; LANE_SLOTS] = Default::default();
-                for s in &mut slots {
-                    match b.alloc_pinned(LANE_SLOT_BYTES) {
-                        Ok(p) => s.ptr = p,
-                        Err(e) => {
-                            // Nothing half-made is kept: the next step tries again.
-                            for s in made.iter().flat_map(|l| &l.slots).chain(&slots) {
-                                if s.ptr != 0 {
-                                    b.free_pinned(s.ptr);
-                                }
-                            }
-                            return Err(e);
+        let streams = [self.stream(b, Dir::Down)?, self.stream(b, Dir::Up)?];
+        let mut slots = crate::sync::lock(&self.slots);
+        if slots.is_none() {
+            let mut made: Slots = Default::default();
+            for s in made.iter_mut().flatten() {
+                match b.alloc_pinned(LANE_SLOT_BYTES) {
+                    Ok(p) => s.ptr = p,
+                    Err(e) => {
+                        // Nothing half-made is kept: the next step tries again.
+                        for s in made.iter().flatten().filter(|s| s.ptr != 0) {
+                            b.free_pinned(s.ptr);
                         }
+                        return Err(e);
                     }
                 }
-                made.push(Lane { stream, slots });
             }
-            let up = made.pop().expect("two lanes");
-            let down = made.pop().expect("two lanes");
-            *lanes = Some([down, up]);
+            *slots = Some(made);
         }
-        Ok(Held { b, lanes })
+        Ok(Held { b, streams, slots })
     }
 
     /// Pinned bytes the lanes hold now.
     pub fn held_bytes(&self) -> usize {
-        let lanes = crate::sync::lock(&self.state);
-        lanes.as_ref().map_or(0, |_| LANES_BYTES)
+        let slots = crate::sync::lock(&self.slots);
+        slots.as_ref().map_or(0, |_| LANES_BYTES)
     }
 }
 
 impl Held<'_> {
-    fn lane(&mut self, dir: Dir) -> &mut Lane {
-        let lanes = self.lanes.as_mut().expect("made in hold");
-        &mut lanes[dir as usize]
+    fn slot(&mut self, dir: Dir, k: usize) -> &mut Slot {
+        let slots = self.slots.as_mut().expect("made in hold");
+        &mut slots[dir as usize][k % LANE_SLOTS]
     }
 
     /// The stream of direction `dir`.
-    pub fn stream(&mut self, dir: Dir) -> usize {
-        self.lane(dir).stream
+    pub fn stream(&self, dir: Dir) -> usize {
+        self.streams[dir as usize]
     }
 
     /// Slot `k` of `dir`, idle: its last copy has completed.
@@ -128,7 +133,7 @@ impl Held<'_> {
     /// As the backend's `wait_event`.
     unsafe fn idle(&mut self, dir: Dir, k: usize) -> Result<u64> {
         let b = self.b;
-        let s = &mut self.lane(dir).slots[k % LANE_SLOTS];
+        let s = self.slot(dir, k);
         if let Some(ev) = s.event.take() {
             b.wait_event(ev)?;
         }
@@ -146,7 +151,7 @@ impl Held<'_> {
         let (b, stream) = (self.b, self.stream(Dir::Down));
         b.copy_to_host(dst, src, bytes, stream)?;
         let ev = b.record_event(stream)?;
-        self.lane(Dir::Down).slots[k % LANE_SLOTS].event = Some(ev);
+        self.slot(Dir::Down, k).event = Some(ev);
         Ok(())
     }
 
@@ -175,10 +180,10 @@ impl Held<'_> {
     pub unsafe fn start_up(&mut self, k: usize, dst: u64, bytes: usize) -> Result<()> {
         assert!(bytes <= LANE_SLOT_BYTES, "a piece fits its slot");
         let (b, stream) = (self.b, self.stream(Dir::Up));
-        let src = self.lane(Dir::Up).slots[k % LANE_SLOTS].ptr;
+        let src = self.slot(Dir::Up, k).ptr;
         b.copy_to_device(dst, src, bytes, stream)?;
         let ev = b.record_event(stream)?;
-        self.lane(Dir::Up).slots[k % LANE_SLOTS].event = Some(ev);
+        self.slot(Dir::Up, k).event = Some(ev);
         Ok(())
     }
 }

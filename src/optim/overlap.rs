@@ -174,6 +174,11 @@ impl Optimizer {
         // An async save in flight takes what it still needs first (a failure here has
         // taken nothing).
         let mut fetches = Vec::with_capacity(indices.len());
+        // Offloaded gradients come down on their device's down lane, which waits here,
+        // at hand-over, for the work queued on the optimizer's stream so far (their
+        // producer): the copy then runs while the GPU goes on with backward, not behind
+        // the kernels queued on the optimizer's stream after this call.
+        let mut lanes: Vec<(i32, usize)> = Vec::new();
         for (((&i, g), &d), &e) in indices.iter().zip(grads).zip(devices).zip(&early) {
             if e {
                 self.before_write(i)?;
@@ -183,7 +188,7 @@ impl Optimizer {
                     src: g.as_ptr() as u64,
                     bytes: g.nbytes(),
                     device: d,
-                    stream: self.stream,
+                    stream: self.down_lane(d, &mut lanes)?,
                 }),
                 false => None,
             });
@@ -229,6 +234,22 @@ impl Optimizer {
             delivery.dones.extend(dones);
         });
         Ok(())
+    }
+
+    /// Device `d`'s down lane, ordered after the work queued on the optimizer's stream
+    /// now (once per device per hand-over: `done` remembers).
+    ///
+    /// # Safety
+    /// The optimizer's stream is valid.
+    unsafe fn down_lane(&self, d: i32, done: &mut Vec<(i32, usize)>) -> Result<usize> {
+        if let Some(&(_, s)) = done.iter().find(|l| l.0 == d) {
+            return Ok(s);
+        }
+        let b = crate::device::open::backend(d)?;
+        let s = b.lanes().stream(&*b, crate::device::lanes::Dir::Down)?;
+        b.order_streams(self.stream, s)?;
+        done.push((d, s));
+        Ok(s)
     }
 
     /// Fails the open step (if any) with `e` as a bad gradient would; returns `e`. For

@@ -142,9 +142,7 @@ impl Optimizer {
         if open.stats.deferred > 0 {
             self.step_given(open, |g| !g.early)?;
         }
-        for d in dones.iter() {
-            self.refresh_mirror(d.i)?;
-        }
+        self.write_mirrors(dones.iter().map(|d| d.i).collect::<Vec<_>>())?;
         Ok(())
     }
 

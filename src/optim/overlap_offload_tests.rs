@@ -97,3 +97,58 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
         }
     }
 }
+
+/// An offloaded gradient comes down while the optimizer's stream is still busy with what
+/// was queued after its hand-over (the rest of backward): its copy waits for its producer
+/// only, so its early step is done long before that work is. Before, the copy was queued
+/// on the optimizer's stream when the task ran, behind that work.
+#[test]
+fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_runs() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device_at(EMULATED).unwrap();
+    let stream = emulated::create_stream(EMULATED);
+    let (mut ha, mut oa) = (params(), params());
+    let mut host = build(&mut ha);
+    let mut off = build(&mut oa);
+    off.set_stream(stream).unwrap();
+    let (mut gh, mut gd) = (grads(0), grads(0));
+    let vh: Vec<Option<HostTensor>> = (gh.iter_mut().enumerate())
+        .map(|(i, b)| Some(view(b, SIZES[i])))
+        .collect();
+    unsafe { host.step(&vh) }.unwrap();
+    let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+        .map(|(i, b)| view(b, SIZES[i]))
+        .collect();
+    let mut st = OverlapStats::default();
+    let stall = std::time::Duration::from_millis(1500);
+    unsafe {
+        off.step_begin(OverlapOptions::default()).unwrap();
+        off.grads_ready(&[1], &[vd[1].clone()], &[EMULATED])
+            .unwrap();
+        // The rest of backward, queued on the optimizer's stream after the hand-over.
+        let t0 = std::time::Instant::now();
+        dev.stall(stream, stall.as_millis() as u64);
+        // The early step writes the parameter in place; wait for it to change.
+        let before = params()[1].clone();
+        let p = oa[1].as_ptr();
+        // Read while the pool writes: volatile, byte by byte.
+        let changed = || (0..before.len()).any(|k| std::ptr::read_volatile(p.add(k)) != before[k]);
+        while !changed() {
+            assert!(
+                t0.elapsed() < stall * 2 / 3,
+                "the early step waited for work queued after the hand-over"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for i in [2, 0] {
+            off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+                .unwrap();
+        }
+        off.step_end(None, &mut st).unwrap();
+    }
+    emulated::synchronize_all();
+    assert_eq!(st.speculative, SIZES.len() as u64, "{st:?}");
+    assert_eq!(ha, oa);
+}

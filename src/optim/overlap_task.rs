@@ -34,8 +34,8 @@ pub(super) struct Item {
     pub spare: Option<Saved>,
 }
 
-/// A device gradient's way down to a host copy (through the device's pinned ring), after
-/// the work queued on `stream`.
+/// A device gradient's way down to a host copy (through the device's pinned ring), on
+/// `stream`: the device's down lane, ordered at hand-over after the gradient's producer.
 pub(super) struct Fetch {
     pub src: u64,
     pub bytes: usize,

@@ -206,11 +206,8 @@ impl Optimizer {
         if let Some(d) = device_step {
             self.run_device_step(d)?;
         }
-        for (i, g) in grad_bytes.iter().enumerate() {
-            if g.is_some() {
-                self.refresh_mirror(i)?;
-            }
-        }
+        let stepped = grad_bytes.iter().enumerate().filter(|(_, g)| g.is_some());
+        self.write_mirrors(stepped.map(|(i, _)| i).collect::<Vec<_>>())?;
         self.step_offloaded(grads, &pipelined)
     }
 }

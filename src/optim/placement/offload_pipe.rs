@@ -166,6 +166,78 @@ impl Optimizer {
     }
 }
 
+impl Optimizer {
+    /// Writes the mirrors of the parameters in `which` (those without one are skipped)
+    /// through their devices' up lanes: each parameter in slot-sized pieces, copied into
+    /// an up slot by the pool and up on the lane's stream while the next piece is
+    /// copied, ordered after the work queued on the optimizer's stream (what read the
+    /// mirrors) and before what is queued there next. The host never waits for the
+    /// device, only for a slot's previous copy.
+    ///
+    /// # Safety
+    /// Mirrors are valid (as `set_mirror` requires).
+    pub(crate) unsafe fn write_mirrors(
+        &self,
+        which: impl IntoIterator<Item = usize>,
+    ) -> Result<()> {
+        let mut by_device: Vec<(i32, Vec<usize>)> = Vec::new();
+        for i in which {
+            let Some(m) = &self.params[i].mirror else {
+                continue;
+            };
+            match by_device.iter_mut().find(|(d, _)| *d == m.device) {
+                Some((_, v)) => v.push(i),
+                None => by_device.push((m.device, vec![i])),
+            }
+        }
+        if by_device.is_empty() {
+            return Ok(());
+        }
+        let pool = threads::pool()?;
+        for (device, params) in by_device {
+            let b = backend(device)?;
+            let mut lanes = b.lanes().hold(&*b)?;
+            let up = lanes.stream(Dir::Up);
+            b.order_streams(self.stream, up)?;
+            let mut k = 0;
+            for i in params {
+                let p = &self.params[i];
+                let m = p.mirror.as_ref().expect("picked above");
+                let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
+                for (n, piece) in bytes.chunks(LANE_SLOT_BYTES).enumerate() {
+                    let slot = Addr(lanes.up_slot(k)? as usize);
+                    let src = Addr(piece.as_ptr() as usize);
+                    // In parallel: one core's memcpy is well below the bus's speed.
+                    pool.install(|| {
+                        (0..piece.len().div_ceil(COPY_SPAN))
+                            .into_par_iter()
+                            .for_each(|c| {
+                                let at = c * COPY_SPAN;
+                                let len = COPY_SPAN.min(piece.len() - at);
+                                // SAFETY: disjoint spans of the piece and of the idle slot.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        (src.0 + at) as *const u8,
+                                        (slot.0 + at) as *mut u8,
+                                        len,
+                                    )
+                                }
+                            })
+                    });
+                    let dst = m.tensor.as_ptr() as u64 + (n * LANE_SLOT_BYTES) as u64;
+                    lanes.start_up(k, dst, piece.len())?;
+                    k += 1;
+                }
+            }
+            b.order_streams(up, self.stream)?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes one pool job copies into an up slot.
+const COPY_SPAN: usize = 256 << 10;
+
 #[cfg(test)]
 #[path = "offload_pipe_tests.rs"]
 mod tests;

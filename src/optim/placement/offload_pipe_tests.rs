@@ -154,3 +154,57 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
         "{u:?}"
     );
 }
+
+/// Mirrors of parameters stepped from host gradients (and the overlapped step's) go up
+/// through the up lane too: after the work that read them on the optimizer's stream,
+/// before what comes after it there.
+#[test]
+fn mirror_writes_go_up_the_lane_in_the_optimizers_stream_order() {
+    if emulated::skip() {
+        return;
+    }
+    let dev = emulated::device_at(EMULATED).unwrap();
+    let b: &dyn Backend = &*dev;
+    let stream = emulated::create_stream(EMULATED);
+    // Four pieces: the host never waits for a slot of this step, so nothing but the
+    // stream order keeps later work from reading the mirror early.
+    let n = 3 * 32768 + 77;
+    let mut c = OptimConfig::default_for(Algorithm::AdamW);
+    (c.lr, c.state_format, c.master_weight_bits) = (1e-2, StateFormat::Fp32, 0);
+    let mut pa = encode(DType::F32, &values(n, 5));
+    let mut opt = Optimizer::new(c).unwrap();
+    unsafe { opt.add_param("w", view(&mut pa, DType::F32, n), None, 0) }.unwrap();
+    opt.set_stream(stream).unwrap();
+    let mut mirror = vec![0u8; pa.len()];
+    unsafe { opt.set_mirror(0, Some((view(&mut mirror, DType::F32, n), EMULATED))) }.unwrap();
+    emulated::synchronize_all();
+    for s in 0..3u64 {
+        let prev = pa.clone();
+        // A reader of the mirror queued before the step, behind a stall; the up lane
+        // busy for longer, so what comes after the step must wait for it.
+        dev.stall(stream, 10);
+        let up = unsafe { b.lanes().stream(b, crate::device::lanes::Dir::Up) }.unwrap();
+        dev.stall(up, 30);
+        let seen = unsafe { b.alloc_pinned(PROBE) }.unwrap();
+        unsafe { b.copy_to_host(seen, mirror.as_ptr() as u64, PROBE, stream) }.unwrap();
+        let mut g = encode(DType::F32, &values(n, 60 + s));
+        unsafe { opt.step(&[Some(view(&mut g, DType::F32, n))]) }.unwrap();
+        let mut after = vec![0u8; mirror.len()];
+        unsafe {
+            b.ring()
+                .download(b, mirror.as_ptr() as u64, &mut after, stream)
+        }
+        .unwrap();
+        emulated::synchronize_all();
+        assert!(
+            after == pa,
+            "step {s}: work after the step sees the new mirror"
+        );
+        let seen_now = unsafe { std::slice::from_raw_parts(seen as *const u8, PROBE) };
+        assert!(
+            seen_now == &prev[..PROBE],
+            "step {s}: the reader saw the old mirror"
+        );
+        unsafe { b.free_pinned(seen) };
+    }
+}
