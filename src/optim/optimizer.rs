@@ -2,6 +2,22 @@
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
 //! state, and the accessors. The step's entry is in `step`, its device half in
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
+//!
+//! Who may touch what (files under `optim`; r: reads, w: writes):
+//! - `groups`: w here and `staging` (`restore_group_config`); r by `step`, `numerics`,
+//!   `overlap`, `state_io`, `state_set`, `groups_json`, `save_hooks` and `placement`.
+//! - `params`: pushed here only. A `Param`'s `fqn`, `tensor`, `spec`, `group` and
+//!   `device` are fixed at registration (written here and in `save_hooks`' detached copy);
+//!   `state` is w by `step`, `numerics` (undo), `overlap`, `overlap_end` and `staging`;
+//!   `gpu` by `device_step` and `staging`; `mirror` by `offload_step` (`set_mirror`).
+//! - `ranges`: here only (registration, `overlapping_param`).
+//! - `stream`: w by `set_stream` (`device_step`); r by `staging`, `device_step`,
+//!   `offload_step`, `offload_pipe`, `overlap` and `save_hooks`.
+//! - `save`: `save_hooks` only; the others call `before_write`, `mark_step` and
+//!   `save_in_flight`.
+//! - `open`, `undo_spares`: the overlapped step's (`overlap`, `overlap_end`); the others
+//!   call `refuse_if_step_open`.
+//! - `resident`: `device_step` only.
 use super::math::config::OptimConfig;
 use super::overlap_open::OpenStep;
 use super::overlap_task::Saved;
