@@ -87,7 +87,7 @@ pub(crate) unsafe fn check(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(crate) unsafe fn check_param(
+pub(super) unsafe fn check_param(
     p: &Param,
     cfg: &OptimConfig,
     b: &[u8],
@@ -129,7 +129,7 @@ pub(crate) unsafe fn check_param(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(crate) unsafe fn result_non_finite(p: &Param) -> Option<String> {
+pub(super) unsafe fn result_non_finite(p: &Param) -> Option<String> {
     let b = p
         .tensor
         .contiguous_bytes()
@@ -147,7 +147,7 @@ pub(crate) unsafe fn result_non_finite(p: &Param) -> Option<String> {
 }
 
 /// The message of a step that made `what` non-finite.
-pub(crate) fn non_finite_result(what: &str) -> Error {
+pub(super) fn non_finite_result(what: &str) -> Error {
     Error::Numerics(format!(
         "the step made {what} non-finite (check the hyper-parameters and the loss \
          scale); nothing was updated"
@@ -164,7 +164,7 @@ pub(crate) struct Undo {
 
 impl Undo {
     /// Records host parameters with a gradient whose group has `check_numerics` on.
-    pub(crate) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
+    pub(super) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
         let mut saved = Vec::new();
         for (i, p) in opt.params.iter().enumerate() {
             if grads[i].is_none() || p.device >= 0 || !opt.groups[p.group].check_numerics {
@@ -187,7 +187,7 @@ impl Undo {
 
     /// After the step: if a recorded parameter, or its state, holds a non-finite value,
     /// puts every recorded parameter back and fails with `Error::Numerics` naming it.
-    pub(crate) unsafe fn check_result(self, opt: &mut Optimizer) -> Result<()> {
+    pub(super) unsafe fn check_result(self, opt: &mut Optimizer) -> Result<()> {
         let bad = (self.saved.iter()).find_map(|&(i, _, _)| result_non_finite(&opt.params[i]));
         let Some(what) = bad else {
             return Ok(());

@@ -3,7 +3,8 @@
 //! state, and the accessors. The step's entry is in `step`, its device half in
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
 //!
-//! Who may touch what (files under `optim`; r: reads, w: writes):
+//! Who may touch what (files under `optim`; r: reads, w: writes). Only `groups` and
+//! `params` are fields the concern modules reach; the rest are private, behind methods:
 //! - `groups`: w here and `staging` (`restore_group_config`); r by `step`, `numerics`,
 //!   `overlap`, `state_io`, `state_set`, `groups_json`, `save_hooks` and `placement`.
 //! - `params`: pushed here only. A `Param`'s `fqn`, `tensor`, `spec`, `group` and
@@ -11,13 +12,13 @@
 //!   `state` is w by `step`, `numerics` (undo), `overlap`, `overlap_end` and `staging`;
 //!   `gpu` by `device_step` and `staging`; `mirror` by `offload_step` (`set_mirror`).
 //! - `ranges`: here only (registration, `overlapping_param`).
-//! - `stream`: w by `set_stream` (`device_step`); r by `staging`, `device_step`,
-//!   `offload_step`, `offload_pipe`, `overlap` and `save_hooks`.
-//! - `save`: `save_hooks` only; the others call `before_write`, `mark_step` and
-//!   `save_in_flight`.
-//! - `open`, `undo_spares`: the overlapped step's (`overlap`, `overlap_end`); the others
-//!   call `refuse_if_step_open`.
-//! - `resident`: `device_step` only.
+//! - `stream`: r by all through `stream()`; w only by `set_stream` (`device_step`) through
+//!   `store_stream`.
+//! - `save`: a `SaveSlot` that only `save_hooks` opens; the others call `before_write`,
+//!   `mark_step` and `save_in_flight`.
+//! - `open`, `undo_spares`: the overlapped step's (`overlap`, `overlap_end`), through
+//!   `open_step*`, `take_open_step` and `undo_spares_mut`; the others `refuse_if_step_open`.
+//! - `resident`: `device_step`'s, through `resident` / `resident_mut`.
 use super::math::config::OptimConfig;
 use super::overlap_open::OpenStep;
 use super::overlap_task::Saved;
@@ -30,22 +31,21 @@ use crate::optim::math::state::ParamState;
 use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
 use crate::tensor::HostTensor;
-use std::sync::Arc;
 
-use super::save_hooks::SaveHook;
+use super::save_hooks::SaveSlot;
 
 pub(crate) struct Param {
-    pub fqn: String,
-    pub tensor: HostTensor,
-    pub spec: Option<ShardSpec>,
-    pub group: usize,
-    pub state: Option<ParamState>,
+    pub(super) fqn: String,
+    pub(super) tensor: HostTensor,
+    pub(super) spec: Option<ShardSpec>,
+    pub(super) group: usize,
+    pub(super) state: Option<ParamState>,
     /// -1: host memory; >= 0: the CUDA device holding the parameter (and its state).
-    pub device: i32,
+    pub(super) device: i32,
     /// The state of a device parameter (`state` stays None for it).
-    pub gpu: Option<DeviceState>,
+    pub(super) gpu: Option<DeviceState>,
     /// A device copy of a host parameter, rewritten after each change (`set_mirror`).
-    pub mirror: Option<Mirror>,
+    pub(super) mirror: Option<Mirror>,
 }
 
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
@@ -53,22 +53,22 @@ pub struct Optimizer {
     pub(super) groups: Vec<OptimConfig>,
     pub(super) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
-    pub(super) ranges: Vec<(usize, usize, usize)>,
+    ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
-    pub(super) stream: usize,
+    stream: usize,
     /// The snapshot of the last async save (`ckpt::async_save`): every mutation of a
     /// parameter's state or memory calls `before_write` first while it is read.
-    pub(super) save: Option<Arc<dyn SaveHook>>,
+    save: SaveSlot,
     /// The overlapped step in progress (`overlap`), if any: while it is open every other
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
-    pub(super) open: Option<Box<OpenStep>>,
+    open: Option<Box<OpenStep>>,
     /// The undo records of the last overlapped step, by parameter, kept for the next one
     /// to fill (`overlap_task::prepare`): an overlapped step then allocates nothing, and
     /// they never hold more than one step's undo high water.
-    pub(super) undo_spares: Vec<Option<Saved>>,
+    undo_spares: Vec<Option<Saved>>,
     /// What device steps keep from one step to the next: validated device memory and
     /// resident launch tables (`placement::device_table`).
-    pub(crate) resident: DeviceResident,
+    resident: DeviceResident,
 }
 
 /// What device steps reuse across steps, so a step's host cost does not grow with the
@@ -76,8 +76,8 @@ pub struct Optimizer {
 #[derive(Default)]
 pub(crate) struct DeviceResident {
     /// Device memory validated for gradients (a lock: gradients are checked under `&self`).
-    pub known: std::sync::Mutex<crate::device::check::KnownMemory>,
-    pub tables: super::placement::device_table::ResidentTables,
+    pub(super) known: std::sync::Mutex<crate::device::check::KnownMemory>,
+    pub(super) tables: super::placement::device_table::ResidentTables,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -103,16 +103,89 @@ pub(super) fn is_param_dtype(d: DType) -> bool {
 impl Optimizer {
     pub fn new(cfg: OptimConfig) -> Result<Optimizer> {
         cfg.validate()?;
-        Ok(Optimizer {
-            groups: vec![cfg],
-            params: Vec::new(),
+        Ok(Optimizer::with_tables(vec![cfg], Vec::new(), 0))
+    }
+
+    /// An optimizer over `groups` and `params` on `stream` and nothing else (no address
+    /// ranges, save, open step or resident tables): `new`'s, and `detached_view`'s.
+    pub(super) fn with_tables(
+        groups: Vec<OptimConfig>,
+        params: Vec<Param>,
+        stream: usize,
+    ) -> Optimizer {
+        Optimizer {
+            groups,
+            params,
             ranges: Vec::new(),
-            stream: 0,
-            save: None,
+            stream,
+            save: SaveSlot::default(),
             open: None,
             undo_spares: Vec::new(),
             resident: DeviceResident::default(),
-        })
+        }
+    }
+
+    /// The `CUstream` device work is queued on (0: the legacy default stream).
+    pub fn stream(&self) -> usize {
+        self.stream
+    }
+
+    /// Keeps `stream` as the optimizer's: `set_stream`'s, once it has checked the stream
+    /// and ordered it after the old one.
+    pub(super) fn store_stream(&mut self, stream: usize) {
+        self.stream = stream;
+    }
+
+    /// The last async save's slot, which only `save_hooks` opens.
+    pub(super) fn save_slot(&self) -> &SaveSlot {
+        &self.save
+    }
+
+    /// `save_slot`, to attach or detach a save.
+    pub(super) fn save_slot_mut(&mut self) -> &mut SaveSlot {
+        &mut self.save
+    }
+
+    /// The overlapped step in progress (`overlap` opens it, `overlap_end` closes it).
+    pub(super) fn open_step(&self) -> Option<&OpenStep> {
+        self.open.as_deref()
+    }
+
+    /// `open_step`, to hand it gradients or fail it.
+    pub(super) fn open_step_mut(&mut self) -> Option<&mut OpenStep> {
+        self.open.as_deref_mut()
+    }
+
+    /// Opens the overlapped step `open` (`step_begin`).
+    pub(super) fn set_open_step(&mut self, open: Box<OpenStep>) {
+        self.open = Some(open);
+    }
+
+    /// Closes the overlapped step in progress, if any (`step_end`, `step_abort`).
+    pub(super) fn take_open_step(&mut self) -> Option<Box<OpenStep>> {
+        self.open.take()
+    }
+
+    /// The undo records kept for the next overlapped step, by parameter (`overlap_end`
+    /// keeps them, `overlap` hands them to its tasks).
+    pub(super) fn undo_spares_mut(&mut self) -> &mut Vec<Option<Saved>> {
+        &mut self.undo_spares
+    }
+
+    /// `undo_spares_mut`, read by the tests.
+    #[cfg(test)]
+    pub(super) fn undo_spares(&self) -> &[Option<Saved>] {
+        &self.undo_spares
+    }
+
+    /// What device steps keep from one step to the next (`device_step`).
+    pub(super) fn resident(&self) -> &DeviceResident {
+        &self.resident
+    }
+
+    /// `resident`, to launch (and upload) tables.
+    pub(super) fn resident_mut(&mut self) -> &mut DeviceResident {
+        &mut self.resident
     }
 
     /// Adds a param group; returns its index.
@@ -222,7 +295,7 @@ impl Optimizer {
 
     /// `add_param_on` once the device is known to step (tests register device params
     /// here on machines without one: their memory is never touched on the host).
-    pub(crate) unsafe fn register(
+    pub(super) unsafe fn register(
         &mut self,
         fqn: &str,
         param: HostTensor,

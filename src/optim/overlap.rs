@@ -34,12 +34,12 @@ use crate::tensor::HostTensor;
 impl Optimizer {
     /// Whether an overlapped step is open.
     pub fn step_open(&self) -> bool {
-        self.open.is_some()
+        self.open_step().is_some()
     }
 
     /// `Error::Busy` naming `call` while an overlapped step is open.
     pub(crate) fn refuse_if_step_open(&self, call: &str) -> Result<()> {
-        if self.open.is_none() {
+        if self.open_step().is_none() {
             return Ok(());
         }
         Err(Error::Busy(format!(
@@ -57,7 +57,7 @@ impl Optimizer {
     /// The mutators (`step`, `add_param`, `set_states`, `set_group_config`) refuse; the C
     /// ABI refuses every other call on the handle.
     pub unsafe fn step_begin(&mut self, opts: OverlapOptions) -> Result<()> {
-        if self.open.is_some() {
+        if self.open_step().is_some() {
             return Err(Error::invalid(
                 "opt",
                 "step_begin: an overlapped step is already open (finish it with step_end)",
@@ -69,7 +69,7 @@ impl Optimizer {
         if opts.clipping() {
             clip::check_norm_args(opts.max_norm, opts.norm_type)?;
         }
-        self.open = Some(Box::new(OpenStep {
+        self.set_open_step(Box::new(OpenStep {
             opts,
             given: (0..self.params.len()).map(|_| None).collect(),
             inbox: Inbox::new(),
@@ -101,7 +101,7 @@ impl Optimizer {
         devices: &[i32],
     ) -> Result<()> {
         let r = self.take_bucket(indices, grads, devices);
-        if let (Err(e), Some(open)) = (&r, self.open.as_mut()) {
+        if let (Err(e), Some(open)) = (&r, self.open_step_mut()) {
             open.failed.get_or_insert_with(|| e.clone());
         }
         r
@@ -113,7 +113,7 @@ impl Optimizer {
         grads: &[HostTensor],
         devices: &[i32],
     ) -> Result<()> {
-        let open = self.open.as_ref().ok_or_else(|| no_step("grads_ready"))?;
+        let open = self.open_step().ok_or_else(|| no_step("grads_ready"))?;
         if let Some(e) = &open.failed {
             return Err(Error::invalid(
                 "opt",
@@ -204,7 +204,7 @@ impl Optimizer {
             if early {
                 items.push(self.item(i, g.clone(), fetch));
             }
-            let open = self.open.as_mut().expect("checked above");
+            let open = self.open_step_mut().expect("checked above");
             let n = if early {
                 &mut open.stats.speculative
             } else {
@@ -218,7 +218,7 @@ impl Optimizer {
                 early,
             });
         }
-        let open = self.open.as_mut().expect("checked above");
+        let open = self.open_step_mut().expect("checked above");
         open.undo_bytes = used;
         open.clip_certain = certain;
         open.stats.undo_high_water_bytes = open.undo_bytes as u64;
@@ -247,7 +247,7 @@ impl Optimizer {
         }
         let b = crate::device::open::backend(d)?;
         let s = b.lanes().stream(&*b, crate::device::lanes::Dir::Down)?;
-        b.order_streams(self.stream, s)?;
+        b.order_streams(self.stream(), s)?;
         done.push((d, s));
         Ok(s)
     }
@@ -255,7 +255,7 @@ impl Optimizer {
     /// Fails the open step (if any) with `e` as a bad gradient would; returns `e`. For
     /// callers whose bucket could not even be read (the C ABI).
     pub fn fail_step(&mut self, e: Error) -> Error {
-        if let Some(open) = self.open.as_mut() {
+        if let Some(open) = self.open_step_mut() {
             open.failed.get_or_insert_with(|| e.clone());
         }
         e
@@ -268,6 +268,7 @@ impl Optimizer {
             Some(s) => s,
             None => self.new_state(i),
         };
+        let spare = self.undo_spares_mut().get_mut(i).and_then(Option::take);
         let p = &self.params[i];
         Item {
             i,
@@ -285,7 +286,7 @@ impl Optimizer {
             grad,
             fresh,
             fetch,
-            spare: self.undo_spares.get_mut(i).and_then(Option::take),
+            spare,
         }
     }
 }

@@ -21,7 +21,7 @@ unsafe fn one_by_one(
             .grads_ready(&[i], std::slice::from_ref(v), &[-1])
             .unwrap();
         let t = std::time::Instant::now();
-        while m.opt.open.as_ref().unwrap().inbox.pending() > 0 {
+        while m.opt.open_step().unwrap().inbox.pending() > 0 {
             assert!(
                 t.elapsed().as_secs() < 60,
                 "the pool never returned the task"
@@ -131,7 +131,7 @@ fn undo_records_are_refilled_from_step_to_step() {
         };
         let now: Vec<(usize, [usize; 2])> = (0..b.opt.params.len())
             .filter_map(|i| {
-                let s = b.opt.undo_spares.get(i)?.as_ref()?;
+                let s = b.opt.undo_spares().get(i)?.as_ref()?;
                 let mut m = [
                     codes(s.state.as_ref()),
                     codes(b.opt.params[i].state.as_ref()),

@@ -22,7 +22,7 @@ impl Optimizer {
     /// # Safety
     /// As `step_on` for the handed-over gradients; registered parameters still valid.
     pub unsafe fn step_end(&mut self, comm: Option<&Comm>, stats: &mut OverlapStats) -> Result<()> {
-        let open = self.open.take();
+        let open = self.take_open_step();
         let local = open
             .as_ref()
             .map(|o| o.opts)
@@ -53,10 +53,12 @@ impl Optimizer {
 
     /// Keeps the step's undo records for the next overlapped step to fill.
     fn keep_spares(&mut self, dones: &mut [Done]) {
-        self.undo_spares.resize_with(self.params.len(), || None);
+        let n = self.params.len();
+        let spares = self.undo_spares_mut();
+        spares.resize_with(n, || None);
         for d in dones.iter_mut() {
             if let Some(u) = d.undo.take().or_else(|| d.spare.take()) {
-                self.undo_spares[d.i] = Some(u);
+                spares[d.i] = Some(u);
             }
         }
     }
@@ -67,7 +69,7 @@ impl Optimizer {
     /// do too (torch's `zero_grad` between backward and `step`). `stats` says what was
     /// rolled back.
     pub fn step_abort(&mut self, stats: &mut OverlapStats) -> Result<()> {
-        let mut open = self.open.take().ok_or_else(|| no_step("step_abort"))?;
+        let mut open = self.take_open_step().ok_or_else(|| no_step("step_abort"))?;
         let mut dones = open.inbox.wait_all();
         dones.sort_by_key(|d| d.i);
         for d in dones.iter_mut() {

@@ -28,6 +28,12 @@ pub(crate) trait SaveHook: Send + Sync {
     fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
+/// The last async save's snapshot, attached or not: the optimizer holds it (`save`) and
+/// only this file opens it; every mutation of a parameter's state or memory calls
+/// `before_write` first while it is read.
+#[derive(Default)]
+pub(super) struct SaveSlot(Option<Arc<dyn SaveHook>>);
+
 /// A step in progress, as a save in flight sees it (`Optimizer::mark_step`); dropping it
 /// lets the save's writer go on.
 pub(crate) struct StepMark(Arc<dyn SaveHook>);
@@ -41,7 +47,7 @@ impl Drop for StepMark {
 impl Drop for Optimizer {
     /// Never frees state a save in flight still reads: waits for its writer to let go.
     fn drop(&mut self) {
-        if let Some(s) = self.save.take() {
+        if let Some(s) = self.save_slot_mut().0.take() {
             s.wait_released();
         }
     }
@@ -51,7 +57,7 @@ impl Optimizer {
     /// Called before anything writes parameter `i`'s state or memory: while an async save
     /// still needs them, they are copied for it first (or this waits for its writer).
     pub(crate) fn before_write(&self, i: usize) -> Result<()> {
-        match &self.save {
+        match &self.save_slot().0 {
             Some(s) => s.before_write(self, i),
             None => Ok(()),
         }
@@ -68,17 +74,17 @@ impl Optimizer {
 
     /// Detaches the last async save's snapshot (to wait for it and recycle its pool).
     pub(crate) fn take_save(&mut self) -> Option<Arc<dyn SaveHook>> {
-        self.save.take()
+        self.save_slot_mut().0.take()
     }
 
     /// The last async save's snapshot, still attached (in flight or not).
     pub(crate) fn last_save(&self) -> Option<&Arc<dyn SaveHook>> {
-        self.save.as_ref()
+        self.save_slot().0.as_ref()
     }
 
     /// Attaches a new async save's snapshot: from now on `before_write` serves it.
     pub(crate) fn attach_save(&mut self, snap: Arc<dyn SaveHook>) {
-        self.save = Some(snap);
+        self.save_slot_mut().0 = Some(snap);
     }
 
     /// Parameter `i`'s host state as stored (None for a device parameter or before its
@@ -88,36 +94,28 @@ impl Optimizer {
     }
 
     /// The async save still reading this optimizer, if any.
-    pub(crate) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
-        self.save.as_ref().filter(|s| s.is_reading())
+    pub(super) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
+        self.save_slot().0.as_ref().filter(|s| s.is_reading())
     }
 
     /// A copy of the optimizer's tables (groups, parameter names, views and specs) with
     /// no state, for an async save's writer: what it reads of the optimizer besides the
     /// live state, so that nothing the caller's thread changes meanwhile is shared.
     pub(crate) fn detached_view(&self) -> Optimizer {
-        Optimizer {
-            groups: self.groups.clone(),
-            params: self
-                .params
-                .iter()
-                .map(|p| Param {
-                    fqn: p.fqn.clone(),
-                    tensor: p.tensor.clone(),
-                    spec: p.spec.clone(),
-                    group: p.group,
-                    state: None,
-                    device: p.device,
-                    gpu: None,
-                    mirror: None,
-                })
-                .collect(),
-            ranges: Vec::new(),
-            stream: self.stream,
-            save: None,
-            open: None,
-            undo_spares: Vec::new(),
-            resident: Default::default(),
-        }
+        let params = self
+            .params
+            .iter()
+            .map(|p| Param {
+                fqn: p.fqn.clone(),
+                tensor: p.tensor.clone(),
+                spec: p.spec.clone(),
+                group: p.group,
+                state: None,
+                device: p.device,
+                gpu: None,
+                mirror: None,
+            })
+            .collect();
+        Optimizer::with_tables(self.groups.clone(), params, self.stream())
     }
 }

@@ -172,7 +172,7 @@ impl Optimizer {
     }
 
     /// `get_state` of a staged parameter.
-    pub(crate) fn get_state_staged(&self, sp: &mut StagedParam<'_>, key: &str) -> Result<Tensor> {
+    fn get_state_staged(&self, sp: &mut StagedParam<'_>, key: &str) -> Result<Tensor> {
         self.get_state_as_staged(sp, key, None)
     }
 

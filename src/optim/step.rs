@@ -14,7 +14,7 @@ use crate::tensor::HostTensor;
 
 /// Counts host parameter `p`'s step (when it has state) and gives the rule for it and
 /// SGD's `first` flag; None without state.
-pub(crate) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule, bool)> {
+pub(super) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule, bool)> {
     let st = p.state.as_mut()?;
     st.step += 1;
     // torch's SGD copies the first gradient into a buffer that did not exist yet.
@@ -28,7 +28,7 @@ pub(crate) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule
 ///
 /// # Safety
 /// `p`'s memory must be valid for the jobs' lifetime.
-pub(crate) unsafe fn push_param_jobs<'a>(
+pub(super) unsafe fn push_param_jobs<'a>(
     jobs: &mut Vec<Job<'a>>,
     p: &'a mut Param,
     cfg: &OptimConfig,
@@ -47,7 +47,7 @@ pub(crate) unsafe fn push_param_jobs<'a>(
 impl Optimizer {
     /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
     /// dtype and device, and that it does not overlap parameter memory the step writes.
-    pub(crate) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+    pub(super) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
         let p = &self.params[i];
         if g.shape() != p.tensor.shape() {
             return Err(Error::Shape(format!(

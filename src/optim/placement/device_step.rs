@@ -37,7 +37,7 @@ impl Optimizer {
     /// step N on the old stream comes before step N+1 on the new one.
     pub fn set_stream(&mut self, stream: usize) -> Result<()> {
         crate::device::stream_support()?;
-        if stream == self.stream {
+        if stream == self.stream() {
             return Ok(());
         }
         let devices = self.devices_in_use();
@@ -46,9 +46,9 @@ impl Optimizer {
         }
         for (d, _) in &devices {
             // SAFETY: both streams were checked against the device (the old one when set).
-            unsafe { crate::device::backend(*d)?.order_streams(self.stream, stream)? };
+            unsafe { crate::device::backend(*d)?.order_streams(self.stream(), stream)? };
         }
-        self.stream = stream;
+        self.store_stream(stream);
         Ok(())
     }
 
@@ -74,12 +74,8 @@ impl Optimizer {
     }
 
     /// Checks that `what` (on `device`) can use the optimizer's stream.
-    pub(crate) fn check_stream_for(&self, device: i32, what: &str) -> Result<()> {
-        check_stream_on(device, self.stream, what)
-    }
-
-    pub fn stream(&self) -> usize {
-        self.stream
+    pub(in crate::optim) fn check_stream_for(&self, device: i32, what: &str) -> Result<()> {
+        check_stream_on(device, self.stream(), what)
     }
 
     /// Parameter `i`'s state if it is in host memory and has one.
@@ -106,7 +102,12 @@ impl Optimizer {
     }
 
     /// Checks that gradient `g` (on `device`) may step parameter `i`.
-    pub(crate) fn check_grad_device(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+    pub(in crate::optim) fn check_grad_device(
+        &self,
+        i: usize,
+        g: &HostTensor,
+        device: i32,
+    ) -> Result<()> {
         let p = &self.params[i];
         // A device parameter's device was checked against the stream at registration and
         // at `set_stream`: its gradient, on the same device, needs no look-up per step.
@@ -128,7 +129,7 @@ impl Optimizer {
             // The offload case: the gradient comes down to the host (`offload_step`);
             // looked up only outside memory already validated (`KnownMemory`).
             let mut known = self
-                .resident
+                .resident()
                 .known
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
@@ -146,7 +147,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// As `step_on`.
-    pub(crate) unsafe fn prepare_device_step(
+    pub(in crate::optim) unsafe fn prepare_device_step(
         &self,
         grads: &[Option<HostTensor>],
     ) -> Result<DeviceStep> {
@@ -176,7 +177,7 @@ impl Optimizer {
             // The gradient is memory of its parameter's device (looked up only outside
             // memory already validated: see `KnownMemory` for why that is sound).
             let mut known = self
-                .resident
+                .resident()
                 .known
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
@@ -196,7 +197,7 @@ impl Optimizer {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
                     let layout = StateLayout::of(cfg, p.tensor.dtype());
-                    let st = DeviceState::zeroed(p.device, layout, n, self.stream)?;
+                    let st = DeviceState::zeroed(p.device, layout, n, self.stream())?;
                     let ptrs = st.ptrs();
                     s.fresh.push((i, st));
                     (false, ptrs)
@@ -227,14 +228,15 @@ impl Optimizer {
     ///
     /// # Safety
     /// As `step_on`.
-    pub(crate) unsafe fn run_device_step(&mut self, s: DeviceStep) -> Result<()> {
+    pub(in crate::optim) unsafe fn run_device_step(&mut self, s: DeviceStep) -> Result<()> {
         if s.stepped.is_empty() {
             return Ok(());
         }
+        let stream = self.stream();
         for (group, device, t) in &s.tables {
-            self.resident
+            self.resident_mut()
                 .tables
-                .launch(*group, *device, t, self.stream)?;
+                .launch(*group, *device, t, stream)?;
         }
         for (i, st) in s.fresh {
             self.params[i].gpu = Some(st);

@@ -79,7 +79,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// As `step_on`: the gradients are device memory of `device`, mirrors valid.
-    pub(crate) unsafe fn step_pipelined(
+    pub(super) unsafe fn step_pipelined(
         &mut self,
         grads: &[Option<HostTensor>],
         device: i32,
@@ -95,7 +95,7 @@ impl Optimizer {
         // of its own: every up copy is queued after the host saw a down copy complete,
         // which came after everything queued on the optimizer's stream before the step
         // (whatever read the mirrors included).
-        b.order_streams(self.stream, down)?;
+        b.order_streams(self.stream(), down)?;
         let src = |k: usize| -> (u64, usize) {
             let Piece { i, lo, hi } = pieces[k];
             let g = grads[i].as_ref().expect("offloaded grads are given");
@@ -160,7 +160,7 @@ impl Optimizer {
             }
         }
         if mirrored {
-            b.order_streams(up, self.stream)?;
+            b.order_streams(up, self.stream())?;
         }
         Ok(())
     }
@@ -176,7 +176,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// Mirrors are valid (as `set_mirror` requires).
-    pub(crate) unsafe fn write_mirrors(
+    pub(in crate::optim) unsafe fn write_mirrors(
         &self,
         which: impl IntoIterator<Item = usize>,
     ) -> Result<()> {
@@ -198,7 +198,7 @@ impl Optimizer {
             let b = backend(device)?;
             let mut lanes = b.lanes().hold(&*b)?;
             let up = lanes.stream(Dir::Up);
-            b.order_streams(self.stream, up)?;
+            b.order_streams(self.stream(), up)?;
             let mut k = 0;
             for i in params {
                 let p = &self.params[i];
@@ -229,7 +229,7 @@ impl Optimizer {
                     k += 1;
                 }
             }
-            b.order_streams(up, self.stream)?;
+            b.order_streams(up, self.stream())?;
         }
         Ok(())
     }

@@ -87,20 +87,20 @@ impl Optimizer {
     }
 
     /// Writes parameter `i`'s bytes to its mirror, if it has one.
-    pub(crate) fn refresh_mirror(&self, i: usize) -> Result<()> {
+    pub(super) fn refresh_mirror(&self, i: usize) -> Result<()> {
         let p = &self.params[i];
         let Some(m) = &p.mirror else { return Ok(()) };
         // SAFETY: host params are contiguous and valid; the mirror was checked at
         // `set_mirror` and is the caller's to keep valid.
         unsafe {
             let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
-            write_tensor(&m.tensor, m.device, bytes, self.stream)
+            write_tensor(&m.tensor, m.device, bytes, self.stream())
         }
     }
 
     /// The host parameters whose gradients are given on a device (the offload case),
     /// with those devices, in parameter order.
-    pub(crate) fn offloaded(
+    pub(in crate::optim) fn offloaded(
         &self,
         grads: &[Option<HostTensor>],
         devices: &[i32],
@@ -134,14 +134,14 @@ impl Optimizer {
     ///
     /// # Safety
     /// As `step_on`.
-    pub(crate) unsafe fn download_all(
+    pub(in crate::optim) unsafe fn download_all(
         &self,
         grads: &[Option<HostTensor>],
         which: &[(usize, i32)],
     ) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut out = Vec::new();
         for (d, dev) in self.downloads(grads, which) {
-            out.push((d.i, copy_down(d, dev, self.stream)?));
+            out.push((d.i, copy_down(d, dev, self.stream())?));
         }
         Ok(out)
     }
@@ -150,7 +150,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// As `step_on`; the parameters in `which` have state.
-    pub(crate) unsafe fn step_offloaded(
+    pub(in crate::optim) unsafe fn step_offloaded(
         &mut self,
         grads: &[Option<HostTensor>],
         which: &[(usize, i32)],

@@ -52,7 +52,7 @@ impl Optimizer {
         match &p.gpu {
             None => Ok(None),
             // SAFETY: the optimizer's stream is the one the caller gave for its devices.
-            Some(st) => Ok(Some(Cow::Owned(unsafe { st.to_host(self.stream)? }))),
+            Some(st) => Ok(Some(Cow::Owned(unsafe { st.to_host(self.stream())? }))),
         }
     }
 
@@ -71,7 +71,7 @@ impl Optimizer {
         let p = &self.params[i];
         // SAFETY: registered params stay valid for the optimizer's lifetime, on their
         // device; the optimizer's stream is one of that device.
-        let data = unsafe { read_tensor(&p.tensor, p.device, self.stream)? };
+        let data = unsafe { read_tensor(&p.tensor, p.device, self.stream())? };
         Ok(Tensor {
             dtype: p.tensor.dtype(),
             shape: p.tensor.shape().to_vec(),
@@ -85,16 +85,16 @@ impl Optimizer {
         self.before_write(i)?;
         let p = &self.params[i];
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-        unsafe { write_tensor(&p.tensor, p.device, bytes, self.stream)? };
+        unsafe { write_tensor(&p.tensor, p.device, bytes, self.stream())? };
         self.refresh_mirror(i)
     }
 
     /// Makes `st` (laid out as `new_state(i)`) parameter `i`'s state: kept as is for a
     /// host parameter, written to the device for a device one (allocated there first if
     /// the parameter had no state).
-    pub(crate) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
+    pub(in crate::optim) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
         self.before_write(i)?;
-        let stream = self.stream;
+        let stream = self.stream();
         let layout = StateLayout::of(
             &self.groups[self.params[i].group],
             self.params[i].tensor.dtype(),
