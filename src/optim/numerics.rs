@@ -69,7 +69,7 @@ pub fn log2_min_step(dtype: DType, maxabs: f64, master_weight_bits: u32) -> f64 
     maxabs.log2().floor() - mantissa
 }
 
-pub(crate) unsafe fn check(
+pub(super) unsafe fn check(
     opt: &Optimizer,
     grads: &[Option<HostTensor>],
     bytes: &[Option<&[u8]>],
@@ -158,7 +158,7 @@ pub(super) fn non_finite_result(what: &str) -> Error {
 /// every host parameter it steps under the check, taken before the step. Empty (and
 /// free) when no stepped parameter's group checks numerics, so the fast path copies
 /// nothing.
-pub(crate) struct Undo {
+pub(super) struct Undo {
     saved: Vec<(usize, Vec<u8>, Option<ParamState>)>,
 }
 

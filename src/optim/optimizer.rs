@@ -34,7 +34,7 @@ use crate::tensor::HostTensor;
 
 use super::save_hooks::SaveSlot;
 
-pub(crate) struct Param {
+pub(super) struct Param {
     pub(super) fqn: String,
     pub(super) tensor: HostTensor,
     pub(super) spec: Option<ShardSpec>,
@@ -74,7 +74,7 @@ pub struct Optimizer {
 /// What device steps reuse across steps, so a step's host cost does not grow with the
 /// pointer checks and table uploads of unchanged tensors.
 #[derive(Default)]
-pub(crate) struct DeviceResident {
+pub(super) struct DeviceResident {
     /// Device memory validated for gradients (a lock: gradients are checked under `&self`).
     pub(super) known: std::sync::Mutex<crate::device::check::KnownMemory>,
     pub(super) tables: super::placement::device_table::ResidentTables,

@@ -146,7 +146,7 @@ impl Source<'_> {
     }
 }
 
-pub(crate) fn is_float(d: DType) -> bool {
+pub(super) fn is_float(d: DType) -> bool {
     matches!(d, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
@@ -154,7 +154,7 @@ pub(crate) fn is_float(d: DType) -> bool {
 /// many bytes; `dtype` must be the source's own or, for f32 sources, any float dtype.
 /// `parallel`: chunks on fo's pool (the caller's thread otherwise: a checkpoint writer
 /// that must not compete with steps for the pool).
-pub(crate) fn fill(src: &Source, dtype: DType, out: &mut [u8], parallel: bool) -> Result<()> {
+pub(super) fn fill(src: &Source, dtype: DType, out: &mut [u8], parallel: bool) -> Result<()> {
     src.check()?;
     let es = dtype.size();
     let convertible = dtype == src.dtype() || (src.dtype() == DType::F32 && is_float(dtype));

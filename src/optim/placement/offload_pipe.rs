@@ -39,7 +39,7 @@ pub(crate) struct Piece {
 /// Cuts `n` elements into pieces of at most `slot` bytes per element of `elem_bytes`,
 /// each starting at a multiple of `unit` elements (the jobs' chunk, so a piece's jobs
 /// are the whole-tensor step's jobs over it: the same bits).
-pub(crate) fn cut(i: usize, n: usize, elem_bytes: usize, unit: usize, slot: usize) -> Vec<Piece> {
+fn cut(i: usize, n: usize, elem_bytes: usize, unit: usize, slot: usize) -> Vec<Piece> {
     let per = (slot / elem_bytes) / unit * unit;
     assert!(per > 0, "a lane slot holds at least one job's chunk");
     (0..n)
