@@ -8,7 +8,7 @@ use super::optimizer::Optimizer;
 impl Optimizer {
     pub fn param_groups_json(&self) -> Value {
         let groups: Vec<Value> = self
-            .groups
+            .groups()
             .iter()
             .enumerate()
             .map(|(g, c)| {

@@ -76,7 +76,7 @@ pub(super) unsafe fn check(
 ) -> Result<()> {
     for (i, p) in opt.params.iter().enumerate() {
         if let (Some(b), Some(g)) = (bytes[i], &grads[i]) {
-            check_param(p, &opt.groups[p.group], b, g.dtype())?;
+            check_param(p, opt.config(p.group), b, g.dtype())?;
         }
     }
     Ok(())
@@ -167,7 +167,7 @@ impl Undo {
     pub(super) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
         let mut saved = Vec::new();
         for (i, p) in opt.params.iter().enumerate() {
-            if grads[i].is_none() || p.device >= 0 || !opt.groups[p.group].check_numerics {
+            if grads[i].is_none() || p.device >= 0 || !opt.config(p.group).check_numerics {
                 continue;
             }
             let bytes = p

@@ -3,10 +3,12 @@
 //! state, and the accessors. The step's entry is in `step`, its device half in
 //! `device_step`; the hooks of an async save in flight in `save_hooks`.
 //!
-//! Who may touch what (files under `optim`; r: reads, w: writes). Only `groups` and
-//! `params` are fields the concern modules reach; the rest are private, behind methods:
-//! - `groups`: w here and `staging` (`restore_group_config`); r by `step`, `numerics`,
-//!   `overlap`, `state_io`, `state_set`, `groups_json`, `save_hooks` and `placement`.
+//! Who may touch what (files under `optim`; r: reads, w: writes). Only `params` is a
+//! field the concern modules reach; the rest are private, behind methods:
+//! - `groups`: w here only (`add_param_group`, `set_group_config`, `restore_group_config`);
+//!   r by `step`, `numerics`, `overlap`, `state_io`, `state_set`, `groups_json`,
+//!   `save_hooks` and `placement` through `config`, `param_config`, `groups` and, beside
+//!   mutable parameters, `params_mut_with_groups`.
 //! - `params`: pushed here only. A `Param`'s `fqn`, `tensor`, `spec`, `group` and
 //!   `device` are fixed at registration (written here and in `save_hooks`' detached copy);
 //!   `state` is w by `step`, `numerics` (undo), `overlap`, `overlap_end` and `staging`;
@@ -50,7 +52,7 @@ pub(super) struct Param {
 
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
 pub struct Optimizer {
-    pub(super) groups: Vec<OptimConfig>,
+    groups: Vec<OptimConfig>,
     pub(super) params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
     ranges: Vec<(usize, usize, usize)>,
@@ -123,6 +125,21 @@ impl Optimizer {
             undo_spares: Vec::new(),
             resident: DeviceResident::default(),
         }
+    }
+
+    /// Every group's hyper-parameters, in order.
+    pub(super) fn groups(&self) -> &[OptimConfig] {
+        &self.groups
+    }
+
+    /// Group `g`'s hyper-parameters, for internal loops over known groups (unchecked).
+    pub(super) fn config(&self, g: usize) -> &OptimConfig {
+        &self.groups[g]
+    }
+
+    /// The parameters, mutable, beside the groups they read (a step borrows both).
+    pub(super) fn params_mut_with_groups(&mut self) -> (&mut [Param], &[OptimConfig]) {
+        (&mut self.params, &self.groups)
     }
 
     /// The `CUstream` device work is queued on (0: the legacy default stream).
@@ -237,6 +254,12 @@ impl Optimizer {
         }
         self.groups[group] = cfg;
         Ok(())
+    }
+
+    /// Puts group `g`'s hyper-parameters back to `cfg`, as they were before a failed
+    /// load (unchecked: `cfg` is the group's own earlier config).
+    pub(crate) fn restore_group_config(&mut self, g: usize, cfg: OptimConfig) {
+        self.groups[g] = cfg;
     }
 
     /// Registers a parameter (caller memory, updated in place by every step; it must stay

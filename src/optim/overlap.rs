@@ -282,7 +282,7 @@ impl Optimizer {
                 gpu: None,
                 mirror: None,
             },
-            cfg: self.groups[p.group].clone(),
+            cfg: self.config(p.group).clone(),
             grad,
             fresh,
             fetch,

@@ -116,6 +116,6 @@ impl Optimizer {
                 mirror: None,
             })
             .collect();
-        Optimizer::with_tables(self.groups.clone(), params, self.stream())
+        Optimizer::with_tables(self.groups().to_vec(), params, self.stream())
     }
 }

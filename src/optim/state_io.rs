@@ -71,7 +71,7 @@ impl Optimizer {
             }
             (None, None) => return vec![],
         };
-        let a = self.groups[p.group].algorithm;
+        let a = self.config(p.group).algorithm;
         let mut out = Vec::new();
         if a.is_adam() {
             out.push(STEP.to_string());
@@ -117,7 +117,7 @@ impl Optimizer {
                 p.fqn
             ))
         })?;
-        let a = self.groups[p.group].algorithm;
+        let a = self.config(p.group).algorithm;
         let missing = || {
             Error::NotFound(format!(
                 "parameter {} has no state key {key:?} (it has: step, master, {})",

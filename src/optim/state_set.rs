@@ -33,7 +33,7 @@ impl Optimizer {
         let fqn = p.fqn.clone();
         let shape = p.tensor.shape().to_vec();
         let n = p.tensor.numel();
-        let a = self.groups[p.group].algorithm;
+        let a = self.config(p.group).algorithm;
         let mut seen: Vec<&str> = Vec::new();
         let mut raw_pending: Vec<(&str, &str, &Tensor)> = Vec::new();
         let mut master: Option<Vec<f32>> = None;

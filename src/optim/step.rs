@@ -157,7 +157,7 @@ impl Optimizer {
         let mut pipelined = offloaded.clone();
         if offloaded
             .iter()
-            .any(|&(i, _)| self.groups[self.params[i].group].check_numerics)
+            .any(|&(i, _)| self.param_config(i).check_numerics)
         {
             staged = self.download_all(grads, &offloaded)?;
             for (i, b) in &staged {
@@ -195,8 +195,8 @@ impl Optimizer {
             }
         }
         let mut jobs: Vec<Job<'_>> = Vec::new();
-        let groups = &self.groups;
-        for ((p, g), gt) in self.params.iter_mut().zip(&grad_bytes).zip(grads) {
+        let (params, groups) = self.params_mut_with_groups();
+        for ((p, g), gt) in params.iter_mut().zip(&grad_bytes).zip(grads) {
             if let (Some(gb), Some(gt)) = (g, gt) {
                 push_param_jobs(&mut jobs, p, &groups[p.group], gb, gt.dtype());
             }

@@ -161,7 +161,7 @@ impl Optimizer {
             let (Some(g), true) = (&grads[i], p.device >= 0) else {
                 continue;
             };
-            let cfg = &self.groups[p.group];
+            let cfg = self.config(p.group);
             if cfg.check_numerics {
                 return Err(Error::Unsupported(format!(
                     "parameter {} is on CUDA device {}: check_numerics reads gradients on the \
@@ -189,7 +189,7 @@ impl Optimizer {
             let (Some(g), true) = (&grads[i], p.device >= 0) else {
                 continue;
             };
-            let cfg = &self.groups[p.group];
+            let cfg = self.config(p.group);
             let n = p.tensor.numel();
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
             let rule = Rule::new(cfg, next);

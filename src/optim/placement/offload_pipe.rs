@@ -108,9 +108,10 @@ impl Optimizer {
         }
         // Every parameter's step is counted up front (empty ones have no piece).
         let mut rules: Vec<Option<(Rule, bool)>> = vec![None; self.params.len()];
+        let (params, groups) = self.params_mut_with_groups();
         for &i in which {
-            let p = &mut self.params[i];
-            rules[i] = begin_param_step(p, &self.groups[p.group]);
+            let p = &mut params[i];
+            rules[i] = begin_param_step(p, &groups[p.group]);
         }
         for (k, &Piece { i, lo, hi }) in pieces.iter().enumerate() {
             let gt = grads[i].as_ref().expect("offloaded grads are given");

@@ -9,7 +9,6 @@ use std::borrow::Cow;
 use crate::device::open::{read_tensor, write_tensor};
 use crate::error::Result;
 use crate::kernels::step_table::StateLayout;
-use crate::optim::math::config::OptimConfig;
 use crate::optim::math::state::ParamState;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::placement::DeviceState;
@@ -95,10 +94,7 @@ impl Optimizer {
     pub(in crate::optim) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
         self.before_write(i)?;
         let stream = self.stream();
-        let layout = StateLayout::of(
-            &self.groups[self.params[i].group],
-            self.params[i].tensor.dtype(),
-        );
+        let layout = StateLayout::of(self.param_config(i), self.params[i].tensor.dtype());
         let p = &mut self.params[i];
         if p.device < 0 {
             p.state = Some(st);
@@ -136,12 +132,6 @@ impl Optimizer {
                 Ok(())
             }
         }
-    }
-
-    /// Puts group `g`'s hyper-parameters back to `cfg`, as they were before a failed
-    /// load (unchecked: `cfg` is the group's own earlier config).
-    pub(crate) fn restore_group_config(&mut self, g: usize, cfg: OptimConfig) {
-        self.groups[g] = cfg;
     }
 }
 
