@@ -34,23 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cuda import count, need_torch_gpu, split  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
-
-def count(text: str) -> int:
-    """An element count: 268435456, 268_435_456, 256M (2**20), 64K, 1G."""
-    t = text.strip().replace("_", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:].upper(), 1)
-    if mult > 1:
-        t = t[:-1]
-    try:
-        n = int(t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 268435456 or 256M)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return n
 
 
 def parse_args(argv):
@@ -84,26 +72,6 @@ def parse_args(argv):
     if a.warmup < 0:
         ap.error("--warmup must be >= 0")
     return a
-
-
-def split(n: int, k: int) -> list[int]:
-    """`n` elements in `k` tensors, as even as can be (the first `n % k` one larger)."""
-    return [n // k + (i < n % k) for i in range(k)]
-
-
-def need_torch_gpu(ordinal: int):
-    """torch, with CUDA device `ordinal` usable; exits with the reason otherwise."""
-    try:
-        import torch
-    except ImportError as e:
-        sys.exit(f"bench_gpu_step: needs torch ({e}); e.g. the venv scripts/test.sh makes "
-                 "(~/.cache/fo/torch-venv)")
-    if not torch.cuda.is_available():
-        sys.exit(f"bench_gpu_step: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA GPU "
-                 "(torch.cuda.is_available() is False): nothing to measure; run it on a GPU machine")
-    if not 0 <= ordinal < torch.cuda.device_count():
-        sys.exit(f"bench_gpu_step: --device {ordinal}, but torch sees {torch.cuda.device_count()} GPU(s)")
-    return torch
 
 
 class FoRunner:
@@ -196,7 +164,7 @@ def setup(torch, _ffi, a, dev):
 
 def main(argv=None):
     a = parse_args(argv)
-    torch = need_torch_gpu(a.device)
+    torch = need_torch_gpu("bench_gpu_step", a.device)
     try:
         import fo  # noqa: F401  (loads libfo: FO_LIBRARY, or target/release/libfo.so)
         from fo import _ffi

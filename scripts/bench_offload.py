@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_cuda import count, need_torch_gpu, split  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 # fo's formats: the param dtype they step (and mirror), and their optimizer config.
@@ -61,21 +64,6 @@ def die(msg: str, code: int = 2):
     """One line on stderr and exit `code`: nothing to measure is not a traceback."""
     print(f"bench_offload: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def count(text: str) -> int:
-    """An element count: 67108864, 67_108_864, 64M (2**20), 64K, 1G."""
-    t = text.strip().replace("_", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:].upper(), 1)
-    if mult > 1:
-        t = t[:-1]
-    try:
-        n = int(t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 67108864 or 64M)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return n
 
 
 def cores() -> int:
@@ -120,25 +108,6 @@ def parse_args(argv):
     if a.device < 0:
         ap.error("--device must be >= 0")
     return a
-
-
-def split(n: int, k: int) -> list[int]:
-    """`n` elements in `k` tensors, as even as can be (the first `n % k` one larger)."""
-    return [n // k + (i < n % k) for i in range(k)]
-
-
-def need_torch_gpu(ordinal: int):
-    """torch, with CUDA device `ordinal` usable; exits 2 with the reason otherwise."""
-    try:
-        import torch
-    except ImportError as e:
-        die(f"needs torch with CUDA ({e}); e.g. the venv scripts/test.sh makes (~/.cache/fo/torch-venv)")
-    if not torch.cuda.is_available():
-        die(f"no CUDA GPU: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none "
-            "(torch.cuda.is_available() is False); run it on a GPU machine")
-    if ordinal >= torch.cuda.device_count():
-        die(f"--device {ordinal}, but torch sees {torch.cuda.device_count()} GPU(s)")
-    return torch
 
 
 def fo_cuda_missing(stream=None):
@@ -341,7 +310,7 @@ def report(per, runners, dtype_of, threads):
 
 def main(argv=None):
     a = parse_args(argv)
-    torch = need_torch_gpu(a.device)
+    torch = need_torch_gpu("bench_offload", a.device)
     try:
         import fo
     except ImportError as e:  # libfo not found, or another ABI version
