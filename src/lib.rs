@@ -10,7 +10,8 @@
 /// Rank 0's full state dict pushed out to every rank's destinations (shards or whole tensors).
 /// cbindgen:ignore
 pub mod broadcast;
-/// Distributed checkpoints: pack, save, load with resharding, consolidate, verify.
+/// Distributed checkpoints: pack, save, load with resharding, consolidate, verify (rooms
+/// `format`, `save`, `load`, `tools`; the public surface is re-exported from `ckpt`).
 /// cbindgen:ignore
 pub mod ckpt;
 /// Optimizer steps (AdamW, Adam, SGD, SGDW, Lion) with FlashOptim's compressed state:

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use ckpt_util::{config, global, spec, tmp, Buf};
-use fo::ckpt::commit::stage_dir;
+use fo::ckpt::stage_dir;
 use fo::ckpt::{
     load, local_shard, save_async, save_async_held, save_optimizer, save_optimizer_comm,
     Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions,

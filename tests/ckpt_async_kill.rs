@@ -11,7 +11,7 @@ mod kill_loop;
 use std::path::{Path, PathBuf};
 
 use ckpt_util::{config, Rank};
-use fo::ckpt::commit::{committed_files, read_commit};
+use fo::ckpt::{committed_files, read_commit};
 use fo::ckpt::{save_async, save_optimizer, verify, Mode, SaveOptions};
 use fo::optim::StateFormat;
 use fo::DType;

@@ -66,7 +66,7 @@ fn ranks_agree_on_a_generated_save_id_and_commit_together() {
 /// 0's retry is still writing, rank 1 finishing must not commit rank 0's first attempt.
 #[test]
 fn a_retried_save_does_not_commit_the_interrupted_attempts_rank() {
-    use fo::ckpt::writer::{finish, stage_rank_file};
+    use fo::ckpt::{finish_staged, stage_rank_file};
     use std::borrow::Cow;
     let dir = tmp("commit-retry");
     let cfg = config(StateFormat::Fp32, 0);
@@ -88,7 +88,7 @@ fn a_retried_save_does_not_commit_the_interrupted_attempts_rank() {
         Checkpoint::open(&dir).is_err(),
         "committed before rank 0's retry finished"
     );
-    finish(&dir, staged).unwrap();
+    finish_staged(&dir, staged).unwrap();
     let ck = Checkpoint::open(&dir).unwrap();
     let want = new[0].opt.get_state(0, "exp_avg").unwrap();
     assert!(

@@ -6,9 +6,9 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::convert::{convert, ConvertOptions, Format};
-use fo::ckpt::diff::{diff, DiffOptions};
 use fo::ckpt::Checkpoint;
+use fo::ckpt::{convert, ConvertFormat, ConvertOptions};
+use fo::ckpt::{diff, DiffOptions};
 use fo::shard::Placement;
 
 fn oracle(rel: &str) -> PathBuf {
@@ -72,7 +72,7 @@ fn compressed_convert_is_within_the_requantization_bound_and_reported() {
     let t = tmp("q");
     let q = t.join("q");
     let o = ConvertOptions {
-        to: Some(Format::Compressed),
+        to: Some(ConvertFormat::Compressed),
         ranks: Some(3),
         ..Default::default()
     };

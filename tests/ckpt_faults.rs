@@ -155,8 +155,7 @@ fn directory_mixing_two_saves_is_refused() {
     save_optimizer(&rs[1].opt, &other, &o).unwrap();
     // One rank of two saved: nothing is committed, the file waits in the staging directory.
     assert!(!shard(&other, 1).exists() && Checkpoint::open(&other).is_err());
-    let staged =
-        fo::ckpt::commit::stage_dir(&other, "another").join(fo::ckpt::naming::shard_file_name(1));
+    let staged = fo::ckpt::stage_dir(&other, "another").join(fo::ckpt::naming::shard_file_name(1));
     std::fs::copy(staged, shard(&dir, 1)).unwrap();
     assert_load_fails(&dir, &["mixes two saves", "shard-00002"]);
     // Without the record (fo 0.1.0's directories), the save ids still tell.

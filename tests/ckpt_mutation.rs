@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::format::{encode_header, header_digest, read_header, DIGEST_KEY};
 use fo::ckpt::naming::shard_file_name;
 use fo::ckpt::naming::COMMIT_FILE;
+use fo::ckpt::{encode_header, header_digest, read_header, DIGEST_KEY};
 use fo::ckpt::{save_optimizer, Checkpoint, Mode, SaveOptions};
 use fo::optim::StateFormat;
 use fo::DType;
@@ -81,7 +81,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// Parsed header of a rank file plus its data bytes.
 struct Parsed {
     meta: BTreeMap<String, String>,
-    tensors: Vec<fo::ckpt::format::TensorEntry>,
+    tensors: Vec<fo::ckpt::TensorEntry>,
     fo: Value,
     data: Vec<u8>,
 }

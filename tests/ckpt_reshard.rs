@@ -371,10 +371,10 @@ fn multi_block_tensors_reshard_and_verify_only_touched_blocks() {
 /// recomputed) still opens, verifies and loads into any sharding.
 #[test]
 fn old_single_file_strided_layout_still_loads() {
-    use fo::ckpt::format::{
+    use fo::ckpt::naming::shard_file_name;
+    use fo::ckpt::{
         encode_header, header_digest, read_header, sharding_info, FoMeta, TensorEntry, DIGEST_KEY,
     };
-    use fo::ckpt::naming::shard_file_name;
     use std::collections::BTreeMap;
     let dir = std::env::temp_dir().join(format!("fo-old-strided-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::format::{encode_header, header_digest, read_header, TensorEntry, DIGEST_KEY};
 use fo::ckpt::naming::shard_file_name;
 use fo::ckpt::{
     consolidate, load, save_optimizer, verify, Checkpoint, LoadOptions, Mode, SaveOptions,
 };
+use fo::ckpt::{encode_header, header_digest, read_header, TensorEntry, DIGEST_KEY};
 use fo::optim::StateFormat;
 use fo::DType;
 use serde_json::Value;

@@ -132,7 +132,7 @@ fn one_perturbed_element_is_counted_against_the_tolerances() {
     let full = dir.join("full.safetensors");
     std::fs::copy(oracle("ckpt_fsdp2_4ranks/full.safetensors"), &full).unwrap();
     let f = File::options().read(true).write(true).open(&full).unwrap();
-    let h = fo::ckpt::format::read_header(&full, &f).unwrap();
+    let h = fo::ckpt::read_header(&full, &f).unwrap();
     let e = h
         .tensors
         .iter()

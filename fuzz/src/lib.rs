@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fo::ckpt::format::{parse_sharding_info, read_header, FoMeta};
+use fo::ckpt::{parse_sharding_info, read_header, FoMeta};
 use fo::ckpt::naming::shard_file_name;
 use fo::ckpt::{consolidate, load, verify, LoadOptions};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};

@@ -289,7 +289,7 @@ pub unsafe extern "C" fn fo_state_save_comm(
             let o = arg_ref(options, "options")?.to_options()?;
             Ok((opt, arg_path(dir, "dir")?, o))
         })();
-        ckpt::collective::save_optimizer_comm_checked(&comm, local).map(|_| ())
+        ckpt::save::collective::save_optimizer_comm_checked(&comm, local).map(|_| ())
     })
 }
 

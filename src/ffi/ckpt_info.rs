@@ -23,7 +23,7 @@ pub unsafe extern "C" fn fo_checkpoint_info_json(
     out_len: *mut usize,
 ) -> fo_status {
     guard(|| {
-        let s = crate::ckpt::info::info_json(Path::new(arg_str(dir, "dir")?))?;
+        let s = crate::ckpt::info_json(Path::new(arg_str(dir, "dir")?))?;
         write_string(&s, buf, capacity, out_len)
     })
 }

@@ -9,8 +9,8 @@ use super::codes::{
 };
 use super::status::{fo_status, guard, guard_void};
 use super::types::fo_placement;
-use crate::ckpt::convert::{self, ConvertOptions, Format};
-use crate::ckpt::diff::{diff_json, DiffOptions};
+use crate::ckpt::tools::convert::{self, ConvertOptions, Format};
+use crate::ckpt::tools::diff::{diff_json, DiffOptions};
 use crate::error::{Error, Result};
 
 /// How to convert. `to`: `FO_CONVERT_FORMAT_KEEP` (the moments as SRC has them),

@@ -147,7 +147,7 @@ const MAX_COUNTS: CodeTable = table(
             "Most ranks of an in-process group (`fo_comm_create_local_group`).",
         ),
         row(
-            crate::ckpt::commit::MAX_WORLD_SIZE as i32,
+            crate::ckpt::save::commit::MAX_WORLD_SIZE as i32,
             "world_size",
             "Most ranks of one checkpoint (`fo_pack_options.world_size`).",
         ),

@@ -1,5 +1,5 @@
 //! The async save C ABI: `fo_state_save_async`, `fo_save_wait`, `fo_save_poll`,
-//! `fo_save_stats`, `fo_save_destroy`. Thin: convert, call `crate::ckpt::async_save`.
+//! `fo_save_stats`, `fo_save_destroy`. Thin: convert, call `crate::ckpt::save::async_save`.
 use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
@@ -133,7 +133,7 @@ pub unsafe extern "C" fn fo_state_save_async(
             Err(busy) => Err(busy.clone()),
             Ok(o) => args.map(|(dir, so, budget)| (&mut **o, dir, so, budget)),
         };
-        let save = ckpt::async_save::save_async_checked(c.as_deref(), local)?;
+        let save = ckpt::save::async_save::save_async_checked(c.as_deref(), local)?;
         let out = out?;
         let comm = comm.as_ref().map(|fc| {
             let link = Arc::new(CommLink {

@@ -105,10 +105,7 @@ impl BenchDir {
         .map(|n| self.dir.join(n))
         .collect();
         paths.extend((0..world).map(|r| self.dir.join(fo::ckpt::naming::shard_file_name(r))));
-        paths.push(fo::ckpt::commit::stage_dir(
-            &self.dir,
-            &format!("bench-{seed}"),
-        ));
+        paths.push(fo::ckpt::stage_dir(&self.dir, &format!("bench-{seed}")));
         paths.iter().map(|p| cleanup::register(p)).collect()
     }
 

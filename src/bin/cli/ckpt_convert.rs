@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use clap::ValueEnum;
-use fo::ckpt::convert::{self, ConvertOptions, OptionNames};
 use fo::ckpt::Checkpoint;
+use fo::ckpt::{plan_convert, write_convert, ConvertFormat, ConvertOptions, OptionNames};
 use fo::shard::Placement;
 use fo::Error;
 
@@ -59,11 +59,11 @@ pub struct ConvertArgs {
     pub force: bool,
 }
 
-impl From<Format> for convert::Format {
+impl From<Format> for ConvertFormat {
     fn from(f: Format) -> Self {
         match f {
-            Format::Portable => convert::Format::Portable,
-            Format::Compressed => convert::Format::Compressed,
+            Format::Portable => ConvertFormat::Portable,
+            Format::Compressed => ConvertFormat::Compressed,
         }
     }
 }
@@ -91,10 +91,10 @@ pub fn run(a: &ConvertArgs) -> Result<(), String> {
         },
     };
     let ck = Checkpoint::open(&a.src).map_err(|e| e.to_string())?;
-    let plan = convert::plan(&ck, &o).map_err(message)?;
+    let plan = plan_convert(&ck, &o).map_err(message)?;
     let stage = dst::prepare(&a.src, &a.dst, a.force, "convert")?;
     let pb = progress::bytes("convert", 0);
-    let r = convert::write(&ck, &plan, &stage.dir, &mut progress::hook(&pb)).map_err(message)?;
+    let r = write_convert(&ck, &plan, &stage.dir, &mut progress::hook(&pb)).map_err(message)?;
     pb.finish_and_clear();
     stage.publish()?;
     if !r.requantized.is_empty() {

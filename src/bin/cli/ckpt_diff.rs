@@ -2,9 +2,9 @@
 //! library's (`fo::ckpt::diff`, the same report as `fo_checkpoint_diff_json`).
 use std::path::PathBuf;
 
-use fo::ckpt::diff::{diff, DiffOptions, KeyDiff};
-use fo::ckpt::logical::SLAB_ELEMS;
 use fo::ckpt::LogicalKey;
+use fo::ckpt::SLAB_ELEMS;
+use fo::ckpt::{diff, DiffOptions, KeyDiff};
 
 use super::args::non_negative_f64;
 use super::progress;

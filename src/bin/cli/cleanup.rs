@@ -119,7 +119,7 @@ fn report(name: &str, removed: &[String]) {
     unsafe { libc::write(2, line.as_ptr() as *const libc::c_void, line.len()) };
 }
 
-pub use fo::ckpt::output::remove_path;
+pub use fo::ckpt::remove_path;
 
 /// A path removed if the process is interrupted while this guard lives.
 pub struct Guard(u64);

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use fo::ckpt::naming::{output_stage_name, parse_output_stage_name};
-use fo::ckpt::output::{check_dst, check_dst_contents, missing_ancestors, swap_in};
+use fo::ckpt::{check_dst, check_dst_contents, missing_ancestors, swap_in};
 
 use super::cleanup::{self, Guard};
 

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use cudarc::driver::{result as cu, sys as cusys};
-use fo::ckpt::optim::{pack, Mode, ParamsAs, SaveOptions};
+use fo::ckpt::{pack, Mode, ParamsAs, SaveOptions};
 use fo::kernels::step_table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, HostTensor};

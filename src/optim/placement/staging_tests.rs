@@ -5,8 +5,8 @@
 //! saying why, where g++ cannot build the host kernel.
 use std::sync::Mutex;
 
-use crate::ckpt::load::{load, LoadOptions};
-use crate::ckpt::optim::{save, Mode, ParamsAs, SaveOptions};
+use crate::ckpt::{load, LoadOptions};
+use crate::ckpt::{save_optimizer as save, Mode, ParamsAs, SaveOptions};
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};

@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::checksum::xxh64;
-use super::format::{read_header, DIGEST_KEY};
-use super::naming::{
+use crate::ckpt::format::checksum::xxh64;
+use crate::ckpt::format::header::{read_header, DIGEST_KEY};
+use crate::ckpt::format::naming::{
     parse_part_file_name, parse_shard_file_name, part_file_name, shard_file_name, tmp_prefix,
     COMMIT_FILE, COMMIT_STAGE_PREFIX as STAGE_PREFIX,
 };
@@ -29,10 +29,10 @@ use crate::error::{Error, Result};
 
 /// Most ranks one checkpoint may have (`FO_MAX_WORLD_SIZE`): a commit record and the
 /// per-rank tables scale with it, so a nonsense world size is refused, not allocated.
-pub const MAX_WORLD_SIZE: usize = 1 << 20;
+pub(crate) const MAX_WORLD_SIZE: usize = 1 << 20;
 
 /// `world_size` is 1..=MAX_WORLD_SIZE.
-pub fn check_world_size(world_size: usize) -> Result<()> {
+pub(crate) fn check_world_size(world_size: usize) -> Result<()> {
     if world_size == 0 || world_size > MAX_WORLD_SIZE {
         return Err(Error::invalid(
             "world_size",
@@ -80,7 +80,7 @@ pub fn stage_dir(dir: &Path, save_id: &str) -> PathBuf {
     dir.join(format!("{STAGE_PREFIX}{:016x}", xxh64(save_id.as_bytes())))
 }
 
-pub fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::io(dir, e))
@@ -88,7 +88,7 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 
 /// Writes `bytes` to `path` through a temporary file, fsync and rename (the rename is
 /// atomic, so a reader sees the old content or the new, never a part).
-pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(
@@ -144,7 +144,7 @@ pub fn read_commit(dir: &Path) -> Result<Option<Commit>> {
 
 /// Records that `rank` of save `save_id` has its file staged, and commits the save if
 /// every rank has. Returns whether this call committed.
-pub fn finish_rank(
+pub(crate) fn finish_rank(
     dir: &Path,
     save_id: &str,
     rank: usize,
@@ -158,14 +158,14 @@ pub fn finish_rank(
 
 /// Removes `rank`'s done marker of save `save_id` left by an interrupted earlier attempt
 /// of the same save, so that it cannot be committed with this attempt's files.
-pub fn clear_marker(dir: &Path, save_id: &str, rank: usize) -> Result<()> {
+pub(crate) fn clear_marker(dir: &Path, save_id: &str, rank: usize) -> Result<()> {
     let p = stage_dir(dir, save_id).join(format!("done-{rank}.json"));
     ignore_missing(std::fs::remove_file(&p), &p)
 }
 
 /// Writes `rank`'s done marker for save `save_id` (no commit attempt): the header digest
 /// of its rank file and how many files (parts) it staged.
-pub fn mark_done(
+pub(crate) fn mark_done(
     dir: &Path,
     save_id: &str,
     rank: usize,
@@ -195,7 +195,7 @@ pub fn mark_done(
 /// so what follows (fsync of the directory, moving staged files, removing stale ones) is
 /// tidying: its failure is not a failed commit. It is reported on stderr, naming the
 /// directory, and readers still find every committed file (visible or staged).
-pub fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
+pub(crate) fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result<bool> {
     check_world_size(world_size)?;
     let stage = stage_dir(dir, save_id);
     let mut digests: Vec<String> = Vec::new();
@@ -286,7 +286,7 @@ enum Step {
 }
 
 /// A rank's shard file is missing from checkpoint `dir`.
-pub fn missing(dir: &Path, rank: usize, why: String) -> Error {
+pub(crate) fn missing(dir: &Path, rank: usize, why: String) -> Error {
     Error::NotFound(format!(
         "checkpoint {}: shard file {} is missing ({why})",
         dir.display(),
@@ -296,7 +296,7 @@ pub fn missing(dir: &Path, rank: usize, why: String) -> Error {
 
 /// The shard files of a directory without a commit record (fo 0.1.0's or torch's): every
 /// `shard-*` file, ranks 0..n with none missing.
-pub fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn legacy_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::NotFound(format!(
             "checkpoint directory {} does not exist",
@@ -392,7 +392,7 @@ fn roll_forward(dir: &Path, commit: &Commit) -> Result<()> {
 /// The file named `name` of committed save `save_id` whose header digest is `want`: the
 /// visible one, else the staged one, else the visible one if it exists (so that opening
 /// it reports what is wrong with it); None when neither exists.
-pub fn committed_file(dir: &Path, save_id: &str, name: &str, want: &str) -> Option<PathBuf> {
+pub(crate) fn committed_file(dir: &Path, save_id: &str, name: &str, want: &str) -> Option<PathBuf> {
     let visible = dir.join(name);
     let staged = stage_dir(dir, save_id).join(name);
     if stated_digest(&visible).as_deref() == Some(want) {
@@ -467,7 +467,7 @@ mod tests {
         let left: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .filter(|n| n.contains(super::super::naming::TMP_MARKER))
+            .filter(|n| n.contains(crate::ckpt::naming::TMP_MARKER))
             .collect();
         assert!(left.is_empty(), "temporary record left: {left:?}");
         std::fs::remove_dir_all(&dir).unwrap();

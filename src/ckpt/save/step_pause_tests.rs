@@ -3,7 +3,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use super::{save_async_held, Mode, SaveOptions};
+use crate::ckpt::{save_async_held, Mode, SaveOptions};
 use crate::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use crate::{DType, HostTensor};
 

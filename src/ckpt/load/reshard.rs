@@ -8,16 +8,16 @@ use crate::tensor::{contiguous_strides, Tensor};
 
 /// A box of a global tensor and where it sits in its row-major storage.
 #[derive(Debug, Clone, Copy)]
-pub struct BoxIn<'a> {
-    pub global_offset: &'a [usize],
-    pub shape: &'a [usize],
-    pub storage_shape: &'a [usize],
-    pub storage_offset: &'a [usize],
+pub(crate) struct BoxIn<'a> {
+    pub(crate) global_offset: &'a [usize],
+    pub(crate) shape: &'a [usize],
+    pub(crate) storage_shape: &'a [usize],
+    pub(crate) storage_offset: &'a [usize],
 }
 
 impl<'a> BoxIn<'a> {
     /// A shard's chunk, inside the local tensor of shape `storage_shape` that holds it.
-    pub fn of_chunk(c: &'a Chunk, storage_shape: &'a [usize]) -> BoxIn<'a> {
+    pub(crate) fn of_chunk(c: &'a Chunk, storage_shape: &'a [usize]) -> BoxIn<'a> {
         BoxIn {
             global_offset: &c.global_offset,
             shape: &c.shape,
@@ -29,14 +29,14 @@ impl<'a> BoxIn<'a> {
 
 /// `len` consecutive elements from storage position `src` to storage position `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Run {
-    pub src: usize,
-    pub dst: usize,
-    pub len: usize,
+pub(crate) struct Run {
+    pub(crate) src: usize,
+    pub(crate) dst: usize,
+    pub(crate) len: usize,
 }
 
 /// The runs copying the overlap of `src` into `dst` (empty when they do not meet).
-pub fn overlap_runs(src: &BoxIn, dst: &BoxIn) -> Vec<Run> {
+pub(crate) fn overlap_runs(src: &BoxIn, dst: &BoxIn) -> Vec<Run> {
     let nd = src.shape.len();
     if nd == 0 {
         return vec![Run {

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde_json::Value;
 
-use super::format::FoKey;
-use super::naming::num_groups;
+use crate::ckpt::format::header::FoKey;
+use crate::ckpt::format::naming::num_groups;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{mesh_coords, Placement, ShardSpec};
@@ -142,7 +142,7 @@ pub struct Plan {
 /// that does not split the tensor (Replicate, Partial), so each distinct shard is
 /// written once. A DTensor on a sub-mesh is described on the world mesh with
 /// `Replicate` on the other dims, which gives the same rule.
-pub fn is_owner(spec: &ShardSpec) -> bool {
+pub(crate) fn is_owner(spec: &ShardSpec) -> bool {
     spec.placements()
         .iter()
         .zip(spec.coord())
@@ -150,7 +150,7 @@ pub fn is_owner(spec: &ShardSpec) -> bool {
 }
 
 /// The coordinates that own a shard, in rank order.
-pub fn owner_coords(spec: &ShardSpec) -> Vec<ShardSpec> {
+pub(crate) fn owner_coords(spec: &ShardSpec) -> Vec<ShardSpec> {
     mesh_coords(spec.mesh_shape())
         .into_iter()
         .map(|c| spec.at_coord(c).unwrap())
@@ -160,7 +160,7 @@ pub fn owner_coords(spec: &ShardSpec) -> Vec<ShardSpec> {
 
 /// Where the owner at `spec`'s coordinate puts its scales in the 1-D scales tensor, and
 /// that tensor's length: prefix sums of every owner's group count, in rank order.
-pub fn scales_offset(spec: &ShardSpec) -> (usize, usize) {
+pub(crate) fn scales_offset(spec: &ShardSpec) -> (usize, usize) {
     let mut before = 0;
     let mut total = 0;
     for c in owner_coords(spec) {
@@ -174,7 +174,7 @@ pub fn scales_offset(spec: &ShardSpec) -> (usize, usize) {
 }
 
 /// The compact spelling `Placement::from_str` parses (`R`, `P`, `S0`, `SS0:2`).
-pub fn placement_code(p: &Placement) -> String {
+pub(crate) fn placement_code(p: &Placement) -> String {
     match *p {
         Placement::Replicate => "R".into(),
         Placement::Partial => "P".into(),
@@ -195,7 +195,7 @@ fn placement_names(spec: &Option<ShardSpec>) -> (Vec<usize>, Vec<String>) {
 
 /// Decides the chunks this rank writes. Entries with a repeated key are packed once;
 /// entries with no elements, and shards another coordinate writes, produce no chunk.
-pub fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
+pub(crate) fn plan(entries: &[EntryMeta], opts: &PackOptions) -> Result<Plan> {
     let write_unsharded = opts.write_unsharded.unwrap_or(opts.rank == 0);
     let by_key: BTreeMap<&str, &EntryMeta> =
         entries.iter().rev().map(|e| (e.key.as_str(), e)).collect();
@@ -327,7 +327,7 @@ fn empty_box(shape: &[usize]) -> crate::shard::Chunk {
 }
 
 /// The bytes of one chunk: borrowed when it is the whole local tensor, else gathered.
-pub fn chunk_bytes<'a>(c: &ChunkMeta, local: &'a Tensor) -> Cow<'a, [u8]> {
+pub(crate) fn chunk_bytes<'a>(c: &ChunkMeta, local: &'a Tensor) -> Cow<'a, [u8]> {
     if c.shape == local.shape {
         return Cow::Borrowed(&local.data);
     }

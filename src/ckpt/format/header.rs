@@ -22,7 +22,7 @@ const MAX_HEADER: u64 = 100_000_000;
 /// Version of fo's metadata layout; readers refuse newer versions. 2: header digest
 /// (`fo_digest`), per-tensor dtype and shape, checksums bound to placement, committed
 /// saves (`fo-commit.json`). fo 0.1.0's version 1 files are still read (no digest).
-pub const FORMAT_VERSION: u32 = 2;
+pub(crate) const FORMAT_VERSION: u32 = 2;
 
 /// The `__metadata__` entry holding [`header_digest`].
 pub const DIGEST_KEY: &str = "fo_digest";

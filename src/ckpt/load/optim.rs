@@ -5,12 +5,12 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::naming::{
+use super::reader::Checkpoint;
+use crate::ckpt::format::naming::{
     self, codes_key, part_key, scales_key, split_state_name, state_key, Part, ERROR_BITS,
     EXP_AVG_SQ, MASTER, STEP,
 };
-use super::optim::packed_params;
-use super::reader::Checkpoint;
+use crate::ckpt::save::optim::packed_params;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::{Optimizer, StateFormat};

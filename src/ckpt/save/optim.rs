@@ -1,5 +1,5 @@
 //! Saving an `Optimizer`: which entries its local state packs to (compressed or portable),
-//! where each one's data comes from, and the streaming save; `load.rs` reads them back.
+//! where each one's data comes from, and the streaming save; `load/optim.rs` reads them back.
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -7,11 +7,11 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::commit::{check_world_size, MAX_WORLD_SIZE};
-use super::naming::{
-    self, codes_key, num_groups, split_state_name, state_key, ERROR_BITS, EXP_AVG_SQ, MASTER, STEP,
-};
 use super::pack::{EntryMeta, Layout, PackOptions, Packed};
 use super::writer::{finish, resolve_save_id, stage_rank_file};
+use crate::ckpt::format::naming::{
+    self, codes_key, num_groups, split_state_name, state_key, ERROR_BITS, EXP_AVG_SQ, MASTER, STEP,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::placement::staging::StagedParam;
@@ -89,7 +89,7 @@ pub(super) enum Source {
 /// Indices of the params to pack: those with elements. (A memory region cannot be
 /// registered twice: the optimizer refuses overlapping params, so no state is doubled;
 /// `pack::plan` also packs a repeated key once.)
-pub(super) fn packed_params(opt: &Optimizer) -> Vec<usize> {
+pub(crate) fn packed_params(opt: &Optimizer) -> Vec<usize> {
     (0..opt.num_params())
         .filter(|&i| opt.param(i).numel() > 0)
         .collect()
@@ -363,12 +363,12 @@ mod tests {
         );
         refused(save(&opt, &dir, &rank), "options.rank", r);
         refused(save(&opt, &dir, &world), "options.world_size", w);
-        let a = super::super::save_async(&mut opt, &dir, &rank, None, 0).map(|_| ());
+        let a = crate::ckpt::save_async(&mut opt, &dir, &rank, None, 0).map(|_| ());
         refused(a, "options.rank", r);
         let comm = Comm::local_group(1).pop().unwrap();
         let bad = SaveOptions::new(1, 1, Mode::Compressed);
         refused(
-            super::super::save_optimizer_comm(&opt, &dir, &bad, &comm),
+            crate::ckpt::save_optimizer_comm(&opt, &dir, &bad, &comm),
             "options.rank",
             "1 is outside a world of 1",
         );

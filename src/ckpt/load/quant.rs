@@ -11,11 +11,11 @@
 //! - variance (unsigned sqrt):  |sqrt(v') - sqrt(v)| <= a' * (1/510 + 2^-10)
 //!   (half a code step of the decode map, whose slope is at most 2 for softsign and 1
 //!   for sqrt, plus the fp16 rounding of the new scale). `tests/ckpt_quant.rs` checks it.
-use super::index::KeyInfo;
-use super::naming::{codes_key, num_groups, scales_key, GROUP};
-use super::pack::owner_coords;
 use super::reader::Checkpoint;
 use super::reshard::{overlap_runs, BoxIn};
+use crate::ckpt::format::index::KeyInfo;
+use crate::ckpt::format::naming::{codes_key, num_groups, scales_key, GROUP};
+use crate::ckpt::save::pack::owner_coords;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::quant8;

@@ -3,8 +3,8 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::index::SavedChunk;
-use super::reader::Checkpoint;
+use crate::ckpt::format::index::SavedChunk;
+use crate::ckpt::load::reader::Checkpoint;
 use crate::error::{Error, Result};
 
 /// What `verify` checked.

@@ -1,6 +1,7 @@
 //! The index of an open checkpoint: for each key, its dtype, global shape and the chunks
-//! saved of it (which file, where, with which checksums). `reader.rs` builds it, `validate.rs` checks it.
-use super::format::FoKey;
+//! saved of it (which file, where, with which checksums). `load/reader.rs` builds it,
+//! `load/validate.rs` checks it.
+use super::header::FoKey;
 use crate::dtype::DType;
 
 /// One saved chunk: a box of its key's global tensor stored row-major in one file.

@@ -2,20 +2,22 @@
 //! index. Unlike torch 2.15's utility, integer tensors are kept and 0-dim tensors keep
 //! their value. Compressed state is written in FlashOptim's unsharded layout (codes of
 //! the full tensor, one scale per 32 elements of it): copied when the checkpoint was
-//! saved unsharded, else requantized (bound in `quant.rs`).
+//! saved unsharded, else requantized (bound in `load/quant.rs`).
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::format::{encode_header, TensorEntry};
-use super::reader::Checkpoint;
-use super::writer::write_atomic;
+use crate::ckpt::format::header::{encode_header, TensorEntry};
+use crate::ckpt::load::reader::Checkpoint;
+use crate::ckpt::save::writer::write_atomic;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::ShardSpec;
 use crate::tensor::Tensor;
 
-use super::naming::{codes_key, num_groups, split_part, Part, CONSOLIDATED_FILE, INDEX_FILE};
+use crate::ckpt::format::naming::{
+    codes_key, num_groups, split_part, Part, CONSOLIDATED_FILE, INDEX_FILE,
+};
 
 /// What was written.
 #[derive(Debug, Clone)]
@@ -73,7 +75,7 @@ pub fn consolidate(
     let head = encode_header(&meta, &entries);
     let file = out.join(CONSOLIDATED_FILE);
     let mut done = 0u64;
-    let mut pair_cache: Option<(String, super::quant::Quant8)> = None;
+    let mut pair_cache: Option<(String, crate::ckpt::load::quant::Quant8)> = None;
     let mut requantized = Vec::new();
     write_atomic(&file, &head, &mut |f| {
         for e in &entries {

@@ -30,9 +30,9 @@ pub use crate::optim::math::quant8::{num_groups, GROUP};
 pub const CONSOLIDATED_FILE: &str = "model-00001-of-00001.safetensors";
 /// The index beside [`CONSOLIDATED_FILE`], as Hugging Face names it.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
-/// The record that commits a save (`commit.rs`).
+/// The record that commits a save (`save/commit.rs`).
 pub const COMMIT_FILE: &str = "fo-commit.json";
-/// Prefix of a save's staging directory inside the checkpoint directory (`commit.rs`).
+/// Prefix of a save's staging directory inside the checkpoint directory (`save/commit.rs`).
 pub const COMMIT_STAGE_PREFIX: &str = ".fo-stage-";
 /// Marker inside the name of a file being written (`.<name>.tmp-<pid>...`).
 pub const TMP_MARKER: &str = ".tmp-";

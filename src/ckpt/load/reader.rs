@@ -5,13 +5,15 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::checksum::{block_sum, chunk_binding};
-use super::commit::{committed_file, committed_files, legacy_files, missing, read_commit, Commit};
-use super::format::{parse_sharding_info, read_header, FoMeta};
-use super::index::{KeyInfo, SavedChunk};
-use super::naming::{part_file_name, COMMIT_FILE};
 use super::reshard::{overlap_runs, BoxIn, Run};
 use super::validate;
+use crate::ckpt::format::checksum::{block_sum, chunk_binding};
+use crate::ckpt::format::header::{parse_sharding_info, read_header, FoMeta};
+use crate::ckpt::format::index::{KeyInfo, SavedChunk};
+use crate::ckpt::format::naming::{part_file_name, COMMIT_FILE};
+use crate::ckpt::save::commit::{
+    committed_file, committed_files, legacy_files, missing, read_commit, Commit,
+};
 use crate::error::{Error, Result};
 use crate::shard::{Chunk, ShardSpec};
 use crate::tensor::Tensor;
@@ -205,7 +207,10 @@ impl Checkpoint {
         idx: usize,
     ) -> Result<(Option<FoMeta>, Option<String>)> {
         let h = read_header(path, file)?;
-        let digest = h.metadata.get(super::format::DIGEST_KEY).cloned();
+        let digest = h
+            .metadata
+            .get(crate::ckpt::format::header::DIGEST_KEY)
+            .cloned();
         let fo = validate::fo_meta(path, &h)?;
         let dcp = match h.metadata.get("DCP_SHARDING_INFO") {
             Some(s) => parse_sharding_info(path, s)?,

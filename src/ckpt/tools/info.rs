@@ -7,8 +7,8 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use super::naming::{codes_key, scales_key, split_part};
-use super::reader::Checkpoint;
+use crate::ckpt::format::naming::{codes_key, scales_key, split_part};
+use crate::ckpt::load::reader::Checkpoint;
 use crate::dtype::DType;
 use crate::error::Result;
 
@@ -23,7 +23,7 @@ pub struct LogicalKey {
 
 /// Folds saved keys (name, dtype, global shape) into logical keys; `has` says whether a
 /// saved key exists (a `::quantized` or `::scales` key without its partner stays itself).
-pub fn logical_keys(
+pub(crate) fn logical_keys(
     raw: impl IntoIterator<Item = (String, DType, Vec<usize>)>,
     has: impl Fn(&str) -> bool,
 ) -> BTreeMap<String, LogicalKey> {

@@ -6,13 +6,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::format::{header_digest, FoMeta, Header, DIGEST_KEY, FORMAT_VERSION};
-use super::index::{KeyInfo, SavedChunk};
+use crate::ckpt::format::header::{header_digest, FoMeta, Header, DIGEST_KEY, FORMAT_VERSION};
+use crate::ckpt::format::index::{KeyInfo, SavedChunk};
 use crate::error::{Error, Result};
 
 /// fo's metadata of a file (None: torch wrote it), its version readable and, from format
 /// 2 on, the header matching its digest.
-pub fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
+pub(crate) fn fo_meta(path: &Path, h: &Header) -> Result<Option<FoMeta>> {
     let Some(s) = h.metadata.get("fo") else {
         if h.metadata.contains_key(DIGEST_KEY) {
             return Err(Error::corrupt(
@@ -122,7 +122,7 @@ fn honoured(path: &Path, m: &FoMeta, raw: &str) -> Result<()> {
 /// fo's tensor table, the header's tensors and DCP's sharding info name the same tensors
 /// with the same dtype, shape and offsets. A tensor fo lists that the header lacks is an
 /// error, never a zero-filled key.
-pub fn tables_agree(
+pub(crate) fn tables_agree(
     path: &Path,
     m: &FoMeta,
     h: &Header,
@@ -187,7 +187,7 @@ pub fn tables_agree(
 }
 
 /// File `idx` (`path`) is rank `idx` of the same save as the first file.
-pub fn same_save(
+pub(crate) fn same_save(
     path: &Path,
     m: &FoMeta,
     idx: usize,
@@ -244,7 +244,7 @@ fn overlaps(a: &SavedChunk, b: &SavedChunk) -> bool {
 
 /// Every element of the key is in exactly one chunk: chunks inside the global shape, no
 /// two overlapping, and together as many elements as the global shape holds.
-pub fn coverage(info: &KeyInfo, files: &[PathBuf]) -> Result<()> {
+pub(crate) fn coverage(info: &KeyInfo, files: &[PathBuf]) -> Result<()> {
     for c in &info.chunks {
         let outside = (0..c.shape.len()).any(|d| {
             c.global_offset[d]

@@ -15,14 +15,14 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
 use super::commit::{check_world_size, clear_marker, finish_rank, stage_dir, sync_dir};
-use super::format::{
+use super::pack::{chunk_bytes, ChunkMeta, EntryMeta, PackOptions, Packed, Plan};
+use crate::ckpt::format::checksum::{block_hex, chunk_binding, num_blocks, BLOCK_BYTES};
+use crate::ckpt::format::header::{
     encode_header, header_digest, sharding_info, FoMeta, FoTensor, TensorEntry, DIGEST_KEY,
     FORMAT_VERSION,
 };
-use super::naming::{part_file_name, tmp_prefix};
-use super::pack::{chunk_bytes, ChunkMeta, EntryMeta, PackOptions, Packed, Plan};
+use crate::ckpt::format::naming::{part_file_name, tmp_prefix};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -56,7 +56,7 @@ impl Drop for Staged {
 
 /// The save id a save uses: the caller's, or for a single rank a fresh one. Several ranks
 /// saving independently cannot agree on a generated id, so they must name one.
-pub fn resolve_save_id(save_id: &str, world_size: usize) -> Result<String> {
+pub(crate) fn resolve_save_id(save_id: &str, world_size: usize) -> Result<String> {
     if !save_id.is_empty() {
         return Ok(save_id.to_string());
     }
@@ -73,7 +73,7 @@ pub fn resolve_save_id(save_id: &str, world_size: usize) -> Result<String> {
 }
 
 /// A save id unique to this process and moment.
-pub fn generated_save_id() -> String {
+pub(crate) fn generated_save_id() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
@@ -155,7 +155,7 @@ fn metadata(
 
 /// A checkpoint directory must be named: an empty path would write into the current
 /// directory, which no caller means.
-pub fn check_dir(dir: &Path) -> Result<()> {
+pub(crate) fn check_dir(dir: &Path) -> Result<()> {
     if dir.as_os_str().is_empty() {
         return Err(Error::invalid(
             "dir",
@@ -166,7 +166,7 @@ pub fn check_dir(dir: &Path) -> Result<()> {
 }
 
 /// Writes one rank's file to a temporary name in the staging directory of `opts.save_id`
-/// (which must be resolved: see [`resolve_save_id`]). `fetch(entry)` returns the local
+/// (which must be resolved: see `resolve_save_id`). `fetch(entry)` returns the local
 /// tensor of an entry; it is called once per entry that has chunks, in order.
 pub fn stage_rank_file<'t>(
     dir: &Path,
@@ -340,7 +340,7 @@ pub fn finish(dir: &Path, staged: Staged) -> Result<()> {
 
 /// Renames a rank's staged files (its extra parts, then the rank file) to their staged
 /// names (still invisible to readers) and returns the rank file's header digest.
-pub fn publish(dir: &Path, mut staged: Staged) -> Result<String> {
+pub(crate) fn publish(dir: &Path, mut staged: Staged) -> Result<String> {
     for part in std::mem::take(&mut staged.extra) {
         std::fs::rename(&part.tmp, &part.dest).map_err(|e| Error::io(&part.dest, e))?;
     }
@@ -428,7 +428,7 @@ pub fn save_streaming(
 
 /// Writes `path` atomically from a header and a stream of data: temp file, fsync,
 /// rename, fsync of the directory. `body` writes the data after the header.
-pub fn write_atomic(
+pub(crate) fn write_atomic(
     path: &Path,
     head: &[u8],
     body: &mut dyn FnMut(&mut File) -> Result<()>,

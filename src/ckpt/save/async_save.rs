@@ -121,7 +121,7 @@ pub fn save_async(
 /// `save_async` for callers whose arguments may have failed to convert on this rank (the
 /// C ABI): with a communicator the ranks first agree on every rank's local checks, so
 /// the first failing rank's error becomes every rank's at once.
-pub fn save_async_checked(
+pub(crate) fn save_async_checked(
     comm: Option<&Comm>,
     local: Result<(&mut Optimizer, &Path, SaveOptions, usize)>,
 ) -> Result<AsyncSave> {

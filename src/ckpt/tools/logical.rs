@@ -9,10 +9,10 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::format::{read_header, TensorEntry};
 use super::info::{logical_keys, LogicalKey};
-use super::naming::{codes_key, scales_key, CONSOLIDATED_FILE, GROUP};
-use super::reader::Checkpoint;
+use crate::ckpt::format::header::{read_header, TensorEntry};
+use crate::ckpt::format::naming::{codes_key, scales_key, CONSOLIDATED_FILE, GROUP};
+use crate::ckpt::load::reader::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::quant8;
@@ -23,7 +23,7 @@ use crate::tensor::Tensor;
 pub const SLAB_ELEMS: usize = 1 << 23;
 
 /// A checkpoint read as logical keys.
-pub enum Source {
+pub(crate) enum Source {
     Sharded(Box<Checkpoint>),
     Full {
         path: PathBuf,
@@ -35,7 +35,7 @@ pub enum Source {
 
 impl Source {
     /// A directory of shard files, a directory holding a consolidated file, or a file.
-    pub fn open(p: &Path) -> Result<Source> {
+    pub(crate) fn open(p: &Path) -> Result<Source> {
         let file_path = if p.is_file() {
             Some(p.to_path_buf())
         } else if p.join(CONSOLIDATED_FILE).is_file() {
@@ -79,13 +79,13 @@ impl Source {
     }
 
     /// Every logical key (compressed pairs folded into their base, as f32 values).
-    pub fn keys(&self) -> BTreeMap<String, LogicalKey> {
+    pub(crate) fn keys(&self) -> BTreeMap<String, LogicalKey> {
         logical_keys(self.raw_keys(), |k| self.has(k))
     }
 
     /// The slabs `shape` is read in: Shard(0) over as many ranks as it takes to keep each
     /// under `slab_elems` elements (one unsharded slab for 0-dim and small tensors).
-    pub fn slabs(shape: &[usize], slab_elems: usize) -> Result<Vec<ShardSpec>> {
+    pub(crate) fn slabs(shape: &[usize], slab_elems: usize) -> Result<Vec<ShardSpec>> {
         let numel: usize = shape.iter().product();
         let n = if shape.is_empty() {
             1
@@ -101,7 +101,7 @@ impl Source {
     }
 
     /// The values of logical `key` in `slab` (one of `slabs(shape)`), as f64.
-    pub fn read(&self, key: &str, k: &LogicalKey, slab: &ShardSpec) -> Result<Vec<f64>> {
+    pub(crate) fn read(&self, key: &str, k: &LogicalKey, slab: &ShardSpec) -> Result<Vec<f64>> {
         match self {
             Source::Sharded(ck) if k.compressed => {
                 Ok(ck.read_f32(key, slab)?.into_iter().map(f64::from).collect())
@@ -207,7 +207,7 @@ impl Source {
 }
 
 /// Every element as f64 (integers above 2^53 lose their low bits; bool is 0/1).
-pub fn values(t: &Tensor) -> Result<Vec<f64>> {
+pub(crate) fn values(t: &Tensor) -> Result<Vec<f64>> {
     let b = &t.data;
     Ok(match t.dtype {
         DType::F64 => b

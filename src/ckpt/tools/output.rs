@@ -3,19 +3,20 @@
 //!
 //! - DST must not be SRC, lie inside SRC, or (when replacing, `force`) hold SRC.
 //! - A non-empty DST is refused unless `force`; a file at DST is always refused.
-//! - Everything is written into `.<name>.<verb>-<pid>` beside DST (`naming.rs`), then renamed
-//!   onto it; a replaced DST is moved aside to `<stage>.old` first and removed only once the
-//!   new one is in place. Missing parent directories are created and, on failure, removed.
+//! - Everything is written into `.<name>.<verb>-<pid>` beside DST (`format/naming.rs`), then
+//!   renamed onto it; a replaced DST is moved aside to `<stage>.old` first and removed only
+//!   once the new one is in place. Missing parent directories are created and, on failure,
+//!   removed.
 //!
 //! The CLI adds interrupt cleanup on top (`src/bin/cli/dst.rs`); [`Staged`] is the library's
 //! own: dropped unpublished (an error, a panic), it removes everything it created.
 use std::path::{Component, Path, PathBuf};
 
-use super::naming::output_stage_name;
+use crate::ckpt::format::naming::output_stage_name;
 use crate::error::{Error, Result};
 
 /// `p` made absolute and free of `.`/`..` and symlinks as far as it exists.
-pub fn resolved(p: &Path) -> Result<PathBuf> {
+pub(crate) fn resolved(p: &Path) -> Result<PathBuf> {
     let abs = std::path::absolute(p).map_err(|e| Error::io(p, e))?;
     let mut existing = abs.clone();
     let mut rest = Vec::new();
@@ -39,7 +40,7 @@ pub fn resolved(p: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
-pub fn non_empty(dir: &Path) -> bool {
+pub(crate) fn non_empty(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some())
 }
 
@@ -143,15 +144,15 @@ pub fn remove_path(p: &Path) -> bool {
 
 /// A staging directory for DST, removed (with every ancestor it created) on drop unless
 /// published.
-pub struct Staged {
-    pub dir: PathBuf,
+pub(crate) struct Staged {
+    pub(crate) dir: PathBuf,
     dst: PathBuf,
     /// The topmost directory this stage created (the stage, or a missing ancestor of DST).
     created: Option<PathBuf>,
 }
 
 /// Checks DST against SRC and `force` and creates the staging directory beside it.
-pub fn stage(src: &Path, dst: &Path, force: bool, verb: &str) -> Result<Staged> {
+pub(crate) fn stage(src: &Path, dst: &Path, force: bool, verb: &str) -> Result<Staged> {
     let bad = |m: String| Error::invalid("dst", m);
     let (parent, name) = check_dst(src, dst).map_err(bad)?;
     check_dst_contents(dst, force, "force").map_err(bad)?;
@@ -182,7 +183,7 @@ pub fn stage(src: &Path, dst: &Path, force: bool, verb: &str) -> Result<Staged> 
 impl Staged {
     /// Moves the finished staging directory to DST; a replaced DST is removed only after
     /// the new one is in place.
-    pub fn publish(mut self) -> Result<()> {
+    pub(crate) fn publish(mut self) -> Result<()> {
         let old = swap_in(&self.dir, &self.dst).map_err(|m| Error::invalid("dst", m))?;
         self.created = None;
         if let Some(old) = old {

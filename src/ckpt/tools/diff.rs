@@ -225,7 +225,7 @@ pub fn diff(
 }
 
 /// [`diff`] as the JSON of [`DiffReport::to_json`].
-pub fn diff_json(a: &Path, b: &Path, o: &DiffOptions) -> Result<String> {
+pub(crate) fn diff_json(a: &Path, b: &Path, o: &DiffOptions) -> Result<String> {
     Ok(diff(a, b, o, &mut |_, _| {})?.to_json().to_string())
 }
 

@@ -22,12 +22,12 @@ fn u64_at(b: &[u8], i: usize) -> u64 {
 }
 
 /// XXH64 of `data` with seed 0.
-pub fn xxh64(data: &[u8]) -> u64 {
+pub(crate) fn xxh64(data: &[u8]) -> u64 {
     xxh64_seeded(data, 0)
 }
 
 /// XXH64 of `data` with `seed`.
-pub fn xxh64_seeded(data: &[u8], seed: u64) -> u64 {
+pub(crate) fn xxh64_seeded(data: &[u8], seed: u64) -> u64 {
     let len = data.len();
     let mut i = 0;
     let mut h = if len >= 32 {
@@ -83,16 +83,16 @@ pub fn xxh64_seeded(data: &[u8], seed: u64) -> u64 {
 
 /// Bytes per checksummed block. A partial read verifies only the blocks it touches, so
 /// resharding never has to read a whole saved tensor just to check it.
-pub const BLOCK_BYTES: usize = 4 << 20;
+pub(crate) const BLOCK_BYTES: usize = 4 << 20;
 
 /// Number of blocks of a tensor of `nbytes` (an empty tensor has none).
-pub fn num_blocks(nbytes: usize) -> usize {
+pub(crate) fn num_blocks(nbytes: usize) -> usize {
     nbytes.div_ceil(BLOCK_BYTES)
 }
 
 /// The block checksums of `data`, as 16 lowercase hex digits each, concatenated.
 /// `bind` is the chunk's [`chunk_binding`] (0: fo 0.1.0's unbound checksums).
-pub fn block_hex(data: &[u8], bind: u64) -> String {
+pub(crate) fn block_hex(data: &[u8], bind: u64) -> String {
     data.chunks(BLOCK_BYTES)
         .enumerate()
         .map(|(k, b)| block_sum(b, bind, k))
@@ -100,7 +100,7 @@ pub fn block_hex(data: &[u8], bind: u64) -> String {
 }
 
 /// The checksum of block `k` of a chunk, as stored: 16 lowercase hex digits.
-pub fn block_sum(bytes: &[u8], bind: u64, k: usize) -> String {
+pub(crate) fn block_sum(bytes: &[u8], bind: u64, k: usize) -> String {
     let seed = if bind == 0 {
         0
     } else {
@@ -112,7 +112,12 @@ pub fn block_sum(bytes: &[u8], bind: u64, k: usize) -> String {
 /// The seed binding a chunk's block checksums to where its data belongs: its key, dtype,
 /// shape and global offset. Moving data between chunks, or editing where a chunk goes,
 /// makes every block's checksum fail even where the bytes themselves are intact.
-pub fn chunk_binding(key: &str, dtype: &str, shape: &[usize], global_offset: &[usize]) -> u64 {
+pub(crate) fn chunk_binding(
+    key: &str,
+    dtype: &str,
+    shape: &[usize],
+    global_offset: &[usize],
+) -> u64 {
     let s = serde_json::to_string(&(key, dtype, shape, global_offset)).unwrap();
     xxh64_seeded(s.as_bytes(), 0x666f_2d63_6b70_7432) | 1
 }

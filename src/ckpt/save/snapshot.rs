@@ -106,7 +106,7 @@ impl Copy {
 }
 
 /// One save's snapshot, shared by the optimizer (its mutators) and the writer thread.
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     inner: Mutex<Inner>,
     /// Buffers of copies the writer is done with, for later copies (`stage_copy`); kept
     /// bytes plus `Inner::used` stay within the budget. Locked after `inner`, never
@@ -475,19 +475,19 @@ impl Snapshot {
     }
 
     /// Whether the writer still reads the optimizer.
-    pub fn is_reading(&self) -> bool {
+    pub(crate) fn is_reading(&self) -> bool {
         !self.lock().released
     }
 
     /// Blocks until the writer no longer reads the optimizer (its drop waits here).
-    pub fn wait_released(&self) {
+    pub(crate) fn wait_released(&self) {
         let mut g = self.lock();
         while !g.released {
             g = self.wait(g);
         }
     }
 
-    pub fn stats(&self) -> SnapshotStats {
+    pub(crate) fn stats(&self) -> SnapshotStats {
         self.lock().stats
     }
 }

@@ -18,7 +18,7 @@ const MAX_ID: usize = 1024;
 
 /// Rank 0's save id (its `save_id`, or a generated one when empty), on every rank. A rank
 /// that names a different id fails every rank.
-pub fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
+pub(crate) fn agree_save_id(comm: &Comm, save_id: &str) -> Result<String> {
     let mine = if save_id.is_empty() && comm.rank() == 0 {
         generated_save_id()
     } else {
@@ -131,7 +131,7 @@ pub fn save_optimizer_comm(
 /// `save_optimizer_comm` for callers whose arguments may have failed to convert on this
 /// rank (the C ABI): the ranks first agree on every rank's local checks (the first
 /// failing rank's error becomes every rank's), then on the directory and options.
-pub fn save_optimizer_comm_checked(
+pub(crate) fn save_optimizer_comm_checked(
     comm: &Comm,
     local: Result<(&Optimizer, &Path, SaveOptions)>,
 ) -> Result<String> {

@@ -5,24 +5,26 @@
 //! (default `Shard(0)` on every mesh dim; a placement naming a dim a key lacks becomes
 //! `Replicate` for that key, a dim no key has is refused); 0-dim keys (`step`) are saved
 //! once, keys with no element are kept. quant8 moments saved in another sharding are
-//! requantized in the new groups (`quant.rs` bounds the error) and reported. [`convert`]
+//! requantized in the new groups (`load/quant.rs` bounds the error) and reported. [`convert`]
 //! writes into a staging directory beside DST and renames it (`output.rs`): DST appears
 //! whole or not at all; the written checkpoint must hold exactly the expected keys.
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use super::naming::{codes_key, moment_signed, num_groups, scales_key, split_part, Part};
-use super::pack::{placement_code, EntryMeta, Layout, PackOptions};
-use super::quant::Quant8;
-use super::reader::Checkpoint;
-use super::writer::save_streaming;
+use crate::ckpt::format::naming::{
+    codes_key, moment_signed, num_groups, scales_key, split_part, Part,
+};
+use crate::ckpt::load::quant::Quant8;
+use crate::ckpt::load::reader::Checkpoint;
+use crate::ckpt::save::pack::{placement_code, EntryMeta, Layout, PackOptions};
+use crate::ckpt::save::writer::save_streaming;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{rank_to_coord, Placement, ShardSpec};
 use crate::tensor::Tensor;
 
 /// The largest world size the converter writes (the in-process group's).
-pub const MAX_RANKS: usize = crate::comm::MAX_LOCAL_WORLD;
+pub(crate) const MAX_RANKS: usize = crate::comm::MAX_LOCAL_WORLD;
 
 /// The format of the moments in DST.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,9 +58,11 @@ impl Default for OptionNames {
 pub struct ConvertOptions {
     /// The moments' format in DST (None: as in SRC).
     pub to: Option<Format>,
-    /// World size of DST, 1..=[`MAX_RANKS`] (None: SRC's, or the product of `mesh`).
+    /// World size of DST, 1..=[`MAX_LOCAL_WORLD`](crate::comm::MAX_LOCAL_WORLD) (None:
+    /// SRC's, or the product of `mesh`).
     pub ranks: Option<usize>,
-    /// Mesh shape of DST (None: `[ranks]`); its product is 1..=[`MAX_RANKS`].
+    /// Mesh shape of DST (None: `[ranks]`); its product is
+    /// 1..=[`MAX_LOCAL_WORLD`](crate::comm::MAX_LOCAL_WORLD).
     pub mesh: Option<Vec<usize>>,
     /// One placement per mesh dim (None: `Shard(0)` on every dim).
     pub placements: Option<Vec<Placement>>,

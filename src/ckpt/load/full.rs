@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::format::{read_header, FoKey};
-use super::index::{KeyInfo, SavedChunk};
-use super::naming::{
+use crate::ckpt::format::header::{read_header, FoKey};
+use crate::ckpt::format::index::{KeyInfo, SavedChunk};
+use crate::ckpt::format::naming::{
     codes_key, parse_part_file_name, parse_shard_file_name, scales_key, split_part, Part,
     COMMIT_FILE, CONSOLIDATED_FILE,
 };
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 
 /// The full file `path` names: `path` itself when it is a file, or a directory's
 /// consolidated file when the directory holds no shard files. None: a sharded directory.
-pub fn single_file(path: &Path) -> Result<Option<PathBuf>> {
+pub(crate) fn single_file(path: &Path) -> Result<Option<PathBuf>> {
     if path.is_file() {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if parse_shard_file_name(name).is_some() || parse_part_file_name(name).is_some() {
