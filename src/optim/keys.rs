@@ -6,7 +6,7 @@
 //! (`state.<fqn>.<name>`, `ckpt::naming`, which re-exports these) use the same names, so
 //! they live here, below the checkpoints. Python takes these strings from
 //! `python/fo/_codes.py`, which `scripts/gen_py_codes.py` generates from this file's and
-//! `ckpt/naming.rs`'s `pub const ..: &str` items.
+//! `ckpt/format/naming.rs`'s `pub const ..: &str` items.
 
 /// Separator between a state name and its compressed part (`exp_avg::quantized`).
 pub const PART_SEPARATOR: &str = "::";
