@@ -25,8 +25,31 @@ fn bench_overlap_reports_every_case() {
     assert_eq!(s.matches("exposed step").count(), 3, "{s}");
     assert_eq!(s.matches("overlapped iter").count(), 3, "{s}");
     // Clipping that triggers rolls back every early step; the others roll back none.
-    assert!(s.contains("rolled back 16 params"), "{s}");
-    assert_eq!(s.matches("rolled back 0 params").count(), 2, "{s}");
+    // How many step early under a triggering clip depends on timing: once the norms that
+    // have arrived make the clip certain, later gradients wait for step_end instead.
+    let counts: Vec<(u64, u64, u64)> = s
+        .lines()
+        .filter(|l| l.contains("stepped early"))
+        .map(|l| {
+            let n = |after: &str| -> u64 {
+                let at = l.find(after).unwrap_or_else(|| panic!("{after} in {l}"));
+                let rest = l[..at].trim_end();
+                rest[rest.rfind(' ').map_or(0, |k| k + 1)..]
+                    .parse()
+                    .unwrap()
+            };
+            (n(" params stepped early"), n(" at step_end"), n(" params,"))
+        })
+        .collect();
+    assert_eq!(counts.len(), 3, "{s}");
+    for (k, &(early, at_end, rolled)) in counts.iter().enumerate() {
+        assert_eq!(early + at_end, 16, "{s}");
+        let triggering = k == 2;
+        assert_eq!(rolled, if triggering { early } else { 0 }, "{s}");
+        if !triggering {
+            assert_eq!(early, 16, "nothing defers without a clip that scales: {s}");
+        }
+    }
 }
 
 #[test]

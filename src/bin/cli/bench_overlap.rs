@@ -236,7 +236,9 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
             phi * 100.0
         );
         println!(
-            "  undo high-water {:.1} MiB; rolled back {} params, {:.1} MiB in {:.2} ms (last round)",
+            "  {} params stepped early, {} at step_end; undo high-water {:.1} MiB; rolled back {} params, {:.1} MiB in {:.2} ms (last round)",
+            st.speculative,
+            st.deferred,
             st.undo_high_water_bytes as f64 / (1 << 20) as f64,
             st.rolled_back,
             st.rolled_back_bytes as f64 / (1 << 20) as f64,
