@@ -54,6 +54,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// A copy, for errors kept and reported twice (an async save's background failure, an
 /// overlapped step's first failure): an I/O error keeps its kind and text, not its
 /// OS payload.
+/// The text a panic carries (`panic!("...")` gives a `&str` or a `String`), if any: one
+/// reading of the payload for every place that turns a panic into a message.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}
+
 impl Clone for Error {
     fn clone(&self) -> Error {
         match self {

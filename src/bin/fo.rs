@@ -18,12 +18,7 @@ fn main() -> ExitCode {
     // (RUST_BACKTRACE=1 keeps the default report for debugging).
     if std::env::var_os("RUST_BACKTRACE").is_none() {
         std::panic::set_hook(Box::new(|info| {
-            let msg = info
-                .payload()
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let msg = fo::error::panic_message(info.payload()).unwrap_or_default();
             let at = info
                 .location()
                 .map(|l| format!(" at {}:{}", l.file(), l.line()));

@@ -70,13 +70,9 @@ fn set_last_error(msg: String) {
 }
 
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic with a non-string payload".to_string()
-    }
+    crate::error::panic_message(payload)
+        .unwrap_or("a panic with a non-string payload")
+        .to_string()
 }
 
 /// Runs one entry point's body: a core error becomes its status and message, a panic

@@ -150,11 +150,7 @@ fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>) {
 }
 
 fn panic_error(what: &str, p: Box<dyn std::any::Any + Send>) -> Error {
-    let msg = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
+    let msg = crate::error::panic_message(p.as_ref()).unwrap_or("unknown panic");
     Error::Internal(format!("{what} panicked: {msg}"))
 }
 
