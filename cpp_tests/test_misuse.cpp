@@ -683,6 +683,40 @@ std::vector<Case> cases() {
   E("fo_optimizer_get_state", "out dtype 77", get([](int32_t&, const char*&, T& o) { o.dtype = 77; }));
   E("fo_optimizer_get_state", "out data NULL", get([](int32_t&, const char*&, T& o) { o.data = nullptr; }));
 
+  auto share = [](std::function<void(int32_t&, const char*&)> edit) {
+    return [edit](Fx& f) {
+      int32_t i = 0;
+      const char* k = "exp_avg";
+      edit(i, k);
+      fo_state_share* sh = nullptr;
+      float* data = nullptr;
+      int64_t n = 0;
+      return fo_optimizer_share_state(f.opt, i, k, &sh, &data, &n);
+    };
+  };
+  E("fo_optimizer_share_state", "opt NULL", [](Fx&) { fo_state_share* sh; float* d; int64_t n; return fo_optimizer_share_state(nullptr, 0, "exp_avg", &sh, &d, &n); });
+  E("fo_optimizer_share_state", "out NULL", [](Fx& f) { float* d; int64_t n; return fo_optimizer_share_state(f.opt, 0, "exp_avg", nullptr, &d, &n); });
+  E("fo_optimizer_share_state", "out_data NULL", [](Fx& f) { fo_state_share* sh; int64_t n; return fo_optimizer_share_state(f.opt, 0, "exp_avg", &sh, nullptr, &n); });
+  E("fo_optimizer_share_state", "out_numel NULL", [](Fx& f) { fo_state_share* sh; float* d; return fo_optimizer_share_state(f.opt, 0, "exp_avg", &sh, &d, nullptr); });
+  E("fo_optimizer_share_state", "index -1", share([](int32_t& i, const char*&) { i = -1; }));
+  E("fo_optimizer_share_state", "index INT32_MAX", share([](int32_t& i, const char*&) { i = kI32Max; }));
+  E("fo_optimizer_share_state", "key NULL", share([](int32_t&, const char*& k) { k = nullptr; }));
+  E("fo_optimizer_share_state", "key unknown", share([](int32_t&, const char*& k) { k = "nope"; }));
+  E("fo_optimizer_share_state", "key step (not a buffer)", share([](int32_t&, const char*& k) { k = "step"; }));
+  E("fo_optimizer_share_state", "key not UTF-8", share([](int32_t&, const char*& k) { k = "\xff"; }));
+  E("fo_optimizer_share_state", "compressed (quant8) state", share([](int32_t&, const char*&) {}));
+  E("fo_optimizer_share_state", "no state yet", [](Fx& f) {
+    fo_optimizer* o = f.fresh();
+    int32_t idx = -1;
+    fo_tensor p = f.param();
+    Fx::must(fo_optimizer_add_param(o, "w", &p, nullptr, &idx), "add_param");
+    fo_state_share* sh;
+    float* d;
+    int64_t n;
+    return fo_optimizer_share_state(o, 0, "exp_avg", &sh, &d, &n);
+  });
+  R("fo_state_share_destroy", "NULL", [](Fx&) { fo_state_share_destroy(nullptr); });
+
   E("fo_optimizer_state_info", "opt NULL", [](Fx&) { int32_t d, n; int64_t s[8]; return fo_optimizer_state_info(nullptr, 0, "exp_avg", &d, &n, s); });
   E("fo_optimizer_state_info", "out_dtype NULL", [](Fx& f) { int32_t n; int64_t s[8]; return fo_optimizer_state_info(f.opt, 0, "exp_avg", nullptr, &n, s); });
   E("fo_optimizer_state_info", "out_ndim NULL", [](Fx& f) { int32_t d; int64_t s[8]; return fo_optimizer_state_info(f.opt, 0, "exp_avg", &d, nullptr, s); });

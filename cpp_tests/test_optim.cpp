@@ -335,6 +335,42 @@ static void fast_arithmetic_stays_within_the_bound() {
   CHECK(none == nullptr);
 }
 
+// fo_optimizer_share_state: the pointer shows the live fp32 state after each step, a write
+// through it is a write to the state, and it stays valid after the optimizer is destroyed.
+static void shared_state_is_live_and_outlives_the_optimizer() {
+  fo_optim_config cfg;
+  fo_optim_config_default(FO_ALGORITHM_ADAMW, &cfg);
+  cfg.state_format = FO_STATE_FORMAT_FP32;
+  cfg.master_weight_bits = 0;
+  std::vector<float> w(100), g(100), out(100);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.3f * (float)i), g[i] = std::cos(0.7f * (float)i);
+  std::vector<int64_t> shape{10, 10};
+  fo_optimizer* opt = nullptr;
+  CHECK_OK(fo_optimizer_create(&cfg, &opt));
+  fo_tensor p = view(w.data(), FO_DTYPE_F32, shape), gr = view(g.data(), FO_DTYPE_F32, shape);
+  fo_tensor o = view(out.data(), FO_DTYPE_F32, shape);
+  int32_t idx = -1;
+  CHECK_OK(fo_optimizer_add_param(opt, "w", &p, nullptr, &idx));
+  CHECK_OK(fo_optimizer_step(opt, &gr, 1));
+  fo_state_share* sh = nullptr;
+  float* data = nullptr;
+  int64_t n = 0;
+  CHECK_OK(fo_optimizer_share_state(opt, 0, "exp_avg_sq", &sh, &data, &n));
+  CHECK(sh != nullptr && data != nullptr && n == 100);
+  for (int k = 0; k < 3; ++k) {
+    CHECK_OK(fo_optimizer_step(opt, &gr, 1));
+    CHECK_OK(fo_optimizer_get_state(opt, 0, "exp_avg_sq", &o));
+    CHECK(std::memcmp(out.data(), data, 400) == 0);
+  }
+  for (int64_t i = 0; i < n; ++i) data[i] = 0.25f;
+  CHECK_OK(fo_optimizer_get_state(opt, 0, "exp_avg_sq", &o));
+  CHECK(out[0] == 0.25f && out[99] == 0.25f);
+  fo_optimizer_destroy(opt);
+  CHECK(data[42] == 0.25f);  // still allocated: the share holds it
+  fo_state_share_destroy(sh);
+  fo_state_share_destroy(nullptr);
+}
+
 int main() {
   torch_case("adamw_defaults", 0, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0, 0, false);
   torch_case("adam_l2_wd1e-2", 1, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0, 0, false);
@@ -344,5 +380,6 @@ int main() {
   errors_change_nothing_and_say_why();
   groups_offload_and_threads();
   fast_arithmetic_stays_within_the_bound();
+  shared_state_is_live_and_outlives_the_optimizer();
   return fo_test::summary("test_optim");
 }

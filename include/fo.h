@@ -260,6 +260,12 @@ typedef struct fo_packed fo_packed;
 typedef struct fo_save fo_save;
 
 /*
+ A hold on an optimizer's live float32 state buffer, from `fo_optimizer_share_state`;
+ freed by `fo_state_share_destroy`.
+ */
+typedef struct fo_state_share fo_state_share;
+
+/*
  Return code of every fo function: `FO_OK` (0) or one of the `FO_ERR_*` codes.
  */
 typedef int32_t fo_status;
@@ -1330,6 +1336,32 @@ fo_status fo_padded_shard_size(int64_t len, int64_t world, int64_t *out);
 fo_status fo_grouped_placements(int32_t mesh_ndim,
                                 const struct fo_placement *placements,
                                 struct fo_placement *out);
+
+/*
+ Lends the live float32 storage of state `key` (`exp_avg`, `exp_avg_sq` or
+ `momentum_buffer`) of host parameter `index`, without copying: `*out_data` points at
+ its `*out_numel` elements (the parameter's, row-major), valid until
+ `fo_state_share_destroy(*out)`, even after the optimizer is destroyed. While the state
+ keeps its format, every step, `fo_optimizer_set_state`, checkpoint load and
+ overlapped-step rollback writes its values there in place, and writes through the
+ pointer are writes to the state (as edits of torch's state tensors are); do neither
+ while a step runs on this optimizer. An async save started while a share is held copies
+ that parameter's state at its call. State that is not float32 on the host (quant8,
+ `param_dtype`, a CUDA parameter's) is FO_ERR_UNSUPPORTED naming its format: read it
+ with `fo_optimizer_get_state`. A parameter without state is FO_ERR_NOT_FOUND.
+ */
+fo_status fo_optimizer_share_state(const struct fo_optimizer *opt,
+                                   int32_t index,
+                                   const char *key,
+                                   struct fo_state_share **out,
+                                   float **out_data,
+                                   int64_t *out_numel);
+
+/*
+ Releases a hold from `fo_optimizer_share_state` (NULL is a no-op); the memory is freed
+ once neither the optimizer nor any share needs it.
+ */
+void fo_state_share_destroy(struct fo_state_share *share);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -525,3 +525,26 @@ fn async_saves_through_a_communicator_commit_at_wait_like_the_sync_save() {
         }
     }
 }
+
+#[test]
+fn lent_state_is_copied_at_the_call_so_writes_through_a_share_never_reach_the_save() {
+    let cfg = config(StateFormat::Fp32, 0);
+    let (sync, asy) = (tmp("async-lent-sync"), tmp("async-lent"));
+    let mut b = Big::new(1, 0, &cfg, DType::F32);
+    b.step(0);
+    save_optimizer(&b.opt, &sync, &options(0, 1, "l")).unwrap();
+    // A borrower (fo.torch's state_dict()) holds exp_avg of param 1 live.
+    let share = b.opt.share_state(1, "exp_avg").unwrap();
+    let mut save = save_async_held(&mut b.opt, &asy, &options(0, 1, "l"), None, 0).unwrap();
+    assert!(save.stats().device_staged > 0, "{:?}", save.stats());
+    // Written behind fo's back while the writer has not read anything yet.
+    // SAFETY: the share keeps the buffer alive; nothing else runs on the optimizer.
+    unsafe { std::slice::from_raw_parts_mut(share.as_ptr(), share.len()).fill(7.0) };
+    save.hold_writer(false);
+    save.wait(None, None).unwrap();
+    assert_same_files(&asy, &sync);
+    drop(share);
+    for d in [sync, asy] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}

@@ -1,8 +1,8 @@
 """`optimizer.state` for fo.torch: torch's mapping param -> {key: tensor} over the state fo
 holds (possibly quantized), with torch's semantics for edits.
 
-fo keeps the real state in its own (compressed) buffers, so the tensors handed out are
-decoded float32 copies. To behave like torch's live state tensors:
+fo keeps compressed state in its own buffers, so the tensors handed out for it are decoded
+float32 copies. To behave like torch's live state tensors:
 - an in-place edit (`opt.state[p]["exp_avg"].zero_()`) or an assignment into the dict
   (`opt.state[p]["step"] = torch.tensor(0.)`, `opt.state[p] = {...}`) reaches fo before the next step, `state_dict()`
   or checkpoint save, encoded into the group's state format (exact for fp32 state;
@@ -11,6 +11,11 @@ decoded float32 copies. To behave like torch's live state tensors:
   the optimizer as torch's do (only held tensors cost a decode; dropped ones cost nothing).
 Edits are detected by torch's version counter (`tensor._version`), which every in-place op
 bumps; nothing is compared by value.
+
+float32 state on the host is not copied at all: its tensors are fo's live buffers
+(`fo_optimizer_share_state`), as torch's own state tensors are its optimizer's, so a DCP
+save copies them once. Those need neither edit detection (an edit is already fo's state)
+nor a refresh after a step (fo wrote them in place); `live` tells them apart by address.
 Only `fo.torch` imports this module (it needs torch)."""
 import weakref
 from collections.abc import Mapping
@@ -53,6 +58,25 @@ class State(Mapping):
         self._opt = opt
         self.handed = {}  # param -> ParamState handed out since the last step
         self.watched = {}  # (param, key) -> (weakref to a tensor handed out before a step, version)
+        self.live = {}  # (param, key) -> address of fo's live buffer lent for it
+
+    def lend(self, i, p, key, shape):
+        """fo's live float32 buffer of state `key` of p (fo index i) as a tensor of `shape`,
+        or None where the state is stored otherwise (then it is decoded)."""
+        arr = self._opt._fo._lend(i, key)
+        if arr is None:
+            return None
+        t = torch.from_numpy(arr).view(shape)
+        self.live[(p, key)] = t.data_ptr()
+        return t
+
+    def is_live(self, p, key, t):
+        return t.numel() > 0 and self.live.get((p, key)) == local(t).data_ptr()
+
+    def forget_live(self):
+        """fo's buffers were replaced (the optimizer was rebuilt): tensors lent before are
+        plain copies from now on, refreshed and checked for edits like any other."""
+        self.live.clear()
 
     def __getitem__(self, p):
         st = self.handed.get(p)
@@ -95,10 +119,10 @@ class State(Mapping):
             t = ref()
             if t is None:
                 del self.watched[(p, k)]
-            elif _version(t) != ver:
+            elif _version(t) != ver and not self.is_live(p, k, t):
                 out.setdefault(p, {})[k] = t
         for p, st in self.handed.items():
-            e = st.edited()
+            e = {k: v for k, v in st.edited().items() if not self.is_live(p, k, v)}
             if e:
                 out.setdefault(p, {}).update(e)
         for st in self.handed.values():
@@ -124,6 +148,6 @@ class State(Mapping):
                 continue
             if p not in keys:
                 keys[p] = self._opt._export_keys(p) if self._opt._has_state(p) else ()
-            if k in keys[p]:
+            if k in keys[p] and not self.is_live(p, k, t):
                 self._opt._refresh(p, k, local(t))  # decoded straight into t, no copy in between
             self.watched[(p, k)] = (ref, _version(t))

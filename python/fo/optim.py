@@ -70,6 +70,10 @@ _step = declare("fo_optimizer_step", [_P, _tp, ctypes.c_size_t])
 _get_state = declare("fo_optimizer_get_state", [_P, ctypes.c_int32, ctypes.c_char_p, _tp])
 _state_info = declare("fo_optimizer_state_info", [_P, ctypes.c_int32, ctypes.c_char_p, _i32p, _i32p,
                                                   ctypes.POINTER(ctypes.c_int64)])
+_share_state = declare("fo_optimizer_share_state", [_P, ctypes.c_int32, ctypes.c_char_p, ctypes.POINTER(_P),
+                                                    ctypes.POINTER(ctypes.POINTER(ctypes.c_float)),
+                                                    ctypes.POINTER(ctypes.c_int64)])
+_share_destroy = declare("fo_state_share_destroy", [_P], None)
 _set_state = declare("fo_optimizer_set_state", [_P, ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p), _tp,
                                                 ctypes.c_size_t])
 _add_group = declare("fo_optimizer_add_param_group", [_P, _cfgp, _i32p])
@@ -263,6 +267,21 @@ class Optimizer(Owned):
         check(_get_state(self._handle, index, key.encode(), ctypes.byref(arg.struct)))
         return out
 
+    def share_state(self, index: int, key: str) -> np.ndarray:
+        """The live float32 storage of state `key` (`exp_avg`, `exp_avg_sq`,
+        `momentum_buffer`) of host parameter `index`, without a copy: a flat array that
+        every later step, load and rollback writes in place, and whose writes are the
+        state's (as torch's state tensors are). It stays valid after the optimizer is
+        closed. Compressed state raises FoError (FO_ERR_UNSUPPORTED): use `get_state`."""
+        return np.asarray(_Lent(self._handle, index, key))
+
+    def _lend(self, index: int, key: str) -> np.ndarray | None:
+        """`share_state`, or None where the state is not float32 on the host (fo.torch
+        then decodes it): no exception on that path, which a `state_dict()` of quant8
+        state takes once per key."""
+        lent = _Lent(self._handle, index, key, unsupported_ok=True)
+        return None if lent._handle is None else np.asarray(lent)
+
     def set_state(self, index: int, entries: Mapping[str, np.ndarray]) -> None:
         """Loads `{key: array}` into parameter `index`; all entries are checked first."""
         keys = list(entries)
@@ -344,3 +363,26 @@ def _overlap_stats(st: OverlapStats) -> dict[str, Any]:
     out: dict[str, Any] = {f: getattr(st, f) for f, _ in OverlapStats._fields_}
     out["clipped"] = bool(out["clipped"])
     return out
+
+
+class _Lent(Owned):
+    """A hold on one lent state buffer (`fo_optimizer_share_state`), shown to numpy as an
+    array interface: the array made from it keeps it alive (`ndarray.base`), and the hold
+    is released when the last array (or torch tensor made from one) over it goes."""
+
+    def __init__(self, opt_handle, index: int, key: str, unsupported_ok: bool = False):
+        super().__init__(None)
+        handle, data = _P(), ctypes.POINTER(ctypes.c_float)()
+        numel = ctypes.c_int64(0)
+        status = _share_state(opt_handle, index, key.encode(), ctypes.byref(handle), ctypes.byref(data),
+                              ctypes.byref(numel))
+        if unsupported_ok and status == C.FO_ERR_UNSUPPORTED:
+            return
+        check(status)
+        self._handle = handle.value
+        addr = ctypes.cast(data, ctypes.c_void_p).value or 0
+        self.__array_interface__ = {"shape": (numel.value,), "typestr": "<f4", "version": 3,
+                                    "data": (addr, False)}
+
+    def _free(self, handle) -> None:
+        _share_destroy(handle)

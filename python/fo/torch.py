@@ -7,16 +7,17 @@ Parameters and gradients are read in place through `data_ptr()` (a DTensor throu
 shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
 with `CPUOffloadPolicy` are stepped where they lie. `param_groups` stay torch dicts: what an
 lr scheduler writes there is pushed to fo before every step. `state_dict()` has torch's
-layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params),
-decoded to float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
-torch.optim checkpoint loads into any fo state format.
+layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params)
+in float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
+torch.optim checkpoint loads into any fo state format. fp32 state is handed out live, as
+torch's is (fo's own buffers: no copy); compressed state is decoded into new tensors.
 
 Defaults: `state_format="quant8"` (FlashOptim's 8-bit state: 2.125 B/param for AdamW instead
 of torch's 8) with `arithmetic="fast"` (within fo's stated bound of FlashOptim's bits per step,
 about as fast as torch's fused AdamW); pass `arithmetic="exact"` for bit-parity with FlashOptim
 and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e-5).
-`opt.state[p]` tensors are decoded copies whose edits reach fo before the next step
-(`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
+`opt.state[p]` tensors of compressed state are decoded copies whose edits reach fo before
+the next step, those of fp32 state fo's live buffers (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
 handle from the decoded state. Under `torch.compile` the step is one opaque op (`fo::step`).
 
@@ -43,6 +44,8 @@ from ._torch_storage import FO_KEYS, Storage
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
+# what fp32 state lends live instead of decoding (fo_optimizer_share_state)
+_LENDABLE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 ARITHMETIC = _optim.ARITHMETIC
 # fo.torch steps host tensors, where the fast arithmetic runs: it is the default (within fo's
 # stated bound of exact per step; "exact" = FlashOptim's bits).
@@ -188,6 +191,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         parameter now holds whatever was written into it)."""
         saved = {p: self._export(p, local_only=True) for p in self._index if self._has_state(p)}
         self._fo.close()
+        self.state.forget_live()
         self._fo, self._index, self._where, self._keep, self._pushed = None, {}, {}, {}, []
         self._sync(also=set(saved))
         for p, st in saved.items():
@@ -269,7 +273,11 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
 
     def _get(self, i, key, p):
         # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
-        # is not asked, to keep each read one call
+        # is not asked, to keep each read one call; float32 state is lent, not decoded
+        if key in _LENDABLE:
+            t = self.state.lend(i, p, key, local(p).shape)
+            if t is not None:
+                return t
         t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
         self._read(i, key, t)
         return t

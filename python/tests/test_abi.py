@@ -81,7 +81,8 @@ TYPEDEFS = header_typedefs()
 FUNCTIONS = header_functions()
 
 SCALARS = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32,
-           "uint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t, "double": ctypes.c_double}
+           "uint64_t": ctypes.c_uint64, "size_t": ctypes.c_size_t, "double": ctypes.c_double,
+           "float": ctypes.c_float}
 
 
 class Mismatch(AssertionError):

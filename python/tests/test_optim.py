@@ -221,3 +221,29 @@ def test_arithmetic_is_validated_by_name_and_code():
         fo.Optimizer("adamw", arithmetic="quick")
     with pytest.raises(fo.FoError, match="arithmetic"):
         fo.Optimizer("adamw", arithmetic=7)
+
+
+def test_numpy_share_state_is_live_outlives_close_and_refuses_compressed_state():
+    p = np.linspace(-1, 1, 100, dtype=np.float32)
+    opt = fo.Optimizer("adamw", lr=1e-2, state_format="fp32", master_weight_bits=0)
+    opt.add_param("w", p)
+    opt.step([np.ones(100, np.float32)])
+    m = opt.share_state(0, "exp_avg")
+    assert m.dtype == np.float32 and m.shape == (100,)
+    opt.step([np.full(100, 2.0, np.float32)])
+    np.testing.assert_array_equal(m, opt.get_state(0, "exp_avg"))
+    m[:] = 0.0
+    np.testing.assert_array_equal(opt.get_state(0, "exp_avg"), 0.0)
+    opt.close()
+    assert float(m.sum()) == 0.0
+    q = fo.Optimizer("adamw", lr=1e-2, state_format="quant8", master_weight_bits=0)
+    q.add_param("w", p.copy())
+    q.step([np.ones(100, np.float32)])
+    with pytest.raises(fo.FoError, match="quant8") as e:
+        q.share_state(0, "exp_avg")
+    assert e.value.name == "FO_ERR_UNSUPPORTED"
+    with pytest.raises(fo.FoError, match="no shareable state key"):
+        opt2 = fo.Optimizer("adamw", lr=1e-2, state_format="fp32", master_weight_bits=0)
+        opt2.add_param("w", p.copy())
+        opt2.step([np.ones(100, np.float32)])
+        opt2.share_state(0, "step")

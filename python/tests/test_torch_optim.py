@@ -1,4 +1,6 @@
 """fo.torch in one process, against torch.optim itself."""
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -168,7 +170,10 @@ def test_torch_optim_checkpoint_loads_into_any_format():
     d = make_model()
     d.load_state_dict(b.state_dict())
     td = torch.optim.AdamW(d.parameters(), lr=1e-2)
-    td.load_state_dict(fb.state_dict())
+    # fp32 state_dict() tensors are fb's live state, as torch's are its optimizer's: torch
+    # loads same-dtype tensors without a copy, so a second optimizer that steps beside fb
+    # takes a copy (as a saved checkpoint is), exactly as between two torch optimizers
+    td.load_state_dict(copy.deepcopy(fb.state_dict()))
     train(d, td, steps=3, start=10)
     train(b, fb, steps=3, start=10)
     assert_params_close(d, b)

@@ -444,7 +444,10 @@ def test_zero_redundancy_optimizer_wraps_fo_and_loads_its_consolidated_state(tmp
         c = make_model()
         c.load_state_dict(b.state_dict())
         zc = ZeroRedundancyOptimizer(c.parameters(), optimizer_class=fo.torch.AdamW, lr=1e-2, state_format="fp32")
-        zc.load_state_dict(sd)  # assigns zc.optim.state[p] = {...}
+        # assigns zc.optim.state[p] = {...}; sd holds zb's live fp32 state, and torch (ZeRO
+        # and torch.optim alike) adopts same-dtype tensors without a copy, so two optimizers
+        # stepping side by side need a copy between them, as with torch's own AdamW
+        zc.load_state_dict(copy.deepcopy(sd))
         train(b, zb, 2, start=3)
         train(c, zc, 2, start=3)
         assert params_equal(b, c)

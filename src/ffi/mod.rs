@@ -22,6 +22,7 @@ mod optim_state;
 mod overlap;
 mod save;
 mod shard;
+mod state_share;
 
 pub use ckpt::*;
 pub use ckpt_info::*;
@@ -34,5 +35,6 @@ pub use optim_state::*;
 pub use overlap::*;
 pub use save::*;
 pub use shard::*;
+pub use state_share::*;
 pub use status::*;
 pub use types::*;

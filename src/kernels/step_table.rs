@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::optim::math::config::{OptimConfig, StateFormat};
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::rule::Rule;
-use crate::optim::math::state::{ErrorBits, Moment, ParamState, Root};
+use crate::optim::math::state::{ErrorBits, F32Buf, Moment, ParamState, Root};
 
 /// `fo_rule_kind` of fo_rules.cuh.
 pub const RULE_TORCH_ADAM: i32 = 0;
@@ -126,7 +126,7 @@ impl StateLayout {
         use crate::optim::math::master_split::Half;
         let moment = |kind: MomentKind| match kind {
             MomentKind::None => None,
-            MomentKind::F32 => Some(Moment::F32(vec![0.0; n])),
+            MomentKind::F32 => Some(Moment::F32(F32Buf::zeros(n))),
             MomentKind::F16 => Some(Moment::Half(Half::F16, vec![0; n])),
             MomentKind::BF16 => Some(Moment::Half(Half::BF16, vec![0; n])),
             MomentKind::Q8Signed => Some(Moment::zeros_signed(n)),

@@ -317,7 +317,7 @@ fn fast_arithmetic_and_non_float_dtypes_are_refused() {
 
 #[test]
 fn moment_kinds_follow_the_stored_format() {
-    assert_eq!(MomentKind::of(&Moment::F32(vec![])), MomentKind::F32);
+    assert_eq!(MomentKind::of(&Moment::F32(Vec::new().into())), MomentKind::F32);
     assert_eq!(
         MomentKind::of(&Moment::Half(Half::BF16, vec![])),
         MomentKind::BF16

@@ -28,10 +28,12 @@ mod groups_json;
 mod state_io;
 mod state_out;
 mod state_set;
+mod state_share;
 
 pub use config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 /// `optim::config` is `math::config` (the codes sit below the kernels that read them).
 pub use math::config;
+pub use math::live::Share;
 pub use optimizer::Optimizer;
 pub use placement::offload::plan_offload;
 pub(crate) use save_hooks::SaveHook;

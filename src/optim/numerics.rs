@@ -198,7 +198,7 @@ impl Undo {
                 .contiguous_bytes_mut()
                 .expect("parameters are contiguous")
                 .copy_from_slice(&bytes);
-            p.state = state;
+            ParamState::replace_in(&mut p.state, state);
         }
         Err(non_finite_result(&what))
     }

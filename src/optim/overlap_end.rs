@@ -11,6 +11,7 @@ use super::overlap_task::{Done, Saved};
 use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
+use crate::optim::math::state::ParamState;
 
 impl Optimizer {
     /// Closes the overlapped step: waits for the pool, combines the clip norm (through
@@ -218,7 +219,8 @@ impl Optimizer {
                     };
                     // The record's buffers, with the state it replaced, serve the next
                     // step (`keep_spares`); not `d.undo`: a second rollback finds nothing.
-                    let stepped = std::mem::replace(&mut self.params[d.i].state, u.state);
+                    // `replace_in` keeps a lent f32 buffer live (values copied back into it).
+                    let stepped = ParamState::replace_in(&mut self.params[d.i].state, u.state);
                     d.spare = Some(Saved {
                         bytes: u.bytes,
                         state: stepped,

@@ -293,7 +293,7 @@ mod tests {
 
     #[test]
     fn a_read_into_the_wrong_number_of_bytes_is_refused_before_writing() {
-        let m = Moment::F32(vec![1.0; 100]);
+        let m = Moment::F32(vec![1.0; 100].into());
         let mut out = vec![7u8; 399];
         let e = fill(&Source::Decoded(&m), DType::F32, &mut out, true).unwrap_err();
         assert!(e.to_string().contains("399 bytes"), "{e}");

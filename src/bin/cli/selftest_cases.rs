@@ -122,13 +122,13 @@ mod tests {
 
     #[test]
     fn mismatches_count_elements_bit_for_bit() {
-        let a = st(Some(Moment::F32(vec![0.0, 1.0, f32::NAN])));
+        let a = st(Some(Moment::F32(vec![0.0, 1.0, f32::NAN].into())));
         assert_eq!(
             state_mismatches(&a, &a.clone()),
             0,
             "NaN equals its own bits"
         );
-        let b = st(Some(Moment::F32(vec![-0.0, 1.0, f32::NAN])));
+        let b = st(Some(Moment::F32(vec![-0.0, 1.0, f32::NAN].into())));
         assert_eq!(state_mismatches(&a, &b), 1, "-0 is not 0");
         let mut c = b.clone();
         c.step = 3;

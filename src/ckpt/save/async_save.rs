@@ -207,13 +207,16 @@ fn start(
         .iter()
         .map(|m| m.local_shape.iter().product::<usize>() * m.dtype.size())
         .collect();
-    let devices: Vec<usize> = {
+    let at_call: Vec<usize> = {
         let mut seen = HashMap::new();
         for s in &srcs {
             let i = match s {
                 super::optim::Source::State { i, .. } | super::optim::Source::Param(i) => *i,
             };
-            seen.entry(i).or_insert(opt.param_device(i) >= 0);
+            // Device state, and host state lent out live (a borrower may write it
+            // at any time), are copied at the call.
+            seen.entry(i)
+                .or_insert(opt.param_device(i) >= 0 || opt.lends_state(i));
         }
         seen.into_iter()
             .filter(|&(_, d)| d)
@@ -228,7 +231,7 @@ fn start(
         staging_budget,
         recycled,
     ));
-    for i in devices {
+    for i in at_call {
         snap.stage_now(opt, i)?;
     }
     let reader = LiveReader::new(opt);

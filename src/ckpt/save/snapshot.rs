@@ -289,7 +289,8 @@ impl Snapshot {
     }
 
     /// Copies parameter `i` now, outside the pool (device state at the call: the step's
-    /// kernels would change it where the writer cannot see).
+    /// kernels would change it where the writer cannot see; host state lent out live
+    /// likewise: its borrower writes it without `before_write`).
     pub(super) fn stage_now(&self, opt: &Optimizer, i: usize) -> Result<()> {
         let es = self.left_of(&self.lock(), i);
         if es.is_empty() {

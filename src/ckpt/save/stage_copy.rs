@@ -77,7 +77,11 @@ impl Recycled {
     pub(super) fn put_state(&mut self, st: ParamState, max: usize) {
         for m in [st.m, st.v].into_iter().flatten() {
             match m {
-                Moment::F32(v) => self.put(v, max),
+                Moment::F32(v) => {
+                    if let Some(v) = v.into_vec() {
+                        self.put(v, max)
+                    }
+                }
                 Moment::Half(_, v) => self.put(v, max),
                 Moment::Signed { codes, scales } => {
                     self.put(codes, max);
@@ -165,7 +169,7 @@ pub(super) fn copy_slice<T: Copy + 'static>(src: &[T], kit: &mut Recycled) -> Ve
 
 fn copy_moment(m: &Moment, kit: &mut Recycled) -> Moment {
     match m {
-        Moment::F32(v) => Moment::F32(copy_slice(v, kit)),
+        Moment::F32(v) => Moment::F32(copy_slice(v, kit).into()),
         Moment::Half(h, v) => Moment::Half(*h, copy_slice(v, kit)),
         Moment::Signed { codes, scales } => Moment::Signed {
             codes: copy_slice(codes, kit),
@@ -240,7 +244,7 @@ mod tests {
             assert_eq!(pool.bytes(), 0);
             let h = ParamState {
                 step: 1,
-                m: Some(Moment::F32(f.clone())),
+                m: Some(Moment::F32(f.clone().into())),
                 v: Some(Moment::Half(Half::BF16, (0..n).map(|i| i as u16).collect())),
                 error_bits: Some(ErrorBits::I8(vec![3; n])),
                 m_valid: false,

@@ -8,9 +8,11 @@
 //! - `fast`: the `fast` arithmetic's scalars and its bound (distance from exact);
 //! - `quant8`: the 8-bit grouped state codec;
 //! - `master_split`: bf16/f16 params plus error bits as a 24- or 32-bit master weight;
-//! - `state`: stored state and the chunk views kernels decode and encode.
+//! - `state`: stored state and the chunk views kernels decode and encode;
+//! - `live`: the f32 moment's buffer, lendable as live memory.
 pub mod config;
 pub mod fast;
+pub mod live;
 pub mod master_split;
 pub mod quant8;
 pub mod rule;

@@ -2,6 +2,7 @@
 //! kernels decode to f32, update and encode back.
 use half::f16;
 
+pub use super::live::F32Buf;
 use super::master_split::{encode_one, reconstruct_one, ErrorCode, Half};
 use super::quant8::{self, GROUP};
 
@@ -33,14 +34,12 @@ pub enum Root {
 /// One moment state (`exp_avg`, `exp_avg_sq` or `momentum_buffer`) as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Moment {
-    F32(Vec<f32>),
+    /// f32 values, in a buffer fo can lend out live (`live`).
+    F32(F32Buf),
     /// bf16/f16 bit patterns (the `param_dtype` format on 16-bit params).
     Half(Half, Vec<u16>),
     /// quant8 momentum: int8 softsign codes, fp16 scale per 32.
-    Signed {
-        codes: Vec<i8>,
-        scales: Vec<f16>,
-    },
+    Signed { codes: Vec<i8>, scales: Vec<f16> },
     /// quant8 variance: uint8 codes of `v^(1/2)` (or `v^(1/4)`), fp16 scale per 32.
     Unsigned {
         codes: Vec<u8>,
@@ -80,6 +79,34 @@ pub struct ParamState {
 }
 
 impl ParamState {
+    /// Makes `new` this state and returns the state it replaces, keeping every lent f32
+    /// buffer live (`F32Buf::adopt`: its values copied in place rather than the buffer
+    /// swapped out). What loads, rollbacks and undos write a whole state through.
+    pub fn replace(&mut self, mut new: ParamState) -> ParamState {
+        for (live, m) in [(&mut self.m, &mut new.m), (&mut self.v, &mut new.v)] {
+            if let (Some(Moment::F32(a)), Some(Moment::F32(b))) = (live.as_mut(), m.as_mut()) {
+                a.adopt(b);
+            } else {
+                std::mem::swap(live, m);
+            }
+        }
+        std::mem::swap(&mut self.step, &mut new.step);
+        std::mem::swap(&mut self.m_valid, &mut new.m_valid);
+        std::mem::swap(&mut self.error_bits, &mut new.error_bits);
+        new
+    }
+
+    /// [`ParamState::replace`] on a parameter's optional state.
+    pub fn replace_in(
+        slot: &mut Option<ParamState>,
+        new: Option<ParamState>,
+    ) -> Option<ParamState> {
+        match (slot.as_mut(), new) {
+            (Some(live), Some(new)) => Some(live.replace(new)),
+            (_, new) => std::mem::replace(slot, new),
+        }
+    }
+
     pub fn nbytes(&self) -> usize {
         self.m.as_ref().map_or(0, Moment::nbytes)
             + self.v.as_ref().map_or(0, Moment::nbytes)

@@ -97,7 +97,7 @@ impl Optimizer {
         let layout = StateLayout::of(self.param_config(i), self.params[i].tensor.dtype());
         let p = &mut self.params[i];
         if p.device < 0 {
-            p.state = Some(st);
+            ParamState::replace_in(&mut p.state, Some(st));
             return Ok(());
         }
         let numel = p.tensor.numel();
