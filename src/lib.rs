@@ -62,7 +62,7 @@ pub mod tensor;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use shard::{Placement, ShardSpec};
-pub use tensor::{HostTensor, Tensor};
+pub use tensor::{Tensor, TensorView};
 
 /// cbindgen:ignore
 /// The crate version, as `fo_version()` reports it.

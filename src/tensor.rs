@@ -1,5 +1,5 @@
 //! Tensors on the host: owned (`Tensor`: bytes, dtype, shape) and borrowed views over the
-//! caller's memory (`HostTensor`: pointer, strides), with the size checks both share.
+//! caller's memory (`TensorView`: pointer, strides), with the size checks both share.
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -124,34 +124,34 @@ impl Tensor {
     }
 }
 
-/// A view of caller-owned host memory: pointer, dtype, shape and element strides.
+/// A view of caller-owned memory: pointer, dtype, shape and element strides.
 /// fo never frees it; the caller keeps it alive while fo uses it.
 #[derive(Clone, Debug)]
-pub struct HostTensor {
+pub struct TensorView {
     ptr: *mut u8,
     dtype: DType,
     shape: Vec<usize>,
     strides: Vec<usize>,
 }
 
-// SAFETY: a HostTensor is a borrowed pointer whose owner promised (at construction) that
+// SAFETY: a TensorView is a borrowed pointer whose owner promised (at construction) that
 // it stays valid; fo only ever touches disjoint tensors from different threads.
-unsafe impl Send for HostTensor {}
-unsafe impl Sync for HostTensor {}
+unsafe impl Send for TensorView {}
+unsafe impl Sync for TensorView {}
 
-impl HostTensor {
+impl TensorView {
     /// Validates and wraps caller memory. `what` names the argument in errors.
     ///
     /// # Safety
     /// `ptr` must be valid for reads (and writes, if written through) of every element
     /// addressed by `shape` and `strides`, for as long as the view is used.
-    pub unsafe fn new(
+    pub unsafe fn host(
         ptr: *mut u8,
         dtype: DType,
         shape: &[i64],
         strides: Option<&[i64]>,
         what: &str,
-    ) -> Result<HostTensor> {
+    ) -> Result<TensorView> {
         if shape.len() > MAX_DIMS {
             return Err(Error::invalid(
                 format!("{what}.ndim"),
@@ -230,7 +230,7 @@ impl HostTensor {
                 }
             }
         }
-        Ok(HostTensor {
+        Ok(TensorView {
             ptr,
             dtype,
             shape: ushape,
@@ -429,7 +429,7 @@ mod tests {
         // A transposed 2x3 view of a row-major 3x2 buffer.
         let mut buf: Vec<f32> = vec![0., 1., 2., 3., 4., 5.];
         let v = unsafe {
-            HostTensor::new(
+            TensorView::host(
                 buf.as_mut_ptr() as *mut u8,
                 DType::F32,
                 &[2, 3],
@@ -454,14 +454,15 @@ mod tests {
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
         // A stride-0 view listing 2^59 f32 (2^61 bytes): valid to describe, impossible to copy.
-        let v =
-            unsafe { HostTensor::new(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }.unwrap();
+        let v = unsafe { TensorView::host(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }
+            .unwrap();
         let e = unsafe { v.try_to_tensor("values[0]") }.unwrap_err();
         assert!(
             e.to_string().contains("values[0]") && e.to_string().contains("cannot allocate"),
             "{e}"
         );
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
+        let e =
+            unsafe { TensorView::host(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
         assert!(e.to_string().contains("2^63-1 bytes"), "{e}");
         assert!(try_zeroed(usize::MAX / 2, "n").is_err());
         assert_eq!(try_zeroed(3, "n").unwrap(), vec![0, 0, 0]);
@@ -469,18 +470,18 @@ mod tests {
 
     #[test]
     fn rejects_null_negative_and_too_many_dims() {
-        let e = unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[2], None, "param") }
+        let e = unsafe { TensorView::host(std::ptr::null_mut(), DType::F32, &[2], None, "param") }
             .unwrap_err();
         assert!(e.to_string().contains("param.data"), "{e}");
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1, -2], None, "grad") }.unwrap_err();
+        let e = unsafe { TensorView::host(p, DType::F32, &[1, -2], None, "grad") }.unwrap_err();
         assert!(e.to_string().contains("grad.shape[1]"), "{e}");
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1; 9], None, "g") }.unwrap_err();
+        let e = unsafe { TensorView::host(p, DType::F32, &[1; 9], None, "g") }.unwrap_err();
         assert!(e.to_string().contains("at most 8"), "{e}");
         // An empty tensor may have a NULL pointer.
         assert!(
-            unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }
+            unsafe { TensorView::host(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }
                 .is_ok()
         );
     }

@@ -209,7 +209,7 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
             }
         })
         .collect();
-    let mut full: Vec<(String, fo::HostTensor)> = case
+    let mut full: Vec<(String, fo::TensorView)> = case
         .keys
         .iter()
         .zip(full_bufs.iter_mut())
@@ -275,7 +275,7 @@ fn check_case(world: usize, seed: u64) {
     });
     let table_len = 8 + {
         let mut bufs: Vec<Buf> = case.keys.iter().map(|k| Buf::from_bytes(&k.full)).collect();
-        let full: Vec<(String, fo::HostTensor)> = case
+        let full: Vec<(String, fo::TensorView)> = case
             .keys
             .iter()
             .zip(bufs.iter_mut())

@@ -47,7 +47,7 @@ fn attempt(s: &Setup, comm: &Comm) -> (Result<(), Error>, bool) {
             Buf::from_bytes(&bytes)
         })
         .collect();
-    let full: Vec<(String, fo::HostTensor)> = s
+    let full: Vec<(String, fo::TensorView)> = s
         .full
         .iter()
         .zip(full_bufs.iter_mut())

@@ -25,14 +25,14 @@ use crate::cast;
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shard::{rank_to_coord, ShardSpec};
-use crate::tensor::{checked_numel, try_zeroed, HostTensor};
+use crate::tensor::{checked_numel, try_zeroed, TensorView};
 
 /// One destination: the key, this rank's tensor, and where it lies in the global tensor
 /// (`None`: the whole tensor, e.g. a buffer).
 #[derive(Debug, Clone)]
 pub struct BroadcastDest {
     pub key: String,
-    pub tensor: HostTensor,
+    pub tensor: TensorView,
     pub spec: Option<ShardSpec>,
     /// -1: host memory. >= 0: contiguous memory of that CUDA device, written from host
     /// memory in order on the legacy default stream once every rank has everything.
@@ -94,10 +94,10 @@ pub struct BroadcastStats {
 /// of its data and casts succeeded; only then are destinations written.
 ///
 /// # Safety
-/// Every `HostTensor` must point at memory valid for the call; destinations writable.
+/// Every `TensorView` must point at memory valid for the call; destinations writable.
 pub unsafe fn broadcast_state_dict(
     comm: &Comm,
-    full: Option<&[(String, HostTensor)]>,
+    full: Option<&[(String, TensorView)]>,
     dests: &[BroadcastDest],
     opts: &BroadcastOptions,
 ) -> Result<BroadcastStats> {
@@ -112,7 +112,7 @@ pub unsafe fn broadcast_state_dict(
 /// As `broadcast_state_dict`.
 pub unsafe fn broadcast_state_dict_checked(
     comm: &Comm,
-    full: Result<Option<Vec<(String, HostTensor)>>>,
+    full: Result<Option<Vec<(String, TensorView)>>>,
     dests: Result<Vec<BroadcastDest>>,
     opts: &BroadcastOptions,
 ) -> Result<BroadcastStats> {
@@ -172,7 +172,7 @@ pub unsafe fn broadcast_state_dict_checked(
         )));
     }
     // 5. the data, in table (sorted) order.
-    let by_key: std::collections::HashMap<&str, &HostTensor> = full
+    let by_key: std::collections::HashMap<&str, &TensorView> = full
         .iter()
         .flatten()
         .map(|(key, t)| (key.as_str(), t))
@@ -309,9 +309,9 @@ mod tests {
     use crate::device::emulated::{self, EMULATED};
     use crate::dtype::DType;
 
-    fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
+    fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> TensorView {
         unsafe {
-            HostTensor::new(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
+            TensorView::host(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
         }
     }
 
@@ -356,7 +356,7 @@ mod tests {
         let mut src: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
         let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
         let (mut host, mut dev) = (vec![0f32; 12], vec![0f32; 12]);
-        let dest = |t: HostTensor, device: i32| BroadcastDest {
+        let dest = |t: TensorView, device: i32| BroadcastDest {
             key: "w".into(),
             tensor: t,
             spec: None,

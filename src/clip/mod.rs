@@ -9,7 +9,7 @@ mod norms;
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// torch's `clip_grad_norm_` epsilon: `clip_coef = max_norm / (total_norm + 1e-6)`.
 pub const EPS: f64 = 1e-6;
@@ -17,7 +17,7 @@ pub const EPS: f64 = 1e-6;
 /// One local gradient for `clip_grad_norm_checked`.
 #[derive(Clone)]
 pub struct ClipGrad {
-    pub tensor: HostTensor,
+    pub tensor: TensorView,
     /// This rank's shard of a sharded gradient (summed across ranks), else replicated
     /// or plain (identical on every rank: counted once).
     pub is_shard: bool,
@@ -127,7 +127,7 @@ fn fold(per: impl Iterator<Item = (bool, (f64, f64))>, p: f64) -> Partial {
 /// Every gradient must point at valid, writable memory for the call.
 pub unsafe fn clip_grad_norm(
     comm: &Comm,
-    grads: &[(HostTensor, bool)],
+    grads: &[(TensorView, bool)],
     max_norm: f64,
     norm_type: f64,
     error_if_nonfinite: bool,

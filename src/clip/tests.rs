@@ -5,8 +5,8 @@ use crate::comm::Comm;
 use crate::device::backend::Backend as _;
 use crate::device::emulated::{self, EMULATED};
 
-fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
+fn grad(b: &mut [u8], dtype: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
 }
 
 /// Device gradients (on the emulated device) give the host norm and clip, bit for bit.
@@ -49,7 +49,7 @@ fn device_gradients_clip_as_host_ones() {
     let comm = Comm::local_group(1).pop().unwrap();
     let mut b = vec![0u8; 8 * 4];
     let strided =
-        unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
+        unsafe { TensorView::host(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
     let e = unsafe {
         clip_grad_norm_checked(
             &comm,
@@ -150,7 +150,7 @@ fn strided_host_gradients_clip_their_elements_only() {
             .flatten()
             .collect();
         let strided = unsafe {
-            HostTensor::new(
+            TensorView::host(
                 gapped.as_mut_ptr(),
                 DType::F32,
                 &[n as i64],

@@ -7,7 +7,7 @@
 use super::backend::Memory;
 use super::open::backend;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// A device tensor argument as errors name it: `arg` the argument (`grads[0]`,
 /// `dests[1].tensor`, `param`), `context` what it is for the reader ("parameter fc1.w",
@@ -37,7 +37,7 @@ impl DeviceArg<'_> {
 ///
 /// # Safety
 /// `t`'s address is only queried (never read); any value is safe to pass.
-pub unsafe fn check_tensor(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+pub unsafe fn check_tensor(t: &TensorView, device: i32, a: &DeviceArg<'_>) -> Result<()> {
     check_contiguous(t, a)?;
     open_for(device, a)?;
     check_memory(t, device, a)
@@ -55,7 +55,7 @@ fn open_for(device: i32, a: &DeviceArg<'_>) -> Result<()> {
 }
 
 /// The contiguity half of `check_tensor`: fo's kernels and copies take flat memory.
-pub fn check_contiguous(t: &HostTensor, a: &DeviceArg<'_>) -> Result<()> {
+pub fn check_contiguous(t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
     if t.is_contiguous() {
         return Ok(());
     }
@@ -74,7 +74,7 @@ pub fn check_contiguous(t: &HostTensor, a: &DeviceArg<'_>) -> Result<()> {
 ///
 /// # Safety
 /// As `check_tensor`.
-pub unsafe fn check_memory(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+pub unsafe fn check_memory(t: &TensorView, device: i32, a: &DeviceArg<'_>) -> Result<()> {
     let bytes = t.nbytes() as u64;
     if bytes == 0 {
         return Ok(()); // nothing is read or written: any address will do
@@ -139,7 +139,7 @@ impl KnownMemory {
     /// As `check_tensor`.
     pub unsafe fn check_tensor(
         &mut self,
-        t: &HostTensor,
+        t: &TensorView,
         device: i32,
         a: &DeviceArg<'_>,
     ) -> Result<()> {
@@ -152,7 +152,7 @@ impl KnownMemory {
     ///
     /// # Safety
     /// As `check_memory`.
-    pub unsafe fn check(&mut self, t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+    pub unsafe fn check(&mut self, t: &TensorView, device: i32, a: &DeviceArg<'_>) -> Result<()> {
         let lo = t.as_ptr() as u64;
         let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
             return check_memory(t, device, a); // empty (nothing to check) or wrapping

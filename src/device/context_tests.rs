@@ -8,14 +8,14 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
 const N: usize = 200;
 /// The caller's own context (torch's, say).
 const CALLER: usize = 0xCA11;
 
-fn view(b: &mut [u8], dt: DType) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[N as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[N as i64], None, "t").unwrap() }
 }
 
 #[test]

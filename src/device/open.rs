@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::backend::Backend;
 use crate::error::Result;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// The backend of device `ordinal`, opening it (and compiling the kernels) on first use.
 pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
@@ -22,7 +22,7 @@ pub fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
 /// # Safety
 /// `t` must be valid for reads (device memory of `device` when `device >= 0`), and
 /// `stream` 0 or a valid stream of that device.
-pub unsafe fn read_tensor(t: &HostTensor, device: i32, stream: usize) -> Result<Vec<u8>> {
+pub unsafe fn read_tensor(t: &TensorView, device: i32, stream: usize) -> Result<Vec<u8>> {
     if device < 0 {
         return Ok(t.to_tensor().data);
     }
@@ -36,7 +36,7 @@ pub unsafe fn read_tensor(t: &HostTensor, device: i32, stream: usize) -> Result<
 ///
 /// # Safety
 /// As `read_tensor`, for writes.
-pub unsafe fn write_tensor(t: &HostTensor, device: i32, bytes: &[u8], stream: usize) -> Result<()> {
+pub unsafe fn write_tensor(t: &TensorView, device: i32, bytes: &[u8], stream: usize) -> Result<()> {
     if device < 0 {
         return t.write_bytes(bytes);
     }

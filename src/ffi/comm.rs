@@ -19,7 +19,7 @@ use crate::ckpt::Background;
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// One rank's communicator (opaque). One call at a time per handle: a call made while
 /// another thread is inside a call on the same handle returns FO_ERR_BUSY at once (on that
@@ -208,12 +208,12 @@ impl fo_broadcast_options {
 unsafe fn sources(
     p: *const fo_broadcast_source,
     n: i64,
-) -> Result<Option<Vec<(String, HostTensor)>>> {
+) -> Result<Option<Vec<(String, TensorView)>>> {
     if p.is_null() && n == 0 {
         return Ok(None);
     }
     let s = arg_slice(p, arg_count(n, "n_full")?, "full")?;
-    let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, HostTensor)> {
+    let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, TensorView)> {
         Ok((
             arg_str(e.key, &format!("full[{i}].key"))?.to_string(),
             e.tensor.to_host(&format!("full[{i}].tensor"))?,

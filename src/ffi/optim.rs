@@ -8,7 +8,7 @@ use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::error::{Error, Result};
 use crate::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// An optimizer: param groups, registered parameters (borrowed, updated in place) and
 /// their state. Created by `fo_optimizer_create`, freed by `fo_optimizer_destroy`. One
@@ -271,7 +271,7 @@ pub unsafe extern "C" fn fo_optimizer_step(
                 devices[i] = d;
                 Ok(Some(t))
             })
-            .collect::<Result<Vec<Option<HostTensor>>>>()?;
+            .collect::<Result<Vec<Option<TensorView>>>>()?;
         opt.step_on(&views, &devices)
     })
 }

@@ -8,7 +8,7 @@ use super::status::{fo_status, guard, guard_void};
 use super::types::fo_tensor;
 use crate::error::Result;
 use crate::optim::overlap::{OverlapOptions, OverlapStats};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// How an overlapped step clips, and how much it may keep to undo early steps
 /// (`fo_overlap_options_default` fills the defaults; all-zero is valid too).
@@ -145,7 +145,7 @@ pub unsafe extern "C" fn fo_optimizer_grads_ready(
 ) -> fo_status {
     guard(|| {
         let mut opt = enter_opt(opt, "fo_optimizer_grads_ready")?;
-        let bucket = (|| -> Result<(Vec<usize>, Vec<HostTensor>, Vec<i32>)> {
+        let bucket = (|| -> Result<(Vec<usize>, Vec<TensorView>, Vec<i32>)> {
             let (idx, gs) = (
                 arg_slice(indices, n, "indices")?,
                 arg_slice(grads, n, "grads")?,

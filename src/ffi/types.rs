@@ -10,7 +10,7 @@ use super::codes::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ShardInfo, ShardSpec};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// A tensor in caller memory. `dtype`: a `FO_DTYPE_*` code (`FO_DTYPE_F32`, ...).
 /// `strides` are in elements (NULL = contiguous row-major). `device` is `FO_DEVICE_HOST`
@@ -28,7 +28,7 @@ pub struct fo_tensor {
 
 impl fo_tensor {
     /// A checked view of host memory; `what` names the argument in errors.
-    pub(crate) unsafe fn to_host(self, what: &str) -> Result<HostTensor> {
+    pub(crate) unsafe fn to_host(self, what: &str) -> Result<TensorView> {
         if self.device != FO_DEVICE_HOST {
             let why = crate::device::device_refusal(self.device);
             return Err(Error::Unsupported(format!("{what}.{why}")));
@@ -41,7 +41,7 @@ impl fo_tensor {
         } else {
             Some(arg_slice(self.strides, ndim, &format!("{what}.strides"))?)
         };
-        HostTensor::new(self.data as *mut u8, dtype, shape, strides, what)
+        TensorView::host(self.data as *mut u8, dtype, shape, strides, what)
     }
 }
 
@@ -50,7 +50,7 @@ impl fo_tensor {
     /// checked as a view (shape, strides, NULL, alignment) and never read on the host;
     /// the entry points taking it (`fo_optimizer_add_param`, `fo_optimizer_step`) hand it
     /// to the GPU only.
-    pub(crate) unsafe fn to_view(self, what: &str) -> Result<(HostTensor, i32)> {
+    pub(crate) unsafe fn to_view(self, what: &str) -> Result<(TensorView, i32)> {
         if self.device < FO_DEVICE_HOST {
             return Err(Error::invalid(
                 format!("{what}.device"),

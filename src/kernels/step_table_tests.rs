@@ -53,7 +53,7 @@ fn state(c: &OptimConfig, dt: DType, n: usize) -> ParamState {
     let mut opt = crate::optim::Optimizer::new(c.clone()).unwrap();
     let mut buf = vec![0u8; n.max(1) * dt.size()];
     let t = unsafe {
-        crate::tensor::HostTensor::new(buf.as_mut_ptr(), dt, &[n as i64], None, "p").unwrap()
+        crate::tensor::TensorView::host(buf.as_mut_ptr(), dt, &[n as i64], None, "p").unwrap()
     };
     unsafe { opt.add_param("p", t, None, 0).unwrap() };
     opt.new_state(0)

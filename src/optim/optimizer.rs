@@ -32,13 +32,13 @@ use crate::optim::math::master_split::Half;
 use crate::optim::math::state::ParamState;
 use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 use super::save_hooks::SaveSlot;
 
 pub(super) struct Param {
     pub(super) fqn: String,
-    pub(super) tensor: HostTensor,
+    pub(super) tensor: TensorView,
     pub(super) spec: Option<ShardSpec>,
     pub(super) group: usize,
     pub(super) state: Option<ParamState>,
@@ -83,7 +83,7 @@ pub(super) struct DeviceResident {
 }
 
 /// The bytes a view spans, first to last element (None when empty).
-fn address_range(t: &HostTensor) -> Option<(usize, usize)> {
+fn address_range(t: &TensorView) -> Option<(usize, usize)> {
     if t.numel() == 0 {
         return None;
     }
@@ -270,7 +270,7 @@ impl Optimizer {
     pub unsafe fn add_param(
         &mut self,
         fqn: &str,
-        param: HostTensor,
+        param: TensorView,
         spec: Option<ShardSpec>,
         group: usize,
     ) -> Result<usize> {
@@ -286,7 +286,7 @@ impl Optimizer {
     pub unsafe fn add_param_on(
         &mut self,
         fqn: &str,
-        param: HostTensor,
+        param: TensorView,
         spec: Option<ShardSpec>,
         group: usize,
         device: i32,
@@ -321,7 +321,7 @@ impl Optimizer {
     pub(super) unsafe fn register(
         &mut self,
         fqn: &str,
-        param: HostTensor,
+        param: TensorView,
         spec: Option<ShardSpec>,
         group: usize,
         device: i32,
@@ -409,7 +409,7 @@ impl Optimizer {
 
     /// A registered parameter whose memory intersects `t`'s (binary search over the
     /// sorted, disjoint parameter ranges).
-    pub(super) fn overlapping_param(&self, t: &HostTensor) -> Option<usize> {
+    pub(super) fn overlapping_param(&self, t: &TensorView) -> Option<usize> {
         let (lo, hi) = address_range(t)?;
         let at = self.ranges.partition_point(|r| r.0 < hi);
         let r = self.ranges[..at].last()?;
@@ -428,7 +428,7 @@ impl Optimizer {
     pub fn param_spec(&self, i: usize) -> Option<&ShardSpec> {
         self.params[i].spec.as_ref()
     }
-    pub fn param(&self, i: usize) -> &HostTensor {
+    pub fn param(&self, i: usize) -> &TensorView {
         &self.params[i].tensor
     }
     pub fn param_group(&self, i: usize) -> usize {

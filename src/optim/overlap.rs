@@ -29,7 +29,7 @@ use super::overlap_task::{self, Fetch, Inbox, Item};
 use super::threads;
 use crate::clip;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 impl Optimizer {
     /// Whether an overlapped step is open.
@@ -97,7 +97,7 @@ impl Optimizer {
     pub unsafe fn grads_ready(
         &mut self,
         indices: &[usize],
-        grads: &[HostTensor],
+        grads: &[TensorView],
         devices: &[i32],
     ) -> Result<()> {
         let r = self.take_bucket(indices, grads, devices);
@@ -110,7 +110,7 @@ impl Optimizer {
     unsafe fn take_bucket(
         &mut self,
         indices: &[usize],
-        grads: &[HostTensor],
+        grads: &[TensorView],
         devices: &[i32],
     ) -> Result<()> {
         let open = self.open_step().ok_or_else(|| no_step("grads_ready"))?;
@@ -262,7 +262,7 @@ impl Optimizer {
     }
 
     /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
-    fn item(&mut self, i: usize, grad: HostTensor, fetch: Option<Fetch>) -> Item {
+    fn item(&mut self, i: usize, grad: TensorView, fetch: Option<Fetch>) -> Item {
         let fresh = self.params[i].state.is_none();
         let state = match self.params[i].state.take() {
             Some(s) => s,

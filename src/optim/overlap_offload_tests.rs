@@ -9,13 +9,13 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 const SIZES: [usize; 3] = [100, 2048 + 33, 67];
 const DT: DType = DType::BF16;
 
-fn view(b: &mut [u8], n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
 }
 
 fn build(mem: &mut [Vec<u8>]) -> Optimizer {
@@ -56,7 +56,7 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
         }
         for s in 0..3 {
             let (mut gh, mut gd) = (grads(s), grads(s));
-            let vh: Vec<HostTensor> = (gh.iter_mut().enumerate())
+            let vh: Vec<TensorView> = (gh.iter_mut().enumerate())
                 .map(|(i, b)| view(b, SIZES[i]))
                 .collect();
             if max_norm > 0.0 {
@@ -70,7 +70,7 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
             }
             unsafe { host.step(&vh.iter().cloned().map(Some).collect::<Vec<_>>()) }.unwrap();
             // The device gradients, handed over last to first, one per call.
-            let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+            let vd: Vec<TensorView> = (gd.iter_mut().enumerate())
                 .map(|(i, b)| view(b, SIZES[i]))
                 .collect();
             let opts = OverlapOptions {
@@ -114,11 +114,11 @@ fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_r
     let mut off = build(&mut oa);
     off.set_stream(stream).unwrap();
     let (mut gh, mut gd) = (grads(0), grads(0));
-    let vh: Vec<Option<HostTensor>> = (gh.iter_mut().enumerate())
+    let vh: Vec<Option<TensorView>> = (gh.iter_mut().enumerate())
         .map(|(i, b)| Some(view(b, SIZES[i])))
         .collect();
     unsafe { host.step(&vh) }.unwrap();
-    let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+    let vd: Vec<TensorView> = (gd.iter_mut().enumerate())
         .map(|(i, b)| view(b, SIZES[i]))
         .collect();
     let mut st = OverlapStats::default();

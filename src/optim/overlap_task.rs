@@ -18,7 +18,7 @@ use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
-use crate::tensor::{try_with_capacity, HostTensor};
+use crate::tensor::{try_with_capacity, TensorView};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
 /// `fresh`), owned here until the item comes back.
@@ -26,7 +26,7 @@ pub(super) struct Item {
     pub i: usize,
     pub param: Param,
     pub cfg: OptimConfig,
-    pub grad: HostTensor,
+    pub grad: TensorView,
     pub fresh: bool,
     /// The offload case: the gradient is on a device and comes down first.
     pub fetch: Option<Fetch>,
@@ -55,7 +55,7 @@ pub(super) struct Done {
     pub i: usize,
     pub param: Param,
     pub cfg: OptimConfig,
-    grad: HostTensor,
+    grad: TensorView,
     /// A contiguous copy of a strided gradient.
     gathered: Option<Vec<u8>>,
     pub fresh: bool,
@@ -183,7 +183,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
                 f.src, f.bytes, f.device, f.stream,
             )?;
             let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
-            d.grad = HostTensor::new(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
+            d.grad = TensorView::host(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
             d.gathered = Some(host);
         }
         if !d.grad.is_contiguous() {

@@ -8,7 +8,7 @@ use crate::error::Error;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::shard::{Placement, ShardSpec};
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
 /// xorshift64*: the tests' only randomness, seeded per case so a failure replays.
 pub(super) struct Rng(u64);
@@ -53,9 +53,9 @@ const STRIDED: usize = 3;
 /// The parameter registered as a shard (`model(.., spec = true)`).
 pub(super) const SHARD: usize = 2;
 
-fn view(b: &mut [u8], dt: DType, shape: &[usize]) -> HostTensor {
+fn view(b: &mut [u8], dt: DType, shape: &[usize]) -> TensorView {
     let shape: Vec<i64> = shape.iter().map(|&n| n as i64).collect();
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &shape, None, "t").unwrap() }
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &shape, None, "t").unwrap() }
 }
 
 /// One step's gradients: contiguous buffers, and for `STRIDED` a transposed buffer
@@ -94,7 +94,7 @@ impl Grads {
         Grads { dt, bufs }
     }
 
-    pub fn views(&mut self) -> Vec<HostTensor> {
+    pub fn views(&mut self) -> Vec<TensorView> {
         let mut out = Vec::new();
         for (i, b) in self.bufs.iter_mut().enumerate() {
             let s = SHAPES[i];
@@ -102,7 +102,7 @@ impl Grads {
                 // The buffer holds the [9, 7] transpose: element (r, c) at c * 7 + r.
                 let shape = [s[0] as i64, s[1] as i64];
                 let strides = [1i64, s[0] as i64];
-                unsafe { HostTensor::new(b.as_mut_ptr(), self.dt[i], &shape, Some(&strides), "g") }
+                unsafe { TensorView::host(b.as_mut_ptr(), self.dt[i], &shape, Some(&strides), "g") }
                     .unwrap()
             } else {
                 view(b, self.dt[i], s)
@@ -192,7 +192,7 @@ fn configs() -> Vec<(OptimConfig, DType)> {
 /// Hands `which` over in a random order, in random buckets.
 pub(super) unsafe fn overlapped(
     m: &mut Model,
-    g: &[HostTensor],
+    g: &[TensorView],
     which: &[usize],
     rng: &mut Rng,
     opts: OverlapOptions,
@@ -204,7 +204,7 @@ pub(super) unsafe fn overlapped(
     while at < order.len() {
         let n = 1 + rng.below(order.len() - at);
         let idx = &order[at..at + n];
-        let views: Vec<HostTensor> = idx.iter().map(|&i| g[i].clone()).collect();
+        let views: Vec<TensorView> = idx.iter().map(|&i| g[i].clone()).collect();
         m.opt.grads_ready(idx, &views, &vec![-1; n]).unwrap();
         at += n;
     }
@@ -232,7 +232,7 @@ fn any_order_and_bucketing_gives_the_bits_of_one_step_for_every_configuration() 
             let mut grads = Grads::new(&mut rng, 1.0, false);
             let g = grads.views();
             let which = handed(&mut rng);
-            let all: Vec<Option<HostTensor>> = (0..g.len())
+            let all: Vec<Option<TensorView>> = (0..g.len())
                 .map(|i| which.contains(&i).then(|| g[i].clone()))
                 .collect();
             unsafe { a.opt.step(&all) }.unwrap();
@@ -264,7 +264,7 @@ fn an_undo_budget_defers_what_does_not_fit_with_the_same_bits() {
         for _ in 0..2 {
             let mut grads = Grads::new(&mut rng, 1.0, false);
             let g = grads.views();
-            let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+            let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
             unsafe { a.opt.step(&all) }.unwrap();
             let opts = OverlapOptions {
                 undo_budget_bytes: budget,
@@ -291,7 +291,7 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
     let mut rng = Rng::new(9);
     let mut grads = Grads::new(&mut rng, 1.0, false);
     let g = grads.views();
-    let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+    let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
     unsafe { m.opt.step(&all) }.unwrap();
     let before = snapshot(&m);
     unsafe {
@@ -355,7 +355,7 @@ fn abort_puts_every_early_step_back_and_drops_fresh_state() {
     assert!((0..g.len()).all(|i| !m.opt.has_state(i)));
     assert!(!m.opt.step_open());
     // The handle steps normally afterwards.
-    let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+    let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
     unsafe { m.opt.step(&all) }.unwrap();
 }
 

@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, push_jobs, Job};
 use crate::optim::math::rule::Rule;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Counts host parameter `p`'s step (when it has state) and gives the rule for it and
 /// SGD's `first` flag; None without state.
@@ -47,7 +47,7 @@ pub(super) unsafe fn push_param_jobs<'a>(
 impl Optimizer {
     /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
     /// dtype and device, and that it does not overlap parameter memory the step writes.
-    pub(super) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+    pub(super) fn check_grad(&self, i: usize, g: &TensorView, device: i32) -> Result<()> {
         let p = &self.params[i];
         if g.shape() != p.tensor.shape() {
             return Err(Error::Shape(format!(
@@ -86,7 +86,7 @@ impl Optimizer {
     /// # Safety
     /// Every gradient must be valid for reads for the call; registered parameters must
     /// still be valid.
-    pub unsafe fn step(&mut self, grads: &[Option<HostTensor>]) -> Result<()> {
+    pub unsafe fn step(&mut self, grads: &[Option<TensorView>]) -> Result<()> {
         self.step_on(grads, &vec![-1; grads.len()])
     }
 
@@ -99,7 +99,7 @@ impl Optimizer {
     /// # Safety
     /// As `step`; device gradients must be memory of their device, valid until the
     /// launched kernels have run.
-    pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
+    pub unsafe fn step_on(&mut self, grads: &[Option<TensorView>], devices: &[i32]) -> Result<()> {
         self.refuse_if_step_open("step")?;
         if devices.len() != grads.len() {
             return Err(Error::invalid(

@@ -7,7 +7,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use fo::ckpt::{pack, Mode, ParamsAs, SaveOptions};
 use fo::kernels::step_table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 use super::bench_util::{best, fill};
 use super::selftest_cases::{rules, state_mismatches, FORMATS};
@@ -65,9 +65,9 @@ impl Buf {
         Ok(v)
     }
 
-    fn view(&self, dtype: DType, n: usize) -> Result<HostTensor, String> {
+    fn view(&self, dtype: DType, n: usize) -> Result<TensorView, String> {
         // SAFETY: a view only; fo hands device views to the GPU, never reads them.
-        unsafe { HostTensor::new(self.ptr as *mut u8, dtype, &[n as i64], None, "t") }
+        unsafe { TensorView::host(self.ptr as *mut u8, dtype, &[n as i64], None, "t") }
             .map_err(|e| e.to_string())
     }
 }
@@ -120,7 +120,7 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
         let name = format!("p{i}");
         // SAFETY: the buffers outlive both optimizers (dropped after them, below).
         unsafe {
-            let h = HostTensor::new(host[i].as_mut_ptr(), dtype, &[n as i64], None, "p")
+            let h = TensorView::host(host[i].as_mut_ptr(), dtype, &[n as i64], None, "p")
                 .map_err(err)?;
             cpu.add_param(&name, h, None, 0).map_err(err)?;
             gpu.add_param_on(&name, dev[i].view(dtype, n)?, None, 0, ordinal)
@@ -143,7 +143,7 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
                 .iter()
                 .zip(SIZES)
                 .map(|(g, n)| {
-                    HostTensor::new(g.as_ptr() as *mut u8, dtype, &[n as i64], None, "g").map(Some)
+                    TensorView::host(g.as_ptr() as *mut u8, dtype, &[n as i64], None, "g").map(Some)
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(err)?;
@@ -296,7 +296,7 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
                         } else {
                             // SAFETY: a view of a live host buffer of this size.
                             unsafe {
-                                HostTensor::new(
+                                TensorView::host(
                                     host[k].as_mut_ptr(),
                                     dtype,
                                     &[SIZES[k] as i64],

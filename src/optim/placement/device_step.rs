@@ -15,7 +15,7 @@ use crate::kernels::step_table::{build_table, FoRule, StateLayout, StepTable, Ta
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::optimizer::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// A prepared device step: nothing in the optimizer has changed yet.
 pub(crate) struct DeviceStep {
@@ -105,7 +105,7 @@ impl Optimizer {
     pub(in crate::optim) fn check_grad_device(
         &self,
         i: usize,
-        g: &HostTensor,
+        g: &TensorView,
         device: i32,
     ) -> Result<()> {
         let p = &self.params[i];
@@ -149,7 +149,7 @@ impl Optimizer {
     /// As `step_on`.
     pub(in crate::optim) unsafe fn prepare_device_step(
         &self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
     ) -> Result<DeviceStep> {
         let mut s = DeviceStep {
             fresh: Vec::new(),

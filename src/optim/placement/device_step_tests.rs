@@ -5,9 +5,9 @@ use super::*;
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
-fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
+fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> TensorView {
     unsafe {
-        HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
+        TensorView::host(buf.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
     }
 }
 

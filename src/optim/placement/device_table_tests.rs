@@ -12,8 +12,8 @@ use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 const SIZES: [usize; 3] = [100, 33, 70];
 const DT: DType = DType::BF16;
 
-fn view(at: *mut u8, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(at, DT, &[n as i64], None, "t").unwrap() }
+fn view(at: *mut u8, n: usize) -> TensorView {
+    unsafe { TensorView::host(at, DT, &[n as i64], None, "t").unwrap() }
 }
 
 fn build(mem: &mut [Vec<u8>], device: i32) -> Optimizer {
@@ -40,7 +40,7 @@ struct Segment {
 }
 
 impl Segment {
-    fn grads(&self, at: &[usize], s: u64) -> Vec<Option<HostTensor>> {
+    fn grads(&self, at: &[usize], s: u64) -> Vec<Option<TensorView>> {
         emulated::synchronize_all(); // the previous step has read the old values
         (0..SIZES.len())
             .map(|i| {
@@ -55,7 +55,7 @@ impl Segment {
 }
 
 /// One step of both optimizers; returns the device step's (pointer look-ups, uploads).
-fn step(host: &mut Optimizer, dev: &mut Optimizer, g: &[Option<HostTensor>]) -> (usize, usize) {
+fn step(host: &mut Optimizer, dev: &mut Optimizer, g: &[Option<TensorView>]) -> (usize, usize) {
     // The host optimizer reads the same bytes (in host memory, which the emulated
     // device's memory is).
     unsafe { host.step(g) }.unwrap();

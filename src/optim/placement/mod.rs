@@ -19,10 +19,10 @@ pub(crate) mod staging;
 
 pub use device_state::DeviceState;
 
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// A device copy of a host parameter, rewritten after every step of the parameter.
 pub struct Mirror {
-    pub tensor: HostTensor,
+    pub tensor: TensorView,
     pub device: i32,
 }

@@ -26,7 +26,7 @@ use crate::optim::math::rule::Rule;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::step::begin_param_step;
 use crate::optim::threads;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Elements `lo..hi` of parameter `i`: one slot's worth of its gradient and of its mirror.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -58,7 +58,7 @@ struct Addr(usize);
 
 impl Optimizer {
     /// The pieces of the offloaded parameters in `which` (all with gradients and state).
-    fn pieces(&self, grads: &[Option<HostTensor>], which: &[usize]) -> Vec<Piece> {
+    fn pieces(&self, grads: &[Option<TensorView>], which: &[usize]) -> Vec<Piece> {
         let mut out = Vec::new();
         for &i in which {
             let p = &self.params[i];
@@ -81,7 +81,7 @@ impl Optimizer {
     /// As `step_on`: the gradients are device memory of `device`, mirrors valid.
     pub(super) unsafe fn step_pipelined(
         &mut self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
         device: i32,
         which: &[usize],
     ) -> Result<()> {

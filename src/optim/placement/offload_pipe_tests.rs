@@ -11,8 +11,8 @@ use crate::device::ring::RING_BYTES;
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 /// (config, param dtype, grad dtype): every kind of job the pipeline cuts.
@@ -92,12 +92,12 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
             before.push(seen);
             let prev = oa[0].clone();
             let mut hg = gvals.clone();
-            let hv: Vec<Option<HostTensor>> = hg
+            let hv: Vec<Option<TensorView>> = hg
                 .iter_mut()
                 .enumerate()
                 .map(|(i, v)| Some(view(v, gdt, SIZES[i])))
                 .collect();
-            let ov: Vec<Option<HostTensor>> = g
+            let ov: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, v)| Some(view(v, gdt, SIZES[i])))

@@ -9,7 +9,7 @@ use super::Mirror;
 use crate::device::open::{backend, write_tensor};
 use crate::error::{Error, Result};
 use crate::optim::optimizer::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// One offloaded gradient: where it is on the device, and its size.
 #[derive(Clone, Copy)]
@@ -27,7 +27,7 @@ impl Optimizer {
     /// # Safety
     /// `mirror` must be device memory of `device`, valid for writes until it is replaced
     /// or the optimizer is dropped.
-    pub unsafe fn set_mirror(&mut self, i: usize, mirror: Option<(HostTensor, i32)>) -> Result<()> {
+    pub unsafe fn set_mirror(&mut self, i: usize, mirror: Option<(TensorView, i32)>) -> Result<()> {
         self.check_index(i)?;
         let p = &self.params[i];
         let Some((t, device)) = mirror else {
@@ -102,7 +102,7 @@ impl Optimizer {
     /// with those devices, in parameter order.
     pub(in crate::optim) fn offloaded(
         &self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
         devices: &[i32],
     ) -> Vec<(usize, i32)> {
         (0..grads.len())
@@ -113,7 +113,7 @@ impl Optimizer {
 
     fn downloads(
         &self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
         which: &[(usize, i32)],
     ) -> Vec<(Download, i32)> {
         which
@@ -136,7 +136,7 @@ impl Optimizer {
     /// As `step_on`.
     pub(in crate::optim) unsafe fn download_all(
         &self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
         which: &[(usize, i32)],
     ) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut out = Vec::new();
@@ -152,7 +152,7 @@ impl Optimizer {
     /// As `step_on`; the parameters in `which` have state.
     pub(in crate::optim) unsafe fn step_offloaded(
         &mut self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
         which: &[(usize, i32)],
     ) -> Result<()> {
         let mut devices: Vec<i32> = which.iter().map(|&(_, d)| d).collect();

@@ -5,10 +5,10 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 const SIZES: [usize; 3] = [100, 0, 67];
@@ -75,7 +75,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         for s in 0..3 {
             let mut g = grads(s);
             let mut skip1 = |i: usize| s == 1 && i == 2;
-            let v: Vec<Option<HostTensor>> = g
+            let v: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, b)| (!skip1(i)).then(|| view(b, DT, SIZES[i])))
@@ -107,7 +107,7 @@ fn a_non_finite_offloaded_gradient_is_caught_before_anything_changes() {
     let mut off = build(&cfg(true), &mut oa);
     let mut g = grads(0);
     g[2][10..12].copy_from_slice(&0x7fc0u16.to_le_bytes());
-    let v: Vec<Option<HostTensor>> = g
+    let v: Vec<Option<TensorView>> = g
         .iter_mut()
         .enumerate()
         .map(|(i, b)| Some(view(b, DT, SIZES[i])))
@@ -135,7 +135,7 @@ fn mirrors_are_checked_before_they_are_kept() {
         opt.set_mirror(
             0,
             Some((
-                HostTensor::new(wrong.as_mut_ptr(), DType::F32, &[100], None, "m").unwrap(),
+                TensorView::host(wrong.as_mut_ptr(), DType::F32, &[100], None, "m").unwrap(),
                 EMULATED,
             )),
         )
@@ -163,7 +163,7 @@ fn mirrors_are_checked_before_they_are_kept() {
     emulated::synchronize_all();
     m.fill(0);
     let mut g = grads(0);
-    let v: Vec<Option<HostTensor>> = g
+    let v: Vec<Option<TensorView>> = g
         .iter_mut()
         .enumerate()
         .map(|(i, b)| Some(view(b, DT, SIZES[i])))
@@ -203,7 +203,7 @@ fn offloaded_gradients_larger_than_the_pinned_ring_give_the_host_steps_bits() {
                 .iter()
                 .map(|&n| encode(DT, &values(n, 50 + s)))
                 .collect();
-            let v: Vec<Option<HostTensor>> = g
+            let v: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, b)| Some(view(b, DT, sizes[i])))

@@ -11,14 +11,14 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
 /// The emulated device's live-allocation count is per process: tests reading it take
 /// turns.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 /// Sizes with a partial quantization group and an empty shard.
@@ -48,7 +48,7 @@ fn step(opt: &mut Optimizer, dt: DType, s: u64, device: i32) {
     let mut grads: Vec<Vec<u8>> = (0..SIZES.len())
         .map(|i| encode(dt, &values(SIZES[i], 100 + 10 * s + i as u64)))
         .collect();
-    let views: Vec<Option<HostTensor>> = grads
+    let views: Vec<Option<TensorView>> = grads
         .iter_mut()
         .enumerate()
         .map(|(i, g)| (s.is_multiple_of(2) || i != 1).then(|| view(g, dt, SIZES[i])))

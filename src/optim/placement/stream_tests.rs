@@ -8,8 +8,8 @@ use crate::optim::math::config::{Algorithm, OptimConfig};
 
 const N: usize = 300;
 
-fn view(b: &mut [u8]) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[N as i64], None, "t").unwrap() }
+fn view(b: &mut [u8]) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), DType::F32, &[N as i64], None, "t").unwrap() }
 }
 
 fn adamw() -> Optimizer {
@@ -156,7 +156,7 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     let foreign = unsafe { other.alloc_zeroed(N * 4, 0) }.unwrap();
     emulated::synchronize_all();
     let foreign_view = || {
-        unsafe { HostTensor::new(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
+        unsafe { TensorView::host(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
     };
     let mut host = encode(DType::F32, &values(N, 7));
     let _host_mark = emulated::mark_host(&host);

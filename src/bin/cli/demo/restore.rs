@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions};
 use fo::ckpt::naming::{self, CONSOLIDATED_FILE};
 use fo::ckpt::{self, Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions};
-use fo::{DType, HostTensor, Result, Tensor};
+use fo::{DType, Result, Tensor, TensorView};
 
 use super::mlp::PARAMS;
 use super::rank::{host_view, Rank};
@@ -106,7 +106,7 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
     } else {
         vec![]
     };
-    let full_views: Vec<(String, HostTensor)> = full
+    let full_views: Vec<(String, TensorView)> = full
         .iter()
         .map(|(k, t)| {
             Ok((
