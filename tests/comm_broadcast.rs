@@ -246,7 +246,6 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
                 key: k.key.clone(),
                 tensor,
                 spec: spec_at(k, &case.mesh, rank),
-                device: -1,
             }
         })
         .collect();
@@ -426,7 +425,6 @@ fn keys_no_rank_asks_for_are_listed_but_never_sent() {
             key: "a".into(),
             tensor: d.view(DType::F32, &[4]),
             spec: None,
-            device: -1,
         }];
         let st = unsafe {
             broadcast_state_dict(

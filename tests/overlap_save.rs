@@ -66,9 +66,7 @@ fn an_overlapped_step_during_an_async_save_keeps_the_checkpoint_at_the_call() {
         b.opt.step_begin(OverlapOptions::default()).unwrap();
         for (i, g) in views.iter().enumerate().rev() {
             if let Some(g) = g {
-                b.opt
-                    .grads_ready(&[i], std::slice::from_ref(g), &[-1])
-                    .unwrap();
+                b.opt.grads_ready(&[i], std::slice::from_ref(g)).unwrap();
             }
         }
         b.opt.step_end(None, &mut st).unwrap();

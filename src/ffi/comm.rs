@@ -230,11 +230,10 @@ unsafe fn dest_list(p: *const fo_broadcast_dest, n: i64) -> Result<Vec<Broadcast
     let s = arg_slice(p, arg_count(n, "n_dests")?, "dests")?;
     let one =
         |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
-            let (tensor, device) = e.tensor.to_view(&format!("dests[{i}].tensor"))?;
+            let tensor = e.tensor.to_view(&format!("dests[{i}].tensor"))?;
             Ok(BroadcastDest {
                 key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
                 tensor,
-                device,
                 spec: match e.spec.as_ref() {
                     None => None,
                     Some(s) => Some(s.to_spec().map_err(|err| {
@@ -443,11 +442,9 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
             arg_flag(error_if_nonfinite, "error_if_nonfinite")?;
             let g = arg_slice(grads, arg_count(n_grads, "n_grads")?, "grads")?;
             let g = g.iter().enumerate().map(|(i, g)| {
-                let (tensor, device) = g.tensor.to_view(&format!("grads[{i}]"))?;
                 Ok(ClipGrad {
-                    tensor,
+                    tensor: g.tensor.to_view(&format!("grads[{i}]"))?,
                     is_shard: arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
-                    device,
                 })
             });
             Ok((out, g.collect::<Result<Vec<_>>>()?))

@@ -167,7 +167,7 @@ impl Undo {
     pub(super) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
         let mut saved = Vec::new();
         for (i, p) in opt.params.iter().enumerate() {
-            if grads[i].is_none() || p.device >= 0 || !opt.config(p.group).check_numerics {
+            if grads[i].is_none() || p.device().is_cuda() || !opt.config(p.group).check_numerics {
                 continue;
             }
             let bytes = p

@@ -133,7 +133,7 @@ fn two_ranks_end(opts: [Option<OverlapOptions>; 2]) -> Vec<(crate::error::Result
                         let all: Vec<usize> = (0..SHAPES.len()).collect();
                         unsafe {
                             m.opt.step_begin(o).unwrap();
-                            m.opt.grads_ready(&all, &g, &vec![-1; all.len()]).unwrap();
+                            m.opt.grads_ready(&all, &g).unwrap();
                         }
                     }
                     let t0 = std::time::Instant::now();

@@ -17,9 +17,7 @@ unsafe fn one_by_one(
 ) -> (crate::error::Result<()>, OverlapStats) {
     m.opt.step_begin(opts).unwrap();
     for (i, v) in g.iter().enumerate() {
-        m.opt
-            .grads_ready(&[i], std::slice::from_ref(v), &[-1])
-            .unwrap();
+        m.opt.grads_ready(&[i], std::slice::from_ref(v)).unwrap();
         let t = std::time::Instant::now();
         while m.opt.open_step().unwrap().inbox.pending() > 0 {
             assert!(
@@ -115,7 +113,7 @@ fn undo_records_are_refilled_from_step_to_step() {
         };
         unsafe { b.opt.step_begin(opts) }.unwrap();
         let idx: Vec<usize> = (0..vb.len()).collect();
-        unsafe { b.opt.grads_ready(&idx, &vb, &vec![-1; vb.len()]) }.unwrap();
+        unsafe { b.opt.grads_ready(&idx, &vb) }.unwrap();
         let mut st = OverlapStats::default();
         unsafe { b.opt.step_end(None, &mut st) }.unwrap();
         assert!(snapshot(&a) == snapshot(&b), "step {step}");

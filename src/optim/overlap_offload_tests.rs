@@ -1,7 +1,7 @@
 //! The overlapped step's offload case on the emulated device: host parameters whose
 //! gradients are on the device step early (each task brings its gradient down to a
 //! host copy first, through the pinned ring) with the bits of an all-host step and of the
-//! pipelined `step_on`, mirrors follow, and clipping matches `clip_grad_norm` then step.
+//! pipelined `step`, mirrors follow, and clipping matches `clip_grad_norm` then step.
 use super::{OverlapOptions, OverlapStats};
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
@@ -52,7 +52,13 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
         let mut off = build(&mut oa);
         let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
         for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe { off.set_mirror(i, Some((view(m, SIZES[i]), EMULATED))) }.unwrap();
+            unsafe {
+                off.set_mirror(
+                    i,
+                    Some(emulated::on(emulated::dev(EMULATED), &view(m, SIZES[i]))),
+                )
+            }
+            .unwrap();
         }
         for s in 0..3 {
             let (mut gh, mut gd) = (grads(s), grads(s));
@@ -63,7 +69,6 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
                 let list = vh.iter().map(|t| ClipGrad {
                     tensor: t.clone(),
                     is_shard: false,
-                    device: -1,
                 });
                 unsafe { clip_grad_norm_checked(&comm, Ok(list.collect()), max_norm, 2.0, false) }
                     .unwrap();
@@ -81,7 +86,7 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
             unsafe {
                 off.step_begin(opts).unwrap();
                 for i in (0..SIZES.len()).rev() {
-                    off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+                    off.grads_ready(&[i], &[emulated::on(emulated::dev(EMULATED), &vd[i])])
                         .unwrap();
                 }
                 off.step_end(Some(&comm), &mut st).unwrap();
@@ -125,7 +130,7 @@ fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_r
     let stall = std::time::Duration::from_millis(1500);
     unsafe {
         off.step_begin(OverlapOptions::default()).unwrap();
-        off.grads_ready(&[1], &[vd[1].clone()], &[EMULATED])
+        off.grads_ready(&[1], &[emulated::on(emulated::dev(EMULATED), &vd[1])])
             .unwrap();
         // The rest of backward, queued on the optimizer's stream after the hand-over.
         let t0 = std::time::Instant::now();
@@ -143,7 +148,7 @@ fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_r
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         for i in [2, 0] {
-            off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+            off.grads_ready(&[i], &[emulated::on(emulated::dev(EMULATED), &vd[i])])
                 .unwrap();
         }
         off.step_end(None, &mut st).unwrap();

@@ -61,7 +61,6 @@ pub struct OverlapStats {
 /// A handed-over gradient.
 pub(super) struct Given {
     pub grad: TensorView,
-    pub device: i32,
     pub early: bool,
 }
 

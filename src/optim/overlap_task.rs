@@ -3,7 +3,7 @@
 //! that owns its state (moved out of the optimizer's table while the step is open) and a
 //! view of its memory; it comes back as a `Done` carrying the undo record (the bytes and
 //! state from before the step), the gradient's share of the clip norm, and what went
-//! wrong, if anything. The arithmetic is `step_on`'s: the same `push_param_jobs` over the
+//! wrong, if anything. The arithmetic is `step`'s: the same `push_param_jobs` over the
 //! same chunk jobs, the same `numerics` checks, so a parameter gets the same bits here.
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
@@ -18,7 +18,7 @@ use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
-use crate::tensor::{try_with_capacity, TensorView};
+use crate::tensor::{try_with_capacity, Device, TensorView};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
 /// `fresh`), owned here until the item comes back.
@@ -39,7 +39,7 @@ pub(super) struct Item {
 pub(super) struct Fetch {
     pub src: u64,
     pub bytes: usize,
-    pub device: i32,
+    pub device: Device,
     pub stream: usize,
 }
 
@@ -193,7 +193,6 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
             let g = ClipGrad {
                 tensor: d.grad.clone(),
                 is_shard: false,
-                device: -1,
             };
             d.partial = Some(grad_norms(&[g], p, 0)?[0]);
         }
@@ -235,7 +234,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
 }
 
 /// Steps one bucket: checks and undo records for every parameter (in parallel), then the
-/// chunk jobs of every parameter that passed (in parallel, as `step_on` runs them), then
+/// chunk jobs of every parameter that passed (in parallel, as `step` runs them), then
 /// `check_numerics`' look at the results. Runs on fo's pool.
 ///
 /// # Safety

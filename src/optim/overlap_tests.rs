@@ -205,7 +205,7 @@ pub(super) unsafe fn overlapped(
         let n = 1 + rng.below(order.len() - at);
         let idx = &order[at..at + n];
         let views: Vec<TensorView> = idx.iter().map(|&i| g[i].clone()).collect();
-        m.opt.grads_ready(idx, &views, &vec![-1; n]).unwrap();
+        m.opt.grads_ready(idx, &views).unwrap();
         at += n;
     }
     let mut stats = OverlapStats::default();
@@ -298,12 +298,12 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
         // A wrong shape: refused at once, and the step fails at its end.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         m.opt
-            .grads_ready(&[2, 4], &[g[2].clone(), g[4].clone()], &[-1, -1])
+            .grads_ready(&[2, 4], &[g[2].clone(), g[4].clone()])
             .unwrap();
-        let e = m.opt.grads_ready(&[1], &[g[0].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[1], &[g[0].clone()]).unwrap_err();
         assert!(matches!(e, Error::Shape(_)), "{e}");
         assert!(e.to_string().contains("gradient of p1"), "{e}");
-        let again = m.opt.grads_ready(&[3], &[g[3].clone()], &[-1]).unwrap_err();
+        let again = m.opt.grads_ready(&[3], &[g[3].clone()]).unwrap_err();
         assert!(again.to_string().contains("already failed"), "{again}");
         let mut st = OverlapStats::default();
         let e = m.opt.step_end(None, &mut st).unwrap_err();
@@ -315,14 +315,10 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
         let bad = view(&mut nan, grads.dt[4], SHAPES[4]);
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         m.opt
-            .grads_ready(
-                &[0, 1, 2],
-                &[g[0].clone(), g[1].clone(), g[2].clone()],
-                &[-1; 3],
-            )
+            .grads_ready(&[0, 1, 2], &[g[0].clone(), g[1].clone(), g[2].clone()])
             .unwrap();
-        m.opt.grads_ready(&[4], &[bad], &[-1]).unwrap();
-        m.opt.grads_ready(&[3], &[g[3].clone()], &[-1]).unwrap();
+        m.opt.grads_ready(&[4], &[bad]).unwrap();
+        m.opt.grads_ready(&[3], &[g[3].clone()]).unwrap();
         let e = m.opt.step_end(None, &mut st).unwrap_err();
         assert!(matches!(e, Error::Numerics(_)), "{e}");
         assert!(e.to_string().contains("gradient of p4"), "{e}");
@@ -346,7 +342,7 @@ fn abort_puts_every_early_step_back_and_drops_fresh_state() {
         // The first step creates state: an abort drops it again.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         let all: Vec<usize> = (0..g.len()).collect();
-        m.opt.grads_ready(&all, &g, &vec![-1; g.len()]).unwrap();
+        m.opt.grads_ready(&all, &g).unwrap();
     }
     m.opt.step_abort(&mut st).unwrap();
     assert_eq!(st.rolled_back, st.speculative, "{st:?}");
@@ -380,7 +376,7 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
     let g = grads.views();
     let mut st = OverlapStats::default();
     unsafe {
-        let e = m.opt.grads_ready(&[0], &[g[0].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[0], &[g[0].clone()]).unwrap_err();
         assert!(e.to_string().contains("no overlapped step is open"), "{e}");
         let e = m.opt.step_end(None, &mut st).unwrap_err();
         assert!(
@@ -391,7 +387,7 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         let e = m.opt.step_begin(OverlapOptions::default()).unwrap_err();
         assert!(e.to_string().contains("already open"), "{e}");
-        m.opt.grads_ready(&[1], &[g[1].clone()], &[-1]).unwrap();
+        m.opt.grads_ready(&[1], &[g[1].clone()]).unwrap();
         let e = m.opt.step(&vec![None; SHAPES.len()]).unwrap_err();
         assert!(
             matches!(e, Error::Busy(_)) && e.to_string().contains("step:"),
@@ -404,18 +400,16 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
             .opt
             .add_param("x", view(&mut extra, DType::F32, &[2]), None, 0);
         assert!(matches!(e.unwrap_err(), Error::Busy(_)));
-        let e = m.opt.grads_ready(&[1], &[g[1].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[1], &[g[1].clone()]).unwrap_err();
         assert!(e.to_string().contains("already handed over"), "{e}");
         m.opt.step_end(None, &mut st).unwrap_err();
         // Twice within one bucket, and out of range.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
-        let e = m
-            .opt
-            .grads_ready(&[2, 2], &[g[2].clone(), g[2].clone()], &[-1, -1]);
+        let e = m.opt.grads_ready(&[2, 2], &[g[2].clone(), g[2].clone()]);
         assert!(e.unwrap_err().to_string().contains("already handed over"));
         m.opt.step_end(None, &mut st).unwrap_err();
         m.opt.step_begin(OverlapOptions::default()).unwrap();
-        let e = m.opt.grads_ready(&[9], &[g[2].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[9], &[g[2].clone()]).unwrap_err();
         assert!(e.to_string().contains("indices[0]"), "{e}");
         m.opt.step_end(None, &mut st).unwrap_err();
         let e = m.opt.step_begin(OverlapOptions {
@@ -440,7 +434,7 @@ fn dropping_the_optimizer_with_a_step_open_waits_and_puts_parameters_back() {
     unsafe {
         opt.step_begin(OverlapOptions::default()).unwrap();
         let idx: Vec<usize> = (0..SHAPES.len()).collect();
-        opt.grads_ready(&idx, &g, &vec![-1; idx.len()]).unwrap();
+        opt.grads_ready(&idx, &g).unwrap();
     }
     drop(opt);
     assert!(mem == before, "an abandoned step changes nothing");

@@ -74,7 +74,6 @@ fn run_once(
                         key: format!("layers.{t}.weight"),
                         tensor: view(b, &s.local_shape()),
                         spec: Some(s.clone()),
-                        device: -1,
                     })
                     .collect();
                 let opts = BroadcastOptions {

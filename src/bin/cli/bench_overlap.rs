@@ -196,7 +196,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
             for l in (0..layers).rev() {
                 m.backward_layer(l, passes);
                 let g = m.grad(l);
-                unsafe { m.opt.grads_ready(&[l], &[g], &[-1]) }.map_err(|e| e.to_string())?;
+                unsafe { m.opt.grads_ready(&[l], &[g]) }.map_err(|e| e.to_string())?;
             }
             let t1 = Instant::now();
             let mut st = OverlapStats::default();

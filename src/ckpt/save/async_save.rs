@@ -213,7 +213,7 @@ fn start(
             let i = match s {
                 super::optim::Source::State { i, .. } | super::optim::Source::Param(i) => *i,
             };
-            seen.entry(i).or_insert(opt.param_device(i) >= 0);
+            seen.entry(i).or_insert(opt.param_device(i).is_cuda());
         }
         seen.into_iter()
             .filter(|&(_, d)| d)

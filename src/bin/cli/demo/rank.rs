@@ -198,7 +198,7 @@ impl Rank {
         unsafe {
             self.opt.step_begin(opts)?;
             for i in (0..views.len()).rev() {
-                self.opt.grads_ready(&[i], &views[i..i + 1], &[-1])?;
+                self.opt.grads_ready(&[i], &views[i..i + 1])?;
             }
             let t = std::time::Instant::now();
             self.opt.step_end(Some(&self.comm), &mut stats)?;

@@ -155,7 +155,6 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
                 key,
                 tensor,
                 spec: spec.clone(),
-                device: -1,
             });
         }
         let step = host_view(&mut b.step as *mut f32 as *mut u8, DType::F32, &[])?;
@@ -164,7 +163,6 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
             key: naming::state_key(name, naming::STEP),
             tensor: step,
             spec: None,
-            device: -1,
         });
     }
     let full_bytes = {
