@@ -55,14 +55,14 @@ pub(crate) mod sync;
 /// What the host reports about itself (memory available now).
 /// cbindgen:ignore
 pub mod sys;
-/// Owned tensors and borrowed views over host memory, with strides.
+/// Owned tensors, borrowed views over caller memory (with strides and their `Device`).
 /// cbindgen:ignore
 pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use shard::{Placement, ShardSpec};
-pub use tensor::{HostTensor, Tensor};
+pub use tensor::{Device, Tensor, TensorView};
 
 /// cbindgen:ignore
 /// The crate version, as `fo_version()` reports it.

@@ -18,7 +18,7 @@ use fo::ckpt::{
 use fo::error::Error;
 use fo::optim::{OptimConfig, Optimizer, StateFormat};
 use fo::shard::ShardSpec;
-use fo::tensor::HostTensor;
+use fo::tensor::TensorView;
 use fo::{DType, Tensor};
 
 /// Uneven shards on 2 and 4 ranks (1001 rows, 517 rows, a strided shard, a replicated
@@ -76,7 +76,7 @@ impl Big {
                 ))
             })
             .collect();
-        let views: Vec<Option<HostTensor>> = grads
+        let views: Vec<Option<TensorView>> = grads
             .iter_mut()
             .enumerate()
             .map(|(k, g)| which(k).then(|| g.view()))

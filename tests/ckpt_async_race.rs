@@ -18,7 +18,7 @@ use fo::ckpt::{
 use fo::error::Error;
 use fo::optim::{Optimizer, StateFormat};
 use fo::shard::ShardSpec;
-use fo::tensor::HostTensor;
+use fo::tensor::TensorView;
 use fo::DType;
 
 /// Large enough that a writer is still committing when the next save starts.
@@ -65,7 +65,7 @@ impl Model {
                 ))
             })
             .collect();
-        let views: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| Some(g.view())).collect();
+        let views: Vec<Option<TensorView>> = grads.iter_mut().map(|g| Some(g.view())).collect();
         unsafe { self.opt.step(&views).unwrap() };
     }
 }

@@ -193,7 +193,7 @@ fn loads_torch_checkpoint_into_fo_optimizers_on_three_ranks() {
             let mut b = vec![0u64; (s.local_numel() * g.dtype.size()).div_ceil(8).max(1)];
             let shape: Vec<i64> = s.local_shape().iter().map(|&d| d as i64).collect();
             let t = unsafe {
-                fo::tensor::HostTensor::new(b.as_mut_ptr() as *mut u8, g.dtype, &shape, None, k)
+                fo::tensor::TensorView::host(b.as_mut_ptr() as *mut u8, g.dtype, &shape, None, k)
                     .unwrap()
             };
             unsafe { opt.add_param(k, t, Some(s.clone()), 0).unwrap() };

@@ -209,7 +209,7 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
             }
         })
         .collect();
-    let mut full: Vec<(String, fo::HostTensor)> = case
+    let mut full: Vec<(String, fo::TensorView)> = case
         .keys
         .iter()
         .zip(full_bufs.iter_mut())
@@ -246,7 +246,6 @@ fn run_rank(case: &Case, comm: fo::comm::Comm) -> (BroadcastStats, Vec<(String, 
                 key: k.key.clone(),
                 tensor,
                 spec: spec_at(k, &case.mesh, rank),
-                device: -1,
             }
         })
         .collect();
@@ -275,7 +274,7 @@ fn check_case(world: usize, seed: u64) {
     });
     let table_len = 8 + {
         let mut bufs: Vec<Buf> = case.keys.iter().map(|k| Buf::from_bytes(&k.full)).collect();
-        let full: Vec<(String, fo::HostTensor)> = case
+        let full: Vec<(String, fo::TensorView)> = case
             .keys
             .iter()
             .zip(bufs.iter_mut())
@@ -426,7 +425,6 @@ fn keys_no_rank_asks_for_are_listed_but_never_sent() {
             key: "a".into(),
             tensor: d.view(DType::F32, &[4]),
             spec: None,
-            device: -1,
         }];
         let st = unsafe {
             broadcast_state_dict(

@@ -100,7 +100,7 @@ fn run(all: Arc<Vec<Grads>>, max_norm: f64, p: f64, err_nonfinite: bool) -> Outc
             .iter()
             .map(|(d, v, _)| Buf::from_bytes(&encode(*d, v)))
             .collect();
-        let grads: Vec<(fo::HostTensor, bool)> = mine
+        let grads: Vec<(fo::TensorView, bool)> = mine
             .iter()
             .zip(bufs.iter_mut())
             .map(|((d, v, s), b)| (b.view(*d, &[v.len()]), *s))
@@ -204,7 +204,7 @@ fn a_bad_argument_on_one_rank_fails_every_rank_without_a_hang() {
         let p = if comm.rank() == 3 { -1.0 } else { 2.0 };
         let mut b = Buf::from_bytes(&[0u8; 4]);
         let g = vec![(b.view(DType::I32, &[1]), true)];
-        let none: Vec<(fo::HostTensor, bool)> = vec![];
+        let none: Vec<(fo::TensorView, bool)> = vec![];
         let grads = if comm.rank() == 1 { &g } else { &none };
         unsafe { clip_grad_norm(&comm, grads, 1.0, p, false) }
             .unwrap_err()

@@ -47,7 +47,7 @@ fn attempt(s: &Setup, comm: &Comm) -> (Result<(), Error>, bool) {
             Buf::from_bytes(&bytes)
         })
         .collect();
-    let full: Vec<(String, fo::HostTensor)> = s
+    let full: Vec<(String, fo::TensorView)> = s
         .full
         .iter()
         .zip(full_bufs.iter_mut())
@@ -80,7 +80,6 @@ fn attempt(s: &Setup, comm: &Comm) -> (Result<(), Error>, bool) {
             key: k.to_string(),
             tensor: b.view(d, &local),
             spec,
-            device: -1,
         })
         .collect();
     let r =
@@ -373,7 +372,6 @@ fn callbacks_without_scatter_still_deliver_exact_shards() {
             key: "w".into(),
             tensor: dst.view(DType::BF16, &[n]),
             spec: Some(spec),
-            device: -1,
         }];
         let st = unsafe {
             broadcast_state_dict(

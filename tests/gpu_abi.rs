@@ -36,7 +36,7 @@ fn tensor(data: &mut [u16], shape: &[i64; 1], device: i32) -> fo_tensor {
 
 /// Whether this process can step device 0 (then the refusals below do not apply).
 fn gpu_usable() -> bool {
-    fo::device::open_device(0).is_ok()
+    fo::device::open_device(fo::device::Device::Cuda(0)).is_ok()
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Behaviour of the optimizer handle beyond the oracle trajectories: lazy state, failed
 //! steps that change nothing, numerics checks, dtypes and strides, state loading, groups.
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, Error, HostTensor, Tensor};
+use fo::{DType, Error, Tensor, TensorView};
 
 fn cfg(a: Algorithm, f: StateFormat, bits: u32) -> OptimConfig {
     let mut c = OptimConfig::default_for(a);
@@ -11,8 +11,8 @@ fn cfg(a: Algorithm, f: StateFormat, bits: u32) -> OptimConfig {
     c
 }
 
-fn view<T>(v: &mut [T], dtype: DType, shape: &[i64]) -> HostTensor {
-    unsafe { HostTensor::new(v.as_mut_ptr() as *mut u8, dtype, shape, None, "t").unwrap() }
+fn view<T>(v: &mut [T], dtype: DType, shape: &[i64]) -> TensorView {
+    unsafe { TensorView::host(v.as_mut_ptr() as *mut u8, dtype, shape, None, "t").unwrap() }
 }
 
 fn bf16(v: &[f32]) -> Vec<u16> {
@@ -191,7 +191,7 @@ fn f32_params_refuse_error_bits_and_strided_params_are_refused() {
     );
     let mut opt = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Fp32, 0)).unwrap();
     let t = unsafe {
-        HostTensor::new(
+        TensorView::host(
             p.as_mut_ptr() as *mut u8,
             DType::F32,
             &[2, 4],
@@ -234,7 +234,7 @@ fn strided_and_half_precision_grads_equal_their_contiguous_f32_copies() {
                     0 => view(&mut gs, DType::F32, &[5, 6]),
                     1 => view(&mut gb, DType::BF16, &[5, 6]),
                     _ => unsafe {
-                        HostTensor::new(
+                        TensorView::host(
                             gcol.as_mut_ptr() as *mut u8,
                             DType::BF16,
                             &[5, 6],
@@ -421,7 +421,7 @@ fn group_learning_rates_change_between_steps() {
     }
     opt.set_group_lr(g1, 0.0).unwrap();
     let gv =
-        || unsafe { HostTensor::new(g.as_ptr() as *mut u8, DType::F32, &[4], None, "g").unwrap() };
+        || unsafe { TensorView::host(g.as_ptr() as *mut u8, DType::F32, &[4], None, "g").unwrap() };
     unsafe { opt.step(&[Some(gv()), Some(gv())]).unwrap() };
     assert_eq!(a, vec![0.5; 4]);
     assert_eq!(b, vec![1.0; 4]);
@@ -571,7 +571,7 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
     unsafe {
         opt.add_param(
             "a",
-            HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, &[8], None, "a").unwrap(),
+            TensorView::host(buf.as_mut_ptr() as *mut u8, DType::F32, &[8], None, "a").unwrap(),
             None,
             0,
         )
@@ -579,7 +579,7 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
         let e = opt
             .add_param(
                 "b",
-                HostTensor::new(
+                TensorView::host(
                     buf.as_mut_ptr().add(4) as *mut u8,
                     DType::F32,
                     &[8],
@@ -594,7 +594,7 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
         assert!(e.to_string().contains("overlaps parameter a"), "{e}");
         opt.add_param(
             "c",
-            HostTensor::new(
+            TensorView::host(
                 buf.as_mut_ptr().add(8) as *mut u8,
                 DType::F32,
                 &[8],
@@ -606,7 +606,7 @@ fn overlapping_params_and_grads_that_alias_params_are_refused() {
             0,
         )
         .unwrap();
-        let g = HostTensor::new(
+        let g = TensorView::host(
             buf.as_mut_ptr().add(8) as *mut u8,
             DType::F32,
             &[8],

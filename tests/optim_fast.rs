@@ -9,7 +9,7 @@ mod optim_util;
 use fo::optim::math::fast::{ULP_BOUND, ULP_BOUND_FINE};
 use fo::optim::math::master_split::Half;
 use fo::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 use optim_util::*;
 
 /// One optimizer over its own copy of the parameters.
@@ -31,7 +31,7 @@ fn side(cfg: &OptimConfig, init: &[Vec<u8>], shapes: &[Vec<usize>], dtype: DType
     let mut bufs = init.to_vec();
     for (i, b) in bufs.iter_mut().enumerate() {
         let shape: Vec<i64> = shapes[i].iter().map(|&s| s as i64).collect();
-        let t = unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
+        let t = unsafe { TensorView::host(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
         unsafe { opt.add_param(&format!("p{i}"), t, None, 0).unwrap() };
     }
     Side { opt, bufs }
@@ -54,12 +54,12 @@ impl Pair {
 }
 
 fn step(s: &mut Side, shapes: &[Vec<usize>], grads: &mut [Vec<u8>], gdt: DType) {
-    let views: Vec<Option<HostTensor>> = grads
+    let views: Vec<Option<TensorView>> = grads
         .iter_mut()
         .zip(shapes)
         .map(|(g, s)| {
             let shape: Vec<i64> = s.iter().map(|&x| x as i64).collect();
-            Some(unsafe { HostTensor::new(g.as_mut_ptr(), gdt, &shape, None, "grad").unwrap() })
+            Some(unsafe { TensorView::host(g.as_mut_ptr(), gdt, &shape, None, "grad").unwrap() })
         })
         .collect();
     unsafe { s.opt.step(&views).unwrap() };

@@ -5,7 +5,7 @@
 //! thread count, the buffer's alignment or its strides, and must leave a buffer it refuses
 //! untouched.
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, Error, HostTensor};
+use fo::{DType, Error, TensorView};
 
 /// Rows x cols of every parameter: more elements than three parallel chunks (so chunk
 /// boundaries are crossed) and not a multiple of the quant8 group (a short last group).
@@ -123,11 +123,11 @@ fn stepped(c: &Case) -> (Optimizer, Vec<u8>, Vec<u8>) {
     let mut opt = Optimizer::new(cfg).unwrap();
     let shape = [ROWS as i64, COLS as i64];
     unsafe {
-        let p = HostTensor::new(param.as_mut_ptr(), c.param, &shape, None, "p").unwrap();
+        let p = TensorView::host(param.as_mut_ptr(), c.param, &shape, None, "p").unwrap();
         opt.add_param("w", p, None, 0).unwrap();
         for k in 1..=2 {
             grad = as_dtype(&wave(N, k as f32), c.param);
-            let g = HostTensor::new(grad.as_mut_ptr(), c.param, &shape, None, "g").unwrap();
+            let g = TensorView::host(grad.as_mut_ptr(), c.param, &shape, None, "g").unwrap();
             opt.step(&[Some(g)]).unwrap();
         }
     }
@@ -185,7 +185,7 @@ fn read_into(
     strides: Option<&[i64]>,
 ) -> fo::Result<()> {
     unsafe {
-        let v = HostTensor::new(buf.as_mut_ptr(), d, shape, strides, "out").unwrap();
+        let v = TensorView::host(buf.as_mut_ptr(), d, shape, strides, "out").unwrap();
         opt.get_state_into(0, key, &v)
     }
 }
@@ -200,7 +200,7 @@ fn reads_into_caller_memory_equal_the_allocating_read() {
                 let want = opt.get_state_as(0, &k, d).unwrap();
                 let shape: Vec<i64> = want.shape.iter().map(|&s| s as i64).collect();
                 let what = format!("{} {k} as {d}, {threads} threads", c.name);
-                // (HostTensor refuses misaligned memory; state_out's own tests cover a
+                // (TensorView refuses misaligned memory; state_out's own tests cover a
                 // byte buffer at any offset.)
                 let mut buf = vec![0x5Au8; want.data.len()];
                 read_into(&opt, &k, d, &mut buf, &shape, None).unwrap();

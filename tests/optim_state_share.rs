@@ -4,7 +4,7 @@
 //! outlives the optimizer; compressed, device-less or missing state is refused by name.
 use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, Error, HostTensor, Tensor};
+use fo::{DType, Error, Tensor, TensorView};
 
 const N: usize = 1000;
 
@@ -14,9 +14,9 @@ fn wave(k: f32) -> Vec<f32> {
         .collect()
 }
 
-fn view(v: &mut [f32]) -> HostTensor {
+fn view(v: &mut [f32]) -> TensorView {
     unsafe {
-        HostTensor::new(
+        TensorView::host(
             v.as_mut_ptr() as *mut u8,
             DType::F32,
             &[N as i64],
@@ -139,9 +139,7 @@ fn an_overlapped_rollback_and_a_numerics_undo_restore_the_lent_buffer_in_place()
     r.grad = wave(3.0);
     unsafe {
         r.opt.step_begin(OverlapOptions::default()).unwrap();
-        r.opt
-            .grads_ready(&[0], &[view(&mut r.grad)], &[-1])
-            .unwrap();
+        r.opt.grads_ready(&[0], &[view(&mut r.grad)]).unwrap();
     }
     let mut stats = OverlapStats::default();
     r.opt.step_abort(&mut stats).unwrap();
@@ -154,9 +152,7 @@ fn an_overlapped_rollback_and_a_numerics_undo_restore_the_lent_buffer_in_place()
     // Twice: the rollback's spare buffer serves the next step's undo record.
     unsafe {
         r.opt.step_begin(OverlapOptions::default()).unwrap();
-        r.opt
-            .grads_ready(&[0], &[view(&mut r.grad)], &[-1])
-            .unwrap();
+        r.opt.grads_ready(&[0], &[view(&mut r.grad)]).unwrap();
     }
     r.opt.step_abort(&mut stats).unwrap();
     assert_eq!(read(&m), before);

@@ -9,7 +9,7 @@ use ckpt_util::{config, global, tmp, Buf, Rank, MODEL};
 use fo::ckpt::{local_shard, save_async_held, save_optimizer, Mode, ParamsAs, SaveOptions};
 use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::StateFormat;
-use fo::tensor::HostTensor;
+use fo::tensor::TensorView;
 use fo::DType;
 
 fn options() -> SaveOptions {
@@ -57,7 +57,7 @@ fn an_overlapped_step_during_an_async_save_keeps_the_checkpoint_at_the_call() {
             })
         })
         .collect();
-    let views: Vec<Option<HostTensor>> = grads
+    let views: Vec<Option<TensorView>> = grads
         .iter_mut()
         .map(|g| g.as_mut().map(Buf::view))
         .collect();
@@ -66,9 +66,7 @@ fn an_overlapped_step_during_an_async_save_keeps_the_checkpoint_at_the_call() {
         b.opt.step_begin(OverlapOptions::default()).unwrap();
         for (i, g) in views.iter().enumerate().rev() {
             if let Some(g) = g {
-                b.opt
-                    .grads_ready(&[i], std::slice::from_ref(g), &[-1])
-                    .unwrap();
+                b.opt.grads_ready(&[i], std::slice::from_ref(g)).unwrap();
             }
         }
         b.opt.step_end(None, &mut st).unwrap();

@@ -8,7 +8,7 @@ use fo::ckpt::{parse_sharding_info, read_header, FoMeta};
 use fo::ckpt::naming::shard_file_name;
 use fo::ckpt::{consolidate, load, verify, LoadOptions};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 /// A per-process scratch directory (the fuzzer runs one input at a time per process).
 pub fn scratch(name: &str) -> PathBuf {
@@ -48,7 +48,7 @@ pub fn fixture_optimizer() -> Optimizer {
         let shape_i: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
         // SAFETY: `mem` is leaked, so it outlives the optimizer.
         unsafe {
-            let t = HostTensor::new(mem.as_mut_ptr() as *mut u8, DType::F32, &shape_i, None, fqn).unwrap();
+            let t = TensorView::host(mem.as_mut_ptr() as *mut u8, DType::F32, &shape_i, None, fqn).unwrap();
             opt.add_param(fqn, t, None, 0).unwrap();
         }
     }

@@ -25,23 +25,26 @@ use crate::cast;
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shard::{rank_to_coord, ShardSpec};
-use crate::tensor::{checked_numel, try_zeroed, HostTensor};
+use crate::tensor::{checked_numel, try_zeroed, TensorView};
 
 /// One destination: the key, this rank's tensor, and where it lies in the global tensor
 /// (`None`: the whole tensor, e.g. a buffer).
 #[derive(Debug, Clone)]
 pub struct BroadcastDest {
     pub key: String,
-    pub tensor: HostTensor,
+    /// In host memory, or contiguous memory of a CUDA device, written from host memory
+    /// in order on the legacy default stream once every rank has everything.
+    pub tensor: TensorView,
     pub spec: Option<ShardSpec>,
-    /// -1: host memory. >= 0: contiguous memory of that CUDA device, written from host
-    /// memory in order on the legacy default stream once every rank has everything.
-    pub device: i32,
 }
 
 /// Device destinations are written from host memory: contiguous, on a usable device.
 fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
-    for (i, d) in dests.iter().enumerate().filter(|(_, d)| d.device >= 0) {
+    for (i, d) in dests
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.tensor.device().is_cuda())
+    {
         let (arg, context) = (format!("dests[{i}].tensor"), format!("key {:?}", d.key));
         let a = crate::device::check::DeviceArg {
             arg: &arg,
@@ -50,7 +53,7 @@ fn check_device_dests(dests: &[BroadcastDest]) -> Result<()> {
             by_arg: true,
         };
         // SAFETY: the address is only looked up.
-        unsafe { crate::device::check::check_tensor(&d.tensor, d.device, &a) }?;
+        unsafe { crate::device::check::check_tensor(&d.tensor, &a) }?;
     }
     Ok(())
 }
@@ -94,10 +97,10 @@ pub struct BroadcastStats {
 /// of its data and casts succeeded; only then are destinations written.
 ///
 /// # Safety
-/// Every `HostTensor` must point at memory valid for the call; destinations writable.
+/// Every `TensorView` must point at memory valid for the call; destinations writable.
 pub unsafe fn broadcast_state_dict(
     comm: &Comm,
-    full: Option<&[(String, HostTensor)]>,
+    full: Option<&[(String, TensorView)]>,
     dests: &[BroadcastDest],
     opts: &BroadcastOptions,
 ) -> Result<BroadcastStats> {
@@ -112,7 +115,7 @@ pub unsafe fn broadcast_state_dict(
 /// As `broadcast_state_dict`.
 pub unsafe fn broadcast_state_dict_checked(
     comm: &Comm,
-    full: Result<Option<Vec<(String, HostTensor)>>>,
+    full: Result<Option<Vec<(String, TensorView)>>>,
     dests: Result<Vec<BroadcastDest>>,
     opts: &BroadcastOptions,
 ) -> Result<BroadcastStats> {
@@ -172,7 +175,7 @@ pub unsafe fn broadcast_state_dict_checked(
         )));
     }
     // 5. the data, in table (sorted) order.
-    let by_key: std::collections::HashMap<&str, &HostTensor> = full
+    let by_key: std::collections::HashMap<&str, &TensorView> = full
         .iter()
         .flatten()
         .map(|(key, t)| (key.as_str(), t))
@@ -211,7 +214,7 @@ pub unsafe fn broadcast_state_dict_checked(
         .and_then(|()| check_dest_streams(&dests, stream));
     agree(comm, local)?;
     for (d, b) in received {
-        crate::device::write_tensor(&dests[d].tensor, dests[d].device, &b, stream)?;
+        crate::device::write_tensor(&dests[d].tensor, &b, stream)?;
     }
     Ok(stats)
 }
@@ -222,13 +225,14 @@ fn check_dest_streams(dests: &[BroadcastDest], stream: usize) -> Result<()> {
     for (i, d) in dests
         .iter()
         .enumerate()
-        .filter(|(_, d)| d.device >= 0 && stream != 0)
+        .filter(|(_, d)| d.tensor.device().is_cuda() && stream != 0)
     {
+        let device = d.tensor.device();
         // SAFETY: the communicator's stream, live while set (`Comm::set_stream`).
-        unsafe { crate::device::backend(d.device)?.check_stream(stream) }.map_err(|e| match e {
+        unsafe { crate::device::backend(device)?.check_stream(stream) }.map_err(|e| match e {
             Error::InvalidArgument { reason, .. } => Error::invalid(
                 "stream",
-                format!("dests[{i}] (device {}): {reason}", d.device),
+                format!("dests[{i}] (device {}): {reason}", device.to_c()),
             ),
             e => e,
         })?;
@@ -307,11 +311,12 @@ mod tests {
     use super::*;
     use crate::device::backend::Backend as _;
     use crate::device::emulated::{self, EMULATED};
+    use crate::device::Device;
     use crate::dtype::DType;
 
-    fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
+    fn view(b: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> TensorView {
         unsafe {
-            HostTensor::new(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
+            TensorView::host(b.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
         }
     }
 
@@ -335,9 +340,8 @@ mod tests {
         comm.set_stream(s).unwrap();
         let dest = BroadcastDest {
             key: "w".into(),
-            tensor: view(&mut d, &[3, 4], None),
+            tensor: emulated::on(emulated::dev(EMULATED), &view(&mut d, &[3, 4], None)),
             spec: None,
-            device: EMULATED,
         };
         unsafe { broadcast_state_dict(&comm, Some(&full), &[dest], &BroadcastOptions::default()) }
             .unwrap();
@@ -356,25 +360,24 @@ mod tests {
         let mut src: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
         let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
         let (mut host, mut dev) = (vec![0f32; 12], vec![0f32; 12]);
-        let dest = |t: HostTensor, device: i32| BroadcastDest {
+        let dest = |t: TensorView, device: Device| BroadcastDest {
             key: "w".into(),
-            tensor: t,
+            tensor: emulated::on(device, &t),
             spec: None,
-            device,
         };
         let opts = BroadcastOptions::default();
         unsafe {
             broadcast_state_dict(
                 &comm,
                 Some(&full),
-                &[dest(view(&mut host, &[3, 4], None), -1)],
+                &[dest(view(&mut host, &[3, 4], None), Device::Host)],
                 &opts,
             )
             .unwrap();
             broadcast_state_dict(
                 &comm,
                 Some(&full),
-                &[dest(view(&mut dev, &[3, 4], None), EMULATED)],
+                &[dest(view(&mut dev, &[3, 4], None), emulated::dev(EMULATED))],
                 &opts,
             )
             .unwrap();
@@ -387,7 +390,10 @@ mod tests {
             broadcast_state_dict(
                 &comm,
                 Some(&full),
-                &[dest(view(&mut wide, &[3, 4], Some(&[8, 1])), EMULATED)],
+                &[dest(
+                    view(&mut wide, &[3, 4], Some(&[8, 1])),
+                    emulated::dev(EMULATED),
+                )],
                 &opts,
             )
         }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -20,7 +20,7 @@ pub struct Table(pub Vec<Entry>);
 
 impl Table {
     /// The table of rank 0's full state dict; a key given twice is an error.
-    pub fn from_full(full: &[(String, HostTensor)]) -> Result<Table> {
+    pub fn from_full(full: &[(String, TensorView)]) -> Result<Table> {
         let mut m = BTreeMap::new();
         for (i, (k, t)) in full.iter().enumerate() {
             let e = Entry {
@@ -100,7 +100,7 @@ mod tests {
     fn sorts_keys_round_trips_and_rejects_duplicates() {
         let mut a = [0f32; 6];
         let mut b = [0u8; 1];
-        let t = |p: *mut u8, d, s: &[i64]| unsafe { HostTensor::new(p, d, s, None, "t").unwrap() };
+        let t = |p: *mut u8, d, s: &[i64]| unsafe { TensorView::host(p, d, s, None, "t").unwrap() };
         let full = vec![
             (
                 "z.weight".to_string(),

@@ -9,7 +9,7 @@ mod norms;
 use crate::comm::{agree, Comm, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// torch's `clip_grad_norm_` epsilon: `clip_coef = max_norm / (total_norm + 1e-6)`.
 pub const EPS: f64 = 1e-6;
@@ -17,15 +17,14 @@ pub const EPS: f64 = 1e-6;
 /// One local gradient for `clip_grad_norm_checked`.
 #[derive(Clone)]
 pub struct ClipGrad {
-    pub tensor: HostTensor,
+    /// In host memory, or contiguous memory of a CUDA device, summed and scaled by fo's
+    /// kernels in order on the legacy default stream (for p = 1, 2, infinity; other p
+    /// copy the gradient down to sum it), finished when the call returns. The norm is
+    /// the host's, bit for bit.
+    pub tensor: TensorView,
     /// This rank's shard of a sharded gradient (summed across ranks), else replicated
     /// or plain (identical on every rank: counted once).
     pub is_shard: bool,
-    /// -1: host memory. >= 0: contiguous memory of that CUDA device, summed and scaled
-    /// by fo's kernels in order on the legacy default stream (for p = 1, 2, infinity;
-    /// other p copy the gradient down to sum it), finished when the call returns. The
-    /// norm is the host's, bit for bit.
-    pub device: i32,
 }
 
 /// Per-rank partial results: (shard max |g|, shard sum |g|^p, replicated part, non-finite flag).
@@ -72,7 +71,7 @@ unsafe fn local_partial(
                 g.dtype()
             )));
         }
-        if c.device >= 0 {
+        if c.tensor.device().is_cuda() {
             let arg = format!("grads[{i}]");
             let a = crate::device::check::DeviceArg {
                 arg: &arg,
@@ -81,7 +80,7 @@ unsafe fn local_partial(
                 by_arg: true,
             };
             // SAFETY: the address is only looked up.
-            unsafe { crate::device::check::check_tensor(g, c.device, &a) }?;
+            unsafe { crate::device::check::check_tensor(g, &a) }?;
         }
     }
     let norms = norms::norms(grads, p, stream)?;
@@ -127,7 +126,7 @@ fn fold(per: impl Iterator<Item = (bool, (f64, f64))>, p: f64) -> Partial {
 /// Every gradient must point at valid, writable memory for the call.
 pub unsafe fn clip_grad_norm(
     comm: &Comm,
-    grads: &[(HostTensor, bool)],
+    grads: &[(TensorView, bool)],
     max_norm: f64,
     norm_type: f64,
     error_if_nonfinite: bool,
@@ -137,7 +136,6 @@ pub unsafe fn clip_grad_norm(
         .map(|(tensor, is_shard)| ClipGrad {
             tensor: tensor.clone(),
             is_shard: *is_shard,
-            device: -1,
         })
         .collect();
     clip_grad_norm_checked(comm, Ok(grads), max_norm, norm_type, error_if_nonfinite)

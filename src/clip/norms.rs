@@ -14,6 +14,7 @@ use crate::device::open::{backend, read_tensor, write_tensor};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::norm_table::{HostNorm, NormTable, CHUNK};
+use crate::tensor::Device;
 
 /// Which sum the kernels do for norm type `p` (1: |x|, 2: x*x), None where they cannot.
 fn power(p: f64) -> Option<u32> {
@@ -27,10 +28,13 @@ fn power(p: f64) -> Option<u32> {
 }
 
 /// The indices of `grads` on each device, in order.
-fn by_device(grads: &[ClipGrad]) -> BTreeMap<i32, Vec<usize>> {
-    let mut m: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
-    for (i, g) in grads.iter().enumerate().filter(|(_, g)| g.device >= 0) {
-        m.entry(g.device).or_default().push(i);
+fn by_device(grads: &[ClipGrad]) -> BTreeMap<Device, Vec<usize>> {
+    let mut m: BTreeMap<Device, Vec<usize>> = BTreeMap::new();
+    for (i, g) in grads.iter().enumerate() {
+        let d = g.tensor.device();
+        if d.is_cuda() {
+            m.entry(d).or_default().push(i);
+        }
     }
     m
 }
@@ -65,7 +69,7 @@ pub(super) unsafe fn norms(grads: &[ClipGrad], p: f64, stream: usize) -> Result<
         }
     }
     for (i, g) in grads.iter().enumerate() {
-        if g.device < 0 || power.is_none() {
+        if g.tensor.device().is_host() || power.is_none() {
             out[i] = host_norm(g, p, power, stream)?;
         }
     }
@@ -81,7 +85,7 @@ pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64, stream: usize) -> 
     for (device, idx) in by_device(grads) {
         backend(device)?.scale(&table(grads, &idx)?, coef, stream)?;
     }
-    for g in grads.iter().filter(|g| g.device < 0) {
+    for g in grads.iter().filter(|g| g.tensor.device().is_host()) {
         scale_host(g, coef)?;
     }
     Ok(())
@@ -95,13 +99,16 @@ pub(super) unsafe fn scale_all(grads: &[ClipGrad], coef: f64, stream: usize) -> 
 /// The gradient's memory must be valid (the caller of clip_grad_norm promised it).
 unsafe fn host_norm(g: &ClipGrad, p: f64, power: Option<u32>, stream: usize) -> Result<(f64, f64)> {
     let copied;
-    let bytes = match (g.device < 0)
+    let bytes = match g
+        .tensor
+        .device()
+        .is_host()
         .then(|| g.tensor.contiguous_bytes())
         .flatten()
     {
         Some(b) => b,
         None => {
-            copied = read_tensor(&g.tensor, g.device, stream)?;
+            copied = read_tensor(&g.tensor, stream)?;
             &copied[..]
         }
     };
@@ -182,9 +189,9 @@ unsafe fn scale_host(g: &ClipGrad, coef: f64) -> Result<()> {
         scale_bytes(b, g.tensor.dtype(), coef);
         return Ok(());
     }
-    let mut b = read_tensor(&g.tensor, -1, 0)?;
+    let mut b = read_tensor(&g.tensor, 0)?;
     scale_bytes(&mut b, g.tensor.dtype(), coef);
-    write_tensor(&g.tensor, -1, &b, 0)
+    write_tensor(&g.tensor, &b, 0)
 }
 
 fn scale_bytes(b: &mut [u8], dtype: DType, coef: f64) {

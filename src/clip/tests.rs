@@ -4,9 +4,10 @@ use super::*;
 use crate::comm::Comm;
 use crate::device::backend::Backend as _;
 use crate::device::emulated::{self, EMULATED};
+use crate::tensor::Device;
 
-fn grad(b: &mut [u8], dtype: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
+fn grad(b: &mut [u8], dtype: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dtype, &[n as i64], None, "g").unwrap() }
 }
 
 /// Device gradients (on the emulated device) give the host norm and clip, bit for bit.
@@ -30,14 +31,12 @@ fn device_gradients_clip_as_host_ones() {
             let want = unsafe { clip_grad_norm(&comm, &host, 1.5, p, true) }.unwrap();
             let dev = vec![
                 ClipGrad {
-                    tensor: grad(&mut d0, dtype, 77),
+                    tensor: emulated::on(emulated::dev(EMULATED), &grad(&mut d0, dtype, 77)),
                     is_shard: true,
-                    device: EMULATED,
                 },
                 ClipGrad {
                     tensor: grad(&mut d1, dtype, 77),
                     is_shard: false,
-                    device: -1,
                 },
             ];
             let got = unsafe { clip_grad_norm_checked(&comm, Ok(dev), 1.5, p, true) }.unwrap();
@@ -49,14 +48,13 @@ fn device_gradients_clip_as_host_ones() {
     let comm = Comm::local_group(1).pop().unwrap();
     let mut b = vec![0u8; 8 * 4];
     let strided =
-        unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
+        unsafe { TensorView::host(b.as_mut_ptr(), DType::F32, &[4], Some(&[2]), "g").unwrap() };
     let e = unsafe {
         clip_grad_norm_checked(
             &comm,
             Ok(vec![ClipGrad {
-                tensor: strided,
+                tensor: emulated::on(emulated::dev(EMULATED), &strided),
                 is_shard: true,
-                device: EMULATED,
             }]),
             1.0,
             2.0,
@@ -102,17 +100,17 @@ fn device_norms_and_scaling_are_the_hosts_across_chunks() {
             for p in [2.0, 1.0, f64::INFINITY, 3.0] {
                 let mut host = srcs.clone();
                 let mut dev = srcs.clone();
-                let mk = |bufs: &mut Vec<Vec<u8>>, device: i32| -> Vec<ClipGrad> {
+                let mk = |bufs: &mut Vec<Vec<u8>>, device: Device| -> Vec<ClipGrad> {
                     bufs.iter_mut()
                         .zip(sizes)
                         .map(|(b, n)| ClipGrad {
-                            tensor: grad(b, dtype, n),
+                            tensor: emulated::on(device, &grad(b, dtype, n)),
                             is_shard: true,
-                            device,
                         })
                         .collect()
                 };
-                let (h, d) = (mk(&mut host, -1), mk(&mut dev, EMULATED));
+                let on_device = emulated::dev(EMULATED);
+                let (h, d) = (mk(&mut host, Device::Host), mk(&mut dev, on_device));
                 let want = unsafe { norms::norms(&h, p, 0) }.unwrap();
                 let got = unsafe { norms::norms(&d, p, 0) }.unwrap();
                 for (i, (w, g)) in want.iter().zip(&got).enumerate() {
@@ -150,7 +148,7 @@ fn strided_host_gradients_clip_their_elements_only() {
             .flatten()
             .collect();
         let strided = unsafe {
-            HostTensor::new(
+            TensorView::host(
                 gapped.as_mut_ptr(),
                 DType::F32,
                 &[n as i64],
@@ -297,9 +295,8 @@ fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
     let mut comm = Comm::local_group(1).pop().unwrap();
     comm.set_stream(s).unwrap();
     let grads = vec![ClipGrad {
-        tensor: grad(&mut g, DType::F32, 1000),
+        tensor: emulated::on(emulated::dev(EMULATED), &grad(&mut g, DType::F32, 1000)),
         is_shard: true,
-        device: EMULATED,
     }];
     let total = unsafe { clip_grad_norm_checked(&comm, Ok(grads), 1e9, 2.0, true) }.unwrap();
     emulated::synchronize_all();
@@ -308,9 +305,8 @@ fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
     comm.set_stream(emulated::create_stream(EMULATED + 1))
         .unwrap();
     let grads = vec![ClipGrad {
-        tensor: grad(&mut g, DType::F32, 1000),
+        tensor: emulated::on(emulated::dev(EMULATED), &grad(&mut g, DType::F32, 1000)),
         is_shard: true,
-        device: EMULATED,
     }];
     let e = unsafe { clip_grad_norm_checked(&comm, Ok(grads), 1.0, 2.0, true) }
         .unwrap_err()

@@ -1,13 +1,13 @@
 //! The one check a device tensor passes before fo queues anything on it: contiguous, on
 //! an open device, and its memory really that device's (`Backend::memory_of`).
 //!
-//! A host pointer or another device's memory given with `device >= 0` would fault inside
+//! A host pointer or another device's memory given as a CUDA device's would fault inside
 //! fo's kernel: a sticky error that kills the CUDA context torch shares. Refused here
 //! instead, naming the argument, before anything is queued.
 use super::backend::Memory;
 use super::open::backend;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// A device tensor argument as errors name it: `arg` the argument (`grads[0]`,
 /// `dests[1].tensor`, `param`), `context` what it is for the reader ("parameter fc1.w",
@@ -31,20 +31,20 @@ impl DeviceArg<'_> {
     }
 }
 
-/// Checks that `t`, given on CUDA device `device` (>= 0), is contiguous, that the device
-/// opens (libraries, ordinal, kernels), and that `t`'s first and last bytes are memory of
-/// that device. Changes nothing; queues nothing.
+/// Checks that `t`, a view on a CUDA device, is contiguous, that its device opens
+/// (libraries, ordinal, kernels), and that `t`'s first and last bytes are memory of that
+/// device. Changes nothing; queues nothing.
 ///
 /// # Safety
 /// `t`'s address is only queried (never read); any value is safe to pass.
-pub unsafe fn check_tensor(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+pub unsafe fn check_tensor(t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
     check_contiguous(t, a)?;
-    open_for(device, a)?;
-    check_memory(t, device, a)
+    open_for(t.device(), a)?;
+    check_memory(t, a)
 }
 
 /// Opens `device` for argument `a`, naming it in the refusal.
-fn open_for(device: i32, a: &DeviceArg<'_>) -> Result<()> {
+fn open_for(device: Device, a: &DeviceArg<'_>) -> Result<()> {
     super::open_device(device).map_err(|e| match e {
         Error::Unsupported(m) if a.by_arg || a.context.is_empty() => {
             Error::Unsupported(format!("{}.{m}", a.arg))
@@ -55,7 +55,7 @@ fn open_for(device: i32, a: &DeviceArg<'_>) -> Result<()> {
 }
 
 /// The contiguity half of `check_tensor`: fo's kernels and copies take flat memory.
-pub fn check_contiguous(t: &HostTensor, a: &DeviceArg<'_>) -> Result<()> {
+pub fn check_contiguous(t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
     if t.is_contiguous() {
         return Ok(());
     }
@@ -74,12 +74,14 @@ pub fn check_contiguous(t: &HostTensor, a: &DeviceArg<'_>) -> Result<()> {
 ///
 /// # Safety
 /// As `check_tensor`.
-pub unsafe fn check_memory(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+pub unsafe fn check_memory(t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
     let bytes = t.nbytes() as u64;
     if bytes == 0 {
         return Ok(()); // nothing is read or written: any address will do
     }
-    let b = backend(device)?;
+    let b = backend(t.device())?;
+    // Errors name the device by the number the caller gave (`device = 0`).
+    let device = t.device().to_c();
     let first = t.as_ptr() as u64;
     for at in [first, first + bytes - 1] {
         let where_ = match b.memory_of(at)? {
@@ -126,7 +128,7 @@ pub unsafe fn check_memory(t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Re
 #[derive(Default)]
 pub struct KnownMemory {
     /// `(device, start, end)`: validated byte ranges, oldest first.
-    ranges: Vec<(i32, u64, u64)>,
+    ranges: Vec<(Device, u64, u64)>,
 }
 
 /// Ranges kept; past it the oldest is forgotten (and queried again if used again).
@@ -137,31 +139,28 @@ impl KnownMemory {
     ///
     /// # Safety
     /// As `check_tensor`.
-    pub unsafe fn check_tensor(
-        &mut self,
-        t: &HostTensor,
-        device: i32,
-        a: &DeviceArg<'_>,
-    ) -> Result<()> {
+    pub unsafe fn check_tensor(&mut self, t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
         check_contiguous(t, a)?;
-        open_for(device, a)?;
-        self.check(t, device, a)
+        open_for(t.device(), a)?;
+        self.check(t, a)
     }
 
-    /// `check_memory`, skipped for a tensor inside a range already validated on `device`.
+    /// `check_memory`, skipped for a tensor inside a range already validated on its
+    /// device.
     ///
     /// # Safety
     /// As `check_memory`.
-    pub unsafe fn check(&mut self, t: &HostTensor, device: i32, a: &DeviceArg<'_>) -> Result<()> {
+    pub unsafe fn check(&mut self, t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
+        let device = t.device();
         let lo = t.as_ptr() as u64;
         let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
-            return check_memory(t, device, a); // empty (nothing to check) or wrapping
+            return check_memory(t, a); // empty (nothing to check) or wrapping
         };
-        let inside = |&(d, s, e): &(i32, u64, u64)| d == device && s <= lo && hi <= e;
+        let inside = |&(d, s, e): &(Device, u64, u64)| d == device && s <= lo && hi <= e;
         if self.ranges.iter().any(inside) {
             return Ok(());
         }
-        check_memory(t, device, a)?;
+        check_memory(t, a)?;
         let (s, e) = match backend(device)?.allocation_of(lo)? {
             Some((s, n)) if s <= lo && s.checked_add(n).is_some_and(|e| hi <= e) => (s, s + n),
             _ => (lo, hi),

@@ -8,14 +8,19 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
 const N: usize = 200;
 /// The caller's own context (torch's, say).
 const CALLER: usize = 0xCA11;
 
-fn view(b: &mut [u8], dt: DType) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[N as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[N as i64], None, "t").unwrap() }
+}
+
+/// `b` as memory of the emulated device `EMULATED`.
+fn on_device(b: &mut [u8], dt: DType) -> TensorView {
+    emulated::on(emulated::dev(EMULATED), &view(b, dt))
 }
 
 #[test]
@@ -42,24 +47,24 @@ fn every_fo_call_that_touches_a_device_leaves_the_callers_context_current() {
         encode(DType::F32, &values(N, 2)),
     );
     let mut mirror = vec![0u8; N * 4];
-    unsafe { opt.add_param_on("d", view(&mut dp, DType::F32), None, 0, EMULATED) }.unwrap();
-    after("add_param_on");
+    unsafe { opt.add_param("d", on_device(&mut dp, DType::F32), None, 0) }.unwrap();
+    after("add_param (on the device)");
     unsafe { opt.add_param("h", view(&mut hp, DType::F32), None, 0) }.unwrap();
     opt.set_stream(stream).unwrap();
     after("set_stream");
-    unsafe { opt.set_mirror(1, Some((view(&mut mirror, DType::F32), EMULATED))) }.unwrap();
+    unsafe { opt.set_mirror(1, Some(on_device(&mut mirror, DType::F32))) }.unwrap();
     after("set_mirror");
     let (mut g0, mut g1) = (
         encode(DType::F32, &values(N, 3)),
         encode(DType::F32, &values(N, 4)),
     );
     let grads = [
-        Some(view(&mut g0, DType::F32)),
-        Some(view(&mut g1, DType::F32)),
+        Some(on_device(&mut g0, DType::F32)),
+        Some(on_device(&mut g1, DType::F32)),
     ];
     // The device step and the offload case (a host param, its gradient on the device).
-    unsafe { opt.step_on(&grads, &[EMULATED, EMULATED]) }.unwrap();
-    after("step_on");
+    unsafe { opt.step(&grads) }.unwrap();
+    after("step");
     let exp_avg = opt.get_state(0, "exp_avg").unwrap();
     after("get_state (a device state comes down)");
     let zeros = Tensor::from_f32(vec![N], &vec![0.0; N]).unwrap();
@@ -69,18 +74,14 @@ fn every_fo_call_that_touches_a_device_leaves_the_callers_context_current() {
     // A refused call restores it too.
     let mut host = encode(DType::F32, &values(N, 5));
     let _mark = emulated::mark_host(&host);
-    assert!(
-        unsafe { opt.step_on(&[Some(view(&mut host, DType::F32)), None], &[EMULATED, -1]) }
-            .is_err()
-    );
-    after("a refused step_on");
+    assert!(unsafe { opt.step(&[Some(on_device(&mut host, DType::F32)), None]) }.is_err());
+    after("a refused step");
 
     let comm = Comm::local_group(1).pop().unwrap();
     let mut g = encode(DType::F32, &values(N, 6));
     let grads = vec![ClipGrad {
-        tensor: view(&mut g, DType::F32),
+        tensor: on_device(&mut g, DType::F32),
         is_shard: true,
-        device: EMULATED,
     }];
     unsafe { clip_grad_norm_checked(&comm, Ok(grads), 0.5, 2.0, true) }.unwrap();
     after("clip_grad_norm");

@@ -1,5 +1,6 @@
-//! The device room: which memory a tensor lives in (`device` -1: host, >= 0: a CUDA
-//! ordinal), the `Backend` trait one device implements, and its implementations.
+//! The device room: which memory a tensor lives in (`Device`: the host or a CUDA
+//! ordinal; defined on the tensor's floor, which carries it, and re-exported here), the
+//! `Backend` trait one device implements, and its implementations.
 //!
 //! `cuda` (feature `cuda`: CUDA through cudarc, the kernels compiled by `nvrtc` with the
 //! NVRTC `nvrtc_lib` finds where pip puts it; `dl`: the library search it shares with NCCL),
@@ -28,6 +29,7 @@ pub mod nvrtc_lib;
 pub mod open;
 pub mod ring;
 
+pub use crate::tensor::Device;
 pub use backend::{Backend, Memory};
 pub use check::{check_tensor, DeviceArg};
 pub use open::{backend, read_tensor, write_tensor};
@@ -39,24 +41,39 @@ use no_cuda as imp;
 
 use crate::error::{Error, Result};
 
-/// The host: `device` -1 in a tensor.
-pub const HOST: i32 = -1;
+/// The host: `device` -1 in a C tensor (`FO_DEVICE_HOST`).
+pub const HOST: i32 = Device::HOST_CODE;
 
-/// Why an entry point that takes host memory only cannot use a tensor on CUDA device
-/// `device`: the sentence an `Unsupported` error carries.
-pub fn device_refusal(device: i32) -> String {
+/// Why an entry point that takes host memory only cannot use a tensor on `device`: the
+/// sentence an `Unsupported` error carries. It names the device by its C code
+/// (`device = 0`), the number the caller wrote.
+pub fn device_refusal(device: Device) -> String {
+    refusal(device.to_c())
+}
+
+fn refusal(code: i32) -> String {
     format!(
-        "device = {device}: {}; only host tensors (device -1) can be used here",
+        "device = {code}: {}; only host tensors (device -1) can be used here",
         imp::missing()
     )
 }
 
-/// Checks that tensors on device `ordinal` can be used (the libraries load, the device
-/// exists, the kernels compile for it), compiling the kernels on first use.
-pub fn open_device(ordinal: i32) -> Result<()> {
-    open::backend(ordinal).map(|_| ()).map_err(|e| match e {
+/// The check of a C tensor's `device` code where only host memory is taken: any code but
+/// -1 is `Unsupported` as "`what`.device = N: why" (an invalid code such as -2 too: the
+/// refusal names the number the caller wrote).
+pub fn refuse_unless_host(code: i32, what: &str) -> Result<()> {
+    if code == HOST {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!("{what}.{}", refusal(code))))
+}
+
+/// Checks that tensors on `device` can be used (the libraries load, the device exists,
+/// the kernels compile for it), compiling the kernels on first use.
+pub fn open_device(device: Device) -> Result<()> {
+    open::backend(device).map(|_| ()).map_err(|e| match e {
         Error::Unsupported(m) if !m.starts_with("device = ") => {
-            Error::Unsupported(format!("device = {ordinal}: {m}"))
+            Error::Unsupported(format!("device = {}: {m}", device.to_c()))
         }
         e => e,
     })
@@ -78,7 +95,7 @@ mod tests {
 
     #[test]
     fn refusal_names_what_is_missing() {
-        let m = device_refusal(0);
+        let m = device_refusal(Device::Cuda(0));
         assert!(m.starts_with("device = 0: "), "{m}");
         #[cfg(not(feature = "cuda"))]
         assert!(m.contains("--features cuda"), "{m}");

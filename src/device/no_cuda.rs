@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use super::backend::Backend;
 use crate::error::{Error, Result};
+use crate::tensor::Device;
 
 const WITHOUT: &str = "this libfo was built without GPU support (rebuild with `--features cuda`)";
 
@@ -13,8 +14,8 @@ pub(super) fn missing() -> String {
 }
 
 /// No device opens.
-pub(super) fn backend(ordinal: i32) -> Result<Arc<dyn Backend>> {
-    Err(Error::Unsupported(super::device_refusal(ordinal)))
+pub(super) fn backend(device: Device) -> Result<Arc<dyn Backend>> {
+    Err(Error::Unsupported(super::device_refusal(device)))
 }
 
 /// No stream is taken.

@@ -19,7 +19,7 @@ use crate::ckpt::Background;
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::{Callbacks, Comm, LocalGroupOptions};
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// One rank's communicator (opaque). One call at a time per handle: a call made while
 /// another thread is inside a call on the same handle returns FO_ERR_BUSY at once (on that
@@ -208,12 +208,12 @@ impl fo_broadcast_options {
 unsafe fn sources(
     p: *const fo_broadcast_source,
     n: i64,
-) -> Result<Option<Vec<(String, HostTensor)>>> {
+) -> Result<Option<Vec<(String, TensorView)>>> {
     if p.is_null() && n == 0 {
         return Ok(None);
     }
     let s = arg_slice(p, arg_count(n, "n_full")?, "full")?;
-    let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, HostTensor)> {
+    let one = |(i, e): (usize, &fo_broadcast_source)| -> Result<(String, TensorView)> {
         Ok((
             arg_str(e.key, &format!("full[{i}].key"))?.to_string(),
             e.tensor.to_host(&format!("full[{i}].tensor"))?,
@@ -230,11 +230,10 @@ unsafe fn dest_list(p: *const fo_broadcast_dest, n: i64) -> Result<Vec<Broadcast
     let s = arg_slice(p, arg_count(n, "n_dests")?, "dests")?;
     let one =
         |(i, e): (usize, &fo_broadcast_dest)| -> Result<BroadcastDest> {
-            let (tensor, device) = e.tensor.to_view(&format!("dests[{i}].tensor"))?;
+            let tensor = e.tensor.to_view(&format!("dests[{i}].tensor"))?;
             Ok(BroadcastDest {
                 key: arg_str(e.key, &format!("dests[{i}].key"))?.to_string(),
                 tensor,
-                device,
                 spec: match e.spec.as_ref() {
                     None => None,
                     Some(s) => Some(s.to_spec().map_err(|err| {
@@ -443,11 +442,9 @@ pub unsafe extern "C" fn fo_clip_grad_norm(
             arg_flag(error_if_nonfinite, "error_if_nonfinite")?;
             let g = arg_slice(grads, arg_count(n_grads, "n_grads")?, "grads")?;
             let g = g.iter().enumerate().map(|(i, g)| {
-                let (tensor, device) = g.tensor.to_view(&format!("grads[{i}]"))?;
                 Ok(ClipGrad {
-                    tensor,
+                    tensor: g.tensor.to_view(&format!("grads[{i}]"))?,
                     is_shard: arg_flag(g.is_shard, &format!("grads[{i}].is_shard"))?,
-                    device,
                 })
             });
             Ok((out, g.collect::<Result<Vec<_>>>()?))

@@ -8,7 +8,7 @@ use super::status::{fo_status, guard, guard_void};
 use super::types::{fo_shard_spec, fo_tensor};
 use crate::error::{Error, Result};
 use crate::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// An optimizer: param groups, registered parameters (borrowed, updated in place) and
 /// their state. Created by `fo_optimizer_create`, freed by `fo_optimizer_destroy`. One
@@ -234,12 +234,12 @@ pub unsafe extern "C" fn fo_optimizer_add_param_to_group(
     guard(|| {
         let mut opt = enter_opt(opt, "fo_optimizer_add_param_to_group")?;
         let (fqn, out_index) = (arg_str(fqn, "fqn")?, arg_mut(out_index, "out_index")?);
-        let (t, device) = arg_ref(param, "param")?.to_view("param")?;
+        let t = arg_ref(param, "param")?.to_view("param")?;
         let spec = match shard.as_ref() {
             Some(s) => Some(s.to_spec()?),
             None => None,
         };
-        *out_index = opt.add_param_on(fqn, t, spec, index(group, "group")?, device)? as i32;
+        *out_index = opt.add_param(fqn, t, spec, index(group, "group")?)? as i32;
         Ok(())
     })
 }
@@ -259,19 +259,14 @@ pub unsafe extern "C" fn fo_optimizer_step(
     guard(|| {
         let mut opt = enter_opt(opt, "fo_optimizer_step")?;
         let grads = arg_slice(grads, n, "grads")?;
-        let mut devices = vec![-1; grads.len()];
         let views = grads
             .iter()
             .enumerate()
             .map(|(i, g)| {
-                if g.data.is_null() {
-                    return Ok(None);
-                }
-                let (t, d) = g.to_view(&format!("grads[{i}]"))?;
-                devices[i] = d;
-                Ok(Some(t))
+                let given = !g.data.is_null();
+                given.then(|| g.to_view(&format!("grads[{i}]"))).transpose()
             })
-            .collect::<Result<Vec<Option<HostTensor>>>>()?;
-        opt.step_on(&views, &devices)
+            .collect::<Result<Vec<Option<TensorView>>>>()?;
+        opt.step(&views)
     })
 }

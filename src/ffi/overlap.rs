@@ -8,7 +8,7 @@ use super::status::{fo_status, guard, guard_void};
 use super::types::fo_tensor;
 use crate::error::Result;
 use crate::optim::overlap::{OverlapOptions, OverlapStats};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// How an overlapped step clips, and how much it may keep to undo early steps
 /// (`fo_overlap_options_default` fills the defaults; all-zero is valid too).
@@ -145,26 +145,24 @@ pub unsafe extern "C" fn fo_optimizer_grads_ready(
 ) -> fo_status {
     guard(|| {
         let mut opt = enter_opt(opt, "fo_optimizer_grads_ready")?;
-        let bucket = (|| -> Result<(Vec<usize>, Vec<HostTensor>, Vec<i32>)> {
+        let bucket = (|| -> Result<(Vec<usize>, Vec<TensorView>)> {
             let (idx, gs) = (
                 arg_slice(indices, n, "indices")?,
                 arg_slice(grads, n, "grads")?,
             );
-            let mut out = (Vec::new(), Vec::new(), Vec::new());
+            let mut out = (Vec::new(), Vec::new());
             for (k, (&i, g)) in idx.iter().zip(gs).enumerate() {
                 let i = index(i, &format!("indices[{k}]"))?;
                 if g.data.is_null() {
                     continue; // no gradient, as for fo_optimizer_step
                 }
                 out.0.push(i);
-                let (t, d) = g.to_view(&format!("grads[{k}]"))?;
-                out.1.push(t);
-                out.2.push(d);
+                out.1.push(g.to_view(&format!("grads[{k}]"))?);
             }
             Ok(out)
         })();
         match bucket {
-            Ok((i, g, d)) => opt.grads_ready(&i, &g, &d),
+            Ok((i, g)) => opt.grads_ready(&i, &g),
             // A bucket that cannot be read fails the step like a bad gradient.
             Err(e) => Err(opt.fail_step(e)),
         }

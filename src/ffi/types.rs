@@ -4,13 +4,13 @@ use std::ffi::c_void;
 use super::args::{arg_count, arg_dims, arg_ndim, arg_slice};
 use super::code_tables::PLACEMENT;
 use super::codes::{
-    FO_DEVICE_HOST, FO_MAX_DIMS, FO_PLACEMENT_PARTIAL, FO_PLACEMENT_REPLICATE, FO_PLACEMENT_SHARD,
+    FO_MAX_DIMS, FO_PLACEMENT_PARTIAL, FO_PLACEMENT_REPLICATE, FO_PLACEMENT_SHARD,
     FO_PLACEMENT_STRIDED_SHARD,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::shard::{Placement, ShardInfo, ShardSpec};
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// A tensor in caller memory. `dtype`: a `FO_DTYPE_*` code (`FO_DTYPE_F32`, ...).
 /// `strides` are in elements (NULL = contiguous row-major). `device` is `FO_DEVICE_HOST`
@@ -28,11 +28,21 @@ pub struct fo_tensor {
 
 impl fo_tensor {
     /// A checked view of host memory; `what` names the argument in errors.
-    pub(crate) unsafe fn to_host(self, what: &str) -> Result<HostTensor> {
-        if self.device != FO_DEVICE_HOST {
-            let why = crate::device::device_refusal(self.device);
-            return Err(Error::Unsupported(format!("{what}.{why}")));
-        }
+    pub(crate) unsafe fn to_host(self, what: &str) -> Result<TensorView> {
+        crate::device::refuse_unless_host(self.device, what)?;
+        self.view_on(Device::Host, what)
+    }
+
+    /// A checked view of the tensor's memory on its device. Device memory is checked as a
+    /// view (shape, strides, NULL, alignment) and never read on the host; the entry
+    /// points taking it (`fo_optimizer_add_param`, `fo_optimizer_step`, ...) hand it to
+    /// the GPU only.
+    pub(crate) unsafe fn to_view(self, what: &str) -> Result<TensorView> {
+        let device = Device::from_c(self.device, &format!("{what}.device"))?;
+        self.view_on(device, what)
+    }
+
+    unsafe fn view_on(self, device: Device, what: &str) -> Result<TensorView> {
         let dtype = DType::from_code(self.dtype, &format!("{what}.dtype"))?;
         let ndim = arg_ndim(self.ndim, &format!("{what}.ndim"), false)?;
         let shape = arg_slice(self.shape, ndim, &format!("{what}.shape"))?;
@@ -41,28 +51,7 @@ impl fo_tensor {
         } else {
             Some(arg_slice(self.strides, ndim, &format!("{what}.strides"))?)
         };
-        HostTensor::new(self.data as *mut u8, dtype, shape, strides, what)
-    }
-}
-
-impl fo_tensor {
-    /// A checked view of the tensor's memory and its device (-1 host). Device memory is
-    /// checked as a view (shape, strides, NULL, alignment) and never read on the host;
-    /// the entry points taking it (`fo_optimizer_add_param`, `fo_optimizer_step`) hand it
-    /// to the GPU only.
-    pub(crate) unsafe fn to_view(self, what: &str) -> Result<(HostTensor, i32)> {
-        if self.device < FO_DEVICE_HOST {
-            return Err(Error::invalid(
-                format!("{what}.device"),
-                format!("{} is neither -1 (host) nor a CUDA ordinal", self.device),
-            ));
-        }
-        let host = fo_tensor {
-            device: FO_DEVICE_HOST,
-            ..self
-        }
-        .to_host(what)?;
-        Ok((host, self.device))
+        TensorView::on(device, self.data as *mut u8, dtype, shape, strides, what)
     }
 }
 

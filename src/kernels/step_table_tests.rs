@@ -53,7 +53,7 @@ fn state(c: &OptimConfig, dt: DType, n: usize) -> ParamState {
     let mut opt = crate::optim::Optimizer::new(c.clone()).unwrap();
     let mut buf = vec![0u8; n.max(1) * dt.size()];
     let t = unsafe {
-        crate::tensor::HostTensor::new(buf.as_mut_ptr(), dt, &[n as i64], None, "p").unwrap()
+        crate::tensor::TensorView::host(buf.as_mut_ptr(), dt, &[n as i64], None, "p").unwrap()
     };
     unsafe { opt.add_param("p", t, None, 0).unwrap() };
     opt.new_state(0)
@@ -317,7 +317,10 @@ fn fast_arithmetic_and_non_float_dtypes_are_refused() {
 
 #[test]
 fn moment_kinds_follow_the_stored_format() {
-    assert_eq!(MomentKind::of(&Moment::F32(Vec::new().into())), MomentKind::F32);
+    assert_eq!(
+        MomentKind::of(&Moment::F32(Vec::new().into())),
+        MomentKind::F32
+    );
     assert_eq!(
         MomentKind::of(&Moment::Half(Half::BF16, vec![])),
         MomentKind::BF16

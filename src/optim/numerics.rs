@@ -16,7 +16,7 @@ use crate::kernels::host::CHUNK;
 use crate::optim::math::master_split::Half;
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::state::{Moment, ParamState};
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 fn non_finite_at(bytes: &[u8], dtype: DType) -> Option<usize> {
     let bad = |i: usize| -> bool {
@@ -38,7 +38,7 @@ fn non_finite_at(bytes: &[u8], dtype: DType) -> Option<usize> {
 }
 
 /// Largest |value| of a parameter (as f32), ignoring NaN.
-unsafe fn max_abs(t: &HostTensor) -> f32 {
+unsafe fn max_abs(t: &TensorView) -> f32 {
     let n = t.numel();
     let b = t.contiguous_bytes().expect("parameters are contiguous");
     let f = |i: usize| -> f32 {
@@ -71,7 +71,7 @@ pub fn log2_min_step(dtype: DType, maxabs: f64, master_weight_bits: u32) -> f64 
 
 pub(super) unsafe fn check(
     opt: &Optimizer,
-    grads: &[Option<HostTensor>],
+    grads: &[Option<TensorView>],
     bytes: &[Option<&[u8]>],
 ) -> Result<()> {
     for (i, p) in opt.params.iter().enumerate() {
@@ -167,7 +167,7 @@ impl Undo {
     pub(super) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
         let mut saved = Vec::new();
         for (i, p) in opt.params.iter().enumerate() {
-            if grads[i].is_none() || p.device >= 0 || !opt.config(p.group).check_numerics {
+            if grads[i].is_none() || p.device().is_cuda() || !opt.config(p.group).check_numerics {
                 continue;
             }
             let bytes = p

@@ -32,22 +32,27 @@ use crate::optim::math::master_split::Half;
 use crate::optim::math::state::ParamState;
 use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 use super::save_hooks::SaveSlot;
 
 pub(super) struct Param {
     pub(super) fqn: String,
-    pub(super) tensor: HostTensor,
+    pub(super) tensor: TensorView,
     pub(super) spec: Option<ShardSpec>,
     pub(super) group: usize,
     pub(super) state: Option<ParamState>,
-    /// -1: host memory; >= 0: the CUDA device holding the parameter (and its state).
-    pub(super) device: i32,
     /// The state of a device parameter (`state` stays None for it).
     pub(super) gpu: Option<DeviceState>,
     /// A device copy of a host parameter, rewritten after each change (`set_mirror`).
     pub(super) mirror: Option<Mirror>,
+}
+
+impl Param {
+    /// The device holding the parameter (and, on a CUDA device, its state).
+    pub(super) fn device(&self) -> Device {
+        self.tensor.device()
+    }
 }
 
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
@@ -83,7 +88,7 @@ pub(super) struct DeviceResident {
 }
 
 /// The bytes a view spans, first to last element (None when empty).
-fn address_range(t: &HostTensor) -> Option<(usize, usize)> {
+fn address_range(t: &TensorView) -> Option<(usize, usize)> {
     if t.numel() == 0 {
         return None;
     }
@@ -263,43 +268,23 @@ impl Optimizer {
     }
 
     /// Registers a parameter (caller memory, updated in place by every step; it must stay
-    /// valid for the optimizer's lifetime). Returns its index.
+    /// valid for the optimizer's lifetime). Returns its index. A parameter on a CUDA
+    /// device keeps its state there; that device's kernels are compiled here on first
+    /// use, so a device that cannot step is refused at registration.
     ///
     /// # Safety
-    /// `param` must point to memory valid for reads and writes until the optimizer is dropped.
+    /// `param` must point to memory valid for reads and writes until the optimizer is
+    /// dropped (memory of its device).
     pub unsafe fn add_param(
         &mut self,
         fqn: &str,
-        param: HostTensor,
+        param: TensorView,
         spec: Option<ShardSpec>,
         group: usize,
     ) -> Result<usize> {
-        self.add_param_on(fqn, param, spec, group, -1)
-    }
-
-    /// `add_param` for memory on `device` (-1: host memory; >= 0: a CUDA ordinal, whose
-    /// kernels are compiled here on first use, so a device that cannot step is refused
-    /// at registration).
-    ///
-    /// # Safety
-    /// As `add_param`; device memory must be memory of `device`.
-    pub unsafe fn add_param_on(
-        &mut self,
-        fqn: &str,
-        param: HostTensor,
-        spec: Option<ShardSpec>,
-        group: usize,
-        device: i32,
-    ) -> Result<usize> {
-        if device < -1 {
-            return Err(Error::invalid(
-                "param.device",
-                format!("{device} is neither -1 (host) nor a CUDA ordinal"),
-            ));
-        }
-        if device >= 0 {
+        if param.device().is_cuda() {
             // Errors say "device = N: why"; as an argument, that is `param.device`.
-            crate::device::open_device(device).map_err(|e| match e {
+            crate::device::open_device(param.device()).map_err(|e| match e {
                 Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
                 e => e,
             })?;
@@ -311,20 +296,19 @@ impl Optimizer {
                 noun: "parameter",
                 by_arg: false,
             };
-            crate::device::check::check_memory(&param, device, &a)?;
+            crate::device::check::check_memory(&param, &a)?;
         }
-        self.register(fqn, param, spec, group, device)
+        self.register(fqn, param, spec, group)
     }
 
-    /// `add_param_on` once the device is known to step (tests register device params
+    /// `add_param` once the device is known to step (tests register device params
     /// here on machines without one: their memory is never touched on the host).
     pub(super) unsafe fn register(
         &mut self,
         fqn: &str,
-        param: HostTensor,
+        param: TensorView,
         spec: Option<ShardSpec>,
         group: usize,
-        device: i32,
     ) -> Result<usize> {
         self.check_group(group)?;
         self.refuse_if_step_open("add_param")?;
@@ -341,8 +325,8 @@ impl Optimizer {
         if fqn.is_empty() {
             return Err(Error::invalid("fqn", "empty parameter name"));
         }
-        if device >= 0 {
-            self.check_stream_for(device, &format!("parameter {fqn}"))?;
+        if param.device().is_cuda() {
+            self.check_stream_for(param.device(), &format!("parameter {fqn}"))?;
         }
         if self.params.iter().any(|p| p.fqn == fqn) {
             return Err(Error::invalid(
@@ -400,7 +384,6 @@ impl Optimizer {
             spec,
             group,
             state: None,
-            device,
             gpu: None,
             mirror: None,
         });
@@ -409,7 +392,7 @@ impl Optimizer {
 
     /// A registered parameter whose memory intersects `t`'s (binary search over the
     /// sorted, disjoint parameter ranges).
-    pub(super) fn overlapping_param(&self, t: &HostTensor) -> Option<usize> {
+    pub(super) fn overlapping_param(&self, t: &TensorView) -> Option<usize> {
         let (lo, hi) = address_range(t)?;
         let at = self.ranges.partition_point(|r| r.0 < hi);
         let r = self.ranges[..at].last()?;
@@ -428,7 +411,7 @@ impl Optimizer {
     pub fn param_spec(&self, i: usize) -> Option<&ShardSpec> {
         self.params[i].spec.as_ref()
     }
-    pub fn param(&self, i: usize) -> &HostTensor {
+    pub fn param(&self, i: usize) -> &TensorView {
         &self.params[i].tensor
     }
     pub fn param_group(&self, i: usize) -> usize {
@@ -447,9 +430,9 @@ impl Optimizer {
     pub fn has_state(&self, i: usize) -> bool {
         self.params[i].state.is_some() || self.params[i].gpu.is_some()
     }
-    /// -1 for a parameter in host memory, else its CUDA device.
-    pub fn param_device(&self, i: usize) -> i32 {
-        self.params[i].device
+    /// The device whose memory parameter `i` is.
+    pub fn param_device(&self, i: usize) -> Device {
+        self.params[i].device()
     }
     /// Bytes of optimizer state held for parameter `i` (moments, scales, error bits;
     /// the step counter is not counted); an out-of-range `i` is an error naming `index`.

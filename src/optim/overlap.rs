@@ -2,14 +2,14 @@
 //! gradients of some parameters (a bucket, any order, as backward produces them) and fo
 //! steps them on its pool while the caller goes on, `step_end` waits for the rest and
 //! returns the step's status. The result (parameters, state, step counters) has the bits
-//! of one `step_on` with the same gradients, clipping included:
+//! of one `step` with the same gradients, clipping included:
 //!
 //! - Every early step is speculative: it keeps an undo record (the parameter's bytes and
 //!   state from before), so a bad gradient handed over later, a non-finite result under
 //!   `check_numerics` or a non-finite norm under `error_if_nonfinite` fails the whole
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
-//!   device parameters (which `step_on` launches). A host parameter whose gradient is on
+//!   device parameters (which `step` launches). A host parameter whose gradient is on
 //!   a device (the offload case) steps early too: its task brings the gradient down to a
 //!   host copy first (through the device's pinned ring), and `step_end` writes its mirror.
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
@@ -19,7 +19,7 @@
 //!   `_StridedShard` placement). If the clip coefficient is below 1, the early steps are
 //!   rolled back, the gradients scaled in place exactly as `clip_grad_norm` scales them
 //!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
-//!   handed-over parameter is stepped again by `step_on`: clip-then-step, bit for bit.
+//!   handed-over parameter is stepped again by `step`: clip-then-step, bit for bit.
 //!
 //! The background work lives in `overlap_task`, the end of the step in `overlap_end`.
 use super::optimizer::{Optimizer, Param};
@@ -29,7 +29,7 @@ use super::overlap_task::{self, Fetch, Inbox, Item};
 use super::threads;
 use crate::clip;
 use crate::error::{Error, Result};
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 impl Optimizer {
     /// Whether an overlapped step is open.
@@ -85,34 +85,24 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Hands over the final gradients of parameters `indices` (`grads[k]` on
-    /// `devices[k]`, -1 for host memory) and returns while fo steps them. Each gradient is
-    /// checked as `step_on` checks it; a bad one, an index out of range or one handed over
+    /// Hands over the final gradients of parameters `indices` (`grads[k]`, on its
+    /// device) and returns while fo steps them. Each gradient is checked as `step`
+    /// checks it; a bad one, an index out of range or one handed over
     /// twice in this step is returned at once (nothing of this bucket is taken) and fails
     /// the step at `step_end`, which then changes nothing.
     ///
     /// # Safety
     /// Every gradient must stay valid, and unchanged by the caller, until `step_end`
     /// returns (with clipping, writable: `step_end` may scale it in place).
-    pub unsafe fn grads_ready(
-        &mut self,
-        indices: &[usize],
-        grads: &[HostTensor],
-        devices: &[i32],
-    ) -> Result<()> {
-        let r = self.take_bucket(indices, grads, devices);
+    pub unsafe fn grads_ready(&mut self, indices: &[usize], grads: &[TensorView]) -> Result<()> {
+        let r = self.take_bucket(indices, grads);
         if let (Err(e), Some(open)) = (&r, self.open_step_mut()) {
             open.failed.get_or_insert_with(|| e.clone());
         }
         r
     }
 
-    unsafe fn take_bucket(
-        &mut self,
-        indices: &[usize],
-        grads: &[HostTensor],
-        devices: &[i32],
-    ) -> Result<()> {
+    unsafe fn take_bucket(&mut self, indices: &[usize], grads: &[TensorView]) -> Result<()> {
         let open = self.open_step().ok_or_else(|| no_step("grads_ready"))?;
         if let Some(e) = &open.failed {
             return Err(Error::invalid(
@@ -123,18 +113,17 @@ impl Optimizer {
                 ),
             ));
         }
-        if grads.len() != indices.len() || devices.len() != indices.len() {
+        if grads.len() != indices.len() {
             return Err(Error::invalid(
                 "grads",
                 format!(
-                    "{} indices, {} gradients and {} devices given; one each per parameter",
+                    "{} indices and {} gradients given; one each per parameter",
                     indices.len(),
-                    grads.len(),
-                    devices.len()
+                    grads.len()
                 ),
             ));
         }
-        for (k, ((&i, g), &d)) in indices.iter().zip(grads).zip(devices).enumerate() {
+        for (k, (&i, g)) in indices.iter().zip(grads).enumerate() {
             self.check_index(i).map_err(|_| {
                 Error::invalid(
                     format!("indices[{k}]"),
@@ -150,21 +139,21 @@ impl Optimizer {
                     ),
                 ));
             }
-            self.check_grad(i, g, d)?;
+            self.check_grad(i, g)?;
         }
         // Early (speculative) steps need an undo record within the budget and a host
-        // parameter with a host gradient; the rest waits for step_end's `step_on`. Once
+        // parameter with a host gradient; the rest waits for step_end's `step`. Once
         // the clip is certain to scale, an early step would only be rolled back and taken
         // again: from then on gradients wait for step_end, with no undo record.
         let certain = open.clip_certain
             || (open.opts.clipping() && clip_is_certain(&open.opts, open.inbox.arrived_partials()));
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early = Vec::with_capacity(indices.len());
-        for ((&i, &d), g) in indices.iter().zip(devices).zip(grads) {
+        for (&i, g) in indices.iter().zip(grads) {
             let p = &self.params[i];
             let need = p.tensor.nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
             // A host parameter with a device gradient (the offload case) comes down first.
-            let host_step = p.device < 0 && (d < 0 || g.nbytes() > 0);
+            let host_step = p.device().is_host() && (g.device().is_host() || g.nbytes() > 0);
             let fits = host_step && !certain && used.saturating_add(need) <= budget;
             if fits {
                 used += need;
@@ -178,29 +167,24 @@ impl Optimizer {
         // at hand-over, for the work queued on the optimizer's stream so far (their
         // producer): the copy then runs while the GPU goes on with backward, not behind
         // the kernels queued on the optimizer's stream after this call.
-        let mut lanes: Vec<(i32, usize)> = Vec::new();
-        for (((&i, g), &d), &e) in indices.iter().zip(grads).zip(devices).zip(&early) {
+        let mut lanes: Vec<(Device, usize)> = Vec::new();
+        for ((&i, g), &e) in indices.iter().zip(grads).zip(&early) {
             if e {
                 self.before_write(i)?;
             }
-            fetches.push(match e && d >= 0 {
+            fetches.push(match e && g.device().is_cuda() {
                 true => Some(Fetch {
                     src: g.as_ptr() as u64,
                     bytes: g.nbytes(),
-                    device: d,
-                    stream: self.down_lane(d, &mut lanes)?,
+                    device: g.device(),
+                    stream: self.down_lane(g.device(), &mut lanes)?,
                 }),
                 false => None,
             });
         }
         let mut items = Vec::new();
-        let bucket = indices
-            .iter()
-            .zip(grads)
-            .zip(devices)
-            .zip(&early)
-            .zip(fetches);
-        for ((((&i, g), &d), &early), fetch) in bucket {
+        let bucket = indices.iter().zip(grads).zip(&early).zip(fetches);
+        for (((&i, g), &early), fetch) in bucket {
             if early {
                 items.push(self.item(i, g.clone(), fetch));
             }
@@ -214,7 +198,6 @@ impl Optimizer {
             open.stats.handed_over += 1;
             open.given[i] = Some(Given {
                 grad: g.clone(),
-                device: d,
                 early,
             });
         }
@@ -241,7 +224,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// The optimizer's stream is valid.
-    unsafe fn down_lane(&self, d: i32, done: &mut Vec<(i32, usize)>) -> Result<usize> {
+    unsafe fn down_lane(&self, d: Device, done: &mut Vec<(Device, usize)>) -> Result<usize> {
         if let Some(&(_, s)) = done.iter().find(|l| l.0 == d) {
             return Ok(s);
         }
@@ -262,7 +245,7 @@ impl Optimizer {
     }
 
     /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
-    fn item(&mut self, i: usize, grad: HostTensor, fetch: Option<Fetch>) -> Item {
+    fn item(&mut self, i: usize, grad: TensorView, fetch: Option<Fetch>) -> Item {
         let fresh = self.params[i].state.is_none();
         let state = match self.params[i].state.take() {
             Some(s) => s,
@@ -278,7 +261,6 @@ impl Optimizer {
                 spec: None,
                 group: p.group,
                 state: Some(state),
-                device: -1,
                 gpu: None,
                 mirror: None,
             },

@@ -10,7 +10,7 @@ use crate::comm::Comm;
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::optim::math::config::Algorithm;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Clip-then-step against the overlapped step with the same clipping, for clipping that
 /// triggers (small max_norm) and that does not, every norm type.
@@ -45,10 +45,10 @@ fn clipping_gives_the_bits_of_clip_grad_norm_then_step() {
                 };
                 let (va, vb) = (ga.views(), gb.views());
                 let which = handed(&mut rng);
-                let list: Vec<(HostTensor, bool)> =
+                let list: Vec<(TensorView, bool)> =
                     which.iter().map(|&i| (va[i].clone(), i == SHARD)).collect();
                 let total = unsafe { clip_grad_norm(&comm, &list, max_norm, p, false) }.unwrap();
-                let all: Vec<Option<HostTensor>> = (0..va.len())
+                let all: Vec<Option<TensorView>> = (0..va.len())
                     .map(|i| which.contains(&i).then(|| va[i].clone()))
                     .collect();
                 unsafe { a.opt.step(&all) }.unwrap();
@@ -133,7 +133,7 @@ fn two_ranks_end(opts: [Option<OverlapOptions>; 2]) -> Vec<(crate::error::Result
                         let all: Vec<usize> = (0..SHAPES.len()).collect();
                         unsafe {
                             m.opt.step_begin(o).unwrap();
-                            m.opt.grads_ready(&all, &g, &vec![-1; all.len()]).unwrap();
+                            m.opt.grads_ready(&all, &g).unwrap();
                         }
                     }
                     let t0 = std::time::Instant::now();

@@ -6,20 +6,18 @@ use crate::clip::clip_grad_norm;
 use crate::comm::Comm;
 use crate::dtype::DType;
 use crate::optim::math::config::Algorithm;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Hands the gradients over one at a time, each after the previous one's task is back
 /// (so the clip norm's shares measured so far are known when the next arrives).
 unsafe fn one_by_one(
     m: &mut super::tests::Model,
-    g: &[HostTensor],
+    g: &[TensorView],
     opts: OverlapOptions,
 ) -> (crate::error::Result<()>, OverlapStats) {
     m.opt.step_begin(opts).unwrap();
     for (i, v) in g.iter().enumerate() {
-        m.opt
-            .grads_ready(&[i], std::slice::from_ref(v), &[-1])
-            .unwrap();
+        m.opt.grads_ready(&[i], std::slice::from_ref(v)).unwrap();
         let t = std::time::Instant::now();
         while m.opt.open_step().unwrap().inbox.pending() > 0 {
             assert!(
@@ -53,13 +51,13 @@ fn a_clip_certain_to_scale_defers_the_rest_and_keeps_the_bits() {
             bufs: ga.bufs.clone(),
         };
         let (va, vb) = (ga.views(), gb.views());
-        let list: Vec<(HostTensor, bool)> = va
+        let list: Vec<(TensorView, bool)> = va
             .iter()
             .enumerate()
             .map(|(i, v)| (v.clone(), i == SHARD))
             .collect();
         let total = unsafe { clip_grad_norm(&comm, &list, max_norm, p, false) }.unwrap();
-        let all: Vec<Option<HostTensor>> = va.iter().cloned().map(Some).collect();
+        let all: Vec<Option<TensorView>> = va.iter().cloned().map(Some).collect();
         unsafe { a.opt.step(&all) }.unwrap();
         let opts = OverlapOptions {
             max_norm,
@@ -104,10 +102,10 @@ fn undo_records_are_refilled_from_step_to_step() {
         };
         let (va, vb) = (ga.views(), gb.views());
         if max_norm > 0.0 {
-            let list: Vec<(HostTensor, bool)> = va.iter().map(|v| (v.clone(), false)).collect();
+            let list: Vec<(TensorView, bool)> = va.iter().map(|v| (v.clone(), false)).collect();
             unsafe { clip_grad_norm(&comm, &list, max_norm, 2.0, false) }.unwrap();
         }
-        let all: Vec<Option<HostTensor>> = va.iter().cloned().map(Some).collect();
+        let all: Vec<Option<TensorView>> = va.iter().cloned().map(Some).collect();
         unsafe { a.opt.step(&all) }.unwrap();
         let opts = OverlapOptions {
             max_norm,
@@ -115,7 +113,7 @@ fn undo_records_are_refilled_from_step_to_step() {
         };
         unsafe { b.opt.step_begin(opts) }.unwrap();
         let idx: Vec<usize> = (0..vb.len()).collect();
-        unsafe { b.opt.grads_ready(&idx, &vb, &vec![-1; vb.len()]) }.unwrap();
+        unsafe { b.opt.grads_ready(&idx, &vb) }.unwrap();
         let mut st = OverlapStats::default();
         unsafe { b.opt.step_end(None, &mut st) }.unwrap();
         assert!(snapshot(&a) == snapshot(&b), "step {step}");

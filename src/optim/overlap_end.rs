@@ -12,6 +12,7 @@ use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
 use crate::optim::math::state::ParamState;
+use crate::tensor::TensorView;
 
 impl Optimizer {
     /// Closes the overlapped step: waits for the pool, combines the clip norm (through
@@ -21,7 +22,7 @@ impl Optimizer {
     /// `fo_clip_grad_norm` leaves them before a failing step). `stats` is filled either way.
     ///
     /// # Safety
-    /// As `step_on` for the handed-over gradients; registered parameters still valid.
+    /// As `step` for the handed-over gradients; registered parameters still valid.
     pub unsafe fn step_end(&mut self, comm: Option<&Comm>, stats: &mut OverlapStats) -> Result<()> {
         let open = self.take_open_step();
         let local = open
@@ -125,7 +126,6 @@ impl Optimizer {
                         ClipGrad {
                             tensor: g.grad.clone(),
                             is_shard: false,
-                            device: g.device,
                         }
                     })
                     .collect();
@@ -149,16 +149,14 @@ impl Optimizer {
         Ok(())
     }
 
-    /// `step_on` over the handed-over gradients that `which` picks.
+    /// `step` over the handed-over gradients that `which` picks.
     unsafe fn step_given(&mut self, open: &OpenStep, which: impl Fn(&Given) -> bool) -> Result<()> {
-        let mut grads = Vec::with_capacity(open.given.len());
-        let mut devices = Vec::with_capacity(open.given.len());
-        for g in &open.given {
-            let g = g.as_ref().filter(|g| which(g));
-            grads.push(g.map(|g| g.grad.clone()));
-            devices.push(g.map_or(-1, |g| g.device));
-        }
-        self.step_on(&grads, &devices)
+        let grads: Vec<Option<TensorView>> = open
+            .given
+            .iter()
+            .map(|g| g.as_ref().filter(|g| which(g)).map(|g| g.grad.clone()))
+            .collect();
+        self.step(&grads)
     }
 
     /// Every handed-over gradient's `(is_shard, (largest |g|, sum |g|^p))`, in parameter
@@ -183,7 +181,6 @@ impl Optimizer {
                     let c = ClipGrad {
                         tensor: g.grad.clone(),
                         is_shard: false,
-                        device: g.device,
                     };
                     clip::grad_norms(&[c], open.opts.norm_type, stream)?[0]
                 }

@@ -1,7 +1,7 @@
 //! The overlapped step's offload case on the emulated device: host parameters whose
 //! gradients are on the device step early (each task brings its gradient down to a
 //! host copy first, through the pinned ring) with the bits of an all-host step and of the
-//! pipelined `step_on`, mirrors follow, and clipping matches `clip_grad_norm` then step.
+//! pipelined `step`, mirrors follow, and clipping matches `clip_grad_norm` then step.
 use super::{OverlapOptions, OverlapStats};
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
@@ -9,13 +9,13 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 const SIZES: [usize; 3] = [100, 2048 + 33, 67];
 const DT: DType = DType::BF16;
 
-fn view(b: &mut [u8], n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
 }
 
 fn build(mem: &mut [Vec<u8>]) -> Optimizer {
@@ -52,25 +52,30 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
         let mut off = build(&mut oa);
         let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
         for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe { off.set_mirror(i, Some((view(m, SIZES[i]), EMULATED))) }.unwrap();
+            unsafe {
+                off.set_mirror(
+                    i,
+                    Some(emulated::on(emulated::dev(EMULATED), &view(m, SIZES[i]))),
+                )
+            }
+            .unwrap();
         }
         for s in 0..3 {
             let (mut gh, mut gd) = (grads(s), grads(s));
-            let vh: Vec<HostTensor> = (gh.iter_mut().enumerate())
+            let vh: Vec<TensorView> = (gh.iter_mut().enumerate())
                 .map(|(i, b)| view(b, SIZES[i]))
                 .collect();
             if max_norm > 0.0 {
                 let list = vh.iter().map(|t| ClipGrad {
                     tensor: t.clone(),
                     is_shard: false,
-                    device: -1,
                 });
                 unsafe { clip_grad_norm_checked(&comm, Ok(list.collect()), max_norm, 2.0, false) }
                     .unwrap();
             }
             unsafe { host.step(&vh.iter().cloned().map(Some).collect::<Vec<_>>()) }.unwrap();
             // The device gradients, handed over last to first, one per call.
-            let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+            let vd: Vec<TensorView> = (gd.iter_mut().enumerate())
                 .map(|(i, b)| view(b, SIZES[i]))
                 .collect();
             let opts = OverlapOptions {
@@ -81,7 +86,7 @@ fn offloaded_gradients_step_early_with_the_bits_of_the_host_step_and_mirrors_fol
             unsafe {
                 off.step_begin(opts).unwrap();
                 for i in (0..SIZES.len()).rev() {
-                    off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+                    off.grads_ready(&[i], &[emulated::on(emulated::dev(EMULATED), &vd[i])])
                         .unwrap();
                 }
                 off.step_end(Some(&comm), &mut st).unwrap();
@@ -114,18 +119,18 @@ fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_r
     let mut off = build(&mut oa);
     off.set_stream(stream).unwrap();
     let (mut gh, mut gd) = (grads(0), grads(0));
-    let vh: Vec<Option<HostTensor>> = (gh.iter_mut().enumerate())
+    let vh: Vec<Option<TensorView>> = (gh.iter_mut().enumerate())
         .map(|(i, b)| Some(view(b, SIZES[i])))
         .collect();
     unsafe { host.step(&vh) }.unwrap();
-    let vd: Vec<HostTensor> = (gd.iter_mut().enumerate())
+    let vd: Vec<TensorView> = (gd.iter_mut().enumerate())
         .map(|(i, b)| view(b, SIZES[i]))
         .collect();
     let mut st = OverlapStats::default();
     let stall = std::time::Duration::from_millis(1500);
     unsafe {
         off.step_begin(OverlapOptions::default()).unwrap();
-        off.grads_ready(&[1], &[vd[1].clone()], &[EMULATED])
+        off.grads_ready(&[1], &[emulated::on(emulated::dev(EMULATED), &vd[1])])
             .unwrap();
         // The rest of backward, queued on the optimizer's stream after the hand-over.
         let t0 = std::time::Instant::now();
@@ -143,7 +148,7 @@ fn an_offloaded_gradient_steps_while_later_work_on_the_optimizers_stream_still_r
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         for i in [2, 0] {
-            off.grads_ready(&[i], &[vd[i].clone()], &[EMULATED])
+            off.grads_ready(&[i], &[emulated::on(emulated::dev(EMULATED), &vd[i])])
                 .unwrap();
         }
         off.step_end(None, &mut st).unwrap();

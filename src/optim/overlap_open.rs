@@ -2,7 +2,7 @@
 //! options and counters, the gradients handed over, and the tasks still out on the pool.
 use super::overlap_task::Inbox;
 use crate::error::Error;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// How an overlapped step clips and how much it may keep to undo early steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -60,8 +60,7 @@ pub struct OverlapStats {
 
 /// A handed-over gradient.
 pub(super) struct Given {
-    pub grad: HostTensor,
-    pub device: i32,
+    pub grad: TensorView,
     pub early: bool,
 }
 

@@ -3,7 +3,7 @@
 //! that owns its state (moved out of the optimizer's table while the step is open) and a
 //! view of its memory; it comes back as a `Done` carrying the undo record (the bytes and
 //! state from before the step), the gradient's share of the clip norm, and what went
-//! wrong, if anything. The arithmetic is `step_on`'s: the same `push_param_jobs` over the
+//! wrong, if anything. The arithmetic is `step`'s: the same `push_param_jobs` over the
 //! same chunk jobs, the same `numerics` checks, so a parameter gets the same bits here.
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
@@ -18,7 +18,7 @@ use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
-use crate::tensor::{try_with_capacity, HostTensor};
+use crate::tensor::{try_with_capacity, Device, TensorView};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
 /// `fresh`), owned here until the item comes back.
@@ -26,7 +26,7 @@ pub(super) struct Item {
     pub i: usize,
     pub param: Param,
     pub cfg: OptimConfig,
-    pub grad: HostTensor,
+    pub grad: TensorView,
     pub fresh: bool,
     /// The offload case: the gradient is on a device and comes down first.
     pub fetch: Option<Fetch>,
@@ -39,7 +39,7 @@ pub(super) struct Item {
 pub(super) struct Fetch {
     pub src: u64,
     pub bytes: usize,
-    pub device: i32,
+    pub device: Device,
     pub stream: usize,
 }
 
@@ -55,7 +55,7 @@ pub(super) struct Done {
     pub i: usize,
     pub param: Param,
     pub cfg: OptimConfig,
-    grad: HostTensor,
+    grad: TensorView,
     /// A contiguous copy of a strided gradient.
     gathered: Option<Vec<u8>>,
     pub fresh: bool,
@@ -183,7 +183,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
                 f.src, f.bytes, f.device, f.stream,
             )?;
             let shape: Vec<i64> = d.grad.shape().iter().map(|&n| n as i64).collect();
-            d.grad = HostTensor::new(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
+            d.grad = TensorView::host(host.as_mut_ptr(), d.grad.dtype(), &shape, None, "grads")?;
             d.gathered = Some(host);
         }
         if !d.grad.is_contiguous() {
@@ -193,7 +193,6 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
             let g = ClipGrad {
                 tensor: d.grad.clone(),
                 is_shard: false,
-                device: -1,
             };
             d.partial = Some(grad_norms(&[g], p, 0)?[0]);
         }
@@ -235,7 +234,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
 }
 
 /// Steps one bucket: checks and undo records for every parameter (in parallel), then the
-/// chunk jobs of every parameter that passed (in parallel, as `step_on` runs them), then
+/// chunk jobs of every parameter that passed (in parallel, as `step` runs them), then
 /// `check_numerics`' look at the results. Runs on fo's pool.
 ///
 /// # Safety

@@ -8,7 +8,7 @@ use crate::error::Error;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::shard::{Placement, ShardSpec};
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Tensor, TensorView};
 
 /// xorshift64*: the tests' only randomness, seeded per case so a failure replays.
 pub(super) struct Rng(u64);
@@ -53,9 +53,9 @@ const STRIDED: usize = 3;
 /// The parameter registered as a shard (`model(.., spec = true)`).
 pub(super) const SHARD: usize = 2;
 
-fn view(b: &mut [u8], dt: DType, shape: &[usize]) -> HostTensor {
+fn view(b: &mut [u8], dt: DType, shape: &[usize]) -> TensorView {
     let shape: Vec<i64> = shape.iter().map(|&n| n as i64).collect();
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &shape, None, "t").unwrap() }
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &shape, None, "t").unwrap() }
 }
 
 /// One step's gradients: contiguous buffers, and for `STRIDED` a transposed buffer
@@ -94,7 +94,7 @@ impl Grads {
         Grads { dt, bufs }
     }
 
-    pub fn views(&mut self) -> Vec<HostTensor> {
+    pub fn views(&mut self) -> Vec<TensorView> {
         let mut out = Vec::new();
         for (i, b) in self.bufs.iter_mut().enumerate() {
             let s = SHAPES[i];
@@ -102,7 +102,7 @@ impl Grads {
                 // The buffer holds the [9, 7] transpose: element (r, c) at c * 7 + r.
                 let shape = [s[0] as i64, s[1] as i64];
                 let strides = [1i64, s[0] as i64];
-                unsafe { HostTensor::new(b.as_mut_ptr(), self.dt[i], &shape, Some(&strides), "g") }
+                unsafe { TensorView::host(b.as_mut_ptr(), self.dt[i], &shape, Some(&strides), "g") }
                     .unwrap()
             } else {
                 view(b, self.dt[i], s)
@@ -192,7 +192,7 @@ fn configs() -> Vec<(OptimConfig, DType)> {
 /// Hands `which` over in a random order, in random buckets.
 pub(super) unsafe fn overlapped(
     m: &mut Model,
-    g: &[HostTensor],
+    g: &[TensorView],
     which: &[usize],
     rng: &mut Rng,
     opts: OverlapOptions,
@@ -204,8 +204,8 @@ pub(super) unsafe fn overlapped(
     while at < order.len() {
         let n = 1 + rng.below(order.len() - at);
         let idx = &order[at..at + n];
-        let views: Vec<HostTensor> = idx.iter().map(|&i| g[i].clone()).collect();
-        m.opt.grads_ready(idx, &views, &vec![-1; n]).unwrap();
+        let views: Vec<TensorView> = idx.iter().map(|&i| g[i].clone()).collect();
+        m.opt.grads_ready(idx, &views).unwrap();
         at += n;
     }
     let mut stats = OverlapStats::default();
@@ -232,7 +232,7 @@ fn any_order_and_bucketing_gives_the_bits_of_one_step_for_every_configuration() 
             let mut grads = Grads::new(&mut rng, 1.0, false);
             let g = grads.views();
             let which = handed(&mut rng);
-            let all: Vec<Option<HostTensor>> = (0..g.len())
+            let all: Vec<Option<TensorView>> = (0..g.len())
                 .map(|i| which.contains(&i).then(|| g[i].clone()))
                 .collect();
             unsafe { a.opt.step(&all) }.unwrap();
@@ -264,7 +264,7 @@ fn an_undo_budget_defers_what_does_not_fit_with_the_same_bits() {
         for _ in 0..2 {
             let mut grads = Grads::new(&mut rng, 1.0, false);
             let g = grads.views();
-            let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+            let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
             unsafe { a.opt.step(&all) }.unwrap();
             let opts = OverlapOptions {
                 undo_budget_bytes: budget,
@@ -291,19 +291,19 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
     let mut rng = Rng::new(9);
     let mut grads = Grads::new(&mut rng, 1.0, false);
     let g = grads.views();
-    let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+    let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
     unsafe { m.opt.step(&all) }.unwrap();
     let before = snapshot(&m);
     unsafe {
         // A wrong shape: refused at once, and the step fails at its end.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         m.opt
-            .grads_ready(&[2, 4], &[g[2].clone(), g[4].clone()], &[-1, -1])
+            .grads_ready(&[2, 4], &[g[2].clone(), g[4].clone()])
             .unwrap();
-        let e = m.opt.grads_ready(&[1], &[g[0].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[1], &[g[0].clone()]).unwrap_err();
         assert!(matches!(e, Error::Shape(_)), "{e}");
         assert!(e.to_string().contains("gradient of p1"), "{e}");
-        let again = m.opt.grads_ready(&[3], &[g[3].clone()], &[-1]).unwrap_err();
+        let again = m.opt.grads_ready(&[3], &[g[3].clone()]).unwrap_err();
         assert!(again.to_string().contains("already failed"), "{again}");
         let mut st = OverlapStats::default();
         let e = m.opt.step_end(None, &mut st).unwrap_err();
@@ -315,14 +315,10 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
         let bad = view(&mut nan, grads.dt[4], SHAPES[4]);
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         m.opt
-            .grads_ready(
-                &[0, 1, 2],
-                &[g[0].clone(), g[1].clone(), g[2].clone()],
-                &[-1; 3],
-            )
+            .grads_ready(&[0, 1, 2], &[g[0].clone(), g[1].clone(), g[2].clone()])
             .unwrap();
-        m.opt.grads_ready(&[4], &[bad], &[-1]).unwrap();
-        m.opt.grads_ready(&[3], &[g[3].clone()], &[-1]).unwrap();
+        m.opt.grads_ready(&[4], &[bad]).unwrap();
+        m.opt.grads_ready(&[3], &[g[3].clone()]).unwrap();
         let e = m.opt.step_end(None, &mut st).unwrap_err();
         assert!(matches!(e, Error::Numerics(_)), "{e}");
         assert!(e.to_string().contains("gradient of p4"), "{e}");
@@ -346,7 +342,7 @@ fn abort_puts_every_early_step_back_and_drops_fresh_state() {
         // The first step creates state: an abort drops it again.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         let all: Vec<usize> = (0..g.len()).collect();
-        m.opt.grads_ready(&all, &g, &vec![-1; g.len()]).unwrap();
+        m.opt.grads_ready(&all, &g).unwrap();
     }
     m.opt.step_abort(&mut st).unwrap();
     assert_eq!(st.rolled_back, st.speculative, "{st:?}");
@@ -355,7 +351,7 @@ fn abort_puts_every_early_step_back_and_drops_fresh_state() {
     assert!((0..g.len()).all(|i| !m.opt.has_state(i)));
     assert!(!m.opt.step_open());
     // The handle steps normally afterwards.
-    let all: Vec<Option<HostTensor>> = g.iter().cloned().map(Some).collect();
+    let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
     unsafe { m.opt.step(&all) }.unwrap();
 }
 
@@ -380,7 +376,7 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
     let g = grads.views();
     let mut st = OverlapStats::default();
     unsafe {
-        let e = m.opt.grads_ready(&[0], &[g[0].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[0], &[g[0].clone()]).unwrap_err();
         assert!(e.to_string().contains("no overlapped step is open"), "{e}");
         let e = m.opt.step_end(None, &mut st).unwrap_err();
         assert!(
@@ -391,7 +387,7 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
         m.opt.step_begin(OverlapOptions::default()).unwrap();
         let e = m.opt.step_begin(OverlapOptions::default()).unwrap_err();
         assert!(e.to_string().contains("already open"), "{e}");
-        m.opt.grads_ready(&[1], &[g[1].clone()], &[-1]).unwrap();
+        m.opt.grads_ready(&[1], &[g[1].clone()]).unwrap();
         let e = m.opt.step(&vec![None; SHAPES.len()]).unwrap_err();
         assert!(
             matches!(e, Error::Busy(_)) && e.to_string().contains("step:"),
@@ -404,18 +400,16 @@ fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
             .opt
             .add_param("x", view(&mut extra, DType::F32, &[2]), None, 0);
         assert!(matches!(e.unwrap_err(), Error::Busy(_)));
-        let e = m.opt.grads_ready(&[1], &[g[1].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[1], &[g[1].clone()]).unwrap_err();
         assert!(e.to_string().contains("already handed over"), "{e}");
         m.opt.step_end(None, &mut st).unwrap_err();
         // Twice within one bucket, and out of range.
         m.opt.step_begin(OverlapOptions::default()).unwrap();
-        let e = m
-            .opt
-            .grads_ready(&[2, 2], &[g[2].clone(), g[2].clone()], &[-1, -1]);
+        let e = m.opt.grads_ready(&[2, 2], &[g[2].clone(), g[2].clone()]);
         assert!(e.unwrap_err().to_string().contains("already handed over"));
         m.opt.step_end(None, &mut st).unwrap_err();
         m.opt.step_begin(OverlapOptions::default()).unwrap();
-        let e = m.opt.grads_ready(&[9], &[g[2].clone()], &[-1]).unwrap_err();
+        let e = m.opt.grads_ready(&[9], &[g[2].clone()]).unwrap_err();
         assert!(e.to_string().contains("indices[0]"), "{e}");
         m.opt.step_end(None, &mut st).unwrap_err();
         let e = m.opt.step_begin(OverlapOptions {
@@ -440,7 +434,7 @@ fn dropping_the_optimizer_with_a_step_open_waits_and_puts_parameters_back() {
     unsafe {
         opt.step_begin(OverlapOptions::default()).unwrap();
         let idx: Vec<usize> = (0..SHAPES.len()).collect();
-        opt.grads_ready(&idx, &g, &vec![-1; idx.len()]).unwrap();
+        opt.grads_ready(&idx, &g).unwrap();
     }
     drop(opt);
     assert!(mem == before, "an abandoned step changes nothing");

@@ -111,7 +111,6 @@ impl Optimizer {
                 spec: p.spec.clone(),
                 group: p.group,
                 state: None,
-                device: p.device,
                 gpu: None,
                 mirror: None,
             })

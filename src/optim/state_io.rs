@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::optim::math::state::{ErrorBits, Moment};
 use crate::optim::placement::staging::StagedParam;
 use crate::optim::state_out::{fill, is_float, Source};
-use crate::tensor::{try_with_capacity, HostTensor, Tensor};
+use crate::tensor::{try_with_capacity, Tensor, TensorView};
 
 /// The name of the momentum-like state of an algorithm.
 pub(super) fn m_name(a: Algorithm) -> &'static str {
@@ -210,7 +210,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// `dst` must be valid for writes and not accessed by anyone else during the call.
-    pub unsafe fn get_state_into(&self, i: usize, key: &str, dst: &HostTensor) -> Result<()> {
+    pub unsafe fn get_state_into(&self, i: usize, key: &str, dst: &TensorView) -> Result<()> {
         let mut sp = self.stage(i)?;
         if key == MASTER {
             sp.param(self)?;

@@ -21,10 +21,10 @@ impl Optimizer {
         self.refuse_if_step_open("share_state")?;
         let p = &self.params[i];
         let fqn = &p.fqn;
-        if self.param_device(i) >= 0 {
+        if self.param_device(i).is_cuda() {
             return Err(Error::Unsupported(format!(
-                "state {key} of parameter {fqn} lives on CUDA device {}: only host state \
-                 can be shared; read it with fo_optimizer_get_state",
+                "state {key} of parameter {fqn} lives on {}: only host state can be shared; \
+                 read it with fo_optimizer_get_state",
                 self.param_device(i)
             )));
         }

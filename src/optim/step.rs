@@ -1,5 +1,5 @@
-//! The step's entry: `step` / `step_on` (validate every gradient, then step device
-//! parameters on their GPU while host ones step on the CPU), and the helpers only steps use.
+//! The step's entry: `step` (validate every gradient, then step device parameters on
+//! their GPU while host ones step on the CPU), and the helpers only steps use.
 use rayon::prelude::*;
 
 use super::math::config::OptimConfig;
@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, push_jobs, Job};
 use crate::optim::math::rule::Rule;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Counts host parameter `p`'s step (when it has state) and gives the rule for it and
 /// SGD's `first` flag; None without state.
@@ -45,9 +45,9 @@ pub(super) unsafe fn push_param_jobs<'a>(
 }
 
 impl Optimizer {
-    /// Checks gradient `g` (on `device`) of parameter `i` as `step_on` does: its shape,
-    /// dtype and device, and that it does not overlap parameter memory the step writes.
-    pub(super) fn check_grad(&self, i: usize, g: &HostTensor, device: i32) -> Result<()> {
+    /// Checks gradient `g` of parameter `i` as `step` does: its shape, dtype and device,
+    /// and that it does not overlap parameter memory the step writes.
+    pub(super) fn check_grad(&self, i: usize, g: &TensorView) -> Result<()> {
         let p = &self.params[i];
         if g.shape() != p.tensor.shape() {
             return Err(Error::Shape(format!(
@@ -64,7 +64,7 @@ impl Optimizer {
                 g.dtype()
             )));
         }
-        self.check_grad_device(i, g, device)?;
+        self.check_grad_device(i, g)?;
         // Parameters are written while gradients are read, from several threads (or
         // GPU threads: the check compares addresses only).
         if let Some(q) = self.overlapping_param(g) {
@@ -80,37 +80,19 @@ impl Optimizer {
     }
 
     /// One optimizer step. `grads[i]` is parameter `i`'s gradient, `None` to skip it
-    /// (no state is created for it). Everything is validated before anything is written:
-    /// on error, parameters and state are unchanged.
+    /// (no state is created for it), on its parameter's device, or on a CUDA device for a
+    /// host parameter (the offload case). Device parameters step on the GPU (one launch
+    /// per param group and device, on the optimizer's stream, not waited for) while host
+    /// parameters step on the CPU. Everything is validated before anything is written: on
+    /// error, parameters and state are unchanged (a CUDA error while launching is
+    /// reported, and then the device parameters' state is undefined).
     ///
     /// # Safety
-    /// Every gradient must be valid for reads for the call; registered parameters must
-    /// still be valid.
-    pub unsafe fn step(&mut self, grads: &[Option<HostTensor>]) -> Result<()> {
-        self.step_on(grads, &vec![-1; grads.len()])
-    }
-
-    /// `step` with `devices[i]` the device of `grads[i]` (-1: host memory), which must be
-    /// its parameter's. Device parameters step on the GPU (one launch per param group and
-    /// device, on the optimizer's stream, not waited for) while host parameters step on
-    /// the CPU. Validation covers both halves before anything runs; a CUDA error while
-    /// launching is reported, and then the device parameters' state is undefined.
-    ///
-    /// # Safety
-    /// As `step`; device gradients must be memory of their device, valid until the
-    /// launched kernels have run.
-    pub unsafe fn step_on(&mut self, grads: &[Option<HostTensor>], devices: &[i32]) -> Result<()> {
+    /// Every gradient must be valid for reads for the call (device gradients: memory of
+    /// their device, valid until the launched kernels have run); registered parameters
+    /// must still be valid.
+    pub unsafe fn step(&mut self, grads: &[Option<TensorView>]) -> Result<()> {
         self.refuse_if_step_open("step")?;
-        if devices.len() != grads.len() {
-            return Err(Error::invalid(
-                "devices",
-                format!(
-                    "{} devices given for {} gradients",
-                    devices.len(),
-                    grads.len()
-                ),
-            ));
-        }
         if grads.len() != self.params.len() {
             return Err(Error::invalid(
                 "grads",
@@ -128,8 +110,8 @@ impl Optimizer {
                 gathered.push(None);
                 continue;
             };
-            self.check_grad(i, g, devices[i])?;
-            gathered.push(if g.is_contiguous() || devices[i] >= 0 {
+            self.check_grad(i, g)?;
+            gathered.push(if g.is_contiguous() || g.device().is_cuda() {
                 None
             } else {
                 Some(g.try_to_tensor("grads")?.data)
@@ -141,10 +123,9 @@ impl Optimizer {
         let mut grad_bytes: Vec<Option<&[u8]>> = grads
             .iter()
             .zip(&gathered)
-            .zip(devices)
-            .map(|((g, own), &device)| match (g, own) {
+            .map(|(g, own)| match (g, own) {
                 (None, _) => None,
-                (Some(_), _) if device >= 0 => None,
+                (Some(g), _) if g.device().is_cuda() => None,
                 (Some(_), Some(v)) => Some(&v[..]),
                 (Some(g), None) => g.contiguous_bytes(),
             })
@@ -153,7 +134,7 @@ impl Optimizer {
         // Host parameters with device gradients (the offload case): the gradients come
         // down all at once where check_numerics must read them first, else one by one
         // while the CPU steps (`offload_step`).
-        let offloaded = self.offloaded(grads, devices);
+        let offloaded = self.offloaded(grads);
         let mut pipelined = offloaded.clone();
         if offloaded
             .iter()
@@ -178,7 +159,7 @@ impl Optimizer {
         }
         let undo = numerics::Undo::capture(self, &grad_bytes)?;
 
-        // From here on nothing can fail but a CUDA launch or copy (see `step_on`), or a
+        // From here on nothing can fail but a CUDA launch or copy (see `step`), or a
         // non-finite result under check_numerics. The GPU half is launched first, so it
         // runs while the CPU steps the host parameters; under check_numerics, after the
         // host result is known good, so a rolled-back step changed nothing anywhere.

@@ -5,7 +5,7 @@
 use fo::ckpt::local_shard;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::shard::{Placement, ShardSpec};
-use fo::tensor::HostTensor;
+use fo::tensor::TensorView;
 use fo::{DType, Tensor};
 
 /// (fqn, global shape, placement on a 1-D mesh, has a gradient)
@@ -68,10 +68,10 @@ impl Buf {
         };
         Buf(words, t)
     }
-    pub fn view(&mut self) -> HostTensor {
+    pub fn view(&mut self) -> TensorView {
         let shape: Vec<i64> = self.1.shape.iter().map(|&d| d as i64).collect();
         unsafe {
-            HostTensor::new(
+            TensorView::host(
                 self.0.as_mut_ptr() as *mut u8,
                 self.1.dtype,
                 &shape,
@@ -130,7 +130,7 @@ impl Rank {
                 })
             })
             .collect();
-        let views: Vec<Option<HostTensor>> = grads
+        let views: Vec<Option<TensorView>> = grads
             .iter_mut()
             .map(|g| g.as_mut().map(Buf::view))
             .collect();

@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use fo::comm::{Comm, LocalGroupOptions};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 /// xorshift64*: deterministic, dependency-free.
 pub struct Rng(pub u64);
@@ -54,15 +54,15 @@ impl Buf {
         unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const u8, self.1) }
     }
     /// A contiguous view of the whole buffer.
-    pub fn view(&mut self, dtype: DType, shape: &[usize]) -> HostTensor {
+    pub fn view(&mut self, dtype: DType, shape: &[usize]) -> TensorView {
         let s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
-        unsafe { HostTensor::new(self.ptr(), dtype, &s, None, "test").unwrap() }
+        unsafe { TensorView::host(self.ptr(), dtype, &s, None, "test").unwrap() }
     }
     /// A view with element strides.
-    pub fn strided(&mut self, dtype: DType, shape: &[usize], strides: &[usize]) -> HostTensor {
+    pub fn strided(&mut self, dtype: DType, shape: &[usize], strides: &[usize]) -> TensorView {
         let s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
         let st: Vec<i64> = strides.iter().map(|&x| x as i64).collect();
-        unsafe { HostTensor::new(self.ptr(), dtype, &s, Some(&st), "test").unwrap() }
+        unsafe { TensorView::host(self.ptr(), dtype, &s, Some(&st), "test").unwrap() }
     }
 }
 

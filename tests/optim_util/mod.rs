@@ -105,7 +105,7 @@ pub fn same_f32(a: f32, b: f32) -> bool {
 }
 
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 /// The optimizer config of a manifest case (torch, lion-pytorch or FlashOptim kwargs).
 pub fn config_for(case: &serde_json::Value, format: StateFormat) -> OptimConfig {
@@ -162,7 +162,7 @@ impl Run {
         for (i, b) in bufs.iter_mut().enumerate() {
             let shape: Vec<i64> = shapes[i].iter().map(|&s| s as i64).collect();
             let t =
-                unsafe { HostTensor::new(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
+                unsafe { TensorView::host(b.as_mut_ptr(), dtype, &shape, None, "param").unwrap() };
             unsafe { opt.add_param(&format!("p{i}"), t, None, 0).unwrap() };
         }
         Run {
@@ -182,12 +182,14 @@ impl Run {
             grads.push(all[t * per..(t + 1) * per].to_vec());
         }
         let gdt = dtype_of(o.dtype("p0.grads"));
-        let views: Vec<Option<HostTensor>> = grads
+        let views: Vec<Option<TensorView>> = grads
             .iter_mut()
             .zip(&self.shapes)
             .map(|(g, s)| {
                 let shape: Vec<i64> = s.iter().map(|&x| x as i64).collect();
-                Some(unsafe { HostTensor::new(g.as_mut_ptr(), gdt, &shape, None, "grad").unwrap() })
+                Some(unsafe {
+                    TensorView::host(g.as_mut_ptr(), gdt, &shape, None, "grad").unwrap()
+                })
             })
             .collect();
         unsafe { self.opt.step(&views).unwrap() };

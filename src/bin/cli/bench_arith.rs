@@ -8,7 +8,7 @@ use std::time::Instant;
 use fo::optim::{
     set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat,
 };
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 use rayon::prelude::*;
 
 use super::bench_util::{best, best_step, fill, param_bytes};
@@ -113,7 +113,7 @@ fn step_time(
     let mut g = to_bytes(fill(n, 1000, 0.02));
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     let view = |b: &mut Vec<u8>| unsafe {
-        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
+        TensorView::host(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
             .map_err(|e| e.to_string())
     };
     unsafe {

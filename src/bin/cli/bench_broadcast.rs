@@ -9,17 +9,17 @@ use fo::broadcast::{
 };
 use fo::comm::Comm;
 use fo::shard::{Placement, ShardSpec};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 /// f32 storage of `n` elements, filled with each element's global index.
 fn iota(n: usize, from: usize) -> Vec<f32> {
     (0..n).map(|i| (from + i) as f32).collect()
 }
 
-fn view(buf: &mut [f32], shape: &[usize]) -> HostTensor {
+fn view(buf: &mut [f32], shape: &[usize]) -> TensorView {
     let s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
     unsafe {
-        HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, &s, None, "bench")
+        TensorView::host(buf.as_mut_ptr() as *mut u8, DType::F32, &s, None, "bench")
             .expect("valid view")
     }
 }
@@ -48,7 +48,7 @@ fn run_once(
             std::thread::spawn(move || -> Result<(f64, BroadcastStats), String> {
                 let r = comm.rank();
                 let mut src: Vec<Vec<f32>> = if r == 0 { (*full).clone() } else { Vec::new() };
-                let full_views: Vec<(String, HostTensor)> = src
+                let full_views: Vec<(String, TensorView)> = src
                     .iter_mut()
                     .enumerate()
                     .map(|(t, b)| (format!("layers.{t}.weight"), view(b, &[rows, cols])))
@@ -74,7 +74,6 @@ fn run_once(
                         key: format!("layers.{t}.weight"),
                         tensor: view(b, &s.local_shape()),
                         spec: Some(s.clone()),
-                        device: -1,
                     })
                     .collect();
                 let opts = BroadcastOptions {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use fo::ckpt::{save_async, save_optimizer, Mode, SaveOptions};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 use super::bench_ckpt::{median, BenchCkptArgs};
 use super::bench_dir::BenchDir;
@@ -27,10 +27,10 @@ fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-fn view(b: &mut [f32]) -> Result<HostTensor, String> {
+fn view(b: &mut [f32]) -> Result<TensorView, String> {
     // SAFETY: the buffers outlive the optimizer (dropped after it in `run`).
     unsafe {
-        HostTensor::new(
+        TensorView::host(
             b.as_mut_ptr() as *mut u8,
             DType::F32,
             &[b.len() as i64],
@@ -41,7 +41,7 @@ fn view(b: &mut [f32]) -> Result<HostTensor, String> {
     .map_err(|e| e.to_string())
 }
 
-fn steps(opt: &mut Optimizer, gs: &[Option<HostTensor>], n: usize) -> Result<f64, String> {
+fn steps(opt: &mut Optimizer, gs: &[Option<TensorView>], n: usize) -> Result<f64, String> {
     let t0 = Instant::now();
     for _ in 0..n {
         unsafe { opt.step(gs) }.map_err(|e| e.to_string())?;
@@ -95,7 +95,7 @@ fn bench(a: &BenchCkptArgs, dir: &Path, numel: usize, state_bytes: u64) -> Resul
         unsafe { opt.add_param(&format!("layers.{i}.weight"), view(p)?, None, 0) }
             .map_err(|e| e.to_string())?;
     }
-    let gs: Vec<Option<HostTensor>> = grads
+    let gs: Vec<Option<TensorView>> = grads
         .iter_mut()
         .map(|g| view(g).map(Some))
         .collect::<Result<_, _>>()?;

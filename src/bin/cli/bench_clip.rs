@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use fo::clip::clip_grad_norm;
 use fo::comm::Comm;
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 use super::args::Count;
 use super::bench_util::{best, fill};
@@ -56,7 +56,7 @@ pub fn run(a: &ClipArgs) -> Result<(), String> {
             Ok(())
         })?;
         // SAFETY: a view of `g`, alive and not otherwise used during the calls.
-        let t = unsafe { HostTensor::new(g.as_mut_ptr(), dtype, &[n as i64], None, "g") }
+        let t = unsafe { TensorView::host(g.as_mut_ptr(), dtype, &[n as i64], None, "g") }
             .map_err(|e| e.to_string())?;
         let grads = [(t, true)];
         for (label, p, max_norm) in [

@@ -14,7 +14,7 @@ use fo::clip::clip_grad_norm;
 use fo::comm::Comm;
 use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::{threads, Algorithm, OptimConfig, Optimizer};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 
 use super::args::Count;
 use super::bench_util::fill;
@@ -62,10 +62,10 @@ impl Model {
         std::hint::black_box(&self.grads[l]);
     }
 
-    fn grad(&mut self, l: usize) -> HostTensor {
+    fn grad(&mut self, l: usize) -> TensorView {
         // SAFETY: the gradient buffers live as long as the model and are not resized.
         unsafe {
-            HostTensor::new(
+            TensorView::host(
                 self.grads[l].as_mut_ptr() as *mut u8,
                 DType::BF16,
                 &[self.n as i64],
@@ -117,7 +117,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     for (l, p) in params.iter_mut().enumerate() {
         // SAFETY: `params` outlives the optimizer (dropped at the end of this function).
         unsafe {
-            let t = HostTensor::new(
+            let t = TensorView::host(
                 p.as_mut_ptr() as *mut u8,
                 DType::BF16,
                 &[n as i64],
@@ -139,7 +139,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         .pop()
         .ok_or("cannot create a one-rank group")?;
     // Calibration: the step alone, and one backward sweep, so backward ~= step.
-    let gs: Vec<Option<HostTensor>> = (0..layers).map(|l| Some(m.grad(l))).collect();
+    let gs: Vec<Option<TensorView>> = (0..layers).map(|l| Some(m.grad(l))).collect();
     let mut step_t = Vec::new();
     for _ in 0..3 {
         let t = Instant::now();
@@ -174,9 +174,9 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
                 m.backward_layer(l, passes);
             }
             let t1 = Instant::now();
-            let gs: Vec<Option<HostTensor>> = (0..layers).map(|l| Some(m.grad(l))).collect();
+            let gs: Vec<Option<TensorView>> = (0..layers).map(|l| Some(m.grad(l))).collect();
             if max_norm > 0.0 {
-                let list: Vec<(HostTensor, bool)> =
+                let list: Vec<(TensorView, bool)> =
                     (0..layers).map(|l| (m.grad(l), false)).collect();
                 unsafe { clip_grad_norm(&comm, &list, max_norm, 2.0, false) }
                     .map_err(|e| e.to_string())?;
@@ -196,7 +196,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
             for l in (0..layers).rev() {
                 m.backward_layer(l, passes);
                 let g = m.grad(l);
-                unsafe { m.opt.grads_ready(&[l], &[g], &[-1]) }.map_err(|e| e.to_string())?;
+                unsafe { m.opt.grads_ready(&[l], &[g]) }.map_err(|e| e.to_string())?;
             }
             let t1 = Instant::now();
             let mut st = OverlapStats::default();

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use fo::optim::{set_num_threads, threads, Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, TensorView};
 use rayon::prelude::*;
 
 use super::args::{non_empty_csv, positive_f64, Bounded, Count, Csv, MAX_RANKS};
@@ -106,7 +106,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
         .collect();
     let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     let view = |b: &mut Vec<u8>| unsafe {
-        HostTensor::new(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
+        TensorView::host(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
             .map_err(|e| e.to_string())
     };
     for (i, p) in params.iter_mut().enumerate() {
@@ -115,7 +115,7 @@ fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result
                 .map_err(|e| e.to_string())?
         };
     }
-    let gs: Vec<Option<HostTensor>> = grads
+    let gs: Vec<Option<TensorView>> = grads
         .iter_mut()
         .map(|g| view(g).map(Some))
         .collect::<Result<_, _>>()?;

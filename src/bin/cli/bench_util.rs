@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use fo::optim::Optimizer;
-use fo::HostTensor;
+use fo::TensorView;
 
 /// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
 pub fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -38,7 +38,7 @@ pub fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
 /// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
 pub fn best_step(
     opt: &mut Optimizer,
-    gs: &[Option<HostTensor>],
+    gs: &[Option<TensorView>],
     iters: usize,
 ) -> Result<f64, String> {
     let mut times = Vec::new();

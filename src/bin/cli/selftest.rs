@@ -29,7 +29,11 @@ pub fn run(a: &SelftestArgs) -> Result<(), String> {
         return Ok(());
     }
     #[cfg(feature = "cuda")]
-    return super::selftest_gpu::run(a.device, a.size.0, a.iters);
+    return super::selftest_gpu::run(
+        fo::device::Device::from_c(a.device, "--device").map_err(|e| e.to_string())?,
+        a.size.0,
+        a.iters,
+    );
     #[cfg(not(feature = "cuda"))]
     unreachable!("no_gpu() is Some without the cuda feature: {a:?}")
 }

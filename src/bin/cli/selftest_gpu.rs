@@ -7,7 +7,7 @@ use cudarc::driver::{result as cu, sys as cusys};
 use fo::ckpt::{pack, Mode, ParamsAs, SaveOptions};
 use fo::kernels::step_table::StateLayout;
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, HostTensor};
+use fo::{DType, Device, TensorView};
 
 use super::bench_util::{best, fill};
 use super::selftest_cases::{rules, state_mismatches, FORMATS};
@@ -65,9 +65,9 @@ impl Buf {
         Ok(v)
     }
 
-    fn view(&self, dtype: DType, n: usize) -> Result<HostTensor, String> {
+    fn view(&self, device: Device, dtype: DType, n: usize) -> Result<TensorView, String> {
         // SAFETY: a view only; fo hands device views to the GPU, never reads them.
-        unsafe { HostTensor::new(self.ptr as *mut u8, dtype, &[n as i64], None, "t") }
+        unsafe { TensorView::on(device, self.ptr as *mut u8, dtype, &[n as i64], None, "t") }
             .map_err(|e| e.to_string())
     }
 }
@@ -103,7 +103,7 @@ const STEPS: usize = 3;
 
 /// One rule x format x dtype on both sides from the same inputs: mismatching elements
 /// (params and state), and mismatching entries of their checkpoints (`fo_state_pack`).
-fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usize), String> {
+fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usize), String> {
     let err = |e: fo::Error| e.to_string();
     let (mut cpu, mut gpu) = (
         Optimizer::new(cfg.clone()).map_err(err)?,
@@ -120,10 +120,10 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
         let name = format!("p{i}");
         // SAFETY: the buffers outlive both optimizers (dropped after them, below).
         unsafe {
-            let h = HostTensor::new(host[i].as_mut_ptr(), dtype, &[n as i64], None, "p")
+            let h = TensorView::host(host[i].as_mut_ptr(), dtype, &[n as i64], None, "p")
                 .map_err(err)?;
             cpu.add_param(&name, h, None, 0).map_err(err)?;
-            gpu.add_param_on(&name, dev[i].view(dtype, n)?, None, 0, ordinal)
+            gpu.add_param(&name, dev[i].view(device, dtype, n)?, None, 0)
                 .map_err(err)?;
         }
     }
@@ -143,7 +143,7 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
                 .iter()
                 .zip(SIZES)
                 .map(|(g, n)| {
-                    HostTensor::new(g.as_ptr() as *mut u8, dtype, &[n as i64], None, "g").map(Some)
+                    TensorView::host(g.as_ptr() as *mut u8, dtype, &[n as i64], None, "g").map(Some)
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(err)?;
@@ -151,9 +151,9 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
             let dv = dgrads
                 .iter()
                 .zip(SIZES)
-                .map(|(g, n)| g.view(dtype, n).map(Some))
+                .map(|(g, n)| g.view(device, dtype, n).map(Some))
                 .collect::<Result<Vec<_>, _>>()?;
-            gpu.step_on(&dv, &[ordinal; SIZES.len()]).map_err(err)?;
+            gpu.step(&dv).map_err(err)?;
         }
         cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
     }
@@ -186,7 +186,7 @@ fn compare(ordinal: i32, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usiz
 /// Seconds of the best of `iters` GPU steps over `n` parameters in 64 tensors, and the
 /// bytes one step moves per parameter (reads plus writes).
 fn step_time(
-    ordinal: i32,
+    device: Device,
     cfg: &OptimConfig,
     dtype: DType,
     n: usize,
@@ -204,29 +204,20 @@ fn step_time(
             &fill(s, 1000 + i as u64, 0.02),
         ))?);
         // SAFETY: the buffers outlive the optimizer (dropped after it).
-        unsafe {
-            opt.add_param_on(
-                &format!("p{i}"),
-                params[i].view(dtype, s)?,
-                None,
-                0,
-                ordinal,
-            )
-        }
-        .map_err(err)?;
+        unsafe { opt.add_param(&format!("p{i}"), params[i].view(device, dtype, s)?, None, 0) }
+            .map_err(err)?;
     }
     let gv = grads
         .iter()
         .zip(&sizes)
-        .map(|(g, &s)| g.view(dtype, s).map(Some))
+        .map(|(g, &s)| g.view(device, dtype, s).map(Some))
         .collect::<Result<Vec<_>, _>>()?;
-    let devices = vec![ordinal; k];
     let mut times = Vec::new();
     for it in 0..=iters {
         cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
         let t0 = Instant::now();
         // SAFETY: every buffer is live until the synchronize.
-        unsafe { opt.step_on(&gv, &devices) }.map_err(err)?;
+        unsafe { opt.step(&gv) }.map_err(err)?;
         cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
         if it > 0 {
             times.push(t0.elapsed().as_secs_f64());
@@ -269,7 +260,7 @@ fn copy_time(bytes: usize, iters: usize) -> Result<f64, String> {
 
 /// `fo_clip_grad_norm` over device gradients against the same gradients in host memory:
 /// (cases, mismatching totals, mismatching gradient elements after the clip).
-fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
+fn clip_compare(device: Device) -> Result<(usize, usize, usize), String> {
     use fo::clip::{clip_grad_norm_checked, ClipGrad};
     let err = |e: fo::Error| e.to_string();
     let (mut cases, mut totals, mut elems) = (0, 0, 0);
@@ -292,11 +283,11 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
                 (0..SIZES.len())
                     .map(|k| {
                         let tensor = if on_device {
-                            dev[k].view(dtype, SIZES[k])?
+                            dev[k].view(device, dtype, SIZES[k])?
                         } else {
                             // SAFETY: a view of a live host buffer of this size.
                             unsafe {
-                                HostTensor::new(
+                                TensorView::host(
                                     host[k].as_mut_ptr(),
                                     dtype,
                                     &[SIZES[k] as i64],
@@ -309,7 +300,6 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
                         Ok(ClipGrad {
                             tensor,
                             is_shard: k % 2 == 0,
-                            device: if on_device { ordinal } else { -1 },
                         })
                     })
                     .collect()
@@ -338,11 +328,13 @@ fn clip_compare(ordinal: i32) -> Result<(usize, usize, usize), String> {
     Ok((cases, totals, elems))
 }
 
-/// `fo selftest` on CUDA device `ordinal`: `size` parameters per throughput case, the best
+/// `fo selftest` on CUDA device `device`: `size` parameters per throughput case, the best
 /// of `iters` timed steps.
-pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
+pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     // fo compiles its kernels here (NVRTC), so a GPU it cannot use fails now, clearly.
-    fo::device::open_device(ordinal).map_err(|e| e.to_string())?;
+    fo::device::open_device(device).map_err(|e| e.to_string())?;
+    // The driver takes the C ordinal.
+    let ordinal = device.to_c();
     let dev = cuda("cuDeviceGet", cu::device::get(ordinal))?;
     let name = cuda("cuDeviceGetName", cu::device::get_name(dev))?;
     // SAFETY: the device's primary context, current on this thread for the allocations.
@@ -357,7 +349,7 @@ pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
             for (dtype, mw) in [(DType::F32, 0), (DType::BF16, 24), (DType::F16, 32)] {
                 let mut cfg = base.clone();
                 (cfg.state_format, cfg.master_weight_bits) = (format, mw);
-                let (m, c) = compare(ordinal, &cfg, dtype)?;
+                let (m, c) = compare(device, &cfg, dtype)?;
                 if m + c > 0 {
                     println!(
                         "  {rule} {} {dtype} mw{mw}: {m} mismatching elements, {c} mismatching checkpoint entries",
@@ -372,7 +364,7 @@ pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
         "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
          {bad_ckpt} mismatching checkpoint entries"
     );
-    let (cases, bad_totals, bad_clip) = clip_compare(ordinal)?;
+    let (cases, bad_totals, bad_clip) = clip_compare(device)?;
     println!(
         "fo_clip_grad_norm, {cases} cases (f32/bf16/f16/f64 x p = 2, 1, inf, 3) on device vs host gradients: \
          {bad_totals} mismatching totals, {bad_clip} mismatching elements after the clip"
@@ -389,7 +381,7 @@ pub fn run(ordinal: i32, size: usize, iters: usize) -> Result<(), String> {
         ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
         ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
     ] {
-        let (t, per_param) = step_time(ordinal, &cfg, dtype, n, iters)?;
+        let (t, per_param) = step_time(device, &cfg, dtype, n, iters)?;
         // A copy of S bytes reads S and writes S: the step's bytes are B = 2S.
         let bytes = per_param * n as f64;
         let tc = copy_time((bytes / 2.0) as usize, iters)?;

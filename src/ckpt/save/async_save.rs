@@ -216,7 +216,7 @@ fn start(
             // Device state, and host state lent out live (a borrower may write it
             // at any time), are copied at the call.
             seen.entry(i)
-                .or_insert(opt.param_device(i) >= 0 || opt.lends_state(i));
+                .or_insert(opt.param_device(i).is_cuda() || opt.lends_state(i));
         }
         seen.into_iter()
             .filter(|&(_, d)| d)

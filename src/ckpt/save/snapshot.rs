@@ -195,7 +195,7 @@ impl Snapshot {
             // Device state is staged at the call, outside the pool (`stage_now`).
             let full_copy = by_param
                 .iter()
-                .filter(|(&i, _)| opt.param_device(i) < 0)
+                .filter(|(&i, _)| opt.param_device(i).is_host())
                 .map(|(&i, es)| copy_bytes(opt, &entries, i, es))
                 .fold(0usize, usize::saturating_add);
             default_staging_budget(full_copy, crate::sys::available_memory())

@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use crate::ckpt::{save_async_held, Mode, SaveOptions};
 use crate::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
-use crate::{DType, HostTensor};
+use crate::{DType, TensorView};
 
-fn view(b: &mut [f32]) -> HostTensor {
+fn view(b: &mut [f32]) -> TensorView {
     // SAFETY: the buffers outlive the optimizer in each test.
     unsafe {
-        HostTensor::new(
+        TensorView::host(
             b.as_mut_ptr() as *mut u8,
             DType::F32,
             &[b.len() as i64],
@@ -48,7 +48,7 @@ fn the_writer_pauses_for_a_step_fetches_once_after_each_and_serves_a_waiting_mut
     for (i, p) in params.iter_mut().enumerate() {
         unsafe { opt.add_param(&format!("w{i}"), view(p), None, 0) }.unwrap();
     }
-    let gs: Vec<Option<HostTensor>> = grads.iter_mut().map(|g| Some(view(g))).collect();
+    let gs: Vec<Option<TensorView>> = grads.iter_mut().map(|g| Some(view(g))).collect();
     unsafe { opt.step(&gs) }.unwrap();
     let dir = std::env::temp_dir().join(format!("fo-step-pause-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

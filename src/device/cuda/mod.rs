@@ -55,9 +55,10 @@ pub(super) fn missing() -> String {
     }
 }
 
-/// Device `ordinal` as a backend, opening it on first use.
-pub(super) fn backend(ordinal: i32) -> Result<Arc<dyn super::Backend>> {
-    Ok(device(ordinal)? as Arc<dyn super::Backend>)
+/// CUDA device `on` (`open::backend` keeps the host away) as a backend, opening it on
+/// first use.
+pub(super) fn backend(on: crate::tensor::Device) -> Result<Arc<dyn super::Backend>> {
+    Ok(device(on.to_c())? as Arc<dyn super::Backend>)
 }
 
 /// Streams are taken where the libraries load.

@@ -34,6 +34,7 @@ use stream::{streams, Job, Worker};
 use super::backend::Backend;
 use super::ring::Ring;
 use crate::error::{Error, Result};
+use crate::tensor::{Device, TensorView};
 
 /// The ordinal tests register emulated device parameters on (far above any real GPU's).
 pub const EMULATED: i32 = 77;
@@ -311,6 +312,31 @@ pub fn device_at(ordinal: i32) -> Option<Arc<Emulated>> {
 /// The emulated device `EMULATED`, or None where the host kernel cannot be built.
 pub fn device() -> Option<Arc<Emulated>> {
     device_at(EMULATED)
+}
+
+/// Emulated device `ordinal` as the `Device` a tensor view carries.
+pub fn dev(ordinal: i32) -> Device {
+    Device::Cuda(ordinal as u32)
+}
+
+/// `t`'s memory claimed as `device`'s. Emulated device memory is host memory, so tests
+/// hand the same buffers to a host optimizer and (through this) to a device one.
+pub fn on(device: Device, t: &TensorView) -> TensorView {
+    let shape: Vec<i64> = t.shape().iter().map(|&n| n as i64).collect();
+    let strides: Vec<i64> = t.strides().iter().map(|&n| n as i64).collect();
+    // SAFETY: the same memory as `t`, which the test keeps valid.
+    unsafe { TensorView::on(device, t.as_ptr(), t.dtype(), &shape, Some(&strides), "t") }
+        .expect("an existing view")
+}
+
+/// `on` for a step's gradients, `devices[i]` for `grads[i]`.
+pub fn each_on(devices: &[Device], grads: &[Option<TensorView>]) -> Vec<Option<TensorView>> {
+    assert_eq!(devices.len(), grads.len(), "one device per gradient");
+    grads
+        .iter()
+        .zip(devices)
+        .map(|(g, &d)| g.as_ref().map(|g| on(d, g)))
+        .collect()
 }
 
 /// Waits for every stream of every emulated device (before a test reads "device" memory

@@ -11,12 +11,12 @@ use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 use crate::device::emulated::{encode, host_kernels, values, HostKernels};
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 const SIZES: [usize; 4] = [100, 33, 0, 70];
@@ -131,7 +131,7 @@ fn run_both(
             .collect();
         let skip = |i: usize| s == 1 && i == 1;
         let mut cgrads = grads.clone();
-        let views: Vec<Option<HostTensor>> = cgrads
+        let views: Vec<Option<TensorView>> = cgrads
             .iter_mut()
             .zip(sizes)
             .enumerate()

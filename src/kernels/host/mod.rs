@@ -29,7 +29,7 @@ use crate::optim::math::rule::Rule;
 use crate::optim::math::state::{
     ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState,
 };
-use crate::tensor::HostTensor;
+use crate::tensor::TensorView;
 
 /// Elements per chunk when something must be decoded: the 4 f32 buffers (32 KiB) stay
 /// in L1 between decode, update and encode.
@@ -215,7 +215,7 @@ pub fn run(job: Job<'_>) {
 /// Cuts one parameter (and its gradient and state) into chunk jobs.
 pub(crate) unsafe fn push_jobs<'a>(
     jobs: &mut Vec<Job<'a>>,
-    param: &HostTensor,
+    param: &TensorView,
     grad: &'a [u8],
     grad_dtype: DType,
     st: &'a mut ParamState,
@@ -252,7 +252,7 @@ pub(crate) fn chunk_for(param_dtype: DType, grad_dtype: DType, st: &ParamState) 
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn push_range_jobs<'a>(
     jobs: &mut Vec<Job<'a>>,
-    param: &HostTensor,
+    param: &TensorView,
     range: std::ops::Range<usize>,
     grad: &'a [u8],
     grad_dtype: DType,

@@ -8,9 +8,10 @@ use crate::device::{backend, Backend};
 use crate::error::{Error, Result};
 use crate::kernels::step_table::{MomentKind, MomentPtrs, StateLayout, StatePtrs};
 use crate::optim::math::state::ParamState;
+use crate::tensor::Device;
 
 pub struct DeviceState {
-    pub device: i32,
+    pub device: Device,
     pub step: u64,
     /// As `ParamState::m_valid`: SGD's buffer holds a value.
     pub m_valid: bool,
@@ -41,7 +42,7 @@ impl DeviceState {
     /// # Safety
     /// `stream` must be 0 or a valid stream of `device`.
     pub unsafe fn zeroed(
-        device: i32,
+        device: Device,
         layout: StateLayout,
         numel: usize,
         stream: usize,

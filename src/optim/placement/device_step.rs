@@ -1,4 +1,4 @@
-//! The device half of `Optimizer::step_on`: parameters registered on a CUDA device step
+//! The device half of `Optimizer::step`: parameters registered on a CUDA device step
 //! on it, one launch per (param group, device) over a tensor table (`step_table`), on the
 //! optimizer's stream. Prepared (validated, state allocated, tables built) before the
 //! step changes anything, then launched before the CPU half runs, so both run at once.
@@ -15,7 +15,7 @@ use crate::kernels::step_table::{build_table, FoRule, StateLayout, StepTable, Ta
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::optimizer::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// A prepared device step: nothing in the optimizer has changed yet.
 pub(crate) struct DeviceStep {
@@ -24,14 +24,14 @@ pub(crate) struct DeviceStep {
     /// The device parameters this step advances.
     stepped: Vec<usize>,
     /// `(param group, device, table)`.
-    tables: Vec<(usize, i32, StepTable)>,
+    tables: Vec<(usize, Device, StepTable)>,
 }
 
 impl Optimizer {
     /// Sets the `CUstream` device work is queued on (0: the legacy default stream). A
     /// stream belongs to one device: with a stream set, every device parameter, mirror
     /// and device gradient must be on that stream's device (refused here, at
-    /// `add_param_on` / `set_mirror`, and at `step_on` before anything is queued;
+    /// `add_param` / `set_mirror`, and at `step` before anything is queued;
     /// parameters on several devices take 0, each device's legacy stream). The new
     /// stream's work waits for what the old one had queued (an event per device), so
     /// step N on the old stream comes before step N+1 on the new one.
@@ -54,18 +54,18 @@ impl Optimizer {
 
     /// Every device the optimizer queues work on (parameters', mirrors'), once each, with
     /// the first thing on it (for errors).
-    fn devices_in_use(&self) -> Vec<(i32, String)> {
-        let mut out: Vec<(i32, String)> = Vec::new();
+    fn devices_in_use(&self) -> Vec<(Device, String)> {
+        let mut out: Vec<(Device, String)> = Vec::new();
         for p in &self.params {
             let on = [
-                (p.device, format!("parameter {}", p.fqn)),
+                (p.device(), format!("parameter {}", p.fqn)),
                 (
-                    p.mirror.as_ref().map_or(-1, |m| m.device),
+                    p.mirror.as_ref().map_or(Device::Host, |m| m.device()),
                     format!("the mirror of parameter {}", p.fqn),
                 ),
             ];
             for (d, what) in on {
-                if d >= 0 && !out.iter().any(|(o, _)| *o == d) {
+                if d.is_cuda() && !out.iter().any(|(o, _)| *o == d) {
                     out.push((d, what));
                 }
             }
@@ -74,7 +74,7 @@ impl Optimizer {
     }
 
     /// Checks that `what` (on `device`) can use the optimizer's stream.
-    pub(in crate::optim) fn check_stream_for(&self, device: i32, what: &str) -> Result<()> {
+    pub(in crate::optim) fn check_stream_for(&self, device: Device, what: &str) -> Result<()> {
         check_stream_on(device, self.stream(), what)
     }
 
@@ -88,7 +88,7 @@ impl Optimizer {
     pub fn device_state(&self, i: usize) -> Result<ParamState> {
         self.check_index(i)?;
         let p = &self.params[i];
-        if p.device < 0 {
+        if p.device().is_host() {
             return Err(Error::invalid(
                 "index",
                 format!("parameter {} is in host memory (see param_state)", p.fqn),
@@ -101,31 +101,29 @@ impl Optimizer {
             })
     }
 
-    /// Checks that gradient `g` (on `device`) may step parameter `i`.
-    pub(in crate::optim) fn check_grad_device(
-        &self,
-        i: usize,
-        g: &HostTensor,
-        device: i32,
-    ) -> Result<()> {
+    /// Checks that gradient `g` (on its device) may step parameter `i`.
+    pub(in crate::optim) fn check_grad_device(&self, i: usize, g: &TensorView) -> Result<()> {
         let p = &self.params[i];
+        let device = g.device();
         // A device parameter's device was checked against the stream at registration and
         // at `set_stream`: its gradient, on the same device, needs no look-up per step.
-        if device >= 0 && device != p.device {
+        if device.is_cuda() && device != p.device() {
             self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
         }
-        if p.device >= 0 && p.device != device {
+        if p.device().is_cuda() && p.device() != device {
             return Err(Error::invalid(
                 "grads",
                 format!(
                     "gradient of {}: the parameter is on CUDA device {}, its gradient must be \
-                     too (got device {device})",
-                    p.fqn, p.device
+                     too (got device {})",
+                    p.fqn,
+                    p.device().to_c(),
+                    device.to_c()
                 ),
             ));
         }
         let context = format!("gradient of {}", p.fqn);
-        if device >= 0 && p.device == -1 {
+        if device.is_cuda() && p.device().is_host() {
             // The offload case: the gradient comes down to the host (`offload_step`);
             // looked up only outside memory already validated (`KnownMemory`).
             let mut known = self
@@ -134,8 +132,8 @@ impl Optimizer {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             // SAFETY: the address is only looked up.
-            unsafe { known.check_tensor(g, device, &grad_arg(&context)) }?;
-        } else if device >= 0 {
+            unsafe { known.check_tensor(g, &grad_arg(&context)) }?;
+        } else if device.is_cuda() {
             // A device parameter's device is open; its memory is checked with the
             // device half (`prepare_device_step`).
             crate::device::check::check_contiguous(g, &grad_arg(&context))?;
@@ -146,10 +144,10 @@ impl Optimizer {
     /// Validates the device half and allocates the state it creates; changes nothing.
     ///
     /// # Safety
-    /// As `step_on`.
+    /// As `step`.
     pub(in crate::optim) unsafe fn prepare_device_step(
         &self,
-        grads: &[Option<HostTensor>],
+        grads: &[Option<TensorView>],
     ) -> Result<DeviceStep> {
         let mut s = DeviceStep {
             fresh: Vec::new(),
@@ -158,7 +156,7 @@ impl Optimizer {
         };
         // Refusals first, before any device memory is allocated or anything queued.
         for (i, p) in self.params.iter().enumerate() {
-            let (Some(g), true) = (&grads[i], p.device >= 0) else {
+            let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
                 continue;
             };
             let cfg = self.config(p.group);
@@ -166,7 +164,9 @@ impl Optimizer {
                 return Err(Error::Unsupported(format!(
                     "parameter {} is on CUDA device {}: check_numerics reads gradients on the \
                      host and is not available for device parameters (turn it off for group {})",
-                    p.fqn, p.device, p.group
+                    p.fqn,
+                    p.device().to_c(),
+                    p.group
                 )));
             }
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
@@ -182,11 +182,11 @@ impl Optimizer {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             let context = format!("gradient of {}", p.fqn);
-            known.check(g, p.device, &grad_arg(&context))?;
+            known.check(g, &grad_arg(&context))?;
         }
-        let mut entries: BTreeMap<(usize, i32), Vec<TableEntry>> = BTreeMap::new();
+        let mut entries: BTreeMap<(usize, Device), Vec<TableEntry>> = BTreeMap::new();
         for (i, p) in self.params.iter().enumerate() {
-            let (Some(g), true) = (&grads[i], p.device >= 0) else {
+            let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
                 continue;
             };
             let cfg = self.config(p.group);
@@ -197,7 +197,7 @@ impl Optimizer {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
                     let layout = StateLayout::of(cfg, p.tensor.dtype());
-                    let st = DeviceState::zeroed(p.device, layout, n, self.stream())?;
+                    let st = DeviceState::zeroed(p.device(), layout, n, self.stream())?;
                     let ptrs = st.ptrs();
                     s.fresh.push((i, st));
                     (false, ptrs)
@@ -205,7 +205,7 @@ impl Optimizer {
             };
             s.stepped.push(i);
             entries
-                .entry((p.group, p.device))
+                .entry((p.group, p.device()))
                 .or_default()
                 .push(TableEntry {
                     param: p.tensor.as_ptr() as u64,
@@ -227,7 +227,7 @@ impl Optimizer {
     /// Launches a prepared device step and records it (step counters, new state).
     ///
     /// # Safety
-    /// As `step_on`.
+    /// As `step`.
     pub(in crate::optim) unsafe fn run_device_step(&mut self, s: DeviceStep) -> Result<()> {
         if s.stepped.is_empty() {
             return Ok(());
@@ -261,7 +261,7 @@ fn grad_arg(context: &str) -> crate::device::check::DeviceArg<'_> {
 }
 
 /// Checks that `stream` is one of `device`'s, naming `what` lives there when it is not.
-fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
+fn check_stream_on(device: Device, stream: usize, what: &str) -> Result<()> {
     if stream == 0 {
         return Ok(());
     }
@@ -271,9 +271,10 @@ fn check_stream_on(device: i32, stream: usize, what: &str) -> Result<()> {
         Error::InvalidArgument { reason, .. } => Error::invalid(
             "stream",
             format!(
-                "{what} is on CUDA device {device}, and the optimizer's stream is not a stream \
+                "{what} is on CUDA device {}, and the optimizer's stream is not a stream \
                  of that device: {reason}. fo queues all of an optimizer's device work on its \
-                 one stream: use one optimizer per device, or the legacy default stream (NULL)"
+                 one stream: use one optimizer per device, or the legacy default stream (NULL)",
+                device.to_c()
             ),
         ),
         e => e,

@@ -1,18 +1,19 @@
 //! The device half's checks, on machines without a GPU: device parameters are registered
-//! through `register` (as `add_param_on` does once the device opens) over host memory the
+//! through `register` (as `add_param` does once the device opens) over host memory the
 //! step never reaches, since every case here fails before a launch.
 use super::*;
+use crate::device::emulated::{each_on, on};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
-fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> HostTensor {
+fn view(buf: &mut [f32], shape: &[i64], strides: Option<&[i64]>) -> TensorView {
     unsafe {
-        HostTensor::new(buf.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
+        TensorView::host(buf.as_mut_ptr() as *mut u8, DType::F32, shape, strides, "t").unwrap()
     }
 }
 
 fn no_gpu() -> bool {
-    crate::device::open_device(0).is_err()
+    crate::device::open_device(Device::Cuda(0)).is_err()
 }
 
 /// Host param "h" (index 0) and device-0 param "d" (index 1), both f32 with 40 elements.
@@ -20,7 +21,8 @@ fn hybrid(cfg: OptimConfig, h: &mut [f32], d: &mut [f32]) -> Optimizer {
     let mut opt = Optimizer::new(cfg).unwrap();
     unsafe {
         opt.add_param("h", view(h, &[40], None), None, 0).unwrap();
-        opt.register("d", view(d, &[40], None), None, 0, 0).unwrap();
+        opt.register("d", on(Device::Cuda(0), &view(d, &[40], None)), None, 0)
+            .unwrap();
     }
     opt
 }
@@ -40,7 +42,7 @@ fn device_param_registration_says_what_is_missing() {
     }
     let mut opt = Optimizer::new(adamw(StateFormat::Fp32)).unwrap();
     let mut w = vec![1f32; 4];
-    let e = unsafe { opt.add_param_on("w", view(&mut w, &[4], None), None, 0, 0) }
+    let e = unsafe { opt.add_param("w", on(Device::Cuda(0), &view(&mut w, &[4], None)), None, 0) }
         .unwrap_err()
         .to_string();
     assert!(e.starts_with("unsupported: param.device = 0: "), "{e}");
@@ -52,8 +54,6 @@ fn device_param_registration_says_what_is_missing() {
         "{e}"
     );
     assert_eq!(opt.num_params(), 0);
-    let e = unsafe { opt.add_param_on("w", view(&mut w, &[4], None), None, 0, -2) }.unwrap_err();
-    assert!(e.to_string().contains("param.device"), "{e}");
 }
 
 #[test]
@@ -64,15 +64,12 @@ fn device_grads_of_host_params_need_a_usable_device_and_nothing_changes() {
         opt.add_param("w", view(&mut w, &[40], None), None, 0)
             .unwrap()
     };
-    let e = unsafe { opt.step_on(&[Some(view(&mut g, &[40], None))], &[1]) }.unwrap_err();
+    let g = on(Device::Cuda(1), &view(&mut g, &[40], None));
+    let e = unsafe { opt.step(&[Some(g)]) }.unwrap_err();
     let m = e.to_string();
     assert!(m.contains("gradient of w: device = 1: "), "{m}");
     assert!(matches!(e, Error::Unsupported(_)));
     assert!(w.iter().all(|&x| x == 1.0) && !opt.has_state(0));
-    let e = unsafe { opt.step_on(&[None], &[]) }
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("0 devices given for 1 gradients"), "{e}");
 }
 
 #[test]
@@ -80,6 +77,7 @@ fn device_steps_are_validated_before_anything_changes() {
     let (mut h, mut d) = (vec![1f32; 40], vec![2f32; 40]);
     let (mut gh, mut gd, mut gs) = (vec![0.5f32; 40], vec![0.25f32; 40], vec![0.1f32; 80]);
     let mut try_step = |cfg: OptimConfig, devices: [i32; 2], strided: bool| {
+        let devices = devices.map(|d| Device::from_c(d, "grads").unwrap());
         let mut opt = hybrid(cfg, &mut h, &mut d);
         let g1 = if strided {
             view(&mut gs, &[40], Some(&[2]))
@@ -87,7 +85,7 @@ fn device_steps_are_validated_before_anything_changes() {
             view(&mut gd, &[40], None)
         };
         let grads = [Some(view(&mut gh, &[40], None)), Some(g1)];
-        let e = unsafe { opt.step_on(&grads, &devices) }.unwrap_err();
+        let e = unsafe { opt.step(&each_on(&devices, &grads)) }.unwrap_err();
         assert!(!opt.has_state(0) && !opt.has_state(1), "{e}");
         e.to_string()
     };
@@ -151,7 +149,7 @@ fn state_accessors_say_where_the_state_is() {
     assert!(e.contains("parameter d has no optimizer state yet"), "{e}");
     assert!(opt.device_state(2).is_err());
     let mut g = vec![0.5f32; 40];
-    unsafe { opt.step_on(&[Some(view(&mut g, &[40], None)), None], &[-1, -1]) }.unwrap();
+    unsafe { opt.step(&[Some(view(&mut g, &[40], None)), None]) }.unwrap();
     assert_eq!(opt.param_state(0).unwrap().step, 1);
 }
 
@@ -159,8 +157,8 @@ fn state_accessors_say_where_the_state_is() {
 fn a_device_gradient_aliasing_a_device_param_is_refused() {
     let (mut h, mut d) = (vec![1f32; 40], vec![2f32; 40]);
     let mut opt = hybrid(adamw(StateFormat::Fp32), &mut h, &mut d);
-    let alias = view(&mut d, &[40], None);
-    let e = unsafe { opt.step_on(&[None, Some(alias)], &[-1, 0]) }
+    let alias = on(Device::Cuda(0), &view(&mut d, &[40], None));
+    let e = unsafe { opt.step(&[None, Some(alias)]) }
         .unwrap_err()
         .to_string();
     assert!(

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::device::{backend, Backend};
 use crate::error::{Error, Result};
 use crate::kernels::step_table::{FoStepTensor, StepTable};
+use crate::tensor::Device;
 
 /// One group's table on one device: device memory (`capacity` bytes) and a host copy of
 /// what that memory holds, valid only in stream order (`uploaded`, empty when unknown).
@@ -22,7 +23,7 @@ pub struct ResidentTable {
 
 /// The resident tables of an optimizer, by (param group, device).
 #[derive(Default)]
-pub struct ResidentTables(HashMap<(usize, i32), ResidentTable>);
+pub struct ResidentTables(HashMap<(usize, Device), ResidentTable>);
 
 impl ResidentTables {
     /// Queues `table`'s launches on `stream` after bringing its resident copy up to date
@@ -34,7 +35,7 @@ impl ResidentTables {
     pub unsafe fn launch(
         &mut self,
         group: usize,
-        device: i32,
+        device: Device,
         table: &StepTable,
         stream: usize,
     ) -> Result<()> {

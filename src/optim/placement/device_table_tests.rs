@@ -12,11 +12,11 @@ use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 const SIZES: [usize; 3] = [100, 33, 70];
 const DT: DType = DType::BF16;
 
-fn view(at: *mut u8, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(at, DT, &[n as i64], None, "t").unwrap() }
+fn view(at: *mut u8, n: usize) -> TensorView {
+    unsafe { TensorView::host(at, DT, &[n as i64], None, "t").unwrap() }
 }
 
-fn build(mem: &mut [Vec<u8>], device: i32) -> Optimizer {
+fn build(mem: &mut [Vec<u8>], device: Device) -> Optimizer {
     let mut q8 = OptimConfig::default_for(Algorithm::AdamW);
     (q8.lr, q8.weight_decay) = (1e-2, 0.05);
     (q8.state_format, q8.master_weight_bits) = (StateFormat::Quant8, 24);
@@ -25,9 +25,8 @@ fn build(mem: &mut [Vec<u8>], device: i32) -> Optimizer {
     let mut opt = Optimizer::new(q8).unwrap();
     opt.add_param_group(f32).unwrap();
     for (i, b) in mem.iter_mut().enumerate() {
-        let v = view(b.as_mut_ptr(), SIZES[i]);
-        unsafe { opt.add_param_on(&format!("p{i}"), v, None, usize::from(i == 2), device) }
-            .unwrap();
+        let v = emulated::on(device, &view(b.as_mut_ptr(), SIZES[i]));
+        unsafe { opt.add_param(&format!("p{i}"), v, None, usize::from(i == 2)) }.unwrap();
     }
     opt
 }
@@ -40,7 +39,7 @@ struct Segment {
 }
 
 impl Segment {
-    fn grads(&self, at: &[usize], s: u64) -> Vec<Option<HostTensor>> {
+    fn grads(&self, at: &[usize], s: u64) -> Vec<Option<TensorView>> {
         emulated::synchronize_all(); // the previous step has read the old values
         (0..SIZES.len())
             .map(|i| {
@@ -55,7 +54,7 @@ impl Segment {
 }
 
 /// One step of both optimizers; returns the device step's (pointer look-ups, uploads).
-fn step(host: &mut Optimizer, dev: &mut Optimizer, g: &[Option<HostTensor>]) -> (usize, usize) {
+fn step(host: &mut Optimizer, dev: &mut Optimizer, g: &[Option<TensorView>]) -> (usize, usize) {
     // The host optimizer reads the same bytes (in host memory, which the emulated
     // device's memory is).
     unsafe { host.step(g) }.unwrap();
@@ -63,7 +62,7 @@ fn step(host: &mut Optimizer, dev: &mut Optimizer, g: &[Option<HostTensor>]) -> 
         emulated::pointer_queries_on_this_thread(),
         emulated::table_uploads_on_this_thread(),
     );
-    unsafe { dev.step_on(g, &[EMULATED; 3]) }.unwrap();
+    unsafe { dev.step(&emulated::each_on(&[emulated::dev(EMULATED); 3], g)) }.unwrap();
     let counts = (
         emulated::pointer_queries_on_this_thread() - q,
         emulated::table_uploads_on_this_thread() - u,
@@ -99,7 +98,10 @@ fn a_step_with_unchanged_pointers_queries_no_pointer_and_uploads_no_table() {
         .map(|i| encode(DT, &values(SIZES[i], i as u64 + 1)))
         .collect();
     let (mut hm, mut dm) = (mem.clone(), mem);
-    let (mut host, mut dev) = (build(&mut hm, -1), build(&mut dm, EMULATED));
+    let (mut host, mut dev) = (
+        build(&mut hm, Device::Host),
+        build(&mut dm, emulated::dev(EMULATED)),
+    );
     let at = [0, 512, 1024];
 
     // Step 1: each gradient's segment is looked up (first and last byte, then its
@@ -145,7 +147,7 @@ fn a_step_with_unchanged_pointers_queries_no_pointer_and_uploads_no_table() {
     let mut g = seg.grads(&moved, 6);
     g[1] = Some(view(bad.as_mut_ptr(), SIZES[1]));
     let before = (dm.clone(), format!("{:?}", dev.device_state(1).unwrap()));
-    let e = unsafe { dev.step_on(&g, &[EMULATED; 3]) }.unwrap_err();
+    let e = unsafe { dev.step(&emulated::each_on(&[emulated::dev(EMULATED); 3], &g)) }.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     let e = e.to_string();
     assert!(e.contains("`grads`: gradient of p1: pointer"), "{e}");
@@ -178,13 +180,13 @@ fn offloaded_gradients_are_looked_up_once_per_allocation() {
         .map(|i| encode(DT, &values(SIZES[i], i as u64 + 5)))
         .collect();
     let (mut hm, mut om) = (mem.clone(), mem);
-    let (mut host, mut off) = (build(&mut hm, -1), build(&mut om, -1));
+    let (mut host, mut off) = (build(&mut hm, Device::Host), build(&mut om, Device::Host));
     let at = [0, 512, 1024];
     for s in 1..4 {
         let g = seg.grads(&at, s);
         unsafe { host.step(&g) }.unwrap();
         let q = emulated::pointer_queries_on_this_thread();
-        unsafe { off.step_on(&g, &[EMULATED; 3]) }.unwrap();
+        unsafe { off.step(&emulated::each_on(&[emulated::dev(EMULATED); 3], &g)) }.unwrap();
         let q = emulated::pointer_queries_on_this_thread() - q;
         emulated::synchronize_all();
         assert_eq!(q, if s == 1 { 3 } else { 0 }, "step {s}");

@@ -19,10 +19,16 @@ pub(crate) mod staging;
 
 pub use device_state::DeviceState;
 
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// A device copy of a host parameter, rewritten after every step of the parameter.
 pub struct Mirror {
-    pub tensor: HostTensor,
-    pub device: i32,
+    pub tensor: TensorView,
+}
+
+impl Mirror {
+    /// The CUDA device the copy is on.
+    pub fn device(&self) -> Device {
+        self.tensor.device()
+    }
 }

@@ -26,7 +26,7 @@ use crate::optim::math::rule::Rule;
 use crate::optim::optimizer::Optimizer;
 use crate::optim::step::begin_param_step;
 use crate::optim::threads;
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// Elements `lo..hi` of parameter `i`: one slot's worth of its gradient and of its mirror.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -58,7 +58,7 @@ struct Addr(usize);
 
 impl Optimizer {
     /// The pieces of the offloaded parameters in `which` (all with gradients and state).
-    fn pieces(&self, grads: &[Option<HostTensor>], which: &[usize]) -> Vec<Piece> {
+    fn pieces(&self, grads: &[Option<TensorView>], which: &[usize]) -> Vec<Piece> {
         let mut out = Vec::new();
         for &i in which {
             let p = &self.params[i];
@@ -78,11 +78,11 @@ impl Optimizer {
     /// `device`'s lanes, writing their mirrors on the way (see the module doc).
     ///
     /// # Safety
-    /// As `step_on`: the gradients are device memory of `device`, mirrors valid.
+    /// As `step`: the gradients are device memory of `device`, mirrors valid.
     pub(super) unsafe fn step_pipelined(
         &mut self,
-        grads: &[Option<HostTensor>],
-        device: i32,
+        grads: &[Option<TensorView>],
+        device: Device,
         which: &[usize],
     ) -> Result<()> {
         let pieces = self.pieces(grads, which);
@@ -181,14 +181,14 @@ impl Optimizer {
         &self,
         which: impl IntoIterator<Item = usize>,
     ) -> Result<()> {
-        let mut by_device: Vec<(i32, Vec<usize>)> = Vec::new();
+        let mut by_device: Vec<(Device, Vec<usize>)> = Vec::new();
         for i in which {
             let Some(m) = &self.params[i].mirror else {
                 continue;
             };
-            match by_device.iter_mut().find(|(d, _)| *d == m.device) {
+            match by_device.iter_mut().find(|(d, _)| *d == m.device()) {
                 Some((_, v)) => v.push(i),
-                None => by_device.push((m.device, vec![i])),
+                None => by_device.push((m.device(), vec![i])),
             }
         }
         if by_device.is_empty() {

@@ -11,8 +11,8 @@ use crate::device::ring::RING_BYTES;
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 /// (config, param dtype, grad dtype): every kind of job the pipeline cuts.
@@ -67,7 +67,16 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
         // Mirrors of all but the last parameter (a piece without an up copy).
         let mut mirrors: Vec<Vec<u8>> = oa[..3].iter().map(|p| vec![0xAB; p.len()]).collect();
         for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe { off.set_mirror(i, Some((view(m, pdt, SIZES[i]), EMULATED))) }.unwrap();
+            unsafe {
+                off.set_mirror(
+                    i,
+                    Some(emulated::on(
+                        emulated::dev(EMULATED),
+                        &view(m, pdt, SIZES[i]),
+                    )),
+                )
+            }
+            .unwrap();
         }
         emulated::synchronize_all();
         let mut before: Vec<u64> = Vec::new();
@@ -92,18 +101,18 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
             before.push(seen);
             let prev = oa[0].clone();
             let mut hg = gvals.clone();
-            let hv: Vec<Option<HostTensor>> = hg
+            let hv: Vec<Option<TensorView>> = hg
                 .iter_mut()
                 .enumerate()
                 .map(|(i, v)| Some(view(v, gdt, SIZES[i])))
                 .collect();
-            let ov: Vec<Option<HostTensor>> = g
+            let ov: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, v)| Some(view(v, gdt, SIZES[i])))
                 .collect();
             unsafe { host.step(&hv) }.unwrap();
-            unsafe { off.step_on(&ov, &[EMULATED; 4]) }.unwrap();
+            unsafe { off.step(&emulated::each_on(&[emulated::dev(EMULATED); 4], &ov)) }.unwrap();
             // What comes after on the optimizer's stream sees the new mirrors.
             let mut after = vec![0u8; mirrors[2].len()];
             unsafe {
@@ -176,7 +185,16 @@ fn mirror_writes_go_up_the_lane_in_the_optimizers_stream_order() {
     unsafe { opt.add_param("w", view(&mut pa, DType::F32, n), None, 0) }.unwrap();
     opt.set_stream(stream).unwrap();
     let mut mirror = vec![0u8; pa.len()];
-    unsafe { opt.set_mirror(0, Some((view(&mut mirror, DType::F32, n), EMULATED))) }.unwrap();
+    unsafe {
+        opt.set_mirror(
+            0,
+            Some(emulated::on(
+                emulated::dev(EMULATED),
+                &view(&mut mirror, DType::F32, n),
+            )),
+        )
+    }
+    .unwrap();
     emulated::synchronize_all();
     for s in 0..3u64 {
         let prev = pa.clone();

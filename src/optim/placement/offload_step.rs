@@ -1,4 +1,4 @@
-//! The offload case of `Optimizer::step_on`: host parameters (optimizer state and master
+//! The offload case of `Optimizer::step`: host parameters (optimizer state and master
 //! weights in host memory) whose gradients live on a GPU, and whose updated values the
 //! model wants back on the GPU (a device *mirror*, `set_mirror`), as Megatron's
 //! `HybridDeviceOptimizer` and FSDP2's `CPUOffloadPolicy` place them. The step itself is
@@ -9,7 +9,7 @@ use super::Mirror;
 use crate::device::open::{backend, write_tensor};
 use crate::error::{Error, Result};
 use crate::optim::optimizer::Optimizer;
-use crate::tensor::HostTensor;
+use crate::tensor::{Device, TensorView};
 
 /// One offloaded gradient: where it is on the device, and its size.
 #[derive(Clone, Copy)]
@@ -20,35 +20,38 @@ struct Download {
 }
 
 impl Optimizer {
-    /// Makes `mirror` (device memory of `device`, the dtype and shape of host parameter
+    /// Makes `mirror` (memory of a CUDA device, the dtype and shape of host parameter
     /// `i`) a device copy of parameter `i`: written now and after every step or state
     /// write that changes the parameter. `None` removes it.
     ///
     /// # Safety
-    /// `mirror` must be device memory of `device`, valid for writes until it is replaced
-    /// or the optimizer is dropped.
-    pub unsafe fn set_mirror(&mut self, i: usize, mirror: Option<(HostTensor, i32)>) -> Result<()> {
+    /// `mirror` must be memory of its device, valid for writes until it is replaced or
+    /// the optimizer is dropped.
+    pub unsafe fn set_mirror(&mut self, i: usize, mirror: Option<TensorView>) -> Result<()> {
         self.check_index(i)?;
         let p = &self.params[i];
-        let Some((t, device)) = mirror else {
+        let Some(t) = mirror else {
             self.params[i].mirror = None;
             return Ok(());
         };
-        if p.device >= 0 {
+        let device = t.device();
+        if p.device().is_cuda() {
             return Err(Error::invalid(
                 "mirror",
                 format!(
                     "parameter {} is on CUDA device {} already; a mirror copies a host parameter",
-                    p.fqn, p.device
+                    p.fqn,
+                    p.device().to_c()
                 ),
             ));
         }
-        if device < 0 {
+        if device.is_host() {
             return Err(Error::invalid(
                 "mirror.device",
                 format!(
-                    "parameter {}: a mirror is device memory (device >= 0), got {device}",
-                    p.fqn
+                    "parameter {}: a mirror is device memory (device >= 0), got {}",
+                    p.fqn,
+                    device.to_c()
                 ),
             ));
         }
@@ -79,9 +82,9 @@ impl Optimizer {
             noun: "mirror",
             by_arg: false,
         };
-        crate::device::check::check_tensor(&t, device, &a)?;
+        crate::device::check::check_tensor(&t, &a)?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
-        let old = self.params[i].mirror.replace(Mirror { tensor: t, device });
+        let old = self.params[i].mirror.replace(Mirror { tensor: t });
         self.refresh_mirror(i)
             .inspect_err(|_| self.params[i].mirror = old)
     }
@@ -94,28 +97,26 @@ impl Optimizer {
         // `set_mirror` and is the caller's to keep valid.
         unsafe {
             let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
-            write_tensor(&m.tensor, m.device, bytes, self.stream())
+            write_tensor(&m.tensor, bytes, self.stream())
         }
     }
 
     /// The host parameters whose gradients are given on a device (the offload case),
     /// with those devices, in parameter order.
-    pub(in crate::optim) fn offloaded(
-        &self,
-        grads: &[Option<HostTensor>],
-        devices: &[i32],
-    ) -> Vec<(usize, i32)> {
-        (0..grads.len())
-            .filter(|&i| grads[i].is_some() && self.params[i].device < 0 && devices[i] >= 0)
-            .map(|i| (i, devices[i]))
+    pub(in crate::optim) fn offloaded(&self, grads: &[Option<TensorView>]) -> Vec<(usize, Device)> {
+        grads
+            .iter()
+            .enumerate()
+            .filter_map(|(i, g)| Some((i, g.as_ref()?.device())))
+            .filter(|&(i, d)| self.params[i].device().is_host() && d.is_cuda())
             .collect()
     }
 
     fn downloads(
         &self,
-        grads: &[Option<HostTensor>],
-        which: &[(usize, i32)],
-    ) -> Vec<(Download, i32)> {
+        grads: &[Option<TensorView>],
+        which: &[(usize, Device)],
+    ) -> Vec<(Download, Device)> {
         which
             .iter()
             .filter_map(|&(i, dev)| {
@@ -133,11 +134,11 @@ impl Optimizer {
     /// Brings every offloaded gradient down now (before `check_numerics` reads them).
     ///
     /// # Safety
-    /// As `step_on`.
+    /// As `step`.
     pub(in crate::optim) unsafe fn download_all(
         &self,
-        grads: &[Option<HostTensor>],
-        which: &[(usize, i32)],
+        grads: &[Option<TensorView>],
+        which: &[(usize, Device)],
     ) -> Result<Vec<(usize, Vec<u8>)>> {
         let mut out = Vec::new();
         for (d, dev) in self.downloads(grads, which) {
@@ -149,13 +150,13 @@ impl Optimizer {
     /// The pipelined offload step (`offload_pipe`), one device at a time.
     ///
     /// # Safety
-    /// As `step_on`; the parameters in `which` have state.
+    /// As `step`; the parameters in `which` have state.
     pub(in crate::optim) unsafe fn step_offloaded(
         &mut self,
-        grads: &[Option<HostTensor>],
-        which: &[(usize, i32)],
+        grads: &[Option<TensorView>],
+        which: &[(usize, Device)],
     ) -> Result<()> {
-        let mut devices: Vec<i32> = which.iter().map(|&(_, d)| d).collect();
+        let mut devices: Vec<Device> = which.iter().map(|&(_, d)| d).collect();
         devices.sort_unstable();
         devices.dedup();
         for d in devices {
@@ -174,7 +175,7 @@ impl Optimizer {
 pub(crate) unsafe fn download(
     src: u64,
     bytes: usize,
-    device: i32,
+    device: Device,
     stream: usize,
 ) -> Result<Vec<u8>> {
     copy_down(Download { i: 0, src, bytes }, device, stream)
@@ -182,7 +183,7 @@ pub(crate) unsafe fn download(
 
 /// One gradient's bytes, brought down through the device's pinned ring after the work
 /// queued on `stream`.
-unsafe fn copy_down(d: Download, device: i32, stream: usize) -> Result<Vec<u8>> {
+unsafe fn copy_down(d: Download, device: Device, stream: usize) -> Result<Vec<u8>> {
     let mut out = crate::tensor::try_zeroed(d.bytes, "an offloaded gradient's host copy")?;
     if d.bytes > 0 {
         let b = backend(device)?;

@@ -1,14 +1,14 @@
 //! The offload case on the emulated device (`device::emulated`): host parameters stepped
 //! from gradients given on the device, mirrored back to device copies, give the bits of
 //! an all-host step; mirrors follow every change; refusals change nothing.
-use crate::device::emulated::{self, encode, values, EMULATED};
+use crate::device::emulated::{self, dev, each_on, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Device, Tensor, TensorView};
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 const SIZES: [usize; 3] = [100, 0, 67];
@@ -68,20 +68,21 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         // Device copies of the params, stale until set_mirror writes them.
         let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
         for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe { off.set_mirror(i, Some((view(m, DT, SIZES[i]), EMULATED))) }.unwrap();
+            unsafe { off.set_mirror(i, Some(emulated::on(dev(EMULATED), &view(m, DT, SIZES[i])))) }
+                .unwrap();
         }
         emulated::synchronize_all();
         assert_eq!(mirrors, oa, "set_mirror writes the param");
         for s in 0..3 {
             let mut g = grads(s);
             let mut skip1 = |i: usize| s == 1 && i == 2;
-            let v: Vec<Option<HostTensor>> = g
+            let v: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, b)| (!skip1(i)).then(|| view(b, DT, SIZES[i])))
                 .collect();
             unsafe { host.step(&v) }.unwrap();
-            unsafe { off.step_on(&v, &[EMULATED; 3]) }.unwrap();
+            unsafe { off.step(&each_on(&[dev(EMULATED); 3], &v)) }.unwrap();
             emulated::synchronize_all();
             assert_eq!(ha, oa, "step {s}, check_numerics {numerics}");
             assert_eq!(mirrors, oa, "step {s}: mirrors follow");
@@ -107,12 +108,13 @@ fn a_non_finite_offloaded_gradient_is_caught_before_anything_changes() {
     let mut off = build(&cfg(true), &mut oa);
     let mut g = grads(0);
     g[2][10..12].copy_from_slice(&0x7fc0u16.to_le_bytes());
-    let v: Vec<Option<HostTensor>> = g
+    let v: Vec<Option<TensorView>> = g
         .iter_mut()
         .enumerate()
         .map(|(i, b)| Some(view(b, DT, SIZES[i])))
         .collect();
-    let e = unsafe { off.step_on(&v, &[-1, EMULATED, EMULATED]) }.unwrap_err();
+    let e = unsafe { off.step(&each_on(&[Device::Host, dev(EMULATED), dev(EMULATED)], &v)) }
+        .unwrap_err();
     assert!(
         e.to_string()
             .contains("gradient of p2 holds a non-finite value at flat index 5"),
@@ -134,10 +136,17 @@ fn mirrors_are_checked_before_they_are_kept() {
     let e = unsafe {
         opt.set_mirror(
             0,
-            Some((
-                HostTensor::new(wrong.as_mut_ptr(), DType::F32, &[100], None, "m").unwrap(),
-                EMULATED,
-            )),
+            Some(
+                TensorView::on(
+                    dev(EMULATED),
+                    wrong.as_mut_ptr(),
+                    DType::F32,
+                    &[100],
+                    None,
+                    "m",
+                )
+                .unwrap(),
+            ),
         )
     }
     .unwrap_err();
@@ -149,7 +158,7 @@ fn mirrors_are_checked_before_they_are_kept() {
         "{e}"
     );
     let mut m = vec![0u8; SIZES[0] * 2];
-    let e = unsafe { opt.set_mirror(0, Some((view(&mut m, DT, SIZES[0]), -1))) }
+    let e = unsafe { opt.set_mirror(0, Some(view(&mut m, DT, SIZES[0]))) }
         .unwrap_err()
         .to_string();
     assert!(
@@ -158,12 +167,18 @@ fn mirrors_are_checked_before_they_are_kept() {
     );
     assert!(unsafe { opt.set_mirror(7, None) }.is_err());
     assert!(m.iter().all(|&b| b == 0), "nothing was written");
-    unsafe { opt.set_mirror(0, Some((view(&mut m, DT, SIZES[0]), EMULATED))) }.unwrap();
+    unsafe {
+        opt.set_mirror(
+            0,
+            Some(emulated::on(dev(EMULATED), &view(&mut m, DT, SIZES[0]))),
+        )
+    }
+    .unwrap();
     unsafe { opt.set_mirror(0, None) }.unwrap();
     emulated::synchronize_all();
     m.fill(0);
     let mut g = grads(0);
-    let v: Vec<Option<HostTensor>> = g
+    let v: Vec<Option<TensorView>> = g
         .iter_mut()
         .enumerate()
         .map(|(i, b)| Some(view(b, DT, SIZES[i])))
@@ -203,13 +218,13 @@ fn offloaded_gradients_larger_than_the_pinned_ring_give_the_host_steps_bits() {
                 .iter()
                 .map(|&n| encode(DT, &values(n, 50 + s)))
                 .collect();
-            let v: Vec<Option<HostTensor>> = g
+            let v: Vec<Option<TensorView>> = g
                 .iter_mut()
                 .enumerate()
                 .map(|(i, b)| Some(view(b, DT, sizes[i])))
                 .collect();
             unsafe { host.step(&v) }.unwrap();
-            unsafe { off.step_on(&v, &[EMULATED; 2]) }.unwrap();
+            unsafe { off.step(&each_on(&[dev(EMULATED); 2], &v)) }.unwrap();
             emulated::synchronize_all();
             assert!(ha == oa, "step {s}, check_numerics {numerics}");
         }

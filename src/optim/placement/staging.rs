@@ -45,7 +45,7 @@ impl Optimizer {
     /// before its first step.
     pub(crate) fn staged_state(&self, i: usize) -> Result<Option<Cow<'_, ParamState>>> {
         let p = &self.params[i];
-        if p.device < 0 {
+        if p.device().is_host() {
             return Ok(p.state.as_ref().map(Cow::Borrowed));
         }
         match &p.gpu {
@@ -70,7 +70,7 @@ impl Optimizer {
         let p = &self.params[i];
         // SAFETY: registered params stay valid for the optimizer's lifetime, on their
         // device; the optimizer's stream is one of that device.
-        let data = unsafe { read_tensor(&p.tensor, p.device, self.stream())? };
+        let data = unsafe { read_tensor(&p.tensor, self.stream())? };
         Ok(Tensor {
             dtype: p.tensor.dtype(),
             shape: p.tensor.shape().to_vec(),
@@ -84,7 +84,7 @@ impl Optimizer {
         self.before_write(i)?;
         let p = &self.params[i];
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-        unsafe { write_tensor(&p.tensor, p.device, bytes, self.stream())? };
+        unsafe { write_tensor(&p.tensor, bytes, self.stream())? };
         self.refresh_mirror(i)
     }
 
@@ -96,7 +96,7 @@ impl Optimizer {
         let stream = self.stream();
         let layout = StateLayout::of(self.param_config(i), self.params[i].tensor.dtype());
         let p = &mut self.params[i];
-        if p.device < 0 {
+        if p.device().is_host() {
             ParamState::replace_in(&mut p.state, Some(st));
             return Ok(());
         }
@@ -105,7 +105,7 @@ impl Optimizer {
         unsafe {
             let mut g = match p.gpu.take() {
                 Some(g) => g,
-                None => DeviceState::zeroed(p.device, layout, numel, stream)?,
+                None => DeviceState::zeroed(p.device(), layout, numel, stream)?,
             };
             let r = g.upload(st, stream);
             p.gpu = Some(g);

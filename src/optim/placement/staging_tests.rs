@@ -11,14 +11,14 @@ use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{Device, Tensor, TensorView};
 
 /// The emulated device's live-allocation count is per process: tests reading it take
 /// turns.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn view(b: &mut [u8], dt: DType, n: usize) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
+fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
 }
 
 /// Sizes with a partial quantization group and an empty shard.
@@ -26,13 +26,17 @@ const SIZES: [usize; 4] = [100, 33, 0, 70];
 
 /// One optimizer over `mem` (one buffer per param, group 1 for the last one), every
 /// param on `device` but param 0, which stays in host memory.
-fn build(cfgs: &[OptimConfig; 2], dt: DType, mem: &mut [Vec<u8>], device: i32) -> Optimizer {
+fn build(cfgs: &[OptimConfig; 2], dt: DType, mem: &mut [Vec<u8>], device: Device) -> Optimizer {
     let mut opt = Optimizer::new(cfgs[0].clone()).unwrap();
     opt.add_param_group(cfgs[1].clone()).unwrap();
     for (i, b) in mem.iter_mut().enumerate() {
         let n = SIZES[i];
-        let (dev, group) = (if i == 0 { -1 } else { device }, usize::from(i == 3));
-        unsafe { opt.add_param_on(&format!("p{i}"), view(b, dt, n), None, group, dev) }.unwrap();
+        let (dev, group) = (
+            if i == 0 { Device::Host } else { device },
+            usize::from(i == 3),
+        );
+        let v = emulated::on(dev, &view(b, dt, n));
+        unsafe { opt.add_param(&format!("p{i}"), v, None, group) }.unwrap();
     }
     opt
 }
@@ -44,19 +48,19 @@ fn params(dt: DType) -> Vec<Vec<u8>> {
 }
 
 /// Steps `opt` with gradients seeded by `s` (skipping param 1 on odd steps).
-fn step(opt: &mut Optimizer, dt: DType, s: u64, device: i32) {
+fn step(opt: &mut Optimizer, dt: DType, s: u64, device: Device) {
     let mut grads: Vec<Vec<u8>> = (0..SIZES.len())
         .map(|i| encode(dt, &values(SIZES[i], 100 + 10 * s + i as u64)))
         .collect();
-    let views: Vec<Option<HostTensor>> = grads
+    let views: Vec<Option<TensorView>> = grads
         .iter_mut()
         .enumerate()
-        .map(|(i, g)| (s.is_multiple_of(2) || i != 1).then(|| view(g, dt, SIZES[i])))
+        .map(|(i, g)| {
+            let on = if i == 0 { Device::Host } else { device };
+            (s.is_multiple_of(2) || i != 1).then(|| emulated::on(on, &view(g, dt, SIZES[i])))
+        })
         .collect();
-    let devices: Vec<i32> = (0..SIZES.len())
-        .map(|i| if i == 0 { -1 } else { device })
-        .collect();
-    unsafe { opt.step_on(&views, &devices) }.unwrap();
+    unsafe { opt.step(&views) }.unwrap();
     // The gradients must stay valid until the device's kernels have run (the step only
     // queues them): wait before they are dropped.
     emulated::synchronize_all();
@@ -114,11 +118,11 @@ fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
     let live = emulated::device().unwrap().live_allocations();
     for (cfgs, dt) in configs() {
         let (mut ha, mut da) = (params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, -1);
-        let mut dev = build(&cfgs, dt, &mut da, EMULATED);
+        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
+        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
         for s in 0..3 {
-            step(&mut host, dt, s, -1);
-            step(&mut dev, dt, s, EMULATED);
+            step(&mut host, dt, s, Device::Host);
+            step(&mut dev, dt, s, emulated::dev(EMULATED));
         }
         // The device's work is queued, not done: wait before reading its memory.
         emulated::synchronize_all();
@@ -153,16 +157,16 @@ fn device_state_is_written_by_key_as_host_state_is() {
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     for (cfgs, dt) in configs() {
         let (mut ha, mut da, mut src) = (params(dt), params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, -1);
-        let mut dev = build(&cfgs, dt, &mut da, EMULATED);
+        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
+        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
         // A third optimizer's state, written into both by key (param 3's creates state
         // on the device; param 1's replaces it after a step).
-        let mut from = build(&cfgs, dt, &mut src, -1);
+        let mut from = build(&cfgs, dt, &mut src, Device::Host);
         for s in 0..2 {
-            step(&mut from, dt, s + 7, -1);
+            step(&mut from, dt, s + 7, Device::Host);
         }
-        step(&mut host, dt, 0, -1);
-        step(&mut dev, dt, 0, EMULATED);
+        step(&mut host, dt, 0, Device::Host);
+        step(&mut dev, dt, 0, emulated::dev(EMULATED));
         for i in [1, 3] {
             let entries: Vec<(String, Tensor)> = from
                 .keys_of(i)
@@ -191,8 +195,8 @@ fn device_state_is_written_by_key_as_host_state_is() {
         assert!(e.to_string().contains("key master of parameter p1"), "{e}");
         assert_eq!(format!("{:?}", everything(&dev)), before);
         for s in 1..3 {
-            step(&mut host, dt, s, -1);
-            step(&mut dev, dt, s, EMULATED);
+            step(&mut host, dt, s, Device::Host);
+            step(&mut dev, dt, s, emulated::dev(EMULATED));
         }
         // The device's work is queued, not done: wait before reading its memory.
         emulated::synchronize_all();
@@ -228,11 +232,11 @@ fn a_checkpoint_of_device_state_is_the_host_checkpoint_and_loads_back_onto_the_d
     let root = std::env::temp_dir().join(format!("fo-staging-{}", std::process::id()));
     for (c, (cfgs, dt)) in configs().into_iter().enumerate() {
         let (mut ha, mut da) = (params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, -1);
-        let mut dev = build(&cfgs, dt, &mut da, EMULATED);
+        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
+        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
         for s in 0..2 {
-            step(&mut host, dt, s, -1);
-            step(&mut dev, dt, s, EMULATED);
+            step(&mut host, dt, s, Device::Host);
+            step(&mut dev, dt, s, emulated::dev(EMULATED));
         }
         for mode in [Mode::Compressed, Mode::Portable] {
             let mut o = SaveOptions::new(0, 1, mode);
@@ -262,15 +266,15 @@ fn a_checkpoint_of_device_state_is_the_host_checkpoint_and_loads_back_onto_the_d
         }
         // The host checkpoint restores a fresh device optimizer: it then steps as the host.
         let mut fresh = params(dt);
-        let mut back = build(&cfgs, dt, &mut fresh, EMULATED);
+        let mut back = build(&cfgs, dt, &mut fresh, emulated::dev(EMULATED));
         let dir = root.join(format!("{c}-Compressed-host"));
         let lo = LoadOptions {
             params: true,
             ..LoadOptions::default()
         };
         load(&mut back, &dir, &lo).unwrap();
-        step(&mut host, dt, 5, -1);
-        step(&mut back, dt, 5, EMULATED);
+        step(&mut host, dt, 5, Device::Host);
+        step(&mut back, dt, 5, emulated::dev(EMULATED));
         assert_eq!(ha, fresh, "{:?} {dt}", cfgs[0].algorithm);
         // The empty shard (p2) saves nothing, so its step counter is not restored: as
         // for host parameters.

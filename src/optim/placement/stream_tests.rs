@@ -8,8 +8,8 @@ use crate::optim::math::config::{Algorithm, OptimConfig};
 
 const N: usize = 300;
 
-fn view(b: &mut [u8]) -> HostTensor {
-    unsafe { HostTensor::new(b.as_mut_ptr(), DType::F32, &[N as i64], None, "t").unwrap() }
+fn view(b: &mut [u8]) -> TensorView {
+    unsafe { TensorView::host(b.as_mut_ptr(), DType::F32, &[N as i64], None, "t").unwrap() }
 }
 
 fn adamw() -> Optimizer {
@@ -33,8 +33,20 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     // Parameters on two devices, then a stream of the first: refused, naming the second.
     let mut opt = adamw();
     unsafe {
-        opt.add_param_on("p0", view(&mut a), None, 0, d0).unwrap();
-        opt.add_param_on("p1", view(&mut b), None, 0, d1).unwrap();
+        opt.add_param(
+            "p0",
+            emulated::on(emulated::dev(d0), &view(&mut a)),
+            None,
+            0,
+        )
+        .unwrap();
+        opt.add_param(
+            "p1",
+            emulated::on(emulated::dev(d1), &view(&mut b)),
+            None,
+            0,
+        )
+        .unwrap();
     }
     let e = opt.set_stream(s0).unwrap_err().to_string();
     assert!(
@@ -48,26 +60,52 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
         encode(DType::F32, &values(N, 3)),
         encode(DType::F32, &values(N, 4)),
     );
-    unsafe { opt.step_on(&[Some(view(&mut g0)), Some(view(&mut g1))], &[d0, d1]) }.unwrap();
+    unsafe {
+        opt.step(&emulated::each_on(
+            &[emulated::dev(d0), emulated::dev(d1)],
+            &[Some(view(&mut g0)), Some(view(&mut g1))],
+        ))
+    }
+    .unwrap();
     emulated::synchronize_all();
     assert!(a != before.0 && b != before.1, "both devices stepped");
 
     // A stream first, then a parameter on another device: refused at registration.
     let mut opt = adamw();
     let (mut c, mut d) = (before.0.clone(), before.1.clone());
-    unsafe { opt.add_param_on("p0", view(&mut c), None, 0, d0) }.unwrap();
+    unsafe {
+        opt.add_param(
+            "p0",
+            emulated::on(emulated::dev(d0), &view(&mut c)),
+            None,
+            0,
+        )
+    }
+    .unwrap();
     opt.set_stream(s0).unwrap();
-    let e = unsafe { opt.add_param_on("p1", view(&mut d), None, 0, d1) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        opt.add_param(
+            "p1",
+            emulated::on(emulated::dev(d1), &view(&mut d)),
+            None,
+            0,
+        )
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("parameter p1 is on CUDA device 78"), "{e}");
     assert_eq!(opt.params.len(), 1, "p1 was not registered");
     // An offloaded gradient on the other device: refused before anything changes.
     let mut h = before.0.clone();
     unsafe { opt.add_param("h", view(&mut h), None, 0) }.unwrap();
-    let e = unsafe { opt.step_on(&[Some(view(&mut g0)), Some(view(&mut g1))], &[d0, d1]) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        opt.step(&emulated::each_on(
+            &[emulated::dev(d0), emulated::dev(d1)],
+            &[Some(view(&mut g0)), Some(view(&mut g1))],
+        ))
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("the gradient of h is on CUDA device 78"), "{e}");
     emulated::synchronize_all();
     assert_eq!((&c, &h), (&before.0, &before.0), "nothing stepped");
@@ -90,8 +128,13 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
     let mut opt = adamw();
     unsafe {
         host.add_param("p", view(&mut hp), None, 0).unwrap();
-        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
-            .unwrap();
+        opt.add_param(
+            "p",
+            emulated::on(emulated::dev(EMULATED), &view(&mut dp)),
+            None,
+            0,
+        )
+        .unwrap();
     }
     let mut grads: Vec<Vec<u8>> = (0..3)
         .map(|s| encode(DType::F32, &values(N, 10 + s)))
@@ -105,7 +148,7 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
         }
         let g = Some(view(&mut grads[s]));
         unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
-        unsafe { opt.step_on(&[g], &[EMULATED]) }.unwrap();
+        unsafe { opt.step(&emulated::each_on(&[emulated::dev(EMULATED)], &[g])) }.unwrap();
     }
     emulated::synchronize_all();
     assert_eq!(dp, hp, "the three steps ran in order");
@@ -123,20 +166,25 @@ fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_ru
     let (mut host, mut opt) = (adamw(), adamw());
     unsafe {
         host.add_param("p", view(&mut hp), None, 0).unwrap();
-        opt.add_param_on("p", view(&mut dp), None, 0, EMULATED)
-            .unwrap();
+        opt.add_param(
+            "p",
+            emulated::on(emulated::dev(EMULATED), &view(&mut dp)),
+            None,
+            0,
+        )
+        .unwrap();
     }
     opt.set_stream(stream).unwrap();
     let mut grads: Vec<Vec<u8>> = (0..3)
         .map(|s| encode(DType::F32, &values(N, 20 + s)))
         .collect();
     for g in grads.iter_mut() {
-        // The stream is busy: the table's copy runs after `step_on` returned, when its
+        // The stream is busy: the table's copy runs after `step` returned, when its
         // host buffer would be gone were it not the ring's pinned slot.
         dev.stall(stream, 20);
         let g = Some(view(g));
         unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
-        unsafe { opt.step_on(&[g], &[EMULATED]) }.unwrap();
+        unsafe { opt.step(&emulated::each_on(&[emulated::dev(EMULATED)], &[g])) }.unwrap();
     }
     // Panics, naming the copy, where a queued copy read pageable or freed host memory.
     emulated::synchronize_all();
@@ -156,19 +204,34 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     let foreign = unsafe { other.alloc_zeroed(N * 4, 0) }.unwrap();
     emulated::synchronize_all();
     let foreign_view = || {
-        unsafe { HostTensor::new(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
+        unsafe { TensorView::host(foreign as *mut u8, DType::F32, &[N as i64], None, "f") }.unwrap()
     };
     let mut host = encode(DType::F32, &values(N, 7));
     let _host_mark = emulated::mark_host(&host);
     let mut opt = adamw();
-    let e = unsafe { opt.add_param_on("h", view(&mut host), None, 0, d0) }.unwrap_err();
+    let e = unsafe {
+        opt.add_param(
+            "h",
+            emulated::on(emulated::dev(d0), &view(&mut host)),
+            None,
+            0,
+        )
+    }
+    .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     let e = e.to_string();
     assert!(e.contains("`param`: parameter h: pointer 0x"), "{e}");
     assert!(e.contains("is host memory, not device 77's"), "{e}");
-    let e = unsafe { opt.add_param_on("f", foreign_view(), None, 0, d0) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        opt.add_param(
+            "f",
+            emulated::on(emulated::dev(d0), &foreign_view()),
+            None,
+            0,
+        )
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("parameter f: pointer"), "{e}");
     assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
     assert_eq!(opt.params.len(), 0, "nothing was registered");
@@ -176,17 +239,27 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     // Gradients: host memory, another device's memory.
     let mut p = encode(DType::F32, &values(N, 8));
     let before = p.clone();
-    unsafe { opt.add_param_on("p", view(&mut p), None, 0, d0) }.unwrap();
+    unsafe { opt.add_param("p", emulated::on(emulated::dev(d0), &view(&mut p)), None, 0) }.unwrap();
     let mut g = encode(DType::F32, &values(N, 9));
     let _grad_mark = emulated::mark_host(&g);
-    let e = unsafe { opt.step_on(&[Some(view(&mut g))], &[d0]) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        opt.step(&emulated::each_on(
+            &[emulated::dev(d0)],
+            &[Some(view(&mut g))],
+        ))
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("`grads`: gradient of p: pointer"), "{e}");
     assert!(e.contains("is host memory, not device 77's"), "{e}");
-    let e = unsafe { opt.step_on(&[Some(foreign_view())], &[d0]) }
-        .unwrap_err()
-        .to_string();
+    let e = unsafe {
+        opt.step(&emulated::each_on(
+            &[emulated::dev(d0)],
+            &[Some(foreign_view())],
+        ))
+    }
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
 
     // A mirror in host memory.
@@ -194,7 +267,7 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     unsafe { opt.add_param("hp", view(&mut hp), None, 0) }.unwrap();
     let mut m = vec![0u8; N * 4];
     let _mirror_mark = emulated::mark_host(&m);
-    let e = unsafe { opt.set_mirror(1, Some((view(&mut m), d0))) }
+    let e = unsafe { opt.set_mirror(1, Some(emulated::on(emulated::dev(d0), &view(&mut m)))) }
         .unwrap_err()
         .to_string();
     assert!(

@@ -7,7 +7,7 @@ use fo::comm::{Comm, ReduceOp};
 use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::shard::{chunk_range, Placement, ShardSpec};
-use fo::{DType, HostTensor, Result};
+use fo::{DType, Result, TensorView};
 
 use super::mlp::{self, PARAMS};
 
@@ -173,12 +173,12 @@ impl Rank {
             return Ok((loss, norm, exposed));
         }
         let t = std::time::Instant::now();
-        let with_flags: Vec<(HostTensor, bool)> = views.iter().map(|v| (v.clone(), true)).collect();
+        let with_flags: Vec<(TensorView, bool)> = views.iter().map(|v| (v.clone(), true)).collect();
         // SAFETY: the views point into `shards`, alive and unaliased for these calls.
         let norm = unsafe {
             fo::clip::clip_grad_norm(&self.comm, &with_flags, setup.max_norm, 2.0, true)?
         };
-        let grads: Vec<Option<HostTensor>> = views.into_iter().map(Some).collect();
+        let grads: Vec<Option<TensorView>> = views.into_iter().map(Some).collect();
         unsafe { self.opt.step(&grads)? };
         Ok((loss, norm, t.elapsed().as_secs_f64()))
     }
@@ -186,7 +186,7 @@ impl Rank {
     /// The overlapped step: each layer's gradient handed over last layer first (the order
     /// backward makes them final), the clip norm combined at `step_end` through the comm.
     /// Returns (total norm, seconds from the last gradient handed over to step_end done).
-    fn overlapped(&mut self, setup: &Setup, views: &[HostTensor]) -> Result<(f64, f64)> {
+    fn overlapped(&mut self, setup: &Setup, views: &[TensorView]) -> Result<(f64, f64)> {
         let opts = OverlapOptions {
             max_norm: setup.max_norm,
             error_if_nonfinite: true,
@@ -198,7 +198,7 @@ impl Rank {
         unsafe {
             self.opt.step_begin(opts)?;
             for i in (0..views.len()).rev() {
-                self.opt.grads_ready(&[i], &views[i..i + 1], &[-1])?;
+                self.opt.grads_ready(&[i], &views[i..i + 1])?;
             }
             let t = std::time::Instant::now();
             self.opt.step_end(Some(&self.comm), &mut stats)?;
@@ -223,8 +223,8 @@ pub fn local_rows(full: &[f32], shape: &[usize], spec: &ShardSpec) -> Result<Vec
         .collect())
 }
 
-pub fn host_view(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<HostTensor> {
+pub fn host_view(ptr: *mut u8, dtype: DType, shape: &[usize]) -> Result<TensorView> {
     let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
     // SAFETY: callers pass a pointer to a live buffer of exactly `shape` elements.
-    unsafe { HostTensor::new(ptr, dtype, &shape, None, "demo tensor") }
+    unsafe { TensorView::host(ptr, dtype, &shape, None, "demo tensor") }
 }

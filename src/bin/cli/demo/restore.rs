@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use fo::broadcast::{broadcast_state_dict, BroadcastDest, BroadcastOptions};
 use fo::ckpt::naming::{self, CONSOLIDATED_FILE};
 use fo::ckpt::{self, Checkpoint, LoadOptions, Mode, ParamsAs, SaveOptions};
-use fo::{DType, HostTensor, Result, Tensor};
+use fo::{DType, Result, Tensor, TensorView};
 
 use super::mlp::PARAMS;
 use super::rank::{host_view, Rank};
@@ -106,7 +106,7 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
     } else {
         vec![]
     };
-    let full_views: Vec<(String, HostTensor)> = full
+    let full_views: Vec<(String, TensorView)> = full
         .iter()
         .map(|(k, t)| {
             Ok((
@@ -155,7 +155,6 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
                 key,
                 tensor,
                 spec: spec.clone(),
-                device: -1,
             });
         }
         let step = host_view(&mut b.step as *mut f32 as *mut u8, DType::F32, &[])?;
@@ -164,7 +163,6 @@ fn broadcast_restore(rank: &mut Rank, dir: &Path) -> Result<BroadcastReport> {
             key: naming::state_key(name, naming::STEP),
             tensor: step,
             spec: None,
-            device: -1,
         });
     }
     let full_bytes = {

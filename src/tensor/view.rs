@@ -1,157 +1,61 @@
-//! Tensors on the host: owned (`Tensor`: bytes, dtype, shape) and borrowed views over the
-//! caller's memory (`HostTensor`: pointer, strides), with the size checks both share.
+//! `TensorView`: a borrowed view of caller memory (pointer, dtype, shape, element
+//! strides) that knows which device's memory it is, so no signature has to carry the
+//! device beside it.
+use super::{checked_numel, contiguous_strides, try_with_capacity, Device, Tensor, MAX_DIMS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// Most dims a tensor or a mesh may have (`FO_MAX_DIMS` in C).
-pub const MAX_DIMS: usize = 8;
-
-/// Number of elements of a shape, or an error naming `what` on overflow.
-pub fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| {
-            Error::invalid(
-                what,
-                format!("shape {shape:?} has more elements than fit in memory"),
-            )
-        })
-}
-
-/// An empty vector with room for `n` elements, where `n` comes from a caller or a file:
-/// an allocation that fails is an error naming `what` (Rust's out-of-memory abort cannot
-/// be caught at the C boundary).
-pub fn try_with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| {
-        Error::invalid(
-            what,
-            format!(
-                "cannot allocate {n} elements of {} bytes",
-                std::mem::size_of::<T>()
-            ),
-        )
-    })?;
-    Ok(v)
-}
-
-/// `n` zero bytes, allocated as `try_with_capacity` does.
-pub fn try_zeroed(n: usize, what: &str) -> Result<Vec<u8>> {
-    let mut v = try_with_capacity(n, what)?;
-    v.resize(n, 0);
-    Ok(v)
-}
-
-/// Row-major (contiguous) strides of `shape`, in elements. A size-0 dim counts as 1,
-/// as torch reports it.
-pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1usize; shape.len()];
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        // Saturating: a shape whose strides overflow is refused wherever it is used
-        // (`checked_numel`); this never wraps to a small, wrong stride meanwhile.
-        strides[d] = strides[d + 1].saturating_mul(shape[d + 1].max(1));
-    }
-    strides
-}
-
-/// An owned, contiguous, row-major tensor (what fo allocates: loaded state, gathered
-/// slices, received broadcasts).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Tensor {
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub data: Vec<u8>,
-}
-
-impl Tensor {
-    pub fn new(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Result<Tensor> {
-        let numel = checked_numel(&shape, "shape")?;
-        if data.len() != numel * dtype.size() {
-            return Err(Error::Shape(format!(
-                "{} bytes given for a {dtype} tensor of shape {shape:?} ({} bytes expected)",
-                data.len(),
-                numel * dtype.size()
-            )));
-        }
-        Ok(Tensor { dtype, shape, data })
-    }
-
-    pub fn zeros(dtype: DType, shape: Vec<usize>) -> Tensor {
-        let n: usize = shape.iter().product();
-        Tensor {
-            dtype,
-            data: vec![0u8; n * dtype.size()],
-            shape,
-        }
-    }
-
-    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Tensor> {
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Tensor::new(DType::F32, shape, data)
-    }
-
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    pub fn nbytes(&self) -> usize {
-        self.data.len()
-    }
-
-    /// Values widened to f32 (floats only; f64 is narrowed).
-    pub fn to_f32(&self) -> Result<Vec<f32>> {
-        let b = &self.data;
-        Ok(match self.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            DType::F64 => b
-                .chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32)
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            DType::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            other => return Err(Error::Dtype(format!("cannot read {other} values as f32"))),
-        })
-    }
-}
-
-/// A view of caller-owned host memory: pointer, dtype, shape and element strides.
-/// fo never frees it; the caller keeps it alive while fo uses it.
+/// A view of caller-owned memory: pointer, dtype, shape, element strides and the device
+/// whose memory it is. fo never frees it; the caller keeps it alive while fo uses it.
+///
+/// The methods that touch the elements (`to_tensor`, `contiguous_bytes`, `write_bytes`,
+/// ...) read and write through the pointer on the host: for a view on a CUDA device only
+/// the device room's `read_tensor` / `write_tensor` move its bytes.
 #[derive(Clone, Debug)]
-pub struct HostTensor {
+pub struct TensorView {
     ptr: *mut u8,
     dtype: DType,
     shape: Vec<usize>,
     strides: Vec<usize>,
+    device: Device,
 }
 
-// SAFETY: a HostTensor is a borrowed pointer whose owner promised (at construction) that
+// SAFETY: a TensorView is a borrowed pointer whose owner promised (at construction) that
 // it stays valid; fo only ever touches disjoint tensors from different threads.
-unsafe impl Send for HostTensor {}
-unsafe impl Sync for HostTensor {}
+unsafe impl Send for TensorView {}
+unsafe impl Sync for TensorView {}
 
-impl HostTensor {
-    /// Validates and wraps caller memory. `what` names the argument in errors.
+impl TensorView {
+    /// Validates and wraps caller host memory. `what` names the argument in errors.
     ///
     /// # Safety
     /// `ptr` must be valid for reads (and writes, if written through) of every element
     /// addressed by `shape` and `strides`, for as long as the view is used.
-    pub unsafe fn new(
+    pub unsafe fn host(
         ptr: *mut u8,
         dtype: DType,
         shape: &[i64],
         strides: Option<&[i64]>,
         what: &str,
-    ) -> Result<HostTensor> {
+    ) -> Result<TensorView> {
+        TensorView::on(Device::Host, ptr, dtype, shape, strides, what)
+    }
+
+    /// Validates and wraps caller memory of `device`: shape, strides, NULL and alignment
+    /// are checked here, never the memory itself (a device's memory is checked by the
+    /// device room before anything is queued on it).
+    ///
+    /// # Safety
+    /// As `host`, with `ptr` memory of `device` (for a CUDA device, valid there and
+    /// never dereferenced on the host).
+    pub unsafe fn on(
+        device: Device,
+        ptr: *mut u8,
+        dtype: DType,
+        shape: &[i64],
+        strides: Option<&[i64]>,
+        what: &str,
+    ) -> Result<TensorView> {
         if shape.len() > MAX_DIMS {
             return Err(Error::invalid(
                 format!("{what}.ndim"),
@@ -230,12 +134,18 @@ impl HostTensor {
                 }
             }
         }
-        Ok(HostTensor {
+        Ok(TensorView {
             ptr,
             dtype,
             shape: ushape,
             strides: ustrides,
+            device,
         })
+    }
+
+    /// The device whose memory the view is.
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     pub fn dtype(&self) -> DType {
@@ -416,20 +326,14 @@ impl HostTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn contiguous_strides_count_empty_dims_as_one() {
-        assert_eq!(contiguous_strides(&[10, 7]), vec![7, 1]);
-        assert_eq!(contiguous_strides(&[3, 0, 4]), vec![4, 4, 1]);
-        assert_eq!(contiguous_strides(&[]), Vec::<usize>::new());
-    }
+    use crate::tensor::try_zeroed;
 
     #[test]
     fn strided_view_reads_and_writes_in_logical_order() {
         // A transposed 2x3 view of a row-major 3x2 buffer.
         let mut buf: Vec<f32> = vec![0., 1., 2., 3., 4., 5.];
         let v = unsafe {
-            HostTensor::new(
+            TensorView::host(
                 buf.as_mut_ptr() as *mut u8,
                 DType::F32,
                 &[2, 3],
@@ -454,14 +358,15 @@ mod tests {
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
         // A stride-0 view listing 2^59 f32 (2^61 bytes): valid to describe, impossible to copy.
-        let v =
-            unsafe { HostTensor::new(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }.unwrap();
+        let v = unsafe { TensorView::host(p, DType::F32, &[1 << 59], Some(&[0]), "values[0]") }
+            .unwrap();
         let e = unsafe { v.try_to_tensor("values[0]") }.unwrap_err();
         assert!(
             e.to_string().contains("values[0]") && e.to_string().contains("cannot allocate"),
             "{e}"
         );
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
+        let e =
+            unsafe { TensorView::host(p, DType::F32, &[1 << 62], Some(&[0]), "g") }.unwrap_err();
         assert!(e.to_string().contains("2^63-1 bytes"), "{e}");
         assert!(try_zeroed(usize::MAX / 2, "n").is_err());
         assert_eq!(try_zeroed(3, "n").unwrap(), vec![0, 0, 0]);
@@ -469,18 +374,18 @@ mod tests {
 
     #[test]
     fn rejects_null_negative_and_too_many_dims() {
-        let e = unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[2], None, "param") }
+        let e = unsafe { TensorView::host(std::ptr::null_mut(), DType::F32, &[2], None, "param") }
             .unwrap_err();
         assert!(e.to_string().contains("param.data"), "{e}");
         let mut x = 0f32;
         let p = &mut x as *mut f32 as *mut u8;
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1, -2], None, "grad") }.unwrap_err();
+        let e = unsafe { TensorView::host(p, DType::F32, &[1, -2], None, "grad") }.unwrap_err();
         assert!(e.to_string().contains("grad.shape[1]"), "{e}");
-        let e = unsafe { HostTensor::new(p, DType::F32, &[1; 9], None, "g") }.unwrap_err();
+        let e = unsafe { TensorView::host(p, DType::F32, &[1; 9], None, "g") }.unwrap_err();
         assert!(e.to_string().contains("at most 8"), "{e}");
         // An empty tensor may have a NULL pointer.
         assert!(
-            unsafe { HostTensor::new(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }
+            unsafe { TensorView::host(std::ptr::null_mut(), DType::F32, &[0, 4], None, "e") }
                 .is_ok()
         );
     }
