@@ -73,6 +73,11 @@ class State(Mapping):
     def is_live(self, p, key, t):
         return t.numel() > 0 and self.live.get((p, key)) == local(t).data_ptr()
 
+    def is_lent(self, t):
+        """Whether `t` is one of fo's live buffers, whichever state it is: a refresh must
+        never write into it (it may have been assigned as another parameter's state)."""
+        return t.numel() > 0 and local(t).data_ptr() in self.live.values()
+
     def forget_live(self):
         """fo's buffers were replaced (the optimizer was rebuilt): tensors lent before are
         plain copies from now on, refreshed and checked for edits like any other."""
@@ -89,7 +94,9 @@ class State(Mapping):
             for k in entries:  # a tensor still held from before a step keeps its identity
                 ref = self.watched.get((p, k))
                 t = ref[0]() if ref is not None else None
-                if t is not None and t.shape == entries[k].shape:
+                # (not another state's live buffer assigned here: it shows that state)
+                if t is not None and t.shape == entries[k].shape and (
+                        not self.is_lent(t) or self.is_live(p, k, t)):
                     entries[k] = t
         st = self.handed[p] = ParamState(entries)
         return st
@@ -148,6 +155,6 @@ class State(Mapping):
                 continue
             if p not in keys:
                 keys[p] = self._opt._export_keys(p) if self._opt._has_state(p) else ()
-            if k in keys[p] and not self.is_live(p, k, t):
+            if k in keys[p] and not self.is_lent(t):
                 self._opt._refresh(p, k, local(t))  # decoded straight into t, no copy in between
             self.watched[(p, k)] = (ref, _version(t))

@@ -111,3 +111,22 @@ def test_an_overlapped_step_rolled_back_leaves_live_state_as_it_was():
     for k, v in live.items():
         assert torch.equal(v, before[k]), k
         assert v.data_ptr() == moments(opt.state_dict())[k].data_ptr()
+
+
+def test_a_live_tensor_assigned_as_another_params_state_is_loaded_but_never_overwritten():
+    def run(share):
+        torch.manual_seed(0)
+        w1, w2 = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+        opt = fo.torch.AdamW([w1, w2], lr=1e-2, state_format="fp32")
+        for k in range(3):
+            w1.grad, w2.grad = torch.full((5,), 0.1 * k + 0.1), torch.full((5,), -0.2 * k - 0.1)
+            opt.step()
+            if k == 0:
+                mine = opt.state[w1]["exp_avg"]
+                # w1's live buffer as w2's state (torch would now share one tensor); fo
+                # loads its values into w2 and never writes w2's state back into it
+                opt.state[w2]["exp_avg"] = mine if share else mine.clone()
+        return [t.clone() for t in (w1, w2, opt.state[w1]["exp_avg"], opt.state[w2]["exp_avg"])]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
