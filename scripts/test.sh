@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how long the one before it took (where the ~15 minutes go).
+step() {
+  [ -n "${STEP_AT:-}" ] && printf '    (%s: %d s)\n' "$STEP_NAME" $((SECONDS - STEP_AT))
+  STEP_AT=$SECONDS STEP_NAME=$*
+  printf '\n==> %s\n' "$*"
+}
 
 step "system tools (cmake, g++, nlohmann-json, python3-venv)"
 missing=()
@@ -123,4 +128,4 @@ rm -rf "$fuzz_scratch"
 
 step "the README's main job: fo demo"
 cargo run --release --bin fo -- demo
-step "all tests passed"
+step "all tests passed (in $SECONDS s)"
