@@ -22,8 +22,8 @@
 //!   `open_step*`, `take_open_step` and `undo_spares_mut`; the others `refuse_if_step_open`.
 //! - `resident`: `device_step`'s, through `resident` / `resident_mut`.
 use super::math::config::OptimConfig;
-use super::overlap_open::OpenStep;
-use super::overlap_task::Saved;
+use super::overlap::open::OpenStep;
+use super::overlap::task::Saved;
 use super::placement::Mirror;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -34,7 +34,7 @@ use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
 use crate::tensor::{Device, TensorView};
 
-use super::save_hooks::SaveSlot;
+use super::state::save_hooks::SaveSlot;
 
 pub(super) struct Param {
     pub(super) fqn: String,
@@ -70,7 +70,7 @@ pub struct Optimizer {
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
     open: Option<Box<OpenStep>>,
     /// The undo records of the last overlapped step, by parameter, kept for the next one
-    /// to fill (`overlap_task::prepare`): an overlapped step then allocates nothing, and
+    /// to fill (`overlap::task::prepare`): an overlapped step then allocates nothing, and
     /// they never hold more than one step's undo high water.
     undo_spares: Vec<Option<Saved>>,
     /// What device steps keep from one step to the next: validated device memory and
@@ -168,7 +168,7 @@ impl Optimizer {
         &mut self.save
     }
 
-    /// The overlapped step in progress (`overlap` opens it, `overlap_end` closes it).
+    /// The overlapped step in progress (`overlap` opens it, `overlap::end` closes it).
     pub(super) fn open_step(&self) -> Option<&OpenStep> {
         self.open.as_deref()
     }
@@ -188,7 +188,7 @@ impl Optimizer {
         self.open.take()
     }
 
-    /// The undo records kept for the next overlapped step, by parameter (`overlap_end`
+    /// The undo records kept for the next overlapped step, by parameter (`overlap::end`
     /// keeps them, `overlap` hands them to its tasks).
     pub(super) fn undo_spares_mut(&mut self) -> &mut Vec<Option<Saved>> {
         &mut self.undo_spares

@@ -21,15 +21,20 @@
 //!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
 //!   handed-over parameter is stepped again by `step`: clip-then-step, bit for bit.
 //!
-//! The background work lives in `overlap_task`, the end of the step in `overlap_end`.
-use super::optimizer::{Optimizer, Param};
-use super::overlap_open::{no_step, Given, OpenStep};
-pub use super::overlap_open::{OverlapOptions, OverlapStats};
-use super::overlap_task::{self, Fetch, Inbox, Item};
-use super::threads;
+//! The background work lives in `task`, the end of the step in `end`, the open step's
+//! record and the caller's options in `open`.
+mod end;
+pub(super) mod open;
+pub(super) mod task;
+
 use crate::clip;
 use crate::error::{Error, Result};
+use crate::optim::optimizer::{Optimizer, Param};
+use crate::optim::threads;
 use crate::tensor::{Device, TensorView};
+use open::{no_step, Given, OpenStep};
+pub use open::{OverlapOptions, OverlapStats};
+use task::{Fetch, Inbox, Item};
 
 impl Optimizer {
     /// Whether an overlapped step is open.
@@ -213,7 +218,7 @@ impl Optimizer {
         // SAFETY: see `OpenStep`: each item's parameter is this task's alone until
         // step_end or drop waits for it; the gradients are the caller's to keep valid.
         open.pool.spawn(move || {
-            let dones = unsafe { overlap_task::run(items, clip_p) };
+            let dones = unsafe { task::run(items, clip_p) };
             delivery.dones.extend(dones);
         });
         Ok(())
@@ -288,17 +293,13 @@ fn clip_is_certain(o: &OverlapOptions, (largest, sum): (f64, f64)) -> bool {
 }
 
 #[cfg(test)]
-#[path = "overlap_tests.rs"]
-pub(super) mod tests;
+mod tests;
 
 #[cfg(test)]
-#[path = "overlap_clip_tests.rs"]
 mod clip_tests;
 
 #[cfg(test)]
-#[path = "overlap_defer_tests.rs"]
 mod defer_tests;
 
 #[cfg(test)]
-#[path = "overlap_offload_tests.rs"]
 mod offload_tests;

@@ -1,17 +1,17 @@
 //! Writing a parameter's state by key (`set_states`): portable, raw and FlashOptim keys
-//! checked as a whole, then quantized or split into place; reading is in `state_io`.
+//! checked as a whole, then quantized or split into place; reading is in `io`.
 use half::f16;
 
-use super::keys::{
-    split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
-};
-use super::optimizer::Optimizer;
-use super::state_io::{le_bytes, m_name, values};
+use super::io::{le_bytes, m_name, values};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::keys::{
+    split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
+};
 use crate::optim::math::master_split::{encode_one, Half};
 use crate::optim::math::quant8;
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+use crate::optim::optimizer::Optimizer;
 use crate::tensor::Tensor;
 
 impl Optimizer {

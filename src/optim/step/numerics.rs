@@ -8,14 +8,14 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::optimizer::{Optimizer, Param};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::CHUNK;
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::master_split::Half;
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::state::{Moment, ParamState};
+use crate::optim::optimizer::{Optimizer, Param};
 use crate::tensor::TensorView;
 
 fn non_finite_at(bytes: &[u8], dtype: DType) -> Option<usize> {
@@ -87,7 +87,7 @@ pub(super) unsafe fn check(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(super) unsafe fn check_param(
+pub(in crate::optim) unsafe fn check_param(
     p: &Param,
     cfg: &OptimConfig,
     b: &[u8],
@@ -129,7 +129,7 @@ pub(super) unsafe fn check_param(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(super) unsafe fn result_non_finite(p: &Param) -> Option<String> {
+pub(in crate::optim) unsafe fn result_non_finite(p: &Param) -> Option<String> {
     let b = p
         .tensor
         .contiguous_bytes()
@@ -147,7 +147,7 @@ pub(super) unsafe fn result_non_finite(p: &Param) -> Option<String> {
 }
 
 /// The message of a step that made `what` non-finite.
-pub(super) fn non_finite_result(what: &str) -> Error {
+pub(in crate::optim) fn non_finite_result(what: &str) -> Error {
     Error::Numerics(format!(
         "the step made {what} non-finite (check the hyper-parameters and the loss \
          scale); nothing was updated"

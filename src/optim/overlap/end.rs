@@ -4,14 +4,14 @@
 //! back and fail.
 use std::time::Instant;
 
-use super::optimizer::Optimizer;
-use super::overlap_open::OverlapOptions;
-use super::overlap_open::{no_step, Given, OpenStep, OverlapStats};
-use super::overlap_task::{Done, Saved};
+use super::open::OverlapOptions;
+use super::open::{no_step, Given, OpenStep, OverlapStats};
+use super::task::{Done, Saved};
 use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
 use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::Optimizer;
 use crate::tensor::TensorView;
 
 impl Optimizer {
@@ -140,7 +140,7 @@ impl Optimizer {
             return Err(e);
         }
         if let Some(what) = dones.iter().find_map(|d| d.bad_result.clone()) {
-            return Err(super::numerics::non_finite_result(&what));
+            return Err(crate::optim::step::numerics::non_finite_result(&what));
         }
         if open.stats.deferred > 0 {
             self.step_given(open, |g| !g.early)?;

@@ -7,9 +7,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::optimizer::{Optimizer, Param};
 use crate::error::Result;
 use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::{Optimizer, Param};
 
 /// What the optimizer calls on a save in flight (ckpt's `Snapshot` implements it).
 pub(crate) trait SaveHook: Send + Sync {
@@ -32,7 +32,7 @@ pub(crate) trait SaveHook: Send + Sync {
 /// only this file opens it; every mutation of a parameter's state or memory calls
 /// `before_write` first while it is read.
 #[derive(Default)]
-pub(super) struct SaveSlot(Option<Arc<dyn SaveHook>>);
+pub(in crate::optim) struct SaveSlot(Option<Arc<dyn SaveHook>>);
 
 /// A step in progress, as a save in flight sees it (`Optimizer::mark_step`); dropping it
 /// lets the save's writer go on.
@@ -94,7 +94,7 @@ impl Optimizer {
     }
 
     /// The async save still reading this optimizer, if any.
-    pub(super) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
+    pub(in crate::optim) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
         self.save_slot().0.as_ref().filter(|s| s.is_reading())
     }
 

@@ -2,13 +2,13 @@
 //! fo.torch's `state_dict()` hand out its fp32 moments as torch hands out its own, by
 //! reference, so a DCP save copies them once rather than after a decode into fresh
 //! tensors. Only state stored as f32 on the host can be lent; everything else is read by
-//! decoding (`state_io`). Why a lent buffer stays valid and live: `math::live`.
-use super::keys::{split_state_name, EXP_AVG_SQ};
-use super::optimizer::Optimizer;
-use super::state_io::m_name;
+//! decoding (`io`). Why a lent buffer stays valid and live: `math::live`.
+use super::io::m_name;
 use crate::error::{Error, Result};
+use crate::optim::keys::{split_state_name, EXP_AVG_SQ};
 use crate::optim::math::live::Share;
 use crate::optim::math::state::{Moment, ParamState};
+use crate::optim::optimizer::Optimizer;
 
 impl Optimizer {
     /// A hold on the live f32 storage of state `key` (`exp_avg`, `exp_avg_sq` or

@@ -2,14 +2,15 @@
 //! their GPU while host ones step on the CPU), and the helpers only steps use.
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::numerics;
-use super::optimizer::{is_param_dtype, Optimizer, Param};
-use super::threads;
+pub mod numerics;
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, push_jobs, Job};
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::rule::Rule;
+use crate::optim::optimizer::{is_param_dtype, Optimizer, Param};
+use crate::optim::threads;
 use crate::tensor::TensorView;
 
 /// Counts host parameter `p`'s step (when it has state) and gives the rule for it and

@@ -1,19 +1,19 @@
 //! Reading a parameter's state by key, as torch and FlashOptim name it (writing is in
-//! `state_set`): `step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer` (decoded f32, any
+//! `set`): `step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer` (decoded f32, any
 //! format), the raw compressed keys `<name>::quantized` / `<name>::scales` and
 //! `error_bits`, and `master` (the f32 master weight: the param, completed by its error
 //! bits).
-use super::keys::{
+use super::out::{fill, is_float, Source};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::keys::{
     self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
     SCALES_PART, STEP,
 };
-use super::math::config::Algorithm;
-use super::optimizer::Optimizer;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::optim::math::config::Algorithm;
 use crate::optim::math::state::{ErrorBits, Moment};
+use crate::optim::optimizer::Optimizer;
 use crate::optim::placement::staging::StagedParam;
-use crate::optim::state_out::{fill, is_float, Source};
 use crate::tensor::{try_with_capacity, Tensor, TensorView};
 
 /// The name of the momentum-like state of an algorithm.

@@ -10,14 +10,14 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::numerics;
-use super::optimizer::Param;
-use super::step::push_param_jobs;
 use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+use crate::optim::optimizer::Param;
+use crate::optim::step::numerics;
+use crate::optim::step::push_param_jobs;
 use crate::tensor::{try_with_capacity, Device, TensorView};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
@@ -44,7 +44,7 @@ pub(super) struct Fetch {
 }
 
 /// What a parameter's memory and state were before its speculative step.
-pub(super) struct Saved {
+pub(in crate::optim) struct Saved {
     pub bytes: Vec<u8>,
     /// None when the step created the state.
     pub state: Option<ParamState>,
