@@ -87,7 +87,7 @@ impl Done {
     /// The parameter's memory must be valid and not in use by anyone else.
     pub unsafe fn restore_memory(&self) {
         if let Some(u) = &self.undo {
-            let dst = self.param.tensor.contiguous_bytes_mut();
+            let dst = self.param.tensor().contiguous_bytes_mut();
             dst.expect("parameters are contiguous")
                 .copy_from_slice(&u.bytes);
         }
@@ -201,7 +201,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
             None => d.grad.contiguous_bytes().expect("contiguous"),
         };
         numerics::check_param(&d.param, &d.cfg, g, d.grad.dtype())?;
-        let now = d.param.tensor.contiguous_bytes();
+        let now = d.param.tensor().contiguous_bytes();
         let now = now.expect("parameters are contiguous");
         // The last step's record is refilled in place: fresh memory would be faulted in
         // page by page at every step (as costly as the copy itself).

@@ -43,10 +43,10 @@ impl Optimizer {
                     }
                 }
                 let params: Vec<&str> = self
-                    .params
+                    .entries()
                     .iter()
-                    .filter(|p| p.group == g)
-                    .map(|p| p.fqn.as_str())
+                    .filter(|p| p.group() == g)
+                    .map(|p| p.fqn())
                     .collect();
                 m.insert("params".into(), json!(params));
                 v

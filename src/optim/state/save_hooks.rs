@@ -90,7 +90,7 @@ impl Optimizer {
     /// Parameter `i`'s host state as stored (None for a device parameter or before its
     /// first step), for the save's shallow copies (`ckpt::live_reader::LiveReader`).
     pub(crate) fn host_state(&self, i: usize) -> Option<&ParamState> {
-        self.params[i].state.as_ref()
+        self.entry(i).state.as_ref()
     }
 
     /// The async save still reading this optimizer, if any.
@@ -103,16 +103,11 @@ impl Optimizer {
     /// live state, so that nothing the caller's thread changes meanwhile is shared.
     pub(crate) fn detached_view(&self) -> Optimizer {
         let params = self
-            .params
+            .entries()
             .iter()
-            .map(|p| Param {
-                fqn: p.fqn.clone(),
-                tensor: p.tensor.clone(),
-                spec: p.spec.clone(),
-                group: p.group,
-                state: None,
-                gpu: None,
-                mirror: None,
+            .map(|p| {
+                let fqn = p.fqn().to_string();
+                Param::new(fqn, p.tensor().clone(), p.spec().cloned(), p.group())
             })
             .collect();
         Optimizer::with_tables(self.groups().to_vec(), params, self.stream())

@@ -29,11 +29,11 @@ impl Optimizer {
             Some(s) => s.into_owned(),
             None => self.new_state(i),
         };
-        let p = &self.params[i];
-        let fqn = p.fqn.clone();
-        let shape = p.tensor.shape().to_vec();
-        let n = p.tensor.numel();
-        let a = self.config(p.group).algorithm;
+        let p = self.entry(i);
+        let fqn = p.fqn().to_string();
+        let shape = p.tensor().shape().to_vec();
+        let n = p.tensor().numel();
+        let a = self.config(p.group()).algorithm;
         let mut seen: Vec<&str> = Vec::new();
         let mut raw_pending: Vec<(&str, &str, &Tensor)> = Vec::new();
         let mut master: Option<Vec<f32>> = None;
@@ -161,7 +161,7 @@ impl Optimizer {
         // param and its error bits restores both exactly.
         let mut param_bytes: Option<Vec<u8>> = None;
         if let Some(mv) = master {
-            param_bytes = Some(match Half::from_dtype(self.params[i].tensor.dtype()) {
+            param_bytes = Some(match Half::from_dtype(self.entry(i).tensor().dtype()) {
                 Err(_) => le_bytes(&mv, f32::to_le_bytes),
                 Ok(h) => {
                     let bits: Vec<u16> = mv.iter().map(|&x| h.from_f32(x)).collect();

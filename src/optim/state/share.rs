@@ -19,8 +19,8 @@ impl Optimizer {
     pub fn share_state(&self, i: usize, key: &str) -> Result<Share> {
         self.check_index(i)?;
         self.refuse_if_step_open("share_state")?;
-        let p = &self.params[i];
-        let fqn = &p.fqn;
+        let p = self.entry(i);
+        let fqn = p.fqn();
         if self.param_device(i).is_cuda() {
             return Err(Error::Unsupported(format!(
                 "state {key} of parameter {fqn} lives on {}: only host state can be shared; \
@@ -28,7 +28,7 @@ impl Optimizer {
                 self.param_device(i)
             )));
         }
-        let a = self.config(p.group).algorithm;
+        let a = self.config(p.group()).algorithm;
         let (name, raw) = split_state_name(key);
         let st = p.state.as_ref().ok_or_else(|| {
             Error::NotFound(format!(
@@ -51,7 +51,7 @@ impl Optimizer {
             _ => Err(Error::Unsupported(format!(
                 "state {key} of parameter {fqn} is stored compressed ({}); only float32 \
                  state can be shared live: read it with fo_optimizer_get_state",
-                self.config(p.group).state_format.name()
+                self.config(p.group()).state_format.name()
             ))),
         }
     }
@@ -61,7 +61,7 @@ impl Optimizer {
     /// any time without fo knowing.
     pub(crate) fn lends_state(&self, i: usize) -> bool {
         let lent = |m: &Option<Moment>| matches!(m, Some(Moment::F32(b)) if b.is_shared());
-        self.params[i]
+        self.entry(i)
             .state
             .as_ref()
             .is_some_and(|s: &ParamState| lent(&s.m) || lent(&s.v))
