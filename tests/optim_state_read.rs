@@ -200,7 +200,7 @@ fn reads_into_caller_memory_equal_the_allocating_read() {
                 let want = opt.get_state_as(0, &k, d).unwrap();
                 let shape: Vec<i64> = want.shape.iter().map(|&s| s as i64).collect();
                 let what = format!("{} {k} as {d}, {threads} threads", c.name);
-                // (TensorView refuses misaligned memory; state_out's own tests cover a
+                // (TensorView refuses misaligned memory; state::out's own tests cover a
                 // byte buffer at any offset.)
                 let mut buf = vec![0x5Au8; want.data.len()];
                 read_into(&opt, &k, d, &mut buf, &shape, None).unwrap();

@@ -1,56 +1,113 @@
 //! The optimizer handle: param groups, registered parameters (borrowed memory, updated
 //! in place: host memory, or CUDA device memory with feature `cuda`), lazily created
-//! state, and the accessors. The step's entry is in `step`, its device half in
-//! `device_step`; the hooks of an async save in flight in `save_hooks`.
+//! state, and the accessors every concern goes through. Registration's checks are in
+//! `register`, the step's entry in `step`, its device half in `placement::device_step`,
+//! the overlapped step in `overlap`, state by key and the async save's hooks in `state`.
 //!
-//! Who may touch what (files under `optim`; r: reads, w: writes). Only `params` is a
-//! field the concern modules reach; the rest are private, behind methods:
-//! - `groups`: w here only (`add_param_group`, `set_group_config`, `restore_group_config`);
-//!   r by `step`, `numerics`, `overlap`, `state_io`, `state_set`, `groups_json`,
-//!   `save_hooks` and `placement` through `config`, `param_config`, `groups` and, beside
-//!   mutable parameters, `params_mut_with_groups`.
-//! - `params`: pushed here only. A `Param`'s `fqn`, `tensor`, `spec`, `group` and
-//!   `device` are fixed at registration (written here and in `save_hooks`' detached copy);
-//!   `state` is w by `step`, `numerics` (undo), `overlap`, `overlap_end` and `staging`;
-//!   `gpu` by `device_step` and `staging`; `mirror` by `offload_step` (`set_mirror`).
-//! - `ranges`: here only (registration, `overlapping_param`).
-//! - `stream`: r by all through `stream()`; w only by `set_stream` (`device_step`) through
-//!   `store_stream`.
-//! - `save`: a `SaveSlot` that only `save_hooks` opens; the others call `before_write`,
-//!   `mark_step` and `save_in_flight`.
-//! - `open`, `undo_spares`: the overlapped step's (`overlap`, `overlap_end`), through
-//!   `open_step*`, `take_open_step` and `undo_spares_mut`; the others `refuse_if_step_open`.
-//! - `resident`: `device_step`'s, through `resident` / `resident_mut`.
+//! Who may touch what (modules under `optim`; r: reads, w: writes). Every field of the
+//! handle is private; the concern modules reach it through the methods below, written
+//! `pub(in crate::optim)`:
+//! - `groups`: w by `register` only, through `push_group` and `replace_group`
+//!   (`add_param_group`, `set_group_config`, `restore_group_config`); r by all through
+//!   `config`, `param_config`, `groups`, `check_group` and, beside mutable parameters,
+//!   `params_mut_with_groups`.
+//! - `params`: pushed by `register` only (`push_param`, after its checks); r by all
+//!   through `entry`, `entries` and `num_params`. A `Param`'s `fqn`, `tensor`, `spec` and
+//!   `group` are fixed at registration (`Param::new`; copied by `state::save_hooks`'
+//!   detached view and `overlap`'s task items) and private, read through `fqn()`,
+//!   `tensor()`, `spec()`, `group()` (`device()` is the tensor's). Its `state`, `gpu` and
+//!   `mirror` are `pub(in crate::optim)` fields, written through `entry_mut` or
+//!   `params_mut_with_groups` (`tensor_and_state` where a job borrows both): `state` by
+//!   `step` (and `step::numerics`' undo), `overlap` and `placement::staging`
+//!   (`store_state`, which `state::set` calls; `restore`); `gpu` by
+//!   `placement::device_step` and `placement::staging`; `mirror` by
+//!   `placement::offload_step` (`set_mirror`). `placement::offload_pipe` steps offloaded
+//!   parameters' `state` in place. The rest read them.
+//! - `ranges`: here only (`push_param`, `overlapping_param`).
+//! - `stream`: r by all through `stream()`; w only by `set_stream`
+//!   (`placement::device_step`) through `store_stream`.
+//! - `save`: a `SaveSlot` that only `state::save_hooks` opens (`save_slot*`); the others
+//!   call `before_write`, `mark_step` and `save_in_flight`.
+//! - `open`, `undo_spares`: the overlapped step's (`overlap`, `overlap::end`), through
+//!   `open_step*`, `set_open_step`, `take_open_step` and `undo_spares_mut`; the others
+//!   `refuse_if_step_open`.
+//! - `resident`: `placement::device_step`'s, through `resident` / `resident_mut`.
 use super::math::config::OptimConfig;
-use super::overlap_open::OpenStep;
-use super::overlap_task::Saved;
+use super::overlap::open::OpenStep;
+use super::overlap::task::Saved;
 use super::placement::Mirror;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::step_table::StateLayout;
-use crate::optim::math::master_split::Half;
 use crate::optim::math::state::ParamState;
 use crate::optim::placement::DeviceState;
 use crate::shard::ShardSpec;
 use crate::tensor::{Device, TensorView};
 
-use super::save_hooks::SaveSlot;
+use super::state::save_hooks::SaveSlot;
 
-pub(super) struct Param {
-    pub(super) fqn: String,
-    pub(super) tensor: TensorView,
-    pub(super) spec: Option<ShardSpec>,
-    pub(super) group: usize,
-    pub(super) state: Option<ParamState>,
+/// One registered parameter. What registration fixes (`fqn`, `tensor`, `spec`, `group`)
+/// is private, read through the methods below; what steps change is a field the concern
+/// modules write (the map at the head of this file says which).
+pub(in crate::optim) struct Param {
+    fqn: String,
+    tensor: TensorView,
+    spec: Option<ShardSpec>,
+    group: usize,
+    /// The host state (None before the first step, and for a device parameter).
+    pub(in crate::optim) state: Option<ParamState>,
     /// The state of a device parameter (`state` stays None for it).
-    pub(super) gpu: Option<DeviceState>,
+    pub(in crate::optim) gpu: Option<DeviceState>,
     /// A device copy of a host parameter, rewritten after each change (`set_mirror`).
-    pub(super) mirror: Option<Mirror>,
+    pub(in crate::optim) mirror: Option<Mirror>,
 }
 
 impl Param {
+    /// A parameter as registered: no state, no device state, no mirror.
+    pub(in crate::optim) fn new(
+        fqn: String,
+        tensor: TensorView,
+        spec: Option<ShardSpec>,
+        group: usize,
+    ) -> Param {
+        Param {
+            fqn,
+            tensor,
+            spec,
+            group,
+            state: None,
+            gpu: None,
+            mirror: None,
+        }
+    }
+
+    /// The parameter's fully qualified name.
+    pub(in crate::optim) fn fqn(&self) -> &str {
+        &self.fqn
+    }
+
+    /// The caller's memory, updated in place.
+    pub(in crate::optim) fn tensor(&self) -> &TensorView {
+        &self.tensor
+    }
+
+    /// The shard spec given at registration, if any.
+    pub(in crate::optim) fn spec(&self) -> Option<&ShardSpec> {
+        self.spec.as_ref()
+    }
+
+    /// The index of the parameter's group.
+    pub(in crate::optim) fn group(&self) -> usize {
+        self.group
+    }
+
+    /// `tensor` beside the host state, mutable (a step's jobs borrow both).
+    pub(in crate::optim) fn tensor_and_state(&mut self) -> (&TensorView, &mut Option<ParamState>) {
+        (&self.tensor, &mut self.state)
+    }
+
     /// The device holding the parameter (and, on a CUDA device, its state).
-    pub(super) fn device(&self) -> Device {
+    pub(in crate::optim) fn device(&self) -> Device {
         self.tensor.device()
     }
 }
@@ -58,7 +115,7 @@ impl Param {
 /// An optimizer over parameters in caller memory. Group 0 is the config given to `new`.
 pub struct Optimizer {
     groups: Vec<OptimConfig>,
-    pub(super) params: Vec<Param>,
+    params: Vec<Param>,
     /// Address ranges of the non-empty params, `(start, end, index)`, sorted and disjoint.
     ranges: Vec<(usize, usize, usize)>,
     /// The `CUstream` device steps run on (0: the legacy default stream).
@@ -70,7 +127,7 @@ pub struct Optimizer {
     /// call that reads or writes parameters or state refuses (`refuse_if_step_open`).
     open: Option<Box<OpenStep>>,
     /// The undo records of the last overlapped step, by parameter, kept for the next one
-    /// to fill (`overlap_task::prepare`): an overlapped step then allocates nothing, and
+    /// to fill (`overlap::task::prepare`): an overlapped step then allocates nothing, and
     /// they never hold more than one step's undo high water.
     undo_spares: Vec<Option<Saved>>,
     /// What device steps keep from one step to the next: validated device memory and
@@ -81,10 +138,10 @@ pub struct Optimizer {
 /// What device steps reuse across steps, so a step's host cost does not grow with the
 /// pointer checks and table uploads of unchanged tensors.
 #[derive(Default)]
-pub(super) struct DeviceResident {
+pub(in crate::optim) struct DeviceResident {
     /// Device memory validated for gradients (a lock: gradients are checked under `&self`).
-    pub(super) known: std::sync::Mutex<crate::device::check::KnownMemory>,
-    pub(super) tables: super::placement::device_table::ResidentTables,
+    pub(in crate::optim) known: std::sync::Mutex<crate::device::check::KnownMemory>,
+    pub(in crate::optim) tables: super::placement::device_table::ResidentTables,
 }
 
 /// The bytes a view spans, first to last element (None when empty).
@@ -103,7 +160,7 @@ fn address_range(t: &TensorView) -> Option<(usize, usize)> {
     Some((lo, lo + extent * t.dtype().size()))
 }
 
-pub(super) fn is_param_dtype(d: DType) -> bool {
+pub(in crate::optim) fn is_param_dtype(d: DType) -> bool {
     matches!(d, DType::F32 | DType::BF16 | DType::F16)
 }
 
@@ -115,7 +172,7 @@ impl Optimizer {
 
     /// An optimizer over `groups` and `params` on `stream` and nothing else (no address
     /// ranges, save, open step or resident tables): `new`'s, and `detached_view`'s.
-    pub(super) fn with_tables(
+    pub(in crate::optim) fn with_tables(
         groups: Vec<OptimConfig>,
         params: Vec<Param>,
         stream: usize,
@@ -133,17 +190,17 @@ impl Optimizer {
     }
 
     /// Every group's hyper-parameters, in order.
-    pub(super) fn groups(&self) -> &[OptimConfig] {
+    pub(in crate::optim) fn groups(&self) -> &[OptimConfig] {
         &self.groups
     }
 
     /// Group `g`'s hyper-parameters, for internal loops over known groups (unchecked).
-    pub(super) fn config(&self, g: usize) -> &OptimConfig {
+    pub(in crate::optim) fn config(&self, g: usize) -> &OptimConfig {
         &self.groups[g]
     }
 
     /// The parameters, mutable, beside the groups they read (a step borrows both).
-    pub(super) fn params_mut_with_groups(&mut self) -> (&mut [Param], &[OptimConfig]) {
+    pub(in crate::optim) fn params_mut_with_groups(&mut self) -> (&mut [Param], &[OptimConfig]) {
         (&mut self.params, &self.groups)
     }
 
@@ -154,70 +211,75 @@ impl Optimizer {
 
     /// Keeps `stream` as the optimizer's: `set_stream`'s, once it has checked the stream
     /// and ordered it after the old one.
-    pub(super) fn store_stream(&mut self, stream: usize) {
+    pub(in crate::optim) fn store_stream(&mut self, stream: usize) {
         self.stream = stream;
     }
 
     /// The last async save's slot, which only `save_hooks` opens.
-    pub(super) fn save_slot(&self) -> &SaveSlot {
+    pub(in crate::optim) fn save_slot(&self) -> &SaveSlot {
         &self.save
     }
 
     /// `save_slot`, to attach or detach a save.
-    pub(super) fn save_slot_mut(&mut self) -> &mut SaveSlot {
+    pub(in crate::optim) fn save_slot_mut(&mut self) -> &mut SaveSlot {
         &mut self.save
     }
 
-    /// The overlapped step in progress (`overlap` opens it, `overlap_end` closes it).
-    pub(super) fn open_step(&self) -> Option<&OpenStep> {
+    /// The overlapped step in progress (`overlap` opens it, `overlap::end` closes it).
+    pub(in crate::optim) fn open_step(&self) -> Option<&OpenStep> {
         self.open.as_deref()
     }
 
     /// `open_step`, to hand it gradients or fail it.
-    pub(super) fn open_step_mut(&mut self) -> Option<&mut OpenStep> {
+    pub(in crate::optim) fn open_step_mut(&mut self) -> Option<&mut OpenStep> {
         self.open.as_deref_mut()
     }
 
     /// Opens the overlapped step `open` (`step_begin`).
-    pub(super) fn set_open_step(&mut self, open: Box<OpenStep>) {
+    pub(in crate::optim) fn set_open_step(&mut self, open: Box<OpenStep>) {
         self.open = Some(open);
     }
 
     /// Closes the overlapped step in progress, if any (`step_end`, `step_abort`).
-    pub(super) fn take_open_step(&mut self) -> Option<Box<OpenStep>> {
+    pub(in crate::optim) fn take_open_step(&mut self) -> Option<Box<OpenStep>> {
         self.open.take()
     }
 
-    /// The undo records kept for the next overlapped step, by parameter (`overlap_end`
+    /// The undo records kept for the next overlapped step, by parameter (`overlap::end`
     /// keeps them, `overlap` hands them to its tasks).
-    pub(super) fn undo_spares_mut(&mut self) -> &mut Vec<Option<Saved>> {
+    pub(in crate::optim) fn undo_spares_mut(&mut self) -> &mut Vec<Option<Saved>> {
         &mut self.undo_spares
     }
 
     /// `undo_spares_mut`, read by the tests.
     #[cfg(test)]
-    pub(super) fn undo_spares(&self) -> &[Option<Saved>] {
+    pub(in crate::optim) fn undo_spares(&self) -> &[Option<Saved>] {
         &self.undo_spares
     }
 
     /// What device steps keep from one step to the next (`device_step`).
-    pub(super) fn resident(&self) -> &DeviceResident {
+    pub(in crate::optim) fn resident(&self) -> &DeviceResident {
         &self.resident
     }
 
     /// `resident`, to launch (and upload) tables.
-    pub(super) fn resident_mut(&mut self) -> &mut DeviceResident {
+    pub(in crate::optim) fn resident_mut(&mut self) -> &mut DeviceResident {
         &mut self.resident
     }
 
-    /// Adds a param group; returns its index.
-    pub fn add_param_group(&mut self, cfg: OptimConfig) -> Result<usize> {
-        cfg.validate()?;
+    /// Adds group `cfg` (checked by `register`'s `add_param_group`); returns its index.
+    pub(in crate::optim) fn push_group(&mut self, cfg: OptimConfig) -> usize {
         self.groups.push(cfg);
-        Ok(self.groups.len() - 1)
+        self.groups.len() - 1
     }
 
-    fn check_group(&self, g: usize) -> Result<()> {
+    /// Replaces group `g`'s hyper-parameters with `cfg` (checked by `register`).
+    pub(in crate::optim) fn replace_group(&mut self, g: usize, cfg: OptimConfig) {
+        self.groups[g] = cfg;
+    }
+
+    /// An error unless `g` is a group's index.
+    pub(in crate::optim) fn check_group(&self, g: usize) -> Result<()> {
         if g >= self.groups.len() {
             return Err(Error::invalid(
                 "group",
@@ -227,172 +289,35 @@ impl Optimizer {
         Ok(())
     }
 
-    /// Sets a group's learning rate (schedules call this between steps).
-    pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<()> {
-        self.check_group(group)?;
-        let mut c = self.groups[group].clone();
-        c.lr = lr;
-        self.set_group_config(group, c)
-    }
-
-    /// Replaces a group's hyper-parameters. The algorithm, state format and master weight
-    /// bits fix the layout of state already created, so they cannot change.
-    pub fn set_group_config(&mut self, group: usize, cfg: OptimConfig) -> Result<()> {
-        self.check_group(group)?;
-        self.refuse_if_step_open("set_group_config")?;
-        cfg.validate()?;
-        let old = &self.groups[group];
-        for (name, same) in [
-            ("algorithm", old.algorithm == cfg.algorithm),
-            ("state_format", old.state_format == cfg.state_format),
-            (
-                "master_weight_bits",
-                old.master_weight_bits == cfg.master_weight_bits,
-            ),
-        ] {
-            if !same {
-                return Err(Error::invalid(
-                    name,
-                    format!("cannot change group {group}'s {name} after creation"),
-                ));
-            }
-        }
-        self.groups[group] = cfg;
-        Ok(())
-    }
-
-    /// Puts group `g`'s hyper-parameters back to `cfg`, as they were before a failed
-    /// load (unchecked: `cfg` is the group's own earlier config).
-    pub(crate) fn restore_group_config(&mut self, g: usize, cfg: OptimConfig) {
-        self.groups[g] = cfg;
-    }
-
-    /// Registers a parameter (caller memory, updated in place by every step; it must stay
-    /// valid for the optimizer's lifetime). Returns its index. A parameter on a CUDA
-    /// device keeps its state there; that device's kernels are compiled here on first
-    /// use, so a device that cannot step is refused at registration.
-    ///
-    /// # Safety
-    /// `param` must point to memory valid for reads and writes until the optimizer is
-    /// dropped (memory of its device).
-    pub unsafe fn add_param(
-        &mut self,
-        fqn: &str,
-        param: TensorView,
-        spec: Option<ShardSpec>,
-        group: usize,
-    ) -> Result<usize> {
-        if param.device().is_cuda() {
-            // Errors say "device = N: why"; as an argument, that is `param.device`.
-            crate::device::open_device(param.device()).map_err(|e| match e {
-                Error::Unsupported(m) => Error::Unsupported(format!("param.{m}")),
-                e => e,
-            })?;
-            // Contiguity is `register`'s (the same rule as host parameters).
-            let context = format!("parameter {fqn}");
-            let a = crate::device::check::DeviceArg {
-                arg: "param",
-                context: &context,
-                noun: "parameter",
-                by_arg: false,
-            };
-            crate::device::check::check_memory(&param, &a)?;
-        }
-        self.register(fqn, param, spec, group)
-    }
-
-    /// `add_param` once the device is known to step (tests register device params
-    /// here on machines without one: their memory is never touched on the host).
-    pub(super) unsafe fn register(
-        &mut self,
-        fqn: &str,
-        param: TensorView,
-        spec: Option<ShardSpec>,
-        group: usize,
-    ) -> Result<usize> {
-        self.check_group(group)?;
-        self.refuse_if_step_open("add_param")?;
-        if self.save_in_flight().is_some() {
-            // The writer reads parameters through the table; it must not move.
-            return Err(Error::invalid(
-                "param",
-                format!(
-                    "cannot register parameter {fqn:?} while an async checkpoint save reads the optimizer: \
-                     wait for the save (fo_save_wait) first"
-                ),
-            ));
-        }
-        if fqn.is_empty() {
-            return Err(Error::invalid("fqn", "empty parameter name"));
-        }
-        if param.device().is_cuda() {
-            self.check_stream_for(param.device(), &format!("parameter {fqn}"))?;
-        }
-        if self.params.iter().any(|p| p.fqn == fqn) {
-            return Err(Error::invalid(
-                "fqn",
-                format!("parameter {fqn:?} is already registered"),
-            ));
-        }
-        if !is_param_dtype(param.dtype()) {
-            return Err(Error::Dtype(format!(
-                "parameter {fqn}: dtype {} is not one of F32, BF16, F16",
-                param.dtype()
-            )));
-        }
-        if !param.is_contiguous() {
-            return Err(Error::invalid(
-                "param.strides",
-                format!(
-                    "parameter {fqn}: strides {:?} for shape {:?} are not contiguous; fo updates parameters in place \
-                     and needs contiguous memory (pass the contiguous storage)",
-                    param.strides(),
-                    param.shape()
-                ),
-            ));
-        }
-        let cfg = &self.groups[group];
-        if cfg.master_weight_bits != 0 {
-            Half::from_dtype(param.dtype())
-                .map_err(|e| Error::Dtype(format!("parameter {fqn}: {e}")))?;
-        }
-        if let Some(other) = self.overlapping_param(&param) {
-            return Err(Error::invalid(
-                "param",
-                format!(
-                    "parameter {fqn}'s memory overlaps parameter {}'s; each parameter needs its own storage",
-                    self.params[other].fqn
-                ),
-            ));
-        }
-        if let Some(s) = &spec {
-            if s.local_shape() != param.shape() {
-                return Err(Error::Shape(format!(
-                    "parameter {fqn}: shard spec gives local shape {:?} but the tensor has shape {:?}",
-                    s.local_shape(),
-                    param.shape()
-                )));
-            }
-        }
-        if let Some((lo, hi)) = address_range(&param) {
+    /// Appends parameter `p` (checked by `register`) and its address range; returns its
+    /// index.
+    pub(in crate::optim) fn push_param(&mut self, p: Param) -> usize {
+        if let Some((lo, hi)) = address_range(&p.tensor) {
             let at = self.ranges.partition_point(|r| r.0 < lo);
             self.ranges.insert(at, (lo, hi, self.params.len()));
         }
-        self.params.push(Param {
-            fqn: fqn.to_string(),
-            tensor: param,
-            spec,
-            group,
-            state: None,
-            gpu: None,
-            mirror: None,
-        });
-        Ok(self.params.len() - 1)
+        self.params.push(p);
+        self.params.len() - 1
+    }
+
+    /// Parameter `i`'s entry in the table (unchecked: a known index).
+    pub(in crate::optim) fn entry(&self, i: usize) -> &Param {
+        &self.params[i]
+    }
+
+    /// `entry`, to write its state, device state or mirror.
+    pub(in crate::optim) fn entry_mut(&mut self, i: usize) -> &mut Param {
+        &mut self.params[i]
+    }
+
+    /// Every parameter's entry, in registration order.
+    pub(in crate::optim) fn entries(&self) -> &[Param] {
+        &self.params
     }
 
     /// A registered parameter whose memory intersects `t`'s (binary search over the
     /// sorted, disjoint parameter ranges).
-    pub(super) fn overlapping_param(&self, t: &TensorView) -> Option<usize> {
+    pub(in crate::optim) fn overlapping_param(&self, t: &TensorView) -> Option<usize> {
         let (lo, hi) = address_range(t)?;
         let at = self.ranges.partition_point(|r| r.0 < hi);
         let r = self.ranges[..at].last()?;

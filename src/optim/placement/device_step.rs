@@ -56,12 +56,12 @@ impl Optimizer {
     /// the first thing on it (for errors).
     fn devices_in_use(&self) -> Vec<(Device, String)> {
         let mut out: Vec<(Device, String)> = Vec::new();
-        for p in &self.params {
+        for p in self.entries() {
             let on = [
-                (p.device(), format!("parameter {}", p.fqn)),
+                (p.device(), format!("parameter {}", p.fqn())),
                 (
                     p.mirror.as_ref().map_or(Device::Host, |m| m.device()),
-                    format!("the mirror of parameter {}", p.fqn),
+                    format!("the mirror of parameter {}", p.fqn()),
                 ),
             ];
             for (d, what) in on {
@@ -80,35 +80,35 @@ impl Optimizer {
 
     /// Parameter `i`'s state if it is in host memory and has one.
     pub fn param_state(&self, i: usize) -> Option<&ParamState> {
-        self.params[i].state.as_ref()
+        self.entry(i).state.as_ref()
     }
 
     /// A host copy of device parameter `i`'s state, read after the work queued on the
     /// optimizer's stream (this waits for it).
     pub fn device_state(&self, i: usize) -> Result<ParamState> {
         self.check_index(i)?;
-        let p = &self.params[i];
+        let p = self.entry(i);
         if p.device().is_host() {
             return Err(Error::invalid(
                 "index",
-                format!("parameter {} is in host memory (see param_state)", p.fqn),
+                format!("parameter {} is in host memory (see param_state)", p.fqn()),
             ));
         }
         self.staged_state(i)?
             .map(std::borrow::Cow::into_owned)
             .ok_or_else(|| {
-                Error::NotFound(format!("parameter {} has no optimizer state yet", p.fqn))
+                Error::NotFound(format!("parameter {} has no optimizer state yet", p.fqn()))
             })
     }
 
     /// Checks that gradient `g` (on its device) may step parameter `i`.
     pub(in crate::optim) fn check_grad_device(&self, i: usize, g: &TensorView) -> Result<()> {
-        let p = &self.params[i];
+        let p = self.entry(i);
         let device = g.device();
         // A device parameter's device was checked against the stream at registration and
         // at `set_stream`: its gradient, on the same device, needs no look-up per step.
         if device.is_cuda() && device != p.device() {
-            self.check_stream_for(device, &format!("the gradient of {}", p.fqn))?;
+            self.check_stream_for(device, &format!("the gradient of {}", p.fqn()))?;
         }
         if p.device().is_cuda() && p.device() != device {
             return Err(Error::invalid(
@@ -116,13 +116,13 @@ impl Optimizer {
                 format!(
                     "gradient of {}: the parameter is on CUDA device {}, its gradient must be \
                      too (got device {})",
-                    p.fqn,
+                    p.fqn(),
                     p.device().to_c(),
                     device.to_c()
                 ),
             ));
         }
-        let context = format!("gradient of {}", p.fqn);
+        let context = format!("gradient of {}", p.fqn());
         if device.is_cuda() && p.device().is_host() {
             // The offload case: the gradient comes down to the host (`offload_step`);
             // looked up only outside memory already validated (`KnownMemory`).
@@ -155,23 +155,23 @@ impl Optimizer {
             tables: Vec::new(),
         };
         // Refusals first, before any device memory is allocated or anything queued.
-        for (i, p) in self.params.iter().enumerate() {
+        for (i, p) in self.entries().iter().enumerate() {
             let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
                 continue;
             };
-            let cfg = self.config(p.group);
+            let cfg = self.config(p.group());
             if cfg.check_numerics {
                 return Err(Error::Unsupported(format!(
                     "parameter {} is on CUDA device {}: check_numerics reads gradients on the \
                      host and is not available for device parameters (turn it off for group {})",
-                    p.fqn,
+                    p.fqn(),
                     p.device().to_c(),
-                    p.group
+                    p.group()
                 )));
             }
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
             FoRule::new(&Rule::new(cfg, next)).map_err(|e| match e {
-                Error::Unsupported(m) => Error::Unsupported(format!("parameter {}: {m}", p.fqn)),
+                Error::Unsupported(m) => Error::Unsupported(format!("parameter {}: {m}", p.fqn())),
                 e => e,
             })?;
             // The gradient is memory of its parameter's device (looked up only outside
@@ -181,22 +181,22 @@ impl Optimizer {
                 .known
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let context = format!("gradient of {}", p.fqn);
+            let context = format!("gradient of {}", p.fqn());
             known.check(g, &grad_arg(&context))?;
         }
         let mut entries: BTreeMap<(usize, Device), Vec<TableEntry>> = BTreeMap::new();
-        for (i, p) in self.params.iter().enumerate() {
+        for (i, p) in self.entries().iter().enumerate() {
             let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
                 continue;
             };
-            let cfg = self.config(p.group);
-            let n = p.tensor.numel();
+            let cfg = self.config(p.group());
+            let n = p.tensor().numel();
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
             let rule = Rule::new(cfg, next);
             let (m_valid, state) = match &p.gpu {
                 Some(st) => (st.m_valid, st.ptrs()),
                 None => {
-                    let layout = StateLayout::of(cfg, p.tensor.dtype());
+                    let layout = StateLayout::of(cfg, p.tensor().dtype());
                     let st = DeviceState::zeroed(p.device(), layout, n, self.stream())?;
                     let ptrs = st.ptrs();
                     s.fresh.push((i, st));
@@ -205,11 +205,11 @@ impl Optimizer {
             };
             s.stepped.push(i);
             entries
-                .entry((p.group, p.device()))
+                .entry((p.group(), p.device()))
                 .or_default()
                 .push(TableEntry {
-                    param: p.tensor.as_ptr() as u64,
-                    param_dtype: p.tensor.dtype(),
+                    param: p.tensor().as_ptr() as u64,
+                    param_dtype: p.tensor().dtype(),
                     grad: g.as_ptr() as u64,
                     grad_dtype: g.dtype(),
                     numel: n,
@@ -239,10 +239,14 @@ impl Optimizer {
                 .launch(*group, *device, t, stream)?;
         }
         for (i, st) in s.fresh {
-            self.params[i].gpu = Some(st);
+            self.entry_mut(i).gpu = Some(st);
         }
         for i in s.stepped {
-            let st = self.params[i].gpu.as_mut().expect("allocated in prepare");
+            let st = self
+                .entry_mut(i)
+                .gpu
+                .as_mut()
+                .expect("allocated in prepare");
             st.step += 1;
             st.m_valid = true;
         }

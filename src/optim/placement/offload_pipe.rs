@@ -61,15 +61,15 @@ impl Optimizer {
     fn pieces(&self, grads: &[Option<TensorView>], which: &[usize]) -> Vec<Piece> {
         let mut out = Vec::new();
         for &i in which {
-            let p = &self.params[i];
+            let p = self.entry(i);
             let g = grads[i].as_ref().expect("offloaded grads are given");
             let st = p.state.as_ref().expect("offloaded params have state");
-            let unit = chunk_for(p.tensor.dtype(), g.dtype(), st);
+            let unit = chunk_for(p.tensor().dtype(), g.dtype(), st);
             let mut es = g.dtype().size();
             if p.mirror.is_some() {
-                es = es.max(p.tensor.dtype().size());
+                es = es.max(p.tensor().dtype().size());
             }
-            out.extend(cut(i, p.tensor.numel(), es, unit, LANE_SLOT_BYTES));
+            out.extend(cut(i, p.tensor().numel(), es, unit, LANE_SLOT_BYTES));
         }
         out
     }
@@ -90,7 +90,7 @@ impl Optimizer {
         let b = backend(device)?;
         let mut lanes = b.lanes().hold(&*b)?;
         let (down, up) = (lanes.stream(Dir::Down), lanes.stream(Dir::Up));
-        let mirrored = which.iter().any(|&i| self.params[i].mirror.is_some());
+        let mirrored = which.iter().any(|&i| self.entry(i).mirror.is_some());
         // The down stream waits for the gradients' producer. The up stream needs no wait
         // of its own: every up copy is queued after the host saw a down copy complete,
         // which came after everything queued on the optimizer's stream before the step
@@ -107,20 +107,20 @@ impl Optimizer {
             lanes.start_down(k, at, bytes)?;
         }
         // Every parameter's step is counted up front (empty ones have no piece).
-        let mut rules: Vec<Option<(Rule, bool)>> = vec![None; self.params.len()];
+        let mut rules: Vec<Option<(Rule, bool)>> = vec![None; self.num_params()];
         let (params, groups) = self.params_mut_with_groups();
         for &i in which {
             let p = &mut params[i];
-            rules[i] = begin_param_step(p, &groups[p.group]);
+            rules[i] = begin_param_step(p, &groups[p.group()]);
         }
         for (k, &Piece { i, lo, hi }) in pieces.iter().enumerate() {
             let gt = grads[i].as_ref().expect("offloaded grads are given");
             let gd = lanes.finish_down(k)?;
             let (rule, first) = rules[i].expect("offloaded params have state");
-            let p = &mut self.params[i];
-            let es = p.tensor.dtype().size();
+            let p = self.entry_mut(i);
+            let es = p.tensor().dtype().size();
             let chunk = chunk_for(
-                p.tensor.dtype(),
+                p.tensor().dtype(),
                 gt.dtype(),
                 p.state.as_ref().expect("state"),
             );
@@ -128,11 +128,12 @@ impl Optimizer {
                 Some(m) => Some((m.tensor.as_ptr() as u64, Addr(lanes.up_slot(k)? as usize))),
                 None => None,
             };
-            let param = Addr(p.tensor.as_ptr() as usize + lo * es);
+            let param = Addr(p.tensor().as_ptr() as usize + lo * es);
             let g = std::slice::from_raw_parts(gd, (hi - lo) * gt.dtype().size());
             let mut jobs: Vec<Job<'_>> = Vec::new();
-            let st = p.state.as_mut().expect("offloaded params have state");
-            push_range_jobs(&mut jobs, &p.tensor, lo..hi, g, gt.dtype(), st, rule, first);
+            let (tensor, state) = p.tensor_and_state();
+            let st = state.as_mut().expect("offloaded params have state");
+            push_range_jobs(&mut jobs, tensor, lo..hi, g, gt.dtype(), st, rule, first);
             let slot = mirror.map(|(_, s)| s);
             pool.install(|| {
                 jobs.into_par_iter().enumerate().for_each(|(j, job)| {
@@ -183,7 +184,7 @@ impl Optimizer {
     ) -> Result<()> {
         let mut by_device: Vec<(Device, Vec<usize>)> = Vec::new();
         for i in which {
-            let Some(m) = &self.params[i].mirror else {
+            let Some(m) = &self.entry(i).mirror else {
                 continue;
             };
             match by_device.iter_mut().find(|(d, _)| *d == m.device()) {
@@ -202,9 +203,12 @@ impl Optimizer {
             b.order_streams(self.stream(), up)?;
             let mut k = 0;
             for i in params {
-                let p = &self.params[i];
+                let p = self.entry(i);
                 let m = p.mirror.as_ref().expect("picked above");
-                let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
+                let bytes = p
+                    .tensor()
+                    .contiguous_bytes()
+                    .expect("params are contiguous");
                 for (n, piece) in bytes.chunks(LANE_SLOT_BYTES).enumerate() {
                     let slot = Addr(lanes.up_slot(k)? as usize);
                     let src = Addr(piece.as_ptr() as usize);

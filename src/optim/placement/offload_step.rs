@@ -29,9 +29,9 @@ impl Optimizer {
     /// the optimizer is dropped.
     pub unsafe fn set_mirror(&mut self, i: usize, mirror: Option<TensorView>) -> Result<()> {
         self.check_index(i)?;
-        let p = &self.params[i];
+        let p = self.entry(i);
         let Some(t) = mirror else {
-            self.params[i].mirror = None;
+            self.entry_mut(i).mirror = None;
             return Ok(());
         };
         let device = t.device();
@@ -40,7 +40,7 @@ impl Optimizer {
                 "mirror",
                 format!(
                     "parameter {} is on CUDA device {} already; a mirror copies a host parameter",
-                    p.fqn,
+                    p.fqn(),
                     p.device().to_c()
                 ),
             ));
@@ -50,32 +50,32 @@ impl Optimizer {
                 "mirror.device",
                 format!(
                     "parameter {}: a mirror is device memory (device >= 0), got {}",
-                    p.fqn,
+                    p.fqn(),
                     device.to_c()
                 ),
             ));
         }
-        if t.dtype() != p.tensor.dtype() {
+        if t.dtype() != p.tensor().dtype() {
             return Err(Error::Dtype(format!(
                 "mirror of parameter {}: dtype {} given, the parameter's {} expected",
-                p.fqn,
+                p.fqn(),
                 t.dtype(),
-                p.tensor.dtype()
+                p.tensor().dtype()
             )));
         }
-        if t.shape() != p.tensor.shape() || !t.is_contiguous() {
+        if t.shape() != p.tensor().shape() || !t.is_contiguous() {
             return Err(Error::Shape(format!(
                 "mirror of parameter {}: {} {:?} (strides {:?}) given, a contiguous {} {:?} expected",
-                p.fqn,
+                p.fqn(),
                 t.dtype(),
                 t.shape(),
                 t.strides(),
-                p.tensor.dtype(),
-                p.tensor.shape()
+                p.tensor().dtype(),
+                p.tensor().shape()
             )));
         }
-        self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn))?;
-        let context = format!("mirror of parameter {}", p.fqn);
+        self.check_stream_for(device, &format!("the mirror of parameter {}", p.fqn()))?;
+        let context = format!("mirror of parameter {}", p.fqn());
         let a = crate::device::check::DeviceArg {
             arg: "mirror",
             context: &context,
@@ -84,19 +84,22 @@ impl Optimizer {
         };
         crate::device::check::check_tensor(&t, &a)?;
         // Kept only once written: a mirror that cannot be written leaves the old one.
-        let old = self.params[i].mirror.replace(Mirror { tensor: t });
+        let old = self.entry_mut(i).mirror.replace(Mirror { tensor: t });
         self.refresh_mirror(i)
-            .inspect_err(|_| self.params[i].mirror = old)
+            .inspect_err(|_| self.entry_mut(i).mirror = old)
     }
 
     /// Writes parameter `i`'s bytes to its mirror, if it has one.
     pub(super) fn refresh_mirror(&self, i: usize) -> Result<()> {
-        let p = &self.params[i];
+        let p = self.entry(i);
         let Some(m) = &p.mirror else { return Ok(()) };
         // SAFETY: host params are contiguous and valid; the mirror was checked at
         // `set_mirror` and is the caller's to keep valid.
         unsafe {
-            let bytes = p.tensor.contiguous_bytes().expect("params are contiguous");
+            let bytes = p
+                .tensor()
+                .contiguous_bytes()
+                .expect("params are contiguous");
             write_tensor(&m.tensor, bytes, self.stream())
         }
     }
@@ -108,7 +111,7 @@ impl Optimizer {
             .iter()
             .enumerate()
             .filter_map(|(i, g)| Some((i, g.as_ref()?.device())))
-            .filter(|&(i, d)| self.params[i].device().is_host() && d.is_cuda())
+            .filter(|&(i, d)| self.entry(i).device().is_host() && d.is_cuda())
             .collect()
     }
 

@@ -44,7 +44,7 @@ impl Optimizer {
     /// a device one (this waits for the work queued on the optimizer's stream). None
     /// before its first step.
     pub(crate) fn staged_state(&self, i: usize) -> Result<Option<Cow<'_, ParamState>>> {
-        let p = &self.params[i];
+        let p = self.entry(i);
         if p.device().is_host() {
             return Ok(p.state.as_ref().map(Cow::Borrowed));
         }
@@ -67,13 +67,13 @@ impl Optimizer {
 
     /// Parameter `i`'s elements as stored (read back from its device for a device one).
     pub(crate) fn param_tensor(&self, i: usize) -> Result<Tensor> {
-        let p = &self.params[i];
+        let p = self.entry(i);
         // SAFETY: registered params stay valid for the optimizer's lifetime, on their
         // device; the optimizer's stream is one of that device.
-        let data = unsafe { read_tensor(&p.tensor, self.stream())? };
+        let data = unsafe { read_tensor(p.tensor(), self.stream())? };
         Ok(Tensor {
-            dtype: p.tensor.dtype(),
-            shape: p.tensor.shape().to_vec(),
+            dtype: p.tensor().dtype(),
+            shape: p.tensor().shape().to_vec(),
             data,
         })
     }
@@ -82,9 +82,9 @@ impl Optimizer {
     /// and its mirror if it has one.
     pub(crate) fn write_param(&self, i: usize, bytes: &[u8]) -> Result<()> {
         self.before_write(i)?;
-        let p = &self.params[i];
+        let p = self.entry(i);
         // SAFETY: registered params stay valid and writable for the optimizer's lifetime.
-        unsafe { write_tensor(&p.tensor, bytes, self.stream())? };
+        unsafe { write_tensor(p.tensor(), bytes, self.stream())? };
         self.refresh_mirror(i)
     }
 
@@ -94,13 +94,13 @@ impl Optimizer {
     pub(in crate::optim) fn store_state(&mut self, i: usize, st: ParamState) -> Result<()> {
         self.before_write(i)?;
         let stream = self.stream();
-        let layout = StateLayout::of(self.param_config(i), self.params[i].tensor.dtype());
-        let p = &mut self.params[i];
+        let layout = StateLayout::of(self.param_config(i), self.entry(i).tensor().dtype());
+        let p = self.entry_mut(i);
         if p.device().is_host() {
             ParamState::replace_in(&mut p.state, Some(st));
             return Ok(());
         }
-        let numel = p.tensor.numel();
+        let numel = p.tensor().numel();
         // SAFETY: the optimizer's stream is one of the parameter's device.
         unsafe {
             let mut g = match p.gpu.take() {
@@ -127,7 +127,7 @@ impl Optimizer {
         match s.state {
             Some(st) => self.store_state(i, st),
             None => {
-                let p = &mut self.params[i];
+                let p = self.entry_mut(i);
                 (p.state, p.gpu) = (None, None);
                 Ok(())
             }

@@ -94,7 +94,7 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     .unwrap_err()
     .to_string();
     assert!(e.contains("parameter p1 is on CUDA device 78"), "{e}");
-    assert_eq!(opt.params.len(), 1, "p1 was not registered");
+    assert_eq!(opt.num_params(), 1, "p1 was not registered");
     // An offloaded gradient on the other device: refused before anything changes.
     let mut h = before.0.clone();
     unsafe { opt.add_param("h", view(&mut h), None, 0) }.unwrap();
@@ -234,7 +234,7 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     .to_string();
     assert!(e.contains("parameter f: pointer"), "{e}");
     assert!(e.contains("is memory of device 78, not device 77's"), "{e}");
-    assert_eq!(opt.params.len(), 0, "nothing was registered");
+    assert_eq!(opt.num_params(), 0, "nothing was registered");
 
     // Gradients: host memory, another device's memory.
     let mut p = encode(DType::F32, &values(N, 8));

@@ -8,14 +8,14 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::optimizer::{Optimizer, Param};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::CHUNK;
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::master_split::Half;
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::state::{Moment, ParamState};
+use crate::optim::optimizer::{Optimizer, Param};
 use crate::tensor::TensorView;
 
 fn non_finite_at(bytes: &[u8], dtype: DType) -> Option<usize> {
@@ -74,9 +74,9 @@ pub(super) unsafe fn check(
     grads: &[Option<TensorView>],
     bytes: &[Option<&[u8]>],
 ) -> Result<()> {
-    for (i, p) in opt.params.iter().enumerate() {
+    for (i, p) in opt.entries().iter().enumerate() {
         if let (Some(b), Some(g)) = (bytes[i], &grads[i]) {
-            check_param(p, opt.config(p.group), b, g.dtype())?;
+            check_param(p, opt.config(p.group()), b, g.dtype())?;
         }
     }
     Ok(())
@@ -87,36 +87,36 @@ pub(super) unsafe fn check(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(super) unsafe fn check_param(
+pub(in crate::optim) unsafe fn check_param(
     p: &Param,
     cfg: &OptimConfig,
     b: &[u8],
     grad_dtype: DType,
 ) -> Result<()> {
-    if !cfg.check_numerics || p.tensor.numel() == 0 {
+    if !cfg.check_numerics || p.tensor().numel() == 0 {
         return Ok(());
     }
     if let Some(j) = non_finite_at(b, grad_dtype) {
         return Err(Error::Numerics(format!(
             "gradient of {} holds a non-finite value at flat index {j}; nothing was updated",
-            p.fqn
+            p.fqn()
         )));
     }
     if cfg.lr == 0.0 {
         return Ok(());
     }
-    let maxabs = max_abs(&p.tensor) as f64;
+    let maxabs = max_abs(p.tensor()) as f64;
     if maxabs <= 0.0 || !maxabs.is_finite() {
         return Ok(());
     }
-    let needed = log2_min_step(p.tensor.dtype(), maxabs, cfg.master_weight_bits);
+    let needed = log2_min_step(p.tensor().dtype(), maxabs, cfg.master_weight_bits);
     if needed > cfg.lr.log2() {
         return Err(Error::Numerics(format!(
             "parameter {}: learning rate {:.3e} yields steps that may be too small to change its largest \
              value {maxabs:.4e} ({} with master_weight_bits {}; resolution {:.4e}); nothing was updated",
-            p.fqn,
+            p.fqn(),
             cfg.lr,
-            p.tensor.dtype(),
+            p.tensor().dtype(),
             cfg.master_weight_bits,
             needed.exp2()
         )));
@@ -129,25 +129,25 @@ pub(super) unsafe fn check_param(
 ///
 /// # Safety
 /// `p`'s memory must be valid for reads.
-pub(super) unsafe fn result_non_finite(p: &Param) -> Option<String> {
+pub(in crate::optim) unsafe fn result_non_finite(p: &Param) -> Option<String> {
     let b = p
-        .tensor
+        .tensor()
         .contiguous_bytes()
         .expect("parameters are contiguous");
-    if let Some(j) = non_finite_at(b, p.tensor.dtype()) {
-        return Some(format!("parameter {} at flat index {j}", p.fqn));
+    if let Some(j) = non_finite_at(b, p.tensor().dtype()) {
+        return Some(format!("parameter {} at flat index {j}", p.fqn()));
     }
     let st = p.state.as_ref()?;
     [("exp_avg", &st.m), ("exp_avg_sq", &st.v)]
         .into_iter()
         .find_map(|(name, m)| {
             let j = moment_non_finite_at(m.as_ref()?)?;
-            Some(format!("state {name} of {} at flat index {j}", p.fqn))
+            Some(format!("state {name} of {} at flat index {j}", p.fqn()))
         })
 }
 
 /// The message of a step that made `what` non-finite.
-pub(super) fn non_finite_result(what: &str) -> Error {
+pub(in crate::optim) fn non_finite_result(what: &str) -> Error {
     Error::Numerics(format!(
         "the step made {what} non-finite (check the hyper-parameters and the loss \
          scale); nothing was updated"
@@ -166,12 +166,12 @@ impl Undo {
     /// Records host parameters with a gradient whose group has `check_numerics` on.
     pub(super) unsafe fn capture(opt: &Optimizer, grads: &[Option<&[u8]>]) -> Result<Undo> {
         let mut saved = Vec::new();
-        for (i, p) in opt.params.iter().enumerate() {
-            if grads[i].is_none() || p.device().is_cuda() || !opt.config(p.group).check_numerics {
+        for (i, p) in opt.entries().iter().enumerate() {
+            if grads[i].is_none() || p.device().is_cuda() || !opt.config(p.group()).check_numerics {
                 continue;
             }
             let bytes = p
-                .tensor
+                .tensor()
                 .contiguous_bytes()
                 .expect("parameters are contiguous");
             let mut copy = crate::tensor::try_with_capacity(bytes.len(), "check_numerics undo")?;
@@ -188,13 +188,13 @@ impl Undo {
     /// After the step: if a recorded parameter, or its state, holds a non-finite value,
     /// puts every recorded parameter back and fails with `Error::Numerics` naming it.
     pub(super) unsafe fn check_result(self, opt: &mut Optimizer) -> Result<()> {
-        let bad = (self.saved.iter()).find_map(|&(i, _, _)| result_non_finite(&opt.params[i]));
+        let bad = (self.saved.iter()).find_map(|&(i, _, _)| result_non_finite(opt.entry(i)));
         let Some(what) = bad else {
             return Ok(());
         };
         for (i, bytes, state) in self.saved {
-            let p = &mut opt.params[i];
-            p.tensor
+            let p = opt.entry_mut(i);
+            p.tensor()
                 .contiguous_bytes_mut()
                 .expect("parameters are contiguous")
                 .copy_from_slice(&bytes);

@@ -1,17 +1,17 @@
 //! Writing a parameter's state by key (`set_states`): portable, raw and FlashOptim keys
-//! checked as a whole, then quantized or split into place; reading is in `state_io`.
+//! checked as a whole, then quantized or split into place; reading is in `io`.
 use half::f16;
 
-use super::keys::{
-    split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
-};
-use super::optimizer::Optimizer;
-use super::state_io::{le_bytes, m_name, values};
+use super::io::{le_bytes, m_name, values};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::keys::{
+    split_state_name, CODES_PART, ERROR_BITS, EXP_AVG_SQ, MASTER, SCALES_PART, STEP,
+};
 use crate::optim::math::master_split::{encode_one, Half};
 use crate::optim::math::quant8;
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+use crate::optim::optimizer::Optimizer;
 use crate::tensor::Tensor;
 
 impl Optimizer {
@@ -29,11 +29,11 @@ impl Optimizer {
             Some(s) => s.into_owned(),
             None => self.new_state(i),
         };
-        let p = &self.params[i];
-        let fqn = p.fqn.clone();
-        let shape = p.tensor.shape().to_vec();
-        let n = p.tensor.numel();
-        let a = self.config(p.group).algorithm;
+        let p = self.entry(i);
+        let fqn = p.fqn().to_string();
+        let shape = p.tensor().shape().to_vec();
+        let n = p.tensor().numel();
+        let a = self.config(p.group()).algorithm;
         let mut seen: Vec<&str> = Vec::new();
         let mut raw_pending: Vec<(&str, &str, &Tensor)> = Vec::new();
         let mut master: Option<Vec<f32>> = None;
@@ -161,7 +161,7 @@ impl Optimizer {
         // param and its error bits restores both exactly.
         let mut param_bytes: Option<Vec<u8>> = None;
         if let Some(mv) = master {
-            param_bytes = Some(match Half::from_dtype(self.params[i].tensor.dtype()) {
+            param_bytes = Some(match Half::from_dtype(self.entry(i).tensor().dtype()) {
                 Err(_) => le_bytes(&mv, f32::to_le_bytes),
                 Ok(h) => {
                     let bits: Vec<u16> = mv.iter().map(|&x| h.from_f32(x)).collect();

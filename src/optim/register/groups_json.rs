@@ -2,8 +2,8 @@
 //! FlashOptim's extra entries and fo's format, parameters listed by FQN.
 use serde_json::{json, Value};
 
-use super::math::config::Algorithm;
-use super::optimizer::Optimizer;
+use crate::optim::math::config::Algorithm;
+use crate::optim::optimizer::Optimizer;
 
 impl Optimizer {
     pub fn param_groups_json(&self) -> Value {
@@ -43,10 +43,10 @@ impl Optimizer {
                     }
                 }
                 let params: Vec<&str> = self
-                    .params
+                    .entries()
                     .iter()
-                    .filter(|p| p.group == g)
-                    .map(|p| p.fqn.as_str())
+                    .filter(|p| p.group() == g)
+                    .map(|p| p.fqn())
                     .collect();
                 m.insert("params".into(), json!(params));
                 v

@@ -10,14 +10,14 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::numerics;
-use super::optimizer::Param;
-use super::step::push_param_jobs;
 use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+use crate::optim::optimizer::Param;
+use crate::optim::step::numerics;
+use crate::optim::step::push_param_jobs;
 use crate::tensor::{try_with_capacity, Device, TensorView};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
@@ -44,7 +44,7 @@ pub(super) struct Fetch {
 }
 
 /// What a parameter's memory and state were before its speculative step.
-pub(super) struct Saved {
+pub(in crate::optim) struct Saved {
     pub bytes: Vec<u8>,
     /// None when the step created the state.
     pub state: Option<ParamState>,
@@ -87,7 +87,7 @@ impl Done {
     /// The parameter's memory must be valid and not in use by anyone else.
     pub unsafe fn restore_memory(&self) {
         if let Some(u) = &self.undo {
-            let dst = self.param.tensor.contiguous_bytes_mut();
+            let dst = self.param.tensor().contiguous_bytes_mut();
             dst.expect("parameters are contiguous")
                 .copy_from_slice(&u.bytes);
         }
@@ -201,7 +201,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
             None => d.grad.contiguous_bytes().expect("contiguous"),
         };
         numerics::check_param(&d.param, &d.cfg, g, d.grad.dtype())?;
-        let now = d.param.tensor.contiguous_bytes();
+        let now = d.param.tensor().contiguous_bytes();
         let now = now.expect("parameters are contiguous");
         // The last step's record is refilled in place: fresh memory would be faulted in
         // page by page at every step (as costly as the copy itself).

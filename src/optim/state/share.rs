@@ -2,13 +2,13 @@
 //! fo.torch's `state_dict()` hand out its fp32 moments as torch hands out its own, by
 //! reference, so a DCP save copies them once rather than after a decode into fresh
 //! tensors. Only state stored as f32 on the host can be lent; everything else is read by
-//! decoding (`state_io`). Why a lent buffer stays valid and live: `math::live`.
-use super::keys::{split_state_name, EXP_AVG_SQ};
-use super::optimizer::Optimizer;
-use super::state_io::m_name;
+//! decoding (`io`). Why a lent buffer stays valid and live: `math::live`.
+use super::io::m_name;
 use crate::error::{Error, Result};
+use crate::optim::keys::{split_state_name, EXP_AVG_SQ};
 use crate::optim::math::live::Share;
 use crate::optim::math::state::{Moment, ParamState};
+use crate::optim::optimizer::Optimizer;
 
 impl Optimizer {
     /// A hold on the live f32 storage of state `key` (`exp_avg`, `exp_avg_sq` or
@@ -19,8 +19,8 @@ impl Optimizer {
     pub fn share_state(&self, i: usize, key: &str) -> Result<Share> {
         self.check_index(i)?;
         self.refuse_if_step_open("share_state")?;
-        let p = &self.params[i];
-        let fqn = &p.fqn;
+        let p = self.entry(i);
+        let fqn = p.fqn();
         if self.param_device(i).is_cuda() {
             return Err(Error::Unsupported(format!(
                 "state {key} of parameter {fqn} lives on {}: only host state can be shared; \
@@ -28,7 +28,7 @@ impl Optimizer {
                 self.param_device(i)
             )));
         }
-        let a = self.config(p.group).algorithm;
+        let a = self.config(p.group()).algorithm;
         let (name, raw) = split_state_name(key);
         let st = p.state.as_ref().ok_or_else(|| {
             Error::NotFound(format!(
@@ -51,7 +51,7 @@ impl Optimizer {
             _ => Err(Error::Unsupported(format!(
                 "state {key} of parameter {fqn} is stored compressed ({}); only float32 \
                  state can be shared live: read it with fo_optimizer_get_state",
-                self.config(p.group).state_format.name()
+                self.config(p.group()).state_format.name()
             ))),
         }
     }
@@ -61,7 +61,7 @@ impl Optimizer {
     /// any time without fo knowing.
     pub(crate) fn lends_state(&self, i: usize) -> bool {
         let lent = |m: &Option<Moment>| matches!(m, Some(Moment::F32(b)) if b.is_shared());
-        self.params[i]
+        self.entry(i)
             .state
             .as_ref()
             .is_some_and(|s: &ParamState| lent(&s.m) || lent(&s.v))

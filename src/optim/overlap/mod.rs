@@ -21,15 +21,20 @@
 //!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
 //!   handed-over parameter is stepped again by `step`: clip-then-step, bit for bit.
 //!
-//! The background work lives in `overlap_task`, the end of the step in `overlap_end`.
-use super::optimizer::{Optimizer, Param};
-use super::overlap_open::{no_step, Given, OpenStep};
-pub use super::overlap_open::{OverlapOptions, OverlapStats};
-use super::overlap_task::{self, Fetch, Inbox, Item};
-use super::threads;
+//! The background work lives in `task`, the end of the step in `end`, the open step's
+//! record and the caller's options in `open`.
+mod end;
+pub(in crate::optim) mod open;
+pub(in crate::optim) mod task;
+
 use crate::clip;
 use crate::error::{Error, Result};
+use crate::optim::optimizer::{Optimizer, Param};
+use crate::optim::threads;
 use crate::tensor::{Device, TensorView};
+use open::{no_step, Given, OpenStep};
+pub use open::{OverlapOptions, OverlapStats};
+use task::{Fetch, Inbox, Item};
 
 impl Optimizer {
     /// Whether an overlapped step is open.
@@ -71,7 +76,7 @@ impl Optimizer {
         }
         self.set_open_step(Box::new(OpenStep {
             opts,
-            given: (0..self.params.len()).map(|_| None).collect(),
+            given: (0..self.num_params()).map(|_| None).collect(),
             inbox: Inbox::new(),
             pool: threads::pool()?,
             undo_bytes: 0,
@@ -127,7 +132,7 @@ impl Optimizer {
             self.check_index(i).map_err(|_| {
                 Error::invalid(
                     format!("indices[{k}]"),
-                    format!("{i} is out of range ({} parameters)", self.params.len()),
+                    format!("{i} is out of range ({} parameters)", self.num_params()),
                 )
             })?;
             if open.given[i].is_some() || indices[..k].contains(&i) {
@@ -135,7 +140,7 @@ impl Optimizer {
                     format!("indices[{k}]"),
                     format!(
                         "the gradient of {} was already handed over in this step",
-                        self.params[i].fqn
+                        self.entry(i).fqn()
                     ),
                 ));
             }
@@ -150,8 +155,8 @@ impl Optimizer {
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early = Vec::with_capacity(indices.len());
         for (&i, g) in indices.iter().zip(grads) {
-            let p = &self.params[i];
-            let need = p.tensor.nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
+            let p = self.entry(i);
+            let need = p.tensor().nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
             // A host parameter with a device gradient (the offload case) comes down first.
             let host_step = p.device().is_host() && (g.device().is_host() || g.nbytes() > 0);
             let fits = host_step && !certain && used.saturating_add(need) <= budget;
@@ -213,7 +218,7 @@ impl Optimizer {
         // SAFETY: see `OpenStep`: each item's parameter is this task's alone until
         // step_end or drop waits for it; the gradients are the caller's to keep valid.
         open.pool.spawn(move || {
-            let dones = unsafe { overlap_task::run(items, clip_p) };
+            let dones = unsafe { task::run(items, clip_p) };
             delivery.dones.extend(dones);
         });
         Ok(())
@@ -246,25 +251,19 @@ impl Optimizer {
 
     /// Parameter `i` as a task's item: its state moved out of the table (fresh if none).
     fn item(&mut self, i: usize, grad: TensorView, fetch: Option<Fetch>) -> Item {
-        let fresh = self.params[i].state.is_none();
-        let state = match self.params[i].state.take() {
+        let fresh = self.entry(i).state.is_none();
+        let state = match self.entry_mut(i).state.take() {
             Some(s) => s,
             None => self.new_state(i),
         };
         let spare = self.undo_spares_mut().get_mut(i).and_then(Option::take);
-        let p = &self.params[i];
+        let p = self.entry(i);
+        let mut param = Param::new(p.fqn().to_string(), p.tensor().clone(), None, p.group());
+        param.state = Some(state);
         Item {
             i,
-            param: Param {
-                fqn: p.fqn.clone(),
-                tensor: p.tensor.clone(),
-                spec: None,
-                group: p.group,
-                state: Some(state),
-                gpu: None,
-                mirror: None,
-            },
-            cfg: self.config(p.group).clone(),
+            param,
+            cfg: self.config(p.group()).clone(),
             grad,
             fresh,
             fetch,
@@ -288,17 +287,13 @@ fn clip_is_certain(o: &OverlapOptions, (largest, sum): (f64, f64)) -> bool {
 }
 
 #[cfg(test)]
-#[path = "overlap_tests.rs"]
-pub(super) mod tests;
+mod tests;
 
 #[cfg(test)]
-#[path = "overlap_clip_tests.rs"]
 mod clip_tests;
 
 #[cfg(test)]
-#[path = "overlap_defer_tests.rs"]
 mod defer_tests;
 
 #[cfg(test)]
-#[path = "overlap_offload_tests.rs"]
 mod offload_tests;

@@ -7,9 +7,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::optimizer::{Optimizer, Param};
 use crate::error::Result;
 use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::{Optimizer, Param};
 
 /// What the optimizer calls on a save in flight (ckpt's `Snapshot` implements it).
 pub(crate) trait SaveHook: Send + Sync {
@@ -32,7 +32,7 @@ pub(crate) trait SaveHook: Send + Sync {
 /// only this file opens it; every mutation of a parameter's state or memory calls
 /// `before_write` first while it is read.
 #[derive(Default)]
-pub(super) struct SaveSlot(Option<Arc<dyn SaveHook>>);
+pub(in crate::optim) struct SaveSlot(Option<Arc<dyn SaveHook>>);
 
 /// A step in progress, as a save in flight sees it (`Optimizer::mark_step`); dropping it
 /// lets the save's writer go on.
@@ -90,11 +90,11 @@ impl Optimizer {
     /// Parameter `i`'s host state as stored (None for a device parameter or before its
     /// first step), for the save's shallow copies (`ckpt::live_reader::LiveReader`).
     pub(crate) fn host_state(&self, i: usize) -> Option<&ParamState> {
-        self.params[i].state.as_ref()
+        self.entry(i).state.as_ref()
     }
 
     /// The async save still reading this optimizer, if any.
-    pub(super) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
+    pub(in crate::optim) fn save_in_flight(&self) -> Option<&Arc<dyn SaveHook>> {
         self.save_slot().0.as_ref().filter(|s| s.is_reading())
     }
 
@@ -103,16 +103,11 @@ impl Optimizer {
     /// live state, so that nothing the caller's thread changes meanwhile is shared.
     pub(crate) fn detached_view(&self) -> Optimizer {
         let params = self
-            .params
+            .entries()
             .iter()
-            .map(|p| Param {
-                fqn: p.fqn.clone(),
-                tensor: p.tensor.clone(),
-                spec: p.spec.clone(),
-                group: p.group,
-                state: None,
-                gpu: None,
-                mirror: None,
+            .map(|p| {
+                let fqn = p.fqn().to_string();
+                Param::new(fqn, p.tensor().clone(), p.spec().cloned(), p.group())
             })
             .collect();
         Optimizer::with_tables(self.groups().to_vec(), params, self.stream())

@@ -4,14 +4,14 @@
 //! back and fail.
 use std::time::Instant;
 
-use super::optimizer::Optimizer;
-use super::overlap_open::OverlapOptions;
-use super::overlap_open::{no_step, Given, OpenStep, OverlapStats};
-use super::overlap_task::{Done, Saved};
+use super::open::OverlapOptions;
+use super::open::{no_step, Given, OpenStep, OverlapStats};
+use super::task::{Done, Saved};
 use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
 use crate::optim::math::state::ParamState;
+use crate::optim::optimizer::Optimizer;
 use crate::tensor::TensorView;
 
 impl Optimizer {
@@ -42,7 +42,7 @@ impl Optimizer {
         let mut dones = open.inbox.wait_all();
         dones.sort_by_key(|d| d.i);
         for d in dones.iter_mut() {
-            self.params[d.i].state = d.param.state.take();
+            self.entry_mut(d.i).state = d.param.state.take();
         }
         let r = agreed.and_then(|_| self.finish(&mut open, &mut dones, comm));
         if r.is_err() {
@@ -55,7 +55,7 @@ impl Optimizer {
 
     /// Keeps the step's undo records for the next overlapped step to fill.
     fn keep_spares(&mut self, dones: &mut [Done]) {
-        let n = self.params.len();
+        let n = self.num_params();
         let spares = self.undo_spares_mut();
         spares.resize_with(n, || None);
         for d in dones.iter_mut() {
@@ -75,7 +75,7 @@ impl Optimizer {
         let mut dones = open.inbox.wait_all();
         dones.sort_by_key(|d| d.i);
         for d in dones.iter_mut() {
-            self.params[d.i].state = d.param.state.take();
+            self.entry_mut(d.i).state = d.param.state.take();
         }
         self.roll_back(&mut dones, &mut open.stats);
         self.keep_spares(&mut dones);
@@ -140,7 +140,7 @@ impl Optimizer {
             return Err(e);
         }
         if let Some(what) = dones.iter().find_map(|d| d.bad_result.clone()) {
-            return Err(super::numerics::non_finite_result(&what));
+            return Err(crate::optim::step::numerics::non_finite_result(&what));
         }
         if open.stats.deferred > 0 {
             self.step_given(open, |g| !g.early)?;
@@ -193,9 +193,8 @@ impl Optimizer {
     /// Whether parameter `i`'s gradient counts as a shard in the clip norm: it was
     /// registered with a shard spec placing it by `Shard` or `_StridedShard`.
     fn is_shard(&self, i: usize) -> bool {
-        self.params[i]
-            .spec
-            .as_ref()
+        self.entry(i)
+            .spec()
             .is_some_and(|s| s.placements().iter().any(|p| p.shard_dim().is_some()))
     }
 
@@ -210,14 +209,14 @@ impl Optimizer {
                 Some(u) => {
                     // SAFETY: the task is over and the step is closed: the memory is ours.
                     unsafe {
-                        let dst = self.params[d.i].tensor.contiguous_bytes_mut();
+                        let dst = self.entry(d.i).tensor().contiguous_bytes_mut();
                         dst.expect("parameters are contiguous")
                             .copy_from_slice(&u.bytes)
                     };
                     // The record's buffers, with the state it replaced, serve the next
                     // step (`keep_spares`); not `d.undo`: a second rollback finds nothing.
                     // `replace_in` keeps a lent f32 buffer live (values copied back into it).
-                    let stepped = ParamState::replace_in(&mut self.params[d.i].state, u.state);
+                    let stepped = ParamState::replace_in(&mut self.entry_mut(d.i).state, u.state);
                     d.spare = Some(Saved {
                         bytes: u.bytes,
                         state: stepped,
@@ -226,7 +225,7 @@ impl Optimizer {
                     stats.rolled_back_bytes += bytes as u64;
                     n += 1;
                 }
-                None if d.fresh => self.params[d.i].state = None,
+                None if d.fresh => self.entry_mut(d.i).state = None,
                 None => {}
             }
         }

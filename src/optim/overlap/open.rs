@@ -1,6 +1,6 @@
 //! What the optimizer holds while an overlapped step is open (`overlap.rs`): the step's
 //! options and counters, the gradients handed over, and the tasks still out on the pool.
-use super::overlap_task::Inbox;
+use super::task::Inbox;
 use crate::error::Error;
 use crate::tensor::TensorView;
 

@@ -127,12 +127,12 @@ fn undo_records_are_refilled_from_step_to_step() {
             }
             _ => 0,
         };
-        let now: Vec<(usize, [usize; 2])> = (0..b.opt.params.len())
+        let now: Vec<(usize, [usize; 2])> = (0..b.opt.num_params())
             .filter_map(|i| {
                 let s = b.opt.undo_spares().get(i)?.as_ref()?;
                 let mut m = [
                     codes(s.state.as_ref()),
-                    codes(b.opt.params[i].state.as_ref()),
+                    codes(b.opt.entry(i).state.as_ref()),
                 ];
                 m.sort();
                 Some((s.bytes.as_ptr() as usize, m))

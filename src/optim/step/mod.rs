@@ -2,19 +2,20 @@
 //! their GPU while host ones step on the CPU), and the helpers only steps use.
 use rayon::prelude::*;
 
-use super::math::config::OptimConfig;
-use super::numerics;
-use super::optimizer::{is_param_dtype, Optimizer, Param};
-use super::threads;
+pub mod numerics;
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, push_jobs, Job};
+use crate::optim::math::config::OptimConfig;
 use crate::optim::math::rule::Rule;
+use crate::optim::optimizer::{is_param_dtype, Optimizer, Param};
+use crate::optim::threads;
 use crate::tensor::TensorView;
 
 /// Counts host parameter `p`'s step (when it has state) and gives the rule for it and
 /// SGD's `first` flag; None without state.
-pub(super) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule, bool)> {
+pub(in crate::optim) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule, bool)> {
     let st = p.state.as_mut()?;
     st.step += 1;
     // torch's SGD copies the first gradient into a buffer that did not exist yet.
@@ -28,7 +29,7 @@ pub(super) fn begin_param_step(p: &mut Param, cfg: &OptimConfig) -> Option<(Rule
 ///
 /// # Safety
 /// `p`'s memory must be valid for the jobs' lifetime.
-pub(super) unsafe fn push_param_jobs<'a>(
+pub(in crate::optim) unsafe fn push_param_jobs<'a>(
     jobs: &mut Vec<Job<'a>>,
     p: &'a mut Param,
     cfg: &OptimConfig,
@@ -38,29 +39,30 @@ pub(super) unsafe fn push_param_jobs<'a>(
     let Some((rule, first)) = begin_param_step(p, cfg) else {
         return;
     };
-    if p.tensor.numel() > 0 {
-        let st = p.state.as_mut().expect("begin_param_step saw state");
-        push_jobs(jobs, &p.tensor, g, grad_dtype, st, rule, first);
+    if p.tensor().numel() > 0 {
+        let (tensor, state) = p.tensor_and_state();
+        let st = state.as_mut().expect("begin_param_step saw state");
+        push_jobs(jobs, tensor, g, grad_dtype, st, rule, first);
     }
 }
 
 impl Optimizer {
     /// Checks gradient `g` of parameter `i` as `step` does: its shape, dtype and device,
     /// and that it does not overlap parameter memory the step writes.
-    pub(super) fn check_grad(&self, i: usize, g: &TensorView) -> Result<()> {
-        let p = &self.params[i];
-        if g.shape() != p.tensor.shape() {
+    pub(in crate::optim) fn check_grad(&self, i: usize, g: &TensorView) -> Result<()> {
+        let p = self.entry(i);
+        if g.shape() != p.tensor().shape() {
             return Err(Error::Shape(format!(
                 "gradient of {}: shape {:?} does not match the parameter's {:?}",
-                p.fqn,
+                p.fqn(),
                 g.shape(),
-                p.tensor.shape()
+                p.tensor().shape()
             )));
         }
         if !is_param_dtype(g.dtype()) {
             return Err(Error::Dtype(format!(
                 "gradient of {}: dtype {} is not one of F32, BF16, F16",
-                p.fqn,
+                p.fqn(),
                 g.dtype()
             )));
         }
@@ -72,7 +74,8 @@ impl Optimizer {
                 "grads",
                 format!(
                     "the gradient of {} overlaps the memory of parameter {}, which the step writes",
-                    p.fqn, self.params[q].fqn
+                    p.fqn(),
+                    self.entry(q).fqn()
                 ),
             ));
         }
@@ -93,13 +96,13 @@ impl Optimizer {
     /// must still be valid.
     pub unsafe fn step(&mut self, grads: &[Option<TensorView>]) -> Result<()> {
         self.refuse_if_step_open("step")?;
-        if grads.len() != self.params.len() {
+        if grads.len() != self.num_params() {
             return Err(Error::invalid(
                 "grads",
                 format!(
                     "{} gradients given for {} parameters",
                     grads.len(),
-                    self.params.len()
+                    self.num_params()
                 ),
             ));
         }
@@ -171,15 +174,15 @@ impl Optimizer {
         };
         for (i, g) in grad_bytes.iter().enumerate() {
             let offload = pipelined.iter().any(|&(j, _)| j == i);
-            if (g.is_some() || offload) && self.params[i].state.is_none() {
-                self.params[i].state = Some(self.new_state(i));
+            if (g.is_some() || offload) && self.entry(i).state.is_none() {
+                self.entry_mut(i).state = Some(self.new_state(i));
             }
         }
         let mut jobs: Vec<Job<'_>> = Vec::new();
         let (params, groups) = self.params_mut_with_groups();
         for ((p, g), gt) in params.iter_mut().zip(&grad_bytes).zip(grads) {
             if let (Some(gb), Some(gt)) = (g, gt) {
-                push_param_jobs(&mut jobs, p, &groups[p.group], gb, gt.dtype());
+                push_param_jobs(&mut jobs, p, &groups[p.group()], gb, gt.dtype());
             }
         }
         pool.install(|| jobs.into_par_iter().for_each(kernel::run));

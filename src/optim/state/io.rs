@@ -1,19 +1,19 @@
 //! Reading a parameter's state by key, as torch and FlashOptim name it (writing is in
-//! `state_set`): `step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer` (decoded f32, any
+//! `set`): `step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer` (decoded f32, any
 //! format), the raw compressed keys `<name>::quantized` / `<name>::scales` and
 //! `error_bits`, and `master` (the f32 master weight: the param, completed by its error
 //! bits).
-use super::keys::{
+use super::out::{fill, is_float, Source};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::keys::{
     self, split_state_name, CODES_PART, ERROR_BITS, EXP_AVG, EXP_AVG_SQ, MASTER, MOMENTUM_BUFFER,
     SCALES_PART, STEP,
 };
-use super::math::config::Algorithm;
-use super::optimizer::Optimizer;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::optim::math::config::Algorithm;
 use crate::optim::math::state::{ErrorBits, Moment};
+use crate::optim::optimizer::Optimizer;
 use crate::optim::placement::staging::StagedParam;
-use crate::optim::state_out::{fill, is_float, Source};
 use crate::tensor::{try_with_capacity, Tensor, TensorView};
 
 /// The name of the momentum-like state of an algorithm.
@@ -60,7 +60,7 @@ impl Optimizer {
 
     /// `state_keys` for internal loops over known indices (unchecked).
     pub(crate) fn keys_of(&self, i: usize) -> Vec<String> {
-        let p = &self.params[i];
+        let p = self.entry(i);
         // A device state's keys follow from its layout: nothing is read back for them.
         let empty;
         let st = match (&p.state, &p.gpu) {
@@ -71,7 +71,7 @@ impl Optimizer {
             }
             (None, None) => return vec![],
         };
-        let a = self.config(p.group).algorithm;
+        let a = self.config(p.group()).algorithm;
         let mut out = Vec::new();
         if a.is_adam() {
             out.push(STEP.to_string());
@@ -101,12 +101,12 @@ impl Optimizer {
     /// `master`, `sp.param` must have been read (`StagedParam::param`).
     fn source<'s>(&self, sp: &'s StagedParam<'_>, key: &str) -> Result<(Source<'s>, Vec<usize>)> {
         let i = sp.i;
-        let p = &self.params[i];
-        let shape = p.tensor.shape().to_vec();
+        let p = self.entry(i);
+        let shape = p.tensor().shape().to_vec();
         let st = sp.state.as_deref();
         if key == MASTER {
             let param = sp.param.as_ref().ok_or_else(|| {
-                Error::Internal(format!("master of {} read before its parameter", p.fqn))
+                Error::Internal(format!("master of {} read before its parameter", p.fqn()))
             })?;
             let err = st.and_then(|s| s.error_bits.as_ref());
             return Ok((Source::Master { param, err }, shape));
@@ -114,14 +114,14 @@ impl Optimizer {
         let st = st.ok_or_else(|| {
             Error::NotFound(format!(
                 "parameter {} has no optimizer state yet (no step taken, nothing loaded)",
-                p.fqn
+                p.fqn()
             ))
         })?;
-        let a = self.config(p.group).algorithm;
+        let a = self.config(p.group()).algorithm;
         let missing = || {
             Error::NotFound(format!(
                 "parameter {} has no state key {key:?} (it has: step, master, {})",
-                p.fqn,
+                p.fqn(),
                 self.keys_of(i).join(", ")
             ))
         };
@@ -159,7 +159,7 @@ impl Optimizer {
     pub fn state_info(&self, i: usize, key: &str) -> Result<(DType, Vec<usize>)> {
         let sp = self.stage(i)?;
         if key == MASTER {
-            return Ok((DType::F32, self.params[i].tensor.shape().to_vec()));
+            return Ok((DType::F32, self.entry(i).tensor().shape().to_vec()));
         }
         let (src, shape) = self.source(&sp, key)?;
         Ok((src.dtype(), shape))
