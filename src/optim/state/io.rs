@@ -11,7 +11,7 @@ use crate::optim::keys::{
     SCALES_PART, STEP,
 };
 use crate::optim::math::config::Algorithm;
-use crate::optim::math::state::{ErrorBits, Moment};
+use crate::optim::math::state::{ErrorBits, Moment, ParamState};
 use crate::optim::optimizer::Optimizer;
 use crate::optim::placement::staging::StagedParam;
 use crate::tensor::{try_with_capacity, Tensor, TensorView};
@@ -22,6 +22,18 @@ pub(super) fn m_name(a: Algorithm) -> &'static str {
         MOMENTUM_BUFFER
     } else {
         EXP_AVG
+    }
+}
+
+/// The moment state name `name` (`exp_avg`/`momentum_buffer` as `a` calls it, or
+/// `exp_avg_sq`) stands for in `st`, if `st` holds it.
+pub(super) fn moment_of<'s>(st: &'s ParamState, a: Algorithm, name: &str) -> Option<&'s Moment> {
+    if name == m_name(a) {
+        st.m.as_ref()
+    } else if name == EXP_AVG_SQ {
+        st.v.as_ref()
+    } else {
+        None
     }
 }
 
@@ -135,14 +147,7 @@ impl Optimizer {
             };
         }
         let (name, raw) = split_state_name(key);
-        let m = if name == m_name(a) {
-            st.m.as_ref()
-        } else if name == EXP_AVG_SQ {
-            st.v.as_ref()
-        } else {
-            None
-        }
-        .ok_or_else(missing)?;
+        let m = moment_of(st, a, name).ok_or_else(missing)?;
         match (raw, m) {
             (None, m) => Ok((Source::Decoded(m), shape)),
             (Some(CODES_PART), Moment::Signed { codes, .. }) => Ok((Source::I8(codes), shape)),

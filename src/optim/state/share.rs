@@ -3,9 +3,9 @@
 //! reference, so a DCP save copies them once rather than after a decode into fresh
 //! tensors. Only state stored as f32 on the host can be lent; everything else is read by
 //! decoding (`io`). Why a lent buffer stays valid and live: `math::live`.
-use super::io::m_name;
+use super::io::moment_of;
 use crate::error::{Error, Result};
-use crate::optim::keys::{split_state_name, EXP_AVG_SQ};
+use crate::optim::keys::split_state_name;
 use crate::optim::math::live::Share;
 use crate::optim::math::state::{Moment, ParamState};
 use crate::optim::optimizer::Optimizer;
@@ -35,10 +35,11 @@ impl Optimizer {
                 "parameter {fqn} has no optimizer state yet (no step taken, nothing loaded)"
             ))
         })?;
-        let m = match (raw, name) {
-            (None, n) if n == m_name(a) => st.m.as_ref(),
-            (None, EXP_AVG_SQ) => st.v.as_ref(),
-            _ => None,
+        // Raw keys (`::quantized`, `::scales`) name parts of compressed state: never lent.
+        let m = if raw.is_none() {
+            moment_of(st, a, name)
+        } else {
+            None
         }
         .ok_or_else(|| {
             Error::NotFound(format!(
