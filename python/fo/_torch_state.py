@@ -59,6 +59,7 @@ class State(Mapping):
         self.handed = {}  # param -> ParamState handed out since the last step
         self.watched = {}  # (param, key) -> (weakref to a tensor handed out before a step, version)
         self.live = {}  # (param, key) -> address of fo's live buffer lent for it
+        self.lent = set()  # those addresses, for `is_lent` in O(1) (it runs per held tensor)
 
     def lend(self, i, p, key, shape):
         """fo's live float32 buffer of state `key` of p (fo index i) as a tensor of `shape`,
@@ -67,7 +68,11 @@ class State(Mapping):
         if arr is None:
             return None
         t = torch.from_numpy(arr).view(shape)
-        self.live[(p, key)] = t.data_ptr()
+        old = self.live.get((p, key))
+        if old != t.data_ptr():
+            self.lent.discard(old)  # one buffer per (param, key): no other key holds it
+            self.live[(p, key)] = t.data_ptr()
+            self.lent.add(t.data_ptr())
         return t
 
     def is_live(self, p, key, t):
@@ -76,12 +81,13 @@ class State(Mapping):
     def is_lent(self, t):
         """Whether `t` is one of fo's live buffers, whichever state it is: a refresh must
         never write into it (it may have been assigned as another parameter's state)."""
-        return t.numel() > 0 and local(t).data_ptr() in self.live.values()
+        return t.numel() > 0 and local(t).data_ptr() in self.lent
 
     def forget_live(self):
         """fo's buffers were replaced (the optimizer was rebuilt): tensors lent before are
         plain copies from now on, refreshed and checked for edits like any other."""
         self.live.clear()
+        self.lent.clear()
 
     def __getitem__(self, p):
         st = self.handed.get(p)
