@@ -108,29 +108,7 @@ impl Checkpoint {
                 ),
             ));
         }
-        let signed = match codes.dtype {
-            DType::I8 => true,
-            DType::U8 => false,
-            other => {
-                return Err(Error::Dtype(format!(
-                    "key {ck}: quant8 codes must be I8 or U8, found {other}"
-                )))
-            }
-        };
-        Ok(codes
-            .data
-            .iter()
-            .zip(&scale_of)
-            .map(|(&q, &s)| {
-                let mut x = [0f32];
-                if signed {
-                    quant8::decode_signed_group(&[q as i8], scales[s], &mut x);
-                } else {
-                    quant8::decode_unsigned_sqrt_group(&[q], scales[s], &mut x);
-                }
-                x[0]
-            })
-            .collect())
+        decode_codes(&codes, &ck, |e| scales[scale_of[e]])
     }
 
     /// Compressed state `base` for `dest`: copied when `dest` is a saved coordinate's
@@ -221,4 +199,36 @@ fn f16s(t: &Tensor, key: &str) -> Result<Vec<half::f16>> {
             "key {key}: quant8 scales must be F16, found {other}"
         ))),
     }
+}
+
+/// Quant8 codes of key `ck` (I8: momentum softsign, U8: variance sqrt) decoded element by
+/// element, element `e` with the fp16 scale `scale(e)` of the group it was saved in.
+pub(crate) fn decode_codes(
+    codes: &Tensor,
+    ck: &str,
+    scale: impl Fn(usize) -> half::f16,
+) -> Result<Vec<f32>> {
+    let signed = match codes.dtype {
+        DType::I8 => true,
+        DType::U8 => false,
+        other => {
+            return Err(Error::Dtype(format!(
+                "key {ck}: quant8 codes must be I8 or U8, found {other}"
+            )))
+        }
+    };
+    Ok(codes
+        .data
+        .iter()
+        .enumerate()
+        .map(|(e, &q)| {
+            let mut x = [0f32];
+            if signed {
+                quant8::decode_signed_group(&[q as i8], scale(e), &mut x);
+            } else {
+                quant8::decode_unsigned_sqrt_group(&[q], scale(e), &mut x);
+            }
+            x[0]
+        })
+        .collect())
 }

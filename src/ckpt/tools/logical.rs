@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 use super::info::{logical_keys, LogicalKey};
 use crate::ckpt::format::header::{read_header, TensorEntry};
 use crate::ckpt::format::naming::{codes_key, scales_key, CONSOLIDATED_FILE, GROUP};
+use crate::ckpt::load::quant::decode_codes;
 use crate::ckpt::load::reader::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::math::quant8;
 use crate::shard::{Placement, ShardSpec};
 use crate::tensor::Tensor;
 
@@ -179,30 +179,8 @@ impl Source {
             .chunks_exact(2)
             .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
             .collect();
-        let signed = match codes.dtype {
-            DType::I8 => true,
-            DType::U8 => false,
-            other => {
-                return Err(Error::Dtype(format!(
-                    "key {ck}: quant8 codes must be I8 or U8, found {other}"
-                )))
-            }
-        };
-        Ok(codes
-            .data
-            .iter()
-            .enumerate()
-            .map(|(i, &q)| {
-                let scale = scales[(e0 + i) / GROUP - g0];
-                let mut x = [0f32];
-                if signed {
-                    quant8::decode_signed_group(&[q as i8], scale, &mut x);
-                } else {
-                    quant8::decode_unsigned_sqrt_group(&[q], scale, &mut x);
-                }
-                f64::from(x[0])
-            })
-            .collect())
+        let x = decode_codes(&codes, &ck, |i| scales[(e0 + i) / GROUP - g0])?;
+        Ok(x.into_iter().map(f64::from).collect())
     }
 }
 
