@@ -21,7 +21,7 @@ namespace {
 enum { F32 = 0, F16 = 1, BF16 = 2, I8 = 4, U8 = 5, I16 = 6 };
 size_t dsize(int32_t d) { return d == F32 ? 4 : (d == I8 || d == U8) ? 1 : 2; }
 
-// fo's Rule::new (src/optim/math/rule.rs) in C++: the scalars a launch passes per tensor.
+// fo's Rule::new (src/optim/math/rule/mod.rs) in C++: the scalars a launch passes per tensor.
 fo_rule make_rule(const fo_optim_config& c, uint64_t step) {
   fo_rule r{};
   bool torch = c.state_format == 0;

@@ -6,8 +6,8 @@
 //! are the same on every kernel path.
 mod optim_util;
 
-use fo::optim::math::fast::{ULP_BOUND, ULP_BOUND_FINE};
 use fo::optim::math::master_split::Half;
+use fo::optim::math::rule::fast::{ULP_BOUND, ULP_BOUND_FINE};
 use fo::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, TensorView};
 use optim_util::*;

@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::config::{OptimConfig, StateFormat};
 use crate::optim::math::quant8::GROUP;
-use crate::optim::math::rule::Rule;
+use crate::optim::math::rule::{Lion, Rule, Sgd};
 use crate::optim::math::state::{ErrorBits, F32Buf, Moment, ParamState, Root};
 
 /// `fo_rule_kind` of fo_rules.cuh.
@@ -194,115 +194,61 @@ impl FoRule {
     /// is the one whose bits the GPU reproduces), so it is refused, not approximated.
     pub fn new(rule: &Rule) -> Result<FoRule> {
         let l2 = |l2: Option<f32>| (l2.is_some() as i32, l2.unwrap_or(0.0));
-        let r = match *rule {
-            Rule::TorchAdam {
-                l2: wd,
-                decay,
-                w1,
-                b2,
-                w2,
-                bc2_sqrt,
-                eps,
-                neg_step,
-            } => FoRule {
+        let sgd = |kind, c: &Sgd| FoRule {
+            kind,
+            has_l2: l2(c.l2).0,
+            l2: l2(c.l2).1,
+            has_momentum: c.momentum.is_some() as i32,
+            momentum: c.momentum.unwrap_or(0.0),
+            nesterov: c.nesterov as i32,
+            decay: c.decay,
+            wdamp: c.wdamp,
+            lr: c.lr,
+            ..FoRule::default()
+        };
+        let lion = |kind, c: &Lion| FoRule {
+            kind,
+            decay: c.decay,
+            b1: c.betas.b1,
+            w1: c.betas.w1,
+            b2: c.betas.b2,
+            w2: c.betas.w2,
+            lr: c.lr,
+            ..FoRule::default()
+        };
+        let r = match rule {
+            Rule::TorchAdam(u) => FoRule {
                 kind: RULE_TORCH_ADAM,
-                has_l2: l2(wd).0,
-                l2: l2(wd).1,
-                decay,
-                w1,
-                b2,
-                w2,
-                bc2_sqrt,
-                eps,
-                lr: neg_step,
+                has_l2: l2(u.l2).0,
+                l2: l2(u.l2).1,
+                decay: u.decay,
+                w1: u.betas.w1,
+                b2: u.betas.b2,
+                w2: u.betas.w2,
+                bc2_sqrt: u.bc2_sqrt,
+                eps: u.eps,
+                lr: u.neg_step,
                 ..FoRule::default()
             },
-            Rule::FlashAdam {
-                l2: wd,
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                bc1,
-                bc2,
-                lr,
-                eps,
-            } => FoRule {
+            Rule::FlashAdam(u) => FoRule {
                 kind: RULE_FLASH_ADAM,
-                has_l2: l2(wd).0,
-                l2: l2(wd).1,
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                bc1,
-                bc2,
-                eps,
-                lr,
+                has_l2: l2(u.l2).0,
+                l2: l2(u.l2).1,
+                decay: u.decay,
+                b1: u.betas.b1,
+                w1: u.betas.w1,
+                b2: u.betas.b2,
+                w2: u.betas.w2,
+                bc1: u.bc1,
+                bc2: u.bc2,
+                eps: u.eps,
+                lr: u.lr,
                 ..FoRule::default()
             },
-            Rule::TorchSgd {
-                l2: wd,
-                decay,
-                momentum,
-                wdamp,
-                nesterov,
-                neg_lr: lr,
-            }
-            | Rule::FlashSgd {
-                l2: wd,
-                decay,
-                momentum,
-                wdamp,
-                nesterov,
-                lr,
-            } => FoRule {
-                kind: if matches!(rule, Rule::TorchSgd { .. }) {
-                    RULE_TORCH_SGD
-                } else {
-                    RULE_FLASH_SGD
-                },
-                has_l2: l2(wd).0,
-                l2: l2(wd).1,
-                has_momentum: momentum.is_some() as i32,
-                momentum: momentum.unwrap_or(0.0),
-                nesterov: nesterov as i32,
-                decay,
-                wdamp,
-                lr,
-                ..FoRule::default()
-            },
-            Rule::TorchLion {
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                neg_lr: lr,
-            }
-            | Rule::FlashLion {
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                lr,
-            } => FoRule {
-                kind: if matches!(rule, Rule::TorchLion { .. }) {
-                    RULE_TORCH_LION
-                } else {
-                    RULE_FLASH_LION
-                },
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                lr,
-                ..FoRule::default()
-            },
+            Rule::TorchSgd(u) => sgd(RULE_TORCH_SGD, &u.0),
+            Rule::FlashSgd(u) => sgd(RULE_FLASH_SGD, &u.0),
+            Rule::TorchLion(u) => lion(RULE_TORCH_LION, &u.0),
+            Rule::FlashLion(u) => lion(RULE_FLASH_LION, &u.0),
             Rule::Fast(_) => return Err(Error::Unsupported(
                 "arithmetic = fast has no GPU kernel; device tensors step with arithmetic = exact"
                     .into(),

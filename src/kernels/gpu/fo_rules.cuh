@@ -1,5 +1,5 @@
-// The element-wise update rules of src/optim/math/rule.rs, one element at a time. Two
-// arithmetic contracts, chosen by `kind`:
+// The element-wise update rules of src/optim/math/rule/ (torch.rs, flash.rs), one element
+// at a time. Two arithmetic contracts, chosen by `kind`:
 // - torch (fp32 state): torch.optim's CPU arithmetic; `add(alpha=)` and `lerp` are fused
 //   multiply-adds (fo_fma), everything else separately rounded.
 // - flash (every compressed format): FlashOptim 0.1.4's kernels, no fused operation.

@@ -23,8 +23,8 @@ pub use job::Job;
 use std::cell::RefCell;
 
 use crate::dtype::DType;
-use crate::optim::math::fast::FastRule;
 use crate::optim::math::master_split::Half;
+use crate::optim::math::rule::fast::FastRule;
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::{
     ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState,

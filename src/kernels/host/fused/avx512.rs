@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::lanes::{Lanes, W};
+use crate::optim::math::rule::arith::Arith;
 
 /// Proof that this CPU has AVX-512 F, BW, VL, DQ, FMA and F16C: only `detect` makes one.
 #[derive(Clone, Copy)]
@@ -32,19 +33,13 @@ fn mask(n: usize) -> __mmask16 {
 
 // SAFETY (every `unsafe` block below): an `Avx512` value exists only where `detect`
 // found the instructions; pointer arguments are the callers' contract.
-impl Lanes for Avx512 {
-    const SPECIALIZE: bool = true;
+impl Arith for Avx512 {
     type F = __m512;
-    type I = __m512i;
     type M = __mmask16;
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
         unsafe { _mm512_set1_ps(x) }
-    }
-    #[inline(always)]
-    fn isplat(self, x: u32) -> __m512i {
-        unsafe { _mm512_set1_epi32(x as i32) }
     }
     #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
@@ -73,6 +68,27 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn fms(self, a: __m512, b: __m512, c: __m512) -> __m512 {
         unsafe { _mm512_fmsub_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn lt(self, a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b) }
+    }
+    #[inline(always)]
+    fn gt(self, a: __m512, b: __m512) -> __mmask16 {
+        unsafe { _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b) }
+    }
+    #[inline(always)]
+    fn select(self, m: __mmask16, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mask_blend_ps(m, b, a) }
+    }
+}
+
+impl Lanes for Avx512 {
+    const SPECIALIZE: bool = true;
+    type I = __m512i;
+    #[inline(always)]
+    fn isplat(self, x: u32) -> __m512i {
+        unsafe { _mm512_set1_epi32(x as i32) }
     }
     #[inline(always)]
     fn min(self, a: __m512, b: __m512) -> __m512 {
@@ -140,14 +156,6 @@ impl Lanes for Avx512 {
         unsafe { _mm512_max_epu32(a, b) }
     }
     #[inline(always)]
-    fn lt(self, a: __m512, b: __m512) -> __mmask16 {
-        unsafe { _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b) }
-    }
-    #[inline(always)]
-    fn gt(self, a: __m512, b: __m512) -> __mmask16 {
-        unsafe { _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b) }
-    }
-    #[inline(always)]
     fn ord(self, a: __m512) -> __mmask16 {
         unsafe { _mm512_cmp_ps_mask::<_CMP_ORD_Q>(a, a) }
     }
@@ -158,10 +166,6 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn any(self, m: __mmask16) -> bool {
         m != 0
-    }
-    #[inline(always)]
-    fn select(self, m: __mmask16, a: __m512, b: __m512) -> __m512 {
-        unsafe { _mm512_mask_blend_ps(m, b, a) }
     }
     #[inline(always)]
     fn iselect(self, m: __mmask16, a: __m512i, b: __m512i) -> __m512i {

@@ -2,37 +2,24 @@
 //! operation has one exact result (IEEE f32 arithmetic with one rounding, fused
 //! multiply-add fused, integer operations on bits, saturating packs), so the AVX-512
 //! backend (`super::avx512`) and this portable one give the same bits for the same
-//! inputs: the fused kernel is written once, against this trait.
+//! inputs: the fused kernel is written once, against this trait. The arithmetic the
+//! update rules use is its supertrait, `Arith`, defined with the rules.
 //!
 //! A backend is a zero-sized token passed by value; the AVX-512 one can only be made
 //! where the CPU has the instructions, which is what makes its safe methods sound.
+use crate::optim::math::rule::arith::Arith;
 
 /// Lanes of one vector (the fused kernel handles a 32-element quantization group as two).
 pub const W: usize = 16;
 
-pub trait Lanes: Copy {
-    /// 16 × f32.
-    type F: Copy;
+pub trait Lanes: Arith {
     /// 16 × u32 (bit patterns, integers).
     type I: Copy;
-    /// One bit per lane.
-    type M: Copy;
     /// Whether the kernel is worth compiling once more per common storage layout (see
     /// `fused::run_groups`): yes where speed matters, no for the portable fallback.
     const SPECIALIZE: bool;
 
-    fn splat(self, x: f32) -> Self::F;
     fn isplat(self, x: u32) -> Self::I;
-
-    fn add(self, a: Self::F, b: Self::F) -> Self::F;
-    fn sub(self, a: Self::F, b: Self::F) -> Self::F;
-    fn mul(self, a: Self::F, b: Self::F) -> Self::F;
-    fn div(self, a: Self::F, b: Self::F) -> Self::F;
-    fn sqrt(self, a: Self::F) -> Self::F;
-    /// `a·b + c` with one rounding.
-    fn fma(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
-    /// `a·b − c` with one rounding.
-    fn fms(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// `a < b ? a : b` (x86's `minps`: the second operand when either is NaN).
     fn min(self, a: Self::F, b: Self::F) -> Self::F;
     /// `a > b ? a : b` (x86's `maxps`).
@@ -59,16 +46,11 @@ pub trait Lanes: Copy {
     fn shr<const N: u32>(self, a: Self::I) -> Self::I;
     fn umax(self, a: Self::I, b: Self::I) -> Self::I;
 
-    /// `a < b`, ordered (false where either is NaN).
-    fn lt(self, a: Self::F, b: Self::F) -> Self::M;
-    fn gt(self, a: Self::F, b: Self::F) -> Self::M;
     /// Not NaN.
     fn ord(self, a: Self::F) -> Self::M;
     /// Unsigned `a < b`.
     fn ult(self, a: Self::I, b: Self::I) -> Self::M;
     fn any(self, m: Self::M) -> bool;
-    /// `m ? a : b` per lane.
-    fn select(self, m: Self::M, a: Self::F, b: Self::F) -> Self::F;
     fn iselect(self, m: Self::M, a: Self::I, b: Self::I) -> Self::I;
     /// Lanes from `n` on set to 0.
     fn keep(self, n: usize, a: Self::F) -> Self::F;
@@ -145,18 +127,12 @@ fn bitmask(f: impl Fn(usize) -> bool) -> u16 {
     (0..W).fold(0u16, |m, i| m | ((f(i) as u16) << i))
 }
 
-impl Lanes for Portable {
-    const SPECIALIZE: bool = false;
+impl Arith for Portable {
     type F = Fa;
-    type I = Ia;
     type M = u16;
 
     #[inline(always)]
     fn splat(self, x: f32) -> Fa {
-        [x; W]
-    }
-    #[inline(always)]
-    fn isplat(self, x: u32) -> Ia {
         [x; W]
     }
     #[inline(always)]
@@ -186,6 +162,27 @@ impl Lanes for Portable {
     #[inline(always)]
     fn fms(self, a: Fa, b: Fa, c: Fa) -> Fa {
         std::array::from_fn(|i| a[i].mul_add(b[i], -c[i]))
+    }
+    #[inline(always)]
+    fn lt(self, a: Fa, b: Fa) -> u16 {
+        bitmask(|i| a[i] < b[i])
+    }
+    #[inline(always)]
+    fn gt(self, a: Fa, b: Fa) -> u16 {
+        bitmask(|i| a[i] > b[i])
+    }
+    #[inline(always)]
+    fn select(self, m: u16, a: Fa, b: Fa) -> Fa {
+        std::array::from_fn(|i| if m >> i & 1 != 0 { a[i] } else { b[i] })
+    }
+}
+
+impl Lanes for Portable {
+    const SPECIALIZE: bool = false;
+    type I = Ia;
+    #[inline(always)]
+    fn isplat(self, x: u32) -> Ia {
+        [x; W]
     }
     #[inline(always)]
     fn min(self, a: Fa, b: Fa) -> Fa {
@@ -248,14 +245,6 @@ impl Lanes for Portable {
         zip(a, b, u32::max)
     }
     #[inline(always)]
-    fn lt(self, a: Fa, b: Fa) -> u16 {
-        bitmask(|i| a[i] < b[i])
-    }
-    #[inline(always)]
-    fn gt(self, a: Fa, b: Fa) -> u16 {
-        bitmask(|i| a[i] > b[i])
-    }
-    #[inline(always)]
     fn ord(self, a: Fa) -> u16 {
         bitmask(|i| !a[i].is_nan())
     }
@@ -266,10 +255,6 @@ impl Lanes for Portable {
     #[inline(always)]
     fn any(self, m: u16) -> bool {
         m != 0
-    }
-    #[inline(always)]
-    fn select(self, m: u16, a: Fa, b: Fa) -> Fa {
-        std::array::from_fn(|i| if m >> i & 1 != 0 { a[i] } else { b[i] })
     }
     #[inline(always)]
     fn iselect(self, m: u16, a: Ia, b: Ia) -> Ia {

@@ -6,12 +6,12 @@
 //!
 //! - `lanes`: the lane operations and the portable backend; `avx512`: the AVX-512 one;
 //! - `codec`: stored formats ⇄ f32 lanes (split masters, bf16/f16, quant8);
-//! - `rules`: the algorithms' updates.
+//!
+//! The algorithms' updates are `optim::math::rule`'s, run here over lanes.
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod codec;
 mod lanes;
-mod rules;
 
 #[cfg(target_arch = "x86_64")]
 pub use avx512::Avx512;
@@ -22,11 +22,11 @@ use std::mem::MaybeUninit;
 use crate::optim::math::master_split::Half;
 use crate::optim::math::state::Root;
 use codec::{ErrPtr, GradPtr, MomentPtr, ParamPtr};
-use rules::{Adam, Lion, Sgd, Update};
 
 use super::job::Job;
-use crate::optim::math::fast::FastRule;
 use crate::optim::math::quant8::GROUP;
+use crate::optim::math::rule::fast::FastRule;
+use crate::optim::math::rule::update::{Elem, Elementwise, Runner};
 use crate::optim::math::state::{ErrChunk, GradChunk, MomentChunk, ParamChunk};
 
 /// A job's memory as raw pointers (valid for the job's `n` elements).
@@ -96,7 +96,7 @@ const BLOCK_GROUPS: usize = W;
 /// # Safety
 /// As `run_groups`.
 #[inline(always)]
-unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
+unsafe fn block<L: Lanes, U: Elementwise, const FULL: bool>(
     l: L,
     u: &U,
     x: &Ptrs,
@@ -152,10 +152,17 @@ unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
         };
         for h in 0..2 {
             if nn[h] > 0 {
-                let mut p = codec::load_param(l, x.p, at + h * W, nn[h]);
-                let g = codec::load_grad(l, x.g, at + h * W, nn[h]);
-                u.apply(l, &mut p, g, &mut m[h], &mut v[h]);
-                codec::store_param(l, x.p, at + h * W, nn[h], p);
+                let y = u.apply(
+                    l,
+                    Elem {
+                        p: codec::load_param(l, x.p, at + h * W, nn[h]),
+                        g: codec::load_grad(l, x.g, at + h * W, nn[h]),
+                        m: m[h],
+                        v: v[h],
+                    },
+                );
+                (m[h], v[h]) = (y.m, y.v);
+                codec::store_param(l, x.p, at + h * W, nn[h], y.p);
             }
         }
         if qm {
@@ -203,7 +210,7 @@ unsafe fn block<L: Lanes, U: Update<L>, const FULL: bool>(
 /// The pointers are valid for `x.n` elements (and their groups' scales); the states the
 /// update uses are present.
 #[inline(always)]
-unsafe fn run_groups<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
+unsafe fn run_groups<L: Lanes, U: Elementwise>(l: L, u: &U, x: &Ptrs) {
     let unused = MomentPtr::F32(std::ptr::null_mut());
     let m = match x.m {
         MomentPtr::Signed(q, s) if U::M => Some(MomentPtr::Signed(q, s)),
@@ -269,7 +276,7 @@ unsafe fn run_groups<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
 /// # Safety
 /// As `run_groups`.
 #[inline(always)]
-unsafe fn blocks<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
+unsafe fn blocks<L: Lanes, U: Elementwise>(l: L, u: &U, x: &Ptrs) {
     // Full blocks with their lengths known at compile time (unmasked loads and stores),
     // then the rest, whose last group may be short.
     let step = BLOCK_GROUPS * GROUP;
@@ -287,115 +294,36 @@ unsafe fn blocks<L: Lanes, U: Update<L>>(l: L, u: &U, x: &Ptrs) {
 #[inline(always)]
 pub fn run<L: Lanes>(l: L, mut job: Job<'_>, rule: &FastRule) {
     let x = Ptrs::new(&mut job);
-    let has = |c: &Option<MomentChunk<'_>>| c.is_some();
-    // SAFETY: the pointers come from the job's slices, all of length `n` (scales: one
-    // per group); each branch runs only with the states its update reads and writes.
-    unsafe {
-        match *rule {
-            FastRule::Adam {
-                l2,
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                step,
-                inv_sqrt_bc2,
-                eps,
-                v_root,
-            } => {
-                assert!(
-                    has(&job.m) && has(&job.v),
-                    "Adam steps with exp_avg and exp_avg_sq"
-                );
-                macro_rules! adam {
-                    ($l2:literal, $root:literal) => {
-                        run_groups(
-                            l,
-                            &Adam::<$l2, $root> {
-                                wd: l2.unwrap_or(0.0),
-                                decay,
-                                b1,
-                                w1,
-                                b2,
-                                w2,
-                                step,
-                                inv_sqrt_bc2,
-                                eps,
-                            },
-                            &x,
-                        )
-                    };
-                }
-                match (l2.is_some(), v_root) {
-                    (false, false) => adam!(false, false),
-                    (false, true) => adam!(false, true),
-                    (true, false) => adam!(true, false),
-                    (true, true) => adam!(true, true),
-                }
-            }
-            FastRule::Sgd {
-                l2,
-                decay,
-                momentum,
-                wdamp,
-                nesterov,
-                neg_lr,
-            } => {
-                assert!(
-                    momentum.is_none() || has(&job.m),
-                    "SGD with momentum steps with momentum_buffer"
-                );
-                macro_rules! sgd {
-                    ($l2:literal, $k:literal) => {
-                        run_groups(
-                            l,
-                            &Sgd::<$l2, $k> {
-                                wd: l2.unwrap_or(0.0),
-                                decay,
-                                mom: momentum.unwrap_or(0.0),
-                                wdamp,
-                                neg_lr,
-                            },
-                            &x,
-                        )
-                    };
-                }
-                match (l2.is_some(), momentum.is_some(), nesterov, job.first) {
-                    (false, false, _, _) => sgd!(false, 0),
-                    (true, false, _, _) => sgd!(true, 0),
-                    (false, true, false, false) => sgd!(false, 1),
-                    (true, true, false, false) => sgd!(true, 1),
-                    (false, true, true, false) => sgd!(false, 2),
-                    (true, true, true, false) => sgd!(true, 2),
-                    (false, true, false, true) => sgd!(false, 3),
-                    (true, true, false, true) => sgd!(true, 3),
-                    (false, true, true, true) => sgd!(false, 4),
-                    (true, true, true, true) => sgd!(true, 4),
-                }
-            }
-            FastRule::Lion {
-                decay,
-                b1,
-                w1,
-                b2,
-                w2,
-                neg_lr,
-            } => {
-                assert!(has(&job.m), "Lion steps with exp_avg");
-                run_groups(
-                    l,
-                    &Lion {
-                        decay,
-                        b1,
-                        w1,
-                        b2,
-                        w2,
-                        neg_lr,
-                    },
-                    &x,
-                )
-            }
-        }
+    let (has_m, has_v) = (job.m.is_some(), job.v.is_some());
+    rule.with(
+        job.first,
+        Groups {
+            l,
+            x: &x,
+            has_m,
+            has_v,
+        },
+    )
+}
+
+/// The fused kernel as a rule's runner: every group of one job.
+struct Groups<'a, L> {
+    l: L,
+    x: &'a Ptrs,
+    has_m: bool,
+    has_v: bool,
+}
+
+impl<L: Lanes> Runner for Groups<'_, L> {
+    type Out = ();
+    #[inline(always)]
+    fn run<E: Elementwise>(self, e: &E) {
+        assert!(
+            (self.has_m || !E::M) && (self.has_v || !E::V),
+            "a fast step without the states its rule updates"
+        );
+        // SAFETY: the pointers come from the job's slices, all of length `n` (scales: one
+        // per group), and the states the update reads and writes are present (above).
+        unsafe { run_groups(self.l, e, self.x) }
     }
 }

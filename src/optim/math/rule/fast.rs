@@ -1,6 +1,7 @@
 //! The `fast` arithmetic (`Arithmetic::Fast`) for the compressed formats: the same
 //! algorithms and stored formats as FlashOptim's, with the operations reformulated for
-//! speed; `kernels::host::fused` carries it out, one quantization group at a time in registers:
+//! speed; `kernels::host::fused` carries it out, one quantization group at a time in registers
+//! (SGD and Lion step with torch's operations, `torch::TorchSgd` and `torch::TorchLion`):
 //! - bias corrections folded into two scalars (`lr/bc1`, `1/sqrt(bc2)`), multiplied;
 //! - quant8 variance kept by its root through the step: decode gives `sqrt(v)`, the update
 //!   squares it, takes the one square root per element it needs and hands it to the encoder
@@ -20,6 +21,10 @@
 //! code, one bf16/f16 ulp), `ULP_BOUND_FINE` for 32-bit masters and f32 params (whose
 //! resolution is about one f32 ulp, where the f32 roundings fast saves or adds show),
 //! the unit taken at the larger of the old and new value (tests/optim_fast.rs).
+use super::arith::Arith;
+use super::torch::{TorchLion, TorchSgd};
+use super::update::{with_sgd, Elem, Fixed, Runner, States, Update, ADAM};
+use super::{Betas, Lion, Sgd};
 use crate::optim::math::config::{Algorithm, OptimConfig};
 
 /// Bound per step, fast vs exact from the same state, for 24-bit masters, 16-bit params
@@ -32,39 +37,51 @@ pub const ULP_BOUND: u32 = 2;
 /// where an update nearly cancels the decayed weight); bound with a factor 2 of margin.
 pub const ULP_BOUND_FINE: u32 = 32;
 
+/// A `fast` rule's scalars.
 #[derive(Debug, Clone, Copy)]
 pub enum FastRule {
-    Adam {
-        l2: Option<f32>,
-        decay: f32,
-        b1: f32,
-        w1: f32,
-        b2: f32,
-        w2: f32,
-        /// `lr / bc1`.
-        step: f32,
-        /// `1 / sqrt(bc2)`.
-        inv_sqrt_bc2: f32,
-        eps: f32,
-        /// The variance buffer holds `sqrt(v)` (quant8 state), not `v`.
-        v_root: bool,
-    },
-    Sgd {
-        l2: Option<f32>,
-        decay: f32,
-        momentum: Option<f32>,
-        wdamp: f32,
-        nesterov: bool,
-        neg_lr: f32,
-    },
-    Lion {
-        decay: f32,
-        b1: f32,
-        w1: f32,
-        b2: f32,
-        w2: f32,
-        neg_lr: f32,
-    },
+    Adam(FastAdam),
+    Sgd(TorchSgd),
+    Lion(TorchLion),
+}
+
+/// Adam and AdamW with the bias corrections folded into two scalars.
+#[derive(Debug, Clone, Copy)]
+pub struct FastAdam {
+    pub l2: Option<f32>,
+    pub decay: f32,
+    pub betas: Betas,
+    /// `lr / bc1`.
+    pub step: f32,
+    /// `1 / sqrt(bc2)`.
+    pub inv_sqrt_bc2: f32,
+    pub eps: f32,
+    /// The variance buffer holds `sqrt(v)` (quant8 state), not `v`: variant `K` = 1.
+    pub v_root: bool,
+}
+
+impl Update for FastAdam {
+    const STATES: [States; 5] = [ADAM; 5];
+    #[inline(always)]
+    fn update<A: Arith, const L2: bool, const K: u8>(&self, a: A, x: Elem<A::F>) -> Elem<A::F> {
+        let s = |x: f32| a.splat(x);
+        let Betas { b1, w1, b2, w2 } = self.betas;
+        let Elem { p, g, m, v } = x;
+        let gi = if L2 {
+            a.fma(p, s(self.l2.unwrap_or(0.0)), g)
+        } else {
+            g
+        };
+        let root = K == 1;
+        let m = a.fma(gi, s(w1), a.mul(m, s(b1)));
+        let prev = if root { a.mul(v, v) } else { v };
+        let vi = a.fma(a.mul(gi, gi), s(w2), a.mul(prev, s(b2)));
+        let r = a.sqrt(vi);
+        let denom = a.fma(r, s(self.inv_sqrt_bc2), s(self.eps));
+        let p = a.fms(p, s(self.decay), a.div(a.mul(s(self.step), m), denom));
+        let v = if root { r } else { vi };
+        Elem { p, g, m, v }
+    }
 }
 
 impl FastRule {
@@ -78,39 +95,49 @@ impl FastRule {
         } else {
             1.0
         };
-        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+        let betas = Betas::f32(c);
         match c.algorithm {
             Algorithm::AdamW | Algorithm::Adam => {
                 let bc = |b: f32| 1.0 - (b as f64).powf(step as f64) as f32;
-                FastRule::Adam {
+                FastRule::Adam(FastAdam {
                     l2,
                     decay,
-                    b1,
-                    w1: 1.0 - b1,
-                    b2,
-                    w2: 1.0 - b2,
-                    step: (c.lr as f32 as f64 / bc(b1) as f64) as f32,
-                    inv_sqrt_bc2: (1.0 / (bc(b2) as f64).sqrt()) as f32,
+                    betas,
+                    step: (c.lr as f32 as f64 / bc(betas.b1) as f64) as f32,
+                    inv_sqrt_bc2: (1.0 / (bc(betas.b2) as f64).sqrt()) as f32,
                     eps: c.eps as f32,
                     v_root: c.state_format.is_quantized(),
-                }
+                })
             }
-            Algorithm::Sgd | Algorithm::SgdW => FastRule::Sgd {
+            Algorithm::Sgd | Algorithm::SgdW => FastRule::Sgd(TorchSgd(Sgd {
                 l2,
                 decay,
                 momentum: (c.momentum != 0.0).then_some(c.momentum as f32),
                 wdamp: (1.0 - c.dampening) as f32,
                 nesterov: c.nesterov,
-                neg_lr: -(c.lr as f32),
-            },
-            Algorithm::Lion => FastRule::Lion {
+                lr: -(c.lr as f32),
+            })),
+            Algorithm::Lion => FastRule::Lion(TorchLion(Lion {
                 decay,
-                b1,
-                w1: 1.0 - b1,
-                b2,
-                w2: 1.0 - b2,
-                neg_lr: -(c.lr as f32),
+                betas,
+                lr: -(c.lr as f32),
+            })),
+        }
+    }
+
+    /// Runs this rule with `r`, its choices fixed (`first`: the momentum buffer was
+    /// just created).
+    #[inline(always)]
+    pub fn with<R: Runner>(&self, first: bool, r: R) -> R::Out {
+        match self {
+            FastRule::Adam(u) => match (u.l2.is_some(), u.v_root) {
+                (false, false) => r.run(&Fixed::<_, false, 0>(*u)),
+                (false, true) => r.run(&Fixed::<_, false, 1>(*u)),
+                (true, false) => r.run(&Fixed::<_, true, 0>(*u)),
+                (true, true) => r.run(&Fixed::<_, true, 1>(*u)),
             },
+            FastRule::Sgd(u) => with_sgd(u, &u.0, first, r),
+            FastRule::Lion(u) => r.run(&Fixed::<_, false, 0>(*u)),
         }
     }
 }
