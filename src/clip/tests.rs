@@ -270,11 +270,9 @@ fn ranks_disagreeing_on_norm_type_or_max_norm_fail_every_rank() {
 /// backward still writing them), not on the legacy default stream.
 #[test]
 fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
-    if emulated::skip() {
+    let Some((dev, s)) = emulated::device_and_stream() else {
         return;
-    }
-    let dev = emulated::device().unwrap();
-    let s = emulated::create_stream(EMULATED);
+    };
     let vals = emulated::values(1000, 21);
     let want: f64 = vals
         .iter()
