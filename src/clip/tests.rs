@@ -180,24 +180,22 @@ fn strided_host_gradients_clip_their_elements_only() {
 /// A one-rank backend that records the collectives it is asked for.
 struct Recording(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
 
+impl Recording {
+    fn record(&self, what: String) -> Result<()> {
+        self.0.lock().unwrap().push(what);
+        Ok(())
+    }
+}
+
 impl crate::comm::Backend for Recording {
     fn broadcast(&self, buf: &mut [u8], _root: usize) -> Result<()> {
-        self.0
-            .lock()
-            .unwrap()
-            .push(format!("broadcast {}", buf.len()));
-        Ok(())
+        self.record(format!("broadcast {}", buf.len()))
     }
     fn all_reduce_f64(&self, vals: &mut [f64], op: ReduceOp) -> Result<()> {
-        self.0
-            .lock()
-            .unwrap()
-            .push(format!("{op:?} {}", vals.len()));
-        Ok(())
+        self.record(format!("{op:?} {}", vals.len()))
     }
     fn barrier(&self) -> Result<()> {
-        self.0.lock().unwrap().push("barrier".into());
-        Ok(())
+        self.record("barrier".into())
     }
     fn supports_scatter(&self) -> bool {
         false
