@@ -324,11 +324,9 @@ mod tests {
     /// stream (the caller's last use of it), not on the legacy default stream.
     #[test]
     fn device_destinations_are_written_after_the_work_on_the_communicators_stream() {
-        if emulated::skip() {
+        let Some((dev, s)) = emulated::device_and_stream() else {
             return;
-        }
-        let dev = emulated::device().unwrap();
-        let s = emulated::create_stream(EMULATED);
+        };
         let mut src: Vec<f32> = (0..12).map(|i| i as f32 + 1.0).collect();
         let full = vec![("w".to_string(), view(&mut src, &[3, 4], None))];
         let mut d = vec![0f32; 12];

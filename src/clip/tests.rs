@@ -180,24 +180,22 @@ fn strided_host_gradients_clip_their_elements_only() {
 /// A one-rank backend that records the collectives it is asked for.
 struct Recording(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
 
+impl Recording {
+    fn record(&self, what: String) -> Result<()> {
+        self.0.lock().unwrap().push(what);
+        Ok(())
+    }
+}
+
 impl crate::comm::Backend for Recording {
     fn broadcast(&self, buf: &mut [u8], _root: usize) -> Result<()> {
-        self.0
-            .lock()
-            .unwrap()
-            .push(format!("broadcast {}", buf.len()));
-        Ok(())
+        self.record(format!("broadcast {}", buf.len()))
     }
     fn all_reduce_f64(&self, vals: &mut [f64], op: ReduceOp) -> Result<()> {
-        self.0
-            .lock()
-            .unwrap()
-            .push(format!("{op:?} {}", vals.len()));
-        Ok(())
+        self.record(format!("{op:?} {}", vals.len()))
     }
     fn barrier(&self) -> Result<()> {
-        self.0.lock().unwrap().push("barrier".into());
-        Ok(())
+        self.record("barrier".into())
     }
     fn supports_scatter(&self) -> bool {
         false
@@ -270,11 +268,9 @@ fn ranks_disagreeing_on_norm_type_or_max_norm_fail_every_rank() {
 /// backward still writing them), not on the legacy default stream.
 #[test]
 fn device_gradients_are_read_after_the_work_on_the_communicators_stream() {
-    if emulated::skip() {
+    let Some((dev, s)) = emulated::device_and_stream() else {
         return;
-    }
-    let dev = emulated::device().unwrap();
-    let s = emulated::create_stream(EMULATED);
+    };
     let vals = emulated::values(1000, 21);
     let want: f64 = vals
         .iter()

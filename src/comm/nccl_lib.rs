@@ -138,14 +138,7 @@ pub fn wheel_candidates<'a>(
 /// a later call, after torch has loaded its copy, tries again).
 pub fn lib() -> Result<&'static NcclLib> {
     static LIB: Mutex<Option<&'static NcclLib>> = Mutex::new(None);
-    let mut held = LIB.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(l) = *held {
-        return Ok(l);
-    }
-    let explicit = std::env::var_os("FO_NCCL_LIBRARY").map(|p| p.to_string_lossy().into_owned());
-    let l: &'static NcclLib = Box::leak(Box::new(load(explicit)?));
-    *held = Some(l);
-    Ok(l)
+    dl::load_once(&LIB, || load(dl::env_path("FO_NCCL_LIBRARY")))
 }
 
 /// Loads NCCL from `explicit` (`FO_NCCL_LIBRARY`) when given, else by the search.
@@ -222,14 +215,8 @@ mod tests {
 
     #[test]
     fn the_wheel_is_looked_for_beside_every_loaded_site_packages_library() {
-        let loaded = [
-            "/usr/lib/x86_64-linux-gnu/libc.so.6",
-            "/v/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so",
-            "/v/lib/python3.12/site-packages/torch/lib/libc10.so",
-            "/usr/lib/python3/dist-packages/fo/libfo.so",
-        ];
         assert_eq!(
-            wheel_candidates(loaded, None),
+            wheel_candidates(dl::TEST_LOADED, None),
             [
                 PathBuf::from("/v/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2"),
                 PathBuf::from("/usr/lib/python3/dist-packages/nvidia/nccl/lib/libnccl.so.2"),

@@ -7,6 +7,7 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// `dlopen`, with `dlerror`'s text (prefixed by `name`) on failure.
 ///
@@ -134,10 +135,40 @@ pub fn site_packages<'a>(
     out
 }
 
+/// The library `held` keeps, else the one `load` gives, kept in `held` for the process.
+/// A failure is not kept: a later call, after torch has loaded its copy, tries again.
+pub fn load_once<T>(
+    held: &Mutex<Option<&'static T>>,
+    load: impl FnOnce() -> crate::error::Result<T>,
+) -> crate::error::Result<&'static T> {
+    let mut held = held.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(l) = *held {
+        return Ok(l);
+    }
+    let l: &'static T = Box::leak(Box::new(load()?));
+    *held = Some(l);
+    Ok(l)
+}
+
+/// The path the environment variable `var` names (`FO_NCCL_LIBRARY`...), if set.
+pub fn env_path(var: &str) -> Option<String> {
+    std::env::var_os(var).map(|p| p.to_string_lossy().into_owned())
+}
+
 /// The `$VIRTUAL_ENV` of this process, if any.
 pub fn virtual_env() -> Option<PathBuf> {
     std::env::var_os("VIRTUAL_ENV").map(PathBuf::from)
 }
+
+/// The libraries of a process with torch from a venv's wheels and fo from Debian's
+/// `dist-packages` (for the searches' tests).
+#[cfg(test)]
+pub(crate) const TEST_LOADED: [&str; 4] = [
+    "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    "/v/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so",
+    "/v/lib/python3.12/site-packages/torch/lib/libc10.so",
+    "/usr/lib/python3/dist-packages/fo/libfo.so",
+];
 
 #[cfg(test)]
 mod tests {
@@ -148,14 +179,8 @@ mod tests {
         let venv = std::env::temp_dir().join(format!("fo-dl-venv-{}", std::process::id()));
         let sp = venv.join("lib/python3.12/site-packages");
         std::fs::create_dir_all(&sp).unwrap();
-        let loaded = [
-            "/usr/lib/x86_64-linux-gnu/libc.so.6",
-            "/v/lib/python3.12/site-packages/torch/lib/libtorch_cuda.so",
-            "/v/lib/python3.12/site-packages/torch/lib/libc10.so",
-            "/usr/lib/python3/dist-packages/fo/libfo.so",
-        ];
         assert_eq!(
-            site_packages(loaded, Some(&venv)),
+            site_packages(TEST_LOADED, Some(&venv)),
             [
                 PathBuf::from("/v/lib/python3.12/site-packages"),
                 PathBuf::from("/usr/lib/python3/dist-packages"),

@@ -128,21 +128,16 @@ impl NvrtcLib {
 /// a later call, after torch has loaded its copy, tries again).
 pub fn lib() -> Result<&'static NvrtcLib> {
     static LIB: Mutex<Option<&'static NvrtcLib>> = Mutex::new(None);
-    let mut held = LIB.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(l) = *held {
-        return Ok(l);
-    }
-    let explicit = std::env::var_os("FO_NVRTC_LIBRARY").map(|p| p.to_string_lossy().into_owned());
-    let venv = dl::virtual_env();
-    let l = load(&Search {
-        explicit: explicit.as_deref(),
-        loaded: &dl::loaded_libraries(),
-        venv: venv.as_deref(),
-        names: &SONAMES,
-    })?;
-    let l: &'static NvrtcLib = Box::leak(Box::new(l));
-    *held = Some(l);
-    Ok(l)
+    dl::load_once(&LIB, || {
+        let explicit = dl::env_path("FO_NVRTC_LIBRARY");
+        let venv = dl::virtual_env();
+        load(&Search {
+            explicit: explicit.as_deref(),
+            loaded: &dl::loaded_libraries(),
+            venv: venv.as_deref(),
+            names: &SONAMES,
+        })
+    })
 }
 
 /// What the search looks at: the process's state in `lib()`, chosen ones in tests.

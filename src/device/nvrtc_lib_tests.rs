@@ -53,6 +53,17 @@ fn link_wheel(site: &Path, wheel_lib: &str) {
 
 const NO_NAMES: [&str; 0] = [];
 
+/// The search with neither `FO_NVRTC_LIBRARY` nor names for the loader's path: only the
+/// places `loaded` and `venv` lead to.
+fn load_from_places(loaded: &[String], venv: Option<&Path>) -> Result<NvrtcLib> {
+    load(&Search {
+        explicit: None,
+        loaded,
+        venv,
+        names: &NO_NAMES,
+    })
+}
+
 #[test]
 fn fo_nvrtc_library_is_that_file_or_an_error_naming_it() {
     let search = |p| Search {
@@ -124,13 +135,7 @@ fn the_wheels_are_found_under_site_packages_without_ld_library_path() {
     let site12 = root.join("a/lib/python3.11/site-packages");
     link_wheel(&site12, &w12);
     let torch = format!("{}/torch/lib/libtorch_cuda.so", site12.display());
-    let l = load(&Search {
-        explicit: None,
-        loaded: &[torch],
-        venv: None,
-        names: &NO_NAMES,
-    })
-    .unwrap();
+    let l = load_from_places(&[torch], None).unwrap();
     let want = site12.join(WHEEL_LIBRARIES[1]);
     assert_eq!(
         (PathBuf::from(&l.path), l.found, l.version.0),
@@ -141,13 +146,8 @@ fn the_wheels_are_found_under_site_packages_without_ld_library_path() {
     let site = venv.join("lib/python3.12/site-packages");
     link_wheel(&site, &w13);
     link_wheel(&site, &w12);
-    let l = load(&Search {
-        explicit: None,
-        loaded: &["/usr/lib/x86_64-linux-gnu/libc.so.6".to_string()],
-        venv: Some(&venv),
-        names: &NO_NAMES,
-    })
-    .unwrap();
+    let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6".to_string();
+    let l = load_from_places(&[libc], Some(&venv)).unwrap();
     let want = site.join(WHEEL_LIBRARIES[0]);
     assert_eq!(
         (PathBuf::from(&l.path), l.found, l.version.0),
@@ -171,13 +171,7 @@ fn an_nvrtc_already_in_the_process_is_used_before_any_search() {
         .filter(|l| l.as_str() == w12 || l.ends_with("/libc.so.6"))
         .collect();
     assert!(loaded.contains(&w12), "{loaded:?}");
-    let l = load(&Search {
-        explicit: None,
-        loaded: &loaded,
-        venv: None,
-        names: &NO_NAMES,
-    })
-    .unwrap();
+    let l = load_from_places(&loaded, None).unwrap();
     assert_eq!(
         (l.path.as_str(), l.found, l.version.0),
         (w12.as_str(), Found::Loaded, 12)
@@ -219,15 +213,7 @@ fn a_missing_nvrtc_is_an_error_naming_every_place_tried() {
     ] {
         assert!(e.contains(place), "{place:?} not in: {e}");
     }
-    let e = load(&Search {
-        explicit: None,
-        loaded: &[],
-        venv: None,
-        names: &NO_NAMES,
-    })
-    .err()
-    .unwrap()
-    .to_string();
+    let e = load_from_places(&[], None).err().unwrap().to_string();
     assert!(
         e.contains("no site-packages directory among the loaded libraries or $VIRTUAL_ENV"),
         "{e}"

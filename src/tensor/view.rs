@@ -62,16 +62,7 @@ impl TensorView {
                 format!("{} dims given, at most {MAX_DIMS} supported", shape.len()),
             ));
         }
-        let mut ushape = Vec::with_capacity(shape.len());
-        for (d, &s) in shape.iter().enumerate() {
-            if s < 0 {
-                return Err(Error::invalid(
-                    format!("{what}.shape[{d}]"),
-                    format!("negative size {s}"),
-                ));
-            }
-            ushape.push(s as usize);
-        }
+        let ushape = non_negative(shape, what, "shape", |s| format!("negative size {s}"))?;
         let numel = checked_numel(&ushape, &format!("{what}.shape"))?;
         // Bytes as listed (not as stored: a stride-0 view lists more than it stores) must
         // be addressable, so `nbytes()` and every copy of the view are well defined.
@@ -86,19 +77,9 @@ impl TensorView {
         }
         let ustrides = match strides {
             None => contiguous_strides(&ushape),
-            Some(st) => {
-                let mut v = Vec::with_capacity(st.len());
-                for (d, &s) in st.iter().enumerate() {
-                    if s < 0 {
-                        return Err(Error::invalid(
-                            format!("{what}.strides[{d}]"),
-                            format!("negative stride {s} is not supported"),
-                        ));
-                    }
-                    v.push(s as usize);
-                }
-                v
-            }
+            Some(st) => non_negative(st, what, "strides", |s| {
+                format!("negative stride {s} is not supported")
+            })?,
         };
         if numel > 0 {
             if ptr.is_null() {
@@ -321,6 +302,22 @@ impl TensorView {
         }
         Ok(())
     }
+}
+
+/// `vals` (a view's shape or strides, argument `{what}.{field}`) as `usize`s; a negative
+/// one is refused, naming its dim, with `why(value)`.
+fn non_negative(
+    vals: &[i64],
+    what: &str,
+    field: &str,
+    why: impl Fn(i64) -> String,
+) -> Result<Vec<usize>> {
+    vals.iter()
+        .enumerate()
+        .map(|(d, &v)| {
+            usize::try_from(v).map_err(|_| Error::invalid(format!("{what}.{field}[{d}]"), why(v)))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -5,13 +5,10 @@
 //! same thread count and parameter count) when a python with torch is given.
 use std::time::Instant;
 
-use fo::optim::{
-    set_num_threads, threads, Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat,
-};
-use fo::{DType, TensorView};
+use fo::optim::{set_num_threads, threads, Algorithm, Arithmetic, OptimConfig};
 use rayon::prelude::*;
 
-use super::bench_util::{best, best_step, fill, param_bytes};
+use super::bench_util::{best, fill, step_time_over};
 
 /// The algorithms of the arithmetic table, as `fo bench step --algs` spells them.
 pub const ALGS: [&str; 4] = ["adamw", "adam", "lion", "sgd"];
@@ -99,29 +96,7 @@ fn step_time(
         cfg.momentum = 0.9;
     }
     cfg.arithmetic = arith;
-    if !compressed {
-        cfg.state_format = StateFormat::Fp32;
-        cfg.master_weight_bits = 0;
-    }
-    let (dtype, elem) = if compressed {
-        (DType::BF16, 2)
-    } else {
-        (DType::F32, 4)
-    };
-    let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
-    let mut p = to_bytes(fill(n, 10, 1.0));
-    let mut g = to_bytes(fill(n, 1000, 0.02));
-    let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
-    let view = |b: &mut Vec<u8>| unsafe {
-        TensorView::host(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
-            .map_err(|e| e.to_string())
-    };
-    unsafe {
-        opt.add_param("w", view(&mut p)?, None, 0)
-            .map_err(|e| e.to_string())?
-    };
-    let gs = vec![Some(view(&mut g)?)];
-    best_step(&mut opt, &gs, iters)
+    step_time_over(cfg, &[n], |_| "w".into(), compressed, iters)
 }
 
 const TORCH_SCRIPT: &str = "

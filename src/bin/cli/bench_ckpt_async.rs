@@ -12,20 +12,9 @@ use fo::{DType, TensorView};
 
 use super::bench_ckpt::{median, BenchCkptArgs};
 use super::bench_dir::BenchDir;
+use super::bench_util::fill;
 
 const TENSORS: usize = 8;
-
-fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5) * scale
-        })
-        .collect()
-}
 
 fn view(b: &mut [f32]) -> Result<TensorView, String> {
     // SAFETY: the buffers outlive the optimizer (dropped after it in `run`).

@@ -3,13 +3,12 @@
 //! run: a loop with AdamW's memory pattern (read 4 f32 streams, write 3) and no math.
 use std::time::Instant;
 
-use fo::optim::{set_num_threads, threads, Algorithm, OptimConfig, Optimizer, StateFormat};
-use fo::{DType, TensorView};
+use fo::optim::{set_num_threads, threads, Algorithm, OptimConfig};
 use rayon::prelude::*;
 
 use super::args::{non_empty_csv, positive_f64, Bounded, Count, Csv, MAX_RANKS};
 use super::bench_arith::ALGS;
-use super::bench_util::{best, best_step, fill, param_bytes};
+use super::bench_util::{best, fill, step_time_over};
 
 /// Thread counts: 1..=1024, the optimizer pool's limit.
 type Threads = Bounded<1, MAX_RANKS>;
@@ -81,45 +80,11 @@ fn ceiling(n: usize, iters: usize) -> Result<f64, String> {
 fn step_time(n: usize, tensors: usize, compressed: bool, iters: usize) -> Result<f64, String> {
     let mut cfg = OptimConfig::default_for(Algorithm::AdamW);
     cfg.lr = 1e-3;
-    if !compressed {
-        cfg.state_format = StateFormat::Fp32;
-        cfg.master_weight_bits = 0;
-    }
-    let (dtype, elem) = if compressed {
-        (DType::BF16, 2)
-    } else {
-        (DType::F32, 4)
-    };
-    let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
     let sizes: Vec<usize> = (0..tensors)
         .map(|i| n / tensors + usize::from(i < n % tensors))
         .collect();
-    let mut params: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| to_bytes(fill(s, 10 + i as u64, 1.0)))
-        .collect();
-    let mut grads: Vec<Vec<u8>> = sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| to_bytes(fill(s, 1000 + i as u64, 0.02)))
-        .collect();
-    let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
-    let view = |b: &mut Vec<u8>| unsafe {
-        TensorView::host(b.as_mut_ptr(), dtype, &[(b.len() / elem) as i64], None, "t")
-            .map_err(|e| e.to_string())
-    };
-    for (i, p) in params.iter_mut().enumerate() {
-        unsafe {
-            opt.add_param(&format!("layers.{i}.weight"), view(p)?, None, 0)
-                .map_err(|e| e.to_string())?
-        };
-    }
-    let gs: Vec<Option<TensorView>> = grads
-        .iter_mut()
-        .map(|g| view(g).map(Some))
-        .collect::<Result<_, _>>()?;
-    best_step(&mut opt, &gs, iters)
+    let name = |i| format!("layers.{i}.weight");
+    step_time_over(cfg, &sizes, name, compressed, iters)
 }
 
 fn row(label: &str, n: usize, secs: f64, bytes: f64, ceiling_rate: f64) {

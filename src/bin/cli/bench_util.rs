@@ -2,8 +2,8 @@
 //! the best-of-N timing rule, and one timed optimizer step loop.
 use std::time::Instant;
 
-use fo::optim::Optimizer;
-use fo::TensorView;
+use fo::optim::{OptimConfig, Optimizer, StateFormat};
+use fo::{DType, TensorView};
 
 /// Deterministic, well-scaled pseudo-random values (no subnormals, no infinities).
 pub fn fill(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -25,7 +25,7 @@ pub fn best(v: Vec<f64>) -> f64 {
 }
 
 /// The bytes of a benchmark's params or grads: bf16 for the compressed step, else f32.
-pub fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
+fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
     if compressed {
         v.iter()
             .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
@@ -35,12 +35,58 @@ pub fn param_bytes(v: &[f32], compressed: bool) -> Vec<u8> {
     }
 }
 
-/// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
-pub fn best_step(
-    opt: &mut Optimizer,
-    gs: &[Option<TensorView>],
+/// `best_step` of `cfg` over parameters of `sizes` elements (parameter `i` named
+/// `name(i)`), from `fill`'s values: bf16 parameters and gradients for the compressed
+/// step (`cfg`'s state format), else f32 ones with fp32 state and no master weights.
+pub fn step_time_over(
+    mut cfg: OptimConfig,
+    sizes: &[usize],
+    name: impl Fn(usize) -> String,
+    compressed: bool,
     iters: usize,
 ) -> Result<f64, String> {
+    if !compressed {
+        cfg.state_format = StateFormat::Fp32;
+        cfg.master_weight_bits = 0;
+    }
+    let dtype = if compressed { DType::BF16 } else { DType::F32 };
+    let to_bytes = |v: Vec<f32>| param_bytes(&v, compressed);
+    let mut params: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| to_bytes(fill(s, 10 + i as u64, 1.0)))
+        .collect();
+    let mut grads: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| to_bytes(fill(s, 1000 + i as u64, 0.02)))
+        .collect();
+    let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
+    let view = |b: &mut Vec<u8>| unsafe {
+        TensorView::host(
+            b.as_mut_ptr(),
+            dtype,
+            &[(b.len() / dtype.size()) as i64],
+            None,
+            "t",
+        )
+        .map_err(|e| e.to_string())
+    };
+    for (i, p) in params.iter_mut().enumerate() {
+        unsafe {
+            opt.add_param(&name(i), view(p)?, None, 0)
+                .map_err(|e| e.to_string())?
+        };
+    }
+    let gs: Vec<Option<TensorView>> = grads
+        .iter_mut()
+        .map(|g| view(g).map(Some))
+        .collect::<Result<_, _>>()?;
+    best_step(&mut opt, &gs, iters)
+}
+
+/// The best of `iters` timed steps, after one untimed warm-up step (it allocates the state).
+fn best_step(opt: &mut Optimizer, gs: &[Option<TensorView>], iters: usize) -> Result<f64, String> {
     let mut times = Vec::new();
     for it in 0..=iters {
         let t0 = Instant::now();

@@ -134,73 +134,49 @@ mod tests {
         }
     }
 
+    /// `overlap_runs` as (src, dst, len) triples, to compare with a table.
+    fn runs(src: &BoxIn, dst: &BoxIn) -> Vec<(usize, usize, usize)> {
+        overlap_runs(src, dst)
+            .into_iter()
+            .map(|r| (r.src, r.dst, r.len))
+            .collect()
+    }
+
     #[test]
     fn same_box_is_one_run() {
-        let r = overlap_runs(
+        let r = runs(
             &b(&[4, 0], &[3, 7], &[3, 7], &[0, 0]),
             &b(&[4, 0], &[3, 7], &[3, 7], &[0, 0]),
         );
-        assert_eq!(
-            r,
-            vec![Run {
-                src: 0,
-                dst: 0,
-                len: 21
-            }]
-        );
+        assert_eq!(r, [(0, 0, 21)]);
     }
 
     #[test]
     fn column_split_gives_one_run_per_row() {
         // saved rows 0..2, all 4 columns; destination holds columns 1..3 of rows 0..4.
-        let r = overlap_runs(
+        let r = runs(
             &b(&[0, 0], &[2, 4], &[2, 4], &[0, 0]),
             &b(&[0, 1], &[4, 2], &[4, 2], &[0, 0]),
         );
-        assert_eq!(
-            r,
-            vec![
-                Run {
-                    src: 1,
-                    dst: 0,
-                    len: 2
-                },
-                Run {
-                    src: 5,
-                    dst: 2,
-                    len: 2
-                }
-            ]
-        );
+        assert_eq!(r, [(1, 0, 2), (5, 2, 2)]);
     }
 
     #[test]
     fn disjoint_boxes_give_nothing_and_scalars_one_element() {
-        assert!(overlap_runs(&b(&[0], &[3], &[3], &[0]), &b(&[3], &[2], &[2], &[0])).is_empty());
+        assert!(runs(&b(&[0], &[3], &[3], &[0]), &b(&[3], &[2], &[2], &[0])).is_empty());
         assert_eq!(
-            overlap_runs(&b(&[], &[], &[], &[]), &b(&[], &[], &[], &[])),
-            vec![Run {
-                src: 0,
-                dst: 0,
-                len: 1
-            }]
+            runs(&b(&[], &[], &[], &[]), &b(&[], &[], &[], &[])),
+            [(0, 0, 1)]
         );
     }
 
     #[test]
     fn destination_box_inside_larger_storage() {
         // strided destination: its second box (global rows 8..10) sits at local rows 2..4.
-        let r = overlap_runs(
+        let r = runs(
             &b(&[5, 0], &[5, 2], &[5, 2], &[0, 0]),
             &b(&[8, 0], &[2, 2], &[4, 2], &[2, 0]),
         );
-        assert_eq!(
-            r,
-            vec![Run {
-                src: 6,
-                dst: 4,
-                len: 4
-            }]
-        );
+        assert_eq!(r, [(6, 4, 4)]);
     }
 }

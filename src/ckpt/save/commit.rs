@@ -89,6 +89,18 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
 /// Writes `bytes` to `path` through a temporary file, fsync and rename (the rename is
 /// atomic, so a reader sees the old content or the new, never a part).
 pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_then_rename(path, bytes, || Ok(()))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Writes `bytes` to a temporary file beside `path`, fsyncs it, runs `before_rename` and
+/// renames it to `path`; on any error before the rename the temporary file is removed
+/// and nothing is visible. The directory is not synced: the callers do it.
+fn write_then_rename(
+    path: &Path,
+    bytes: &[u8],
+    before_rename: impl FnOnce() -> Result<()>,
+) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(
@@ -101,13 +113,13 @@ pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
+        before_rename().map_err(|e| std::io::Error::other(e.to_string()))?;
         std::fs::rename(&tmp, path)
     })();
-    if let Err(e) = res {
+    res.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
-    sync_dir(dir)
+        Error::io(path, e)
+    })
 }
 
 /// The commit record of `dir`, if it has one.
@@ -257,23 +269,9 @@ pub(crate) fn try_commit(dir: &Path, save_id: &str, world_size: usize) -> Result
 /// Writes the commit record: temporary file, fsync, rename. The rename is the commit;
 /// on any error before it the temporary file is removed and nothing is visible.
 fn publish_commit(dir: &Path, commit: &Commit) -> Result<()> {
-    let path = dir.join(COMMIT_FILE);
-    let tmp = dir.join(format!(
-        "{}{}-{:?}",
-        tmp_prefix(COMMIT_FILE),
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    let res = (|| {
-        let mut f = File::create(&tmp)?;
-        f.write_all(serde_json::to_string_pretty(commit).unwrap().as_bytes())?;
-        f.sync_all()?;
-        fault(Step::BeforeRename).map_err(|e| std::io::Error::other(e.to_string()))?;
-        std::fs::rename(&tmp, &path)
-    })();
-    res.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(&path, e)
+    let json = serde_json::to_string_pretty(commit).unwrap();
+    write_then_rename(&dir.join(COMMIT_FILE), json.as_bytes(), || {
+        fault(Step::BeforeRename)
     })
 }
 
@@ -446,6 +444,17 @@ mod tests {
         mark_done(dir, id, 0, 1, "d", 1).unwrap();
     }
 
+    /// Commits "old" cleanly, then tries to commit "new" over it with `step` failing.
+    fn commit_new_over_old_failing_at(dir: &Path, step: Step) -> Result<bool> {
+        staged(dir, "old");
+        assert!(try_commit(dir, "old", 1).unwrap());
+        staged(dir, "new");
+        FAULT.with(|f| f.set(Some(step)));
+        let r = try_commit(dir, "new", 1);
+        FAULT.with(|f| f.set(None));
+        r
+    }
+
     fn tmpdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("fo-commit-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
@@ -456,12 +465,7 @@ mod tests {
     #[test]
     fn a_failure_before_the_rename_leaves_the_previous_commit_visible() {
         let dir = tmpdir("before");
-        staged(&dir, "old");
-        assert!(try_commit(&dir, "old", 1).unwrap());
-        staged(&dir, "new");
-        FAULT.with(|f| f.set(Some(Step::BeforeRename)));
-        let e = try_commit(&dir, "new", 1).unwrap_err();
-        FAULT.with(|f| f.set(None));
+        let e = commit_new_over_old_failing_at(&dir, Step::BeforeRename).unwrap_err();
         assert!(matches!(e, Error::Io { .. }), "{e}");
         assert_eq!(read_commit(&dir).unwrap().unwrap().save_id, "old");
         let left: Vec<_> = std::fs::read_dir(&dir)
@@ -476,14 +480,9 @@ mod tests {
     #[test]
     fn a_failure_after_the_rename_is_not_reported_as_a_failed_commit() {
         let dir = tmpdir("after");
-        staged(&dir, "old");
-        assert!(try_commit(&dir, "old", 1).unwrap());
-        staged(&dir, "new");
         // As with a directory that can be written but not listed (chmod 300): the record
         // is renamed into place, then fsync and listing the directory fail.
-        FAULT.with(|f| f.set(Some(Step::AfterRename)));
-        let r = try_commit(&dir, "new", 1);
-        FAULT.with(|f| f.set(None));
+        let r = commit_new_over_old_failing_at(&dir, Step::AfterRename);
         assert!(r.unwrap(), "the commit happened, so it must say so");
         assert_eq!(read_commit(&dir).unwrap().unwrap().save_id, "new");
         std::fs::remove_dir_all(&dir).unwrap();

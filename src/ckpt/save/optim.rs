@@ -16,7 +16,6 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::placement::staging::StagedParam;
 use crate::optim::{Optimizer, StateFormat};
-use crate::shard::ShardSpec;
 use crate::tensor::Tensor;
 
 /// What the state is saved as.
@@ -100,44 +99,30 @@ pub(super) fn plan_entries(
     o: &SaveOptions,
 ) -> Result<(Vec<EntryMeta>, Vec<Source>)> {
     let (mut metas, mut srcs) = (Vec::new(), Vec::new());
-    let mut push = |key: String, dtype, shape: Vec<usize>, spec: Option<ShardSpec>, layout, src| {
-        metas.push(EntryMeta {
-            key,
-            dtype,
-            local_shape: shape,
-            spec,
-            layout,
-        });
+    let mut push = |meta: EntryMeta, src| {
+        metas.push(meta);
         srcs.push(src);
     };
     for i in packed_params(opt) {
         let (fqn, p, spec) = (opt.param_fqn(i), opt.param(i), opt.param_spec(i).cloned());
         let shape = p.shape().to_vec();
         let cfg = opt.param_config(i);
+        // Most entries are one value per element of the param, sharded as it is.
+        let elem = |key: String, dtype| EntryMeta {
+            key,
+            dtype,
+            local_shape: shape.clone(),
+            spec: spec.clone(),
+            layout: Layout::Elementwise,
+        };
+        let st = |key: &str, dtype| Source::State {
+            i,
+            key: key.into(),
+            dtype,
+        };
         match o.params {
-            Some(ParamsAs::Stored) => push(
-                fqn.into(),
-                p.dtype(),
-                shape.clone(),
-                spec.clone(),
-                Layout::Elementwise,
-                Source::Param(i),
-            ),
-            Some(ParamsAs::Master) => {
-                let src = Source::State {
-                    i,
-                    key: MASTER.into(),
-                    dtype: DType::F32,
-                };
-                push(
-                    fqn.into(),
-                    DType::F32,
-                    shape.clone(),
-                    spec.clone(),
-                    Layout::Elementwise,
-                    src,
-                )
-            }
+            Some(ParamsAs::Stored) => push(elem(fqn.into(), p.dtype()), Source::Param(i)),
+            Some(ParamsAs::Master) => push(elem(fqn.into(), DType::F32), st(MASTER, DType::F32)),
             None => {}
         }
         let keys = opt.keys_of(i);
@@ -145,19 +130,16 @@ pub(super) fn plan_entries(
         for k in &keys {
             let (name, raw) = split_state_name(k);
             let full = |n: &str| state_key(fqn, n);
-            let st = |key: &str, dtype| Source::State {
-                i,
-                key: key.into(),
-                dtype,
-            };
             let wide_v = name == EXP_AVG_SQ && cfg.state_format == StateFormat::Quant8Wide;
             match (name, raw) {
                 (STEP, _) => push(
-                    full(STEP),
-                    DType::F32,
-                    vec![],
-                    None,
-                    Layout::Elementwise,
+                    EntryMeta {
+                        key: full(STEP),
+                        dtype: DType::F32,
+                        local_shape: vec![],
+                        spec: None,
+                        layout: Layout::Elementwise,
+                    },
                     st(STEP, DType::F32),
                 ),
                 (ERROR_BITS, _) => {
@@ -166,25 +148,11 @@ pub(super) fn plan_entries(
                     } else {
                         DType::I8
                     };
-                    push(
-                        full(name),
-                        d,
-                        shape.clone(),
-                        spec.clone(),
-                        Layout::Elementwise,
-                        st(name, d),
-                    )
+                    push(elem(full(name), d), st(name, d))
                 }
                 (_, Some(_)) if o.mode == Mode::Portable || wide_v => {
                     if done.insert(name) {
-                        push(
-                            full(name),
-                            DType::F32,
-                            shape.clone(),
-                            spec.clone(),
-                            Layout::Elementwise,
-                            st(name, DType::F32),
-                        );
+                        push(elem(full(name), DType::F32), st(name, DType::F32));
                     }
                 }
                 (_, Some(naming::CODES_PART)) => {
@@ -193,27 +161,20 @@ pub(super) fn plan_entries(
                     } else {
                         DType::I8
                     };
-                    push(
-                        full(k),
-                        d,
-                        shape.clone(),
-                        spec.clone(),
-                        Layout::Elementwise,
-                        st(k, d),
-                    )
+                    push(elem(full(k), d), st(k, d))
                 }
-                (_, Some(_)) => {
-                    let g = num_groups(p.numel());
-                    let of = full(&codes_key(name));
-                    push(
-                        full(k),
-                        DType::F16,
-                        vec![g],
-                        None,
-                        Layout::GroupScales { of },
-                        st(k, DType::F16),
-                    )
-                }
+                (_, Some(_)) => push(
+                    EntryMeta {
+                        key: full(k),
+                        dtype: DType::F16,
+                        local_shape: vec![num_groups(p.numel())],
+                        spec: None,
+                        layout: Layout::GroupScales {
+                            of: full(&codes_key(name)),
+                        },
+                    },
+                    st(k, DType::F16),
+                ),
                 (_, None) => {
                     // param-dtype state stays in its dtype when compressed (exact), f32 when portable.
                     let d = if o.mode == Mode::Compressed
@@ -223,14 +184,7 @@ pub(super) fn plan_entries(
                     } else {
                         DType::F32
                     };
-                    push(
-                        full(name),
-                        d,
-                        shape.clone(),
-                        spec.clone(),
-                        Layout::Elementwise,
-                        st(name, d),
-                    )
+                    push(elem(full(name), d), st(name, d))
                 }
             }
         }

@@ -25,12 +25,15 @@ pub const SLAB_ELEMS: usize = 1 << 23;
 /// A checkpoint read as logical keys.
 pub(crate) enum Source {
     Sharded(Box<Checkpoint>),
-    Full {
-        path: PathBuf,
-        file: File,
-        data_start: u64,
-        tensors: BTreeMap<String, TensorEntry>,
-    },
+    Full(FullFile),
+}
+
+/// One full safetensors file (a consolidated one, or FlashOptim's), read by byte range.
+pub(crate) struct FullFile {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    tensors: BTreeMap<String, TensorEntry>,
 }
 
 impl Source {
@@ -49,12 +52,12 @@ impl Source {
         let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
         let h = read_header(&path, &file)?;
         let tensors = h.tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
-        Ok(Source::Full {
+        Ok(Source::Full(FullFile {
             path,
             file,
             data_start: h.data_start,
             tensors,
-        })
+        }))
     }
 
     fn raw_keys(&self) -> Vec<(String, DType, Vec<usize>)> {
@@ -64,7 +67,8 @@ impl Source {
                 .iter()
                 .map(|(k, i)| (k.clone(), i.dtype, i.global_shape.clone()))
                 .collect(),
-            Source::Full { tensors, .. } => tensors
+            Source::Full(f) => f
+                .tensors
                 .iter()
                 .map(|(k, t)| (k.clone(), t.dtype, t.shape.clone()))
                 .collect(),
@@ -74,7 +78,7 @@ impl Source {
     fn has(&self, key: &str) -> bool {
         match self {
             Source::Sharded(ck) => ck.keys.contains_key(key),
-            Source::Full { tensors, .. } => tensors.contains_key(key),
+            Source::Full(f) => f.tensors.contains_key(key),
         }
     }
 
@@ -107,52 +111,40 @@ impl Source {
                 Ok(ck.read_f32(key, slab)?.into_iter().map(f64::from).collect())
             }
             Source::Sharded(ck) => values(&ck.read(key, slab)?),
-            Source::Full { .. } if k.compressed => self.read_full_quant8(key, slab),
-            Source::Full { .. } => values(&self.read_rows(key, slab)?),
+            Source::Full(f) if k.compressed => f.read_quant8(key, slab),
+            Source::Full(f) => values(&f.read_rows(key, slab)?),
         }
+    }
+}
+
+impl FullFile {
+    /// `buf.len()` bytes at `offset` into the data of the tensor starting at `start`.
+    fn read_at(&self, buf: &mut [u8], start: u64, offset: usize) -> Result<()> {
+        self.file
+            .read_exact_at(buf, self.data_start + start + offset as u64)
+            .map_err(|e| Error::io(&self.path, e))
     }
 
     /// The rows of `slab` (a dim-0 range, contiguous in a full file) of raw key `key`.
     fn read_rows(&self, key: &str, slab: &ShardSpec) -> Result<Tensor> {
-        let Source::Full {
-            path,
-            file,
-            data_start,
-            tensors,
-        } = self
-        else {
-            unreachable!()
-        };
-        let t = tensors
-            .get(key)
-            .ok_or_else(|| Error::NotFound(format!("key {key} is not in {}", path.display())))?;
+        let t = self.tensors.get(key).ok_or_else(|| {
+            Error::NotFound(format!("key {key} is not in {}", self.path.display()))
+        })?;
         let local = slab.local_shape();
         let row_bytes = t.shape.iter().skip(1).product::<usize>() * t.dtype.size();
         let first_row = slab.global_offset().first().copied().unwrap_or(0);
         let mut buf = vec![0u8; local.iter().product::<usize>() * t.dtype.size()];
-        file.read_exact_at(
-            &mut buf,
-            data_start + t.start + (first_row * row_bytes) as u64,
-        )
-        .map_err(|e| Error::io(path, e))?;
+        self.read_at(&mut buf, t.start, first_row * row_bytes)?;
         Tensor::new(t.dtype, local, buf)
     }
 
     /// FlashOptim's unsharded layout: codes of the full tensor, one fp16 scale per 32
     /// consecutive elements of it.
-    fn read_full_quant8(&self, base: &str, slab: &ShardSpec) -> Result<Vec<f64>> {
-        let Source::Full {
-            path,
-            file,
-            data_start,
-            tensors,
-        } = self
-        else {
-            unreachable!()
-        };
+    fn read_quant8(&self, base: &str, slab: &ShardSpec) -> Result<Vec<f64>> {
+        let path = &self.path;
         let (ck, sk) = (codes_key(base), scales_key(base));
         let codes = self.read_rows(&ck, slab)?;
-        let st = &tensors[&sk];
+        let st = &self.tensors[&sk];
         if st.dtype != DType::F16 || st.shape.len() != 1 {
             return Err(Error::corrupt(
                 path,
@@ -173,8 +165,7 @@ impl Source {
             ));
         }
         let mut buf = vec![0u8; (g1 - g0) * 2];
-        file.read_exact_at(&mut buf, data_start + st.start + (g0 * 2) as u64)
-            .map_err(|e| Error::io(path, e))?;
+        self.read_at(&mut buf, st.start, g0 * 2)?;
         let scales: Vec<half::f16> = buf
             .chunks_exact(2)
             .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))

@@ -18,9 +18,16 @@ fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream
 }
 
+impl Device {
+    /// Makes the device's primary context current until the guard drops.
+    unsafe fn enter(&self) -> Result<Current> {
+        Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))
+    }
+}
+
 impl LaneStreams for Device {
     unsafe fn create_stream(&self) -> Result<usize> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         // Non-blocking: the lanes order themselves against the caller's stream with
         // events, and must not wait for unrelated work on the legacy default stream.
         cu::stream::create(cu::stream::StreamKind::NonBlocking)
@@ -31,7 +38,7 @@ impl LaneStreams for Device {
 
 impl PinnedCopy for Device {
     unsafe fn alloc_pinned(&self, bytes: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         cu::malloc_host(bytes.max(1), 0)
             .map(|p| p as u64)
             .map_err(|e| cuda_err("cuMemHostAlloc", e))
@@ -44,21 +51,21 @@ impl PinnedCopy for Device {
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         cusys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream_of(stream))
             .result()
             .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
     }
 
     unsafe fn copy_to_host(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         cusys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream_of(stream))
             .result()
             .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))
     }
 
     unsafe fn record_event(&self, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let ev = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| cuda_err("cuEventCreate", e))?;
         if let Err(e) = cu::event::record(ev, stream_of(stream)) {
@@ -69,7 +76,7 @@ impl PinnedCopy for Device {
     }
 
     unsafe fn wait_event(&self, event: u64) -> Result<()> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let ev = event as cusys::CUevent;
         let r = cusys::cuEventSynchronize(ev)
             .result()
@@ -81,7 +88,7 @@ impl PinnedCopy for Device {
 
 impl Backend for Device {
     unsafe fn alloc_zeroed(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let ptr = cu::malloc_sync(bytes.max(1)).map_err(|e| cuda_err("cuMemAlloc", e))?;
         if let Err(e) = cu::memset_d8_async(ptr, 0, bytes.max(1), stream_of(stream)) {
             let _ = cu::free_sync(ptr);
@@ -101,7 +108,7 @@ impl Backend for Device {
         if dst.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let s = stream_of(stream);
         cu::memcpy_dtoh_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
@@ -111,7 +118,7 @@ impl Backend for Device {
         if src.is_empty() {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let s = stream_of(stream);
         cu::memcpy_htod_async(dst, src, s).map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))?;
         // A pageable source may be staged lazily: wait, so `src` may be reused at once.
@@ -119,7 +126,7 @@ impl Backend for Device {
     }
 
     unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         cu::malloc_async(stream_of(stream), bytes.max(1))
             .map_err(|e| cuda_err("cuMemAllocAsync", e))
     }
@@ -151,7 +158,7 @@ impl Backend for Device {
         first: bool,
         stream: usize,
     ) -> Result<()> {
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let (mut t, mut n, mut total) = (table, count, total_groups);
         // `fo_rule` by value: cuLaunchKernel copies the struct's 68 bytes from here.
         let (mut r, mut f) = (*rule, first as i32);
@@ -173,7 +180,7 @@ impl Backend for Device {
         }
         let (chunks, count) = (table.total_chunks, Self::norm_rows(table)?);
         let mut out = vec![0u8; 16 * chunks as usize];
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let s = stream_of(stream);
         let lanes = chunks * LANES as u64;
         // After the table: lane sums, lane maxima, then [sum, max] per chunk.
@@ -212,7 +219,7 @@ impl Backend for Device {
             return Ok(());
         }
         let count = Self::norm_rows(table)?;
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let s = stream_of(stream);
         self.with_device_copy(table.as_bytes(), 0, s, |d| {
             let (mut t, mut n, mut total) = (d, count, table.total_chunks);
@@ -238,7 +245,7 @@ impl Backend for Device {
         if stream == 0 {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let mut ctx: cusys::CUcontext = std::ptr::null_mut();
         cusys::cuStreamGetCtx(stream_of(stream), &mut ctx)
             .result()
@@ -261,7 +268,7 @@ impl Backend for Device {
 
     unsafe fn memory_of(&self, ptr: u64) -> Result<Memory> {
         use cusys::CUpointer_attribute as P;
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let get = |attr: P, out: *mut c_void| cusys::cuPointerGetAttribute(out, attr, ptr);
         let mut managed: u32 = 0;
         match get(
@@ -295,7 +302,7 @@ impl Backend for Device {
 
     unsafe fn allocation_of(&self, ptr: u64) -> Result<Option<(u64, u64)>> {
         use cusys::CUpointer_attribute as P;
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let (mut start, mut size): (cusys::CUdeviceptr, usize) = (0, 0);
         let r = cusys::cuPointerGetAttribute(
             &mut start as *mut _ as *mut c_void,
@@ -322,7 +329,7 @@ impl Backend for Device {
         if from == to {
             return Ok(());
         }
-        let _cur = Current::push(self.ctx).map_err(|e| cuda_err("cuCtxPushCurrent", e))?;
+        let _cur = self.enter()?;
         let ev = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| cuda_err("cuEventCreate", e))?;
         let r = cu::event::record(ev, stream_of(from))

@@ -369,6 +369,15 @@ pub fn skip() -> bool {
     }
 }
 
+/// For a test: the emulated device `EMULATED` and a new stream of it, or None (after
+/// printing why) where the emulated device cannot run.
+pub fn device_and_stream() -> Option<(Arc<Emulated>, usize)> {
+    if skip() {
+        return None;
+    }
+    Some((device().unwrap(), create_stream(EMULATED)))
+}
+
 fn host_marks() -> &'static Mutex<Vec<(usize, usize)>> {
     static H: OnceLock<Mutex<Vec<(usize, usize)>>> = OnceLock::new();
     H.get_or_init(Default::default)

@@ -126,8 +126,7 @@ fn two_ranks_end(opts: [Option<OverlapOptions>; 2]) -> Vec<(crate::error::Result
                     let cfg = cfg_for(Algorithm::AdamW, DType::F32);
                     let mut m = model(&cfg, DType::F32, 21, true).unwrap();
                     let before = snapshot(&m);
-                    let mut rng = Rng::new(7);
-                    let mut grads = Grads::new(&mut rng, 1.0, false);
+                    let mut grads = Grads::seeded(7);
                     let g = grads.views();
                     if let Some(o) = opts[r] {
                         let all: Vec<usize> = (0..SHAPES.len()).collect();

@@ -44,8 +44,7 @@ fn a_clip_certain_to_scale_defers_the_rest_and_keeps_the_bits() {
         cfg.lr = 1e-2;
         let mut a = model(&cfg, DType::BF16, 3, true).unwrap();
         let mut b = model(&cfg, DType::BF16, 3, true).unwrap();
-        let mut rng = Rng::new(9);
-        let mut ga = Grads::new(&mut rng, 1.0, false);
+        let mut ga = Grads::seeded(9);
         let mut gb = Grads {
             dt: ga.dt.clone(),
             bufs: ga.bufs.clone(),

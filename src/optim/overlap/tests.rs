@@ -94,6 +94,11 @@ impl Grads {
         Grads { dt, bufs }
     }
 
+    /// `new(.., 1.0, false)` from a generator of its own, seeded by `seed`.
+    pub fn seeded(seed: u64) -> Grads {
+        Grads::new(&mut Rng::new(seed), 1.0, false)
+    }
+
     pub fn views(&mut self) -> Vec<TensorView> {
         let mut out = Vec::new();
         for (i, b) in self.bufs.iter_mut().enumerate() {
@@ -288,8 +293,7 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
     let mut cfg = OptimConfig::default_for(Algorithm::AdamW);
     cfg.check_numerics = true;
     let mut m = model(&cfg, DType::BF16, 5, false).unwrap();
-    let mut rng = Rng::new(9);
-    let mut grads = Grads::new(&mut rng, 1.0, false);
+    let mut grads = Grads::seeded(9);
     let g = grads.views();
     let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
     unsafe { m.opt.step(&all) }.unwrap();
@@ -332,8 +336,7 @@ fn a_bad_gradient_handed_over_late_fails_the_step_and_changes_nothing() {
 fn abort_puts_every_early_step_back_and_drops_fresh_state() {
     let cfg = OptimConfig::default_for(Algorithm::AdamW);
     let mut m = model(&cfg, DType::BF16, 11, false).unwrap();
-    let mut rng = Rng::new(21);
-    let mut grads = Grads::new(&mut rng, 1.0, false);
+    let mut grads = Grads::seeded(21);
     let g = grads.views();
     let before = snapshot(&m);
     let mut st = OverlapStats::default();
@@ -371,8 +374,7 @@ pub(super) fn encode_like(bytes: &[u8], dt: DType) -> Vec<u8> {
 fn misuse_is_a_clear_error_and_other_calls_refuse_while_a_step_is_open() {
     let cfg = OptimConfig::default_for(Algorithm::AdamW);
     let mut m = model(&cfg, DType::BF16, 2, false).unwrap();
-    let mut rng = Rng::new(3);
-    let mut grads = Grads::new(&mut rng, 1.0, false);
+    let mut grads = Grads::seeded(3);
     let g = grads.views();
     let mut st = OverlapStats::default();
     unsafe {
@@ -428,8 +430,7 @@ fn dropping_the_optimizer_with_a_step_open_waits_and_puts_parameters_back() {
     let m = model(&cfg, DType::F32, 6, false).unwrap();
     let before = m.mem.clone();
     let Model { mut opt, mem } = m;
-    let mut rng = Rng::new(12);
-    let mut grads = Grads::new(&mut rng, 1.0, false);
+    let mut grads = Grads::seeded(12);
     let g = grads.views();
     unsafe {
         opt.step_begin(OverlapOptions::default()).unwrap();

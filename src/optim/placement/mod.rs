@@ -16,6 +16,8 @@ pub mod offload;
 pub(crate) mod offload_pipe;
 pub(crate) mod offload_step;
 pub(crate) mod staging;
+#[cfg(test)]
+mod test_views;
 
 pub use device_state::DeviceState;
 

@@ -47,35 +47,23 @@ mod tests {
 
     #[test]
     fn crossing_param_is_included_and_later_ones_are_not() {
-        assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.5).unwrap(),
-            vec![true, true, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.3).unwrap(),
-            vec![true, true, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.25).unwrap(),
-            vec![true, false, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[10, 10, 10, 10], 0.2).unwrap(),
-            vec![true, false, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[5, 100, 1], 0.01).unwrap(),
-            vec![true, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[5, 100, 1], 0.0).unwrap(),
-            vec![false, false, false]
-        );
-        assert_eq!(
-            plan_offload(&[5, 100, 1], 1.0).unwrap(),
-            vec![true, true, true]
-        );
-        assert_eq!(plan_offload(&[], 0.5).unwrap(), Vec::<bool>::new());
+        let cases: [(&[usize], f64, &[bool]); 8] = [
+            (&[10, 10, 10, 10], 0.5, &[true, true, false, false]),
+            (&[10, 10, 10, 10], 0.3, &[true, true, false, false]),
+            (&[10, 10, 10, 10], 0.25, &[true, false, false, false]),
+            (&[10, 10, 10, 10], 0.2, &[true, false, false, false]),
+            (&[5, 100, 1], 0.01, &[true, false, false]),
+            (&[5, 100, 1], 0.0, &[false, false, false]),
+            (&[5, 100, 1], 1.0, &[true, true, true]),
+            (&[], 0.5, &[]),
+        ];
+        for (numels, fraction, want) in cases {
+            assert_eq!(
+                plan_offload(numels, fraction).unwrap(),
+                want,
+                "{numels:?} at {fraction}"
+            );
+        }
     }
 
     #[test]

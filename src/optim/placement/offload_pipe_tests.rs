@@ -3,6 +3,7 @@
 //! for every rule and format with tensors cut into many pieces; the gradients read only
 //! after their producer on the optimizer's stream; the mirrors written only after what
 //! read them there, and seen by what comes after; pinned memory bounded.
+use super::super::test_views::{grads_of, optimizer_over, set_mirrors, view};
 use super::*;
 use crate::device::backend::Backend;
 use crate::device::emulated::{self, encode, values, EMULATED};
@@ -10,10 +11,6 @@ use crate::device::lanes::LANES_BYTES;
 use crate::device::ring::RING_BYTES;
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
-
-fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
-    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
-}
 
 /// (config, param dtype, grad dtype): every kind of job the pipeline cuts.
 fn cases() -> Vec<(OptimConfig, DType, DType)> {
@@ -41,43 +38,20 @@ const PROBE: usize = 256;
 
 #[test]
 fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
-    if emulated::skip() {
+    let Some((dev, stream)) = emulated::device_and_stream() else {
         return;
-    }
-    let dev = emulated::device_at(EMULATED).unwrap();
+    };
     let b: &dyn Backend = &*dev;
-    let stream = emulated::create_stream(EMULATED);
     for (case, (c, pdt, gdt)) in cases().into_iter().enumerate() {
         let init = |i: usize, n: usize| encode(pdt, &values(n, (case * 10 + i) as u64));
         let mut ha: Vec<Vec<u8>> = SIZES.iter().enumerate().map(|(i, &n)| init(i, n)).collect();
         let mut oa = ha.clone();
-        let (mut host, mut off) = (
-            Optimizer::new(c.clone()).unwrap(),
-            Optimizer::new(c.clone()).unwrap(),
-        );
-        for (i, (h, o)) in ha.iter_mut().zip(oa.iter_mut()).enumerate() {
-            unsafe {
-                host.add_param(&format!("p{i}"), view(h, pdt, SIZES[i]), None, 0)
-                    .unwrap();
-                off.add_param(&format!("p{i}"), view(o, pdt, SIZES[i]), None, 0)
-                    .unwrap();
-            }
-        }
+        let mut host = optimizer_over(&c, &mut ha, pdt, &SIZES);
+        let mut off = optimizer_over(&c, &mut oa, pdt, &SIZES);
         off.set_stream(stream).unwrap();
         // Mirrors of all but the last parameter (a piece without an up copy).
         let mut mirrors: Vec<Vec<u8>> = oa[..3].iter().map(|p| vec![0xAB; p.len()]).collect();
-        for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe {
-                off.set_mirror(
-                    i,
-                    Some(emulated::on(
-                        emulated::dev(EMULATED),
-                        &view(m, pdt, SIZES[i]),
-                    )),
-                )
-            }
-            .unwrap();
-        }
+        set_mirrors(&mut off, &mut mirrors, pdt, &SIZES);
         emulated::synchronize_all();
         let mut before: Vec<u64> = Vec::new();
         for s in 0..3u64 {
@@ -101,16 +75,8 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
             before.push(seen);
             let prev = oa[0].clone();
             let mut hg = gvals.clone();
-            let hv: Vec<Option<TensorView>> = hg
-                .iter_mut()
-                .enumerate()
-                .map(|(i, v)| Some(view(v, gdt, SIZES[i])))
-                .collect();
-            let ov: Vec<Option<TensorView>> = g
-                .iter_mut()
-                .enumerate()
-                .map(|(i, v)| Some(view(v, gdt, SIZES[i])))
-                .collect();
+            let hv = grads_of(&mut hg, gdt, &SIZES);
+            let ov = grads_of(&mut g, gdt, &SIZES);
             unsafe { host.step(&hv) }.unwrap();
             unsafe { off.step(&emulated::each_on(&[emulated::dev(EMULATED); 4], &ov)) }.unwrap();
             // What comes after on the optimizer's stream sees the new mirrors.
@@ -169,12 +135,10 @@ fn the_pipelined_offload_step_gives_the_host_steps_bits_in_stream_order() {
 /// before what comes after it there.
 #[test]
 fn mirror_writes_go_up_the_lane_in_the_optimizers_stream_order() {
-    if emulated::skip() {
+    let Some((dev, stream)) = emulated::device_and_stream() else {
         return;
-    }
-    let dev = emulated::device_at(EMULATED).unwrap();
+    };
     let b: &dyn Backend = &*dev;
-    let stream = emulated::create_stream(EMULATED);
     // Four pieces: the host never waits for a slot of this step, so nothing but the
     // stream order keeps later work from reading the mirror early.
     let n = 3 * 32768 + 77;
@@ -185,16 +149,12 @@ fn mirror_writes_go_up_the_lane_in_the_optimizers_stream_order() {
     unsafe { opt.add_param("w", view(&mut pa, DType::F32, n), None, 0) }.unwrap();
     opt.set_stream(stream).unwrap();
     let mut mirror = vec![0u8; pa.len()];
-    unsafe {
-        opt.set_mirror(
-            0,
-            Some(emulated::on(
-                emulated::dev(EMULATED),
-                &view(&mut mirror, DType::F32, n),
-            )),
-        )
-    }
-    .unwrap();
+    set_mirrors(
+        &mut opt,
+        std::slice::from_mut(&mut mirror),
+        DType::F32,
+        &[n],
+    );
     emulated::synchronize_all();
     for s in 0..3u64 {
         let prev = pa.clone();

@@ -1,15 +1,12 @@
 //! The offload case on the emulated device (`device::emulated`): host parameters stepped
 //! from gradients given on the device, mirrored back to device copies, give the bits of
 //! an all-host step; mirrors follow every change; refusals change nothing.
+use super::super::test_views::{grads_of, optimizer_over, set_mirrors, view};
 use crate::device::emulated::{self, dev, each_on, encode, values, EMULATED};
 use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::tensor::{Device, Tensor, TensorView};
-
-fn view(b: &mut [u8], dt: DType, n: usize) -> TensorView {
-    unsafe { TensorView::host(b.as_mut_ptr(), dt, &[n as i64], None, "t").unwrap() }
-}
 
 const SIZES: [usize; 3] = [100, 0, 67];
 const DT: DType = DType::BF16;
@@ -22,11 +19,7 @@ fn cfg(check_numerics: bool) -> OptimConfig {
 }
 
 fn build(c: &OptimConfig, mem: &mut [Vec<u8>]) -> Optimizer {
-    let mut opt = Optimizer::new(c.clone()).unwrap();
-    for (i, b) in mem.iter_mut().enumerate() {
-        unsafe { opt.add_param(&format!("p{i}"), view(b, DT, SIZES[i]), None, 0) }.unwrap();
-    }
-    opt
+    optimizer_over(c, mem, DT, &SIZES)
 }
 
 fn params() -> Vec<Vec<u8>> {
@@ -67,10 +60,7 @@ fn offloaded_gradients_step_the_host_params_and_mirrors_follow() {
         let mut off = build(&c, &mut oa);
         // Device copies of the params, stale until set_mirror writes them.
         let mut mirrors: Vec<Vec<u8>> = SIZES.iter().map(|&n| vec![0xAB; n * 2]).collect();
-        for (i, m) in mirrors.iter_mut().enumerate() {
-            unsafe { off.set_mirror(i, Some(emulated::on(dev(EMULATED), &view(m, DT, SIZES[i])))) }
-                .unwrap();
-        }
+        set_mirrors(&mut off, &mut mirrors, DT, &SIZES);
         emulated::synchronize_all();
         assert_eq!(mirrors, oa, "set_mirror writes the param");
         for s in 0..3 {
@@ -108,11 +98,7 @@ fn a_non_finite_offloaded_gradient_is_caught_before_anything_changes() {
     let mut off = build(&cfg(true), &mut oa);
     let mut g = grads(0);
     g[2][10..12].copy_from_slice(&0x7fc0u16.to_le_bytes());
-    let v: Vec<Option<TensorView>> = g
-        .iter_mut()
-        .enumerate()
-        .map(|(i, b)| Some(view(b, DT, SIZES[i])))
-        .collect();
+    let v = grads_of(&mut g, DT, &SIZES);
     let e = unsafe { off.step(&each_on(&[Device::Host, dev(EMULATED), dev(EMULATED)], &v)) }
         .unwrap_err();
     assert!(
@@ -178,12 +164,7 @@ fn mirrors_are_checked_before_they_are_kept() {
     emulated::synchronize_all();
     m.fill(0);
     let mut g = grads(0);
-    let v: Vec<Option<TensorView>> = g
-        .iter_mut()
-        .enumerate()
-        .map(|(i, b)| Some(view(b, DT, SIZES[i])))
-        .collect();
-    unsafe { opt.step(&v) }.unwrap();
+    unsafe { opt.step(&grads_of(&mut g, DT, &SIZES)) }.unwrap();
     emulated::synchronize_all();
     assert!(m.iter().all(|&b| b == 0), "a removed mirror is left alone");
 }
@@ -201,28 +182,14 @@ fn offloaded_gradients_larger_than_the_pinned_ring_give_the_host_steps_bits() {
         let c = cfg(numerics);
         let mut ha: Vec<Vec<u8>> = sizes.iter().map(|&n| encode(DT, &values(n, 3))).collect();
         let mut oa = ha.clone();
-        let (mut host, mut off) = (
-            Optimizer::new(c.clone()).unwrap(),
-            Optimizer::new(c).unwrap(),
-        );
-        for (i, (h, o)) in ha.iter_mut().zip(oa.iter_mut()).enumerate() {
-            unsafe {
-                host.add_param(&format!("p{i}"), view(h, DT, sizes[i]), None, 0)
-                    .unwrap();
-                off.add_param(&format!("p{i}"), view(o, DT, sizes[i]), None, 0)
-                    .unwrap();
-            }
-        }
+        let mut host = optimizer_over(&c, &mut ha, DT, &sizes);
+        let mut off = optimizer_over(&c, &mut oa, DT, &sizes);
         for s in 0..2 {
             let mut g: Vec<Vec<u8>> = sizes
                 .iter()
                 .map(|&n| encode(DT, &values(n, 50 + s)))
                 .collect();
-            let v: Vec<Option<TensorView>> = g
-                .iter_mut()
-                .enumerate()
-                .map(|(i, b)| Some(view(b, DT, sizes[i])))
-                .collect();
+            let v = grads_of(&mut g, DT, &sizes);
             unsafe { host.step(&v) }.unwrap();
             unsafe { off.step(&each_on(&[dev(EMULATED); 2], &v)) }.unwrap();
             emulated::synchronize_all();

@@ -3,6 +3,7 @@
 //! steps, reads and writes state by key, and saves and loads checkpoints exactly as an
 //! all-host optimizer over the same values does, and frees its device memory. Skipped,
 //! saying why, where g++ cannot build the host kernel.
+use std::ops::Range;
 use std::sync::Mutex;
 
 use crate::ckpt::{load, LoadOptions};
@@ -66,6 +67,29 @@ fn step(opt: &mut Optimizer, dt: DType, s: u64, device: Device) {
     emulated::synchronize_all();
 }
 
+/// Steps `host` (all in host memory) and `dev` (params 1.. on the emulated device) with
+/// the gradients seeded by each of `steps`.
+fn step_pair(host: &mut Optimizer, dev: &mut Optimizer, dt: DType, steps: Range<u64>) {
+    for s in steps {
+        step(host, dt, s, Device::Host);
+        step(dev, dt, s, emulated::dev(EMULATED));
+    }
+}
+
+/// The same optimizer twice over equal values, stepped by `step_pair`: all in host
+/// memory (`host` over `ha`) and with params 1.. on the emulated device (`dev` over `da`).
+fn stepped_pair(
+    cfgs: &[OptimConfig; 2],
+    dt: DType,
+    steps: Range<u64>,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>, Optimizer, Optimizer) {
+    let (mut ha, mut da) = (params(dt), params(dt));
+    let mut host = build(cfgs, dt, &mut ha, Device::Host);
+    let mut dev = build(cfgs, dt, &mut da, emulated::dev(EMULATED));
+    step_pair(&mut host, &mut dev, dt, steps);
+    (ha, da, host, dev)
+}
+
 /// Every key of every param, as `get_state` reads it, and the param bytes.
 fn everything(opt: &Optimizer) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
@@ -117,13 +141,7 @@ fn a_hybrid_step_on_the_emulated_device_is_the_host_step() {
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let live = emulated::device().unwrap().live_allocations();
     for (cfgs, dt) in configs() {
-        let (mut ha, mut da) = (params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
-        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
-        for s in 0..3 {
-            step(&mut host, dt, s, Device::Host);
-            step(&mut dev, dt, s, emulated::dev(EMULATED));
-        }
+        let (ha, da, host, dev) = stepped_pair(&cfgs, dt, 0..3);
         // The device's work is queued, not done: wait before reading its memory.
         emulated::synchronize_all();
         assert_eq!(ha, da, "{:?} {dt}", cfgs[0].algorithm);
@@ -156,17 +174,14 @@ fn device_state_is_written_by_key_as_host_state_is() {
     }
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     for (cfgs, dt) in configs() {
-        let (mut ha, mut da, mut src) = (params(dt), params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
-        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
+        let (ha, da, mut host, mut dev) = stepped_pair(&cfgs, dt, 0..1);
         // A third optimizer's state, written into both by key (param 3's creates state
         // on the device; param 1's replaces it after a step).
+        let mut src = params(dt);
         let mut from = build(&cfgs, dt, &mut src, Device::Host);
         for s in 0..2 {
             step(&mut from, dt, s + 7, Device::Host);
         }
-        step(&mut host, dt, 0, Device::Host);
-        step(&mut dev, dt, 0, emulated::dev(EMULATED));
         for i in [1, 3] {
             let entries: Vec<(String, Tensor)> = from
                 .keys_of(i)
@@ -194,10 +209,7 @@ fn device_state_is_written_by_key_as_host_state_is() {
             .unwrap_err();
         assert!(e.to_string().contains("key master of parameter p1"), "{e}");
         assert_eq!(format!("{:?}", everything(&dev)), before);
-        for s in 1..3 {
-            step(&mut host, dt, s, Device::Host);
-            step(&mut dev, dt, s, emulated::dev(EMULATED));
-        }
+        step_pair(&mut host, &mut dev, dt, 1..3);
         // The device's work is queued, not done: wait before reading its memory.
         emulated::synchronize_all();
         assert_eq!(ha, da, "{:?} {dt}", cfgs[0].algorithm);
@@ -231,13 +243,8 @@ fn a_checkpoint_of_device_state_is_the_host_checkpoint_and_loads_back_onto_the_d
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = std::env::temp_dir().join(format!("fo-staging-{}", std::process::id()));
     for (c, (cfgs, dt)) in configs().into_iter().enumerate() {
-        let (mut ha, mut da) = (params(dt), params(dt));
-        let mut host = build(&cfgs, dt, &mut ha, Device::Host);
-        let mut dev = build(&cfgs, dt, &mut da, emulated::dev(EMULATED));
-        for s in 0..2 {
-            step(&mut host, dt, s, Device::Host);
-            step(&mut dev, dt, s, emulated::dev(EMULATED));
-        }
+        // `_da` holds `dev`'s params: kept until the end, unread.
+        let (ha, _da, mut host, dev) = stepped_pair(&cfgs, dt, 0..2);
         for mode in [Mode::Compressed, Mode::Portable] {
             let mut o = SaveOptions::new(0, 1, mode);
             (o.save_id, o.params) = ("same".into(), Some(ParamsAs::Stored));

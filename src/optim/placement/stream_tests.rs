@@ -18,6 +18,37 @@ fn adamw() -> Optimizer {
     Optimizer::new(c).unwrap()
 }
 
+/// Registers `b` as parameter `name`, claimed as memory of emulated device `ordinal`.
+unsafe fn add_on(opt: &mut Optimizer, name: &str, ordinal: i32, b: &mut [u8]) -> Result<usize> {
+    opt.add_param(
+        name,
+        emulated::on(emulated::dev(ordinal), &view(b)),
+        None,
+        0,
+    )
+}
+
+/// A host optimizer and one on device `EMULATED`, each holding parameter "p" with the
+/// same values (`hp`, `dp`: returned, as the optimizers point into them), so their
+/// steps can be compared.
+fn host_and_device(seed: u64) -> (Vec<u8>, Vec<u8>, Optimizer, Optimizer) {
+    let mut hp = encode(DType::F32, &values(N, seed));
+    let mut dp = hp.clone();
+    let (mut host, mut opt) = (adamw(), adamw());
+    unsafe {
+        host.add_param("p", view(&mut hp), None, 0).unwrap();
+        add_on(&mut opt, "p", EMULATED, &mut dp).unwrap();
+    }
+    (hp, dp, host, opt)
+}
+
+/// One step of both with gradient `g` (the device one's claimed as device memory).
+fn step_both(host: &mut Optimizer, opt: &mut Optimizer, g: &mut [u8]) {
+    let g = Some(view(g));
+    unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
+    unsafe { opt.step(&emulated::each_on(&[emulated::dev(EMULATED)], &[g])) }.unwrap();
+}
+
 #[test]
 fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is_queued() {
     if emulated::skip() {
@@ -33,20 +64,8 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     // Parameters on two devices, then a stream of the first: refused, naming the second.
     let mut opt = adamw();
     unsafe {
-        opt.add_param(
-            "p0",
-            emulated::on(emulated::dev(d0), &view(&mut a)),
-            None,
-            0,
-        )
-        .unwrap();
-        opt.add_param(
-            "p1",
-            emulated::on(emulated::dev(d1), &view(&mut b)),
-            None,
-            0,
-        )
-        .unwrap();
+        add_on(&mut opt, "p0", d0, &mut a).unwrap();
+        add_on(&mut opt, "p1", d1, &mut b).unwrap();
     }
     let e = opt.set_stream(s0).unwrap_err().to_string();
     assert!(
@@ -73,26 +92,11 @@ fn a_stream_of_one_device_is_refused_for_another_devices_work_before_anything_is
     // A stream first, then a parameter on another device: refused at registration.
     let mut opt = adamw();
     let (mut c, mut d) = (before.0.clone(), before.1.clone());
-    unsafe {
-        opt.add_param(
-            "p0",
-            emulated::on(emulated::dev(d0), &view(&mut c)),
-            None,
-            0,
-        )
-    }
-    .unwrap();
+    unsafe { add_on(&mut opt, "p0", d0, &mut c) }.unwrap();
     opt.set_stream(s0).unwrap();
-    let e = unsafe {
-        opt.add_param(
-            "p1",
-            emulated::on(emulated::dev(d1), &view(&mut d)),
-            None,
-            0,
-        )
-    }
-    .unwrap_err()
-    .to_string();
+    let e = unsafe { add_on(&mut opt, "p1", d1, &mut d) }
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("parameter p1 is on CUDA device 78"), "{e}");
     assert_eq!(opt.num_params(), 1, "p1 was not registered");
     // An offloaded gradient on the other device: refused before anything changes.
@@ -122,20 +126,7 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
         emulated::create_stream(EMULATED),
         emulated::create_stream(EMULATED),
     );
-    let mut hp = encode(DType::F32, &values(N, 5));
-    let mut dp = hp.clone();
-    let mut host = adamw();
-    let mut opt = adamw();
-    unsafe {
-        host.add_param("p", view(&mut hp), None, 0).unwrap();
-        opt.add_param(
-            "p",
-            emulated::on(emulated::dev(EMULATED), &view(&mut dp)),
-            None,
-            0,
-        )
-        .unwrap();
-    }
+    let (hp, dp, mut host, mut opt) = host_and_device(5);
     let mut grads: Vec<Vec<u8>> = (0..3)
         .map(|s| encode(DType::F32, &values(N, 10 + s)))
         .collect();
@@ -146,9 +137,7 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
             // without an event, step 1 on B would run first.
             dev.stall(stream, 200);
         }
-        let g = Some(view(&mut grads[s]));
-        unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
-        unsafe { opt.step(&emulated::each_on(&[emulated::dev(EMULATED)], &[g])) }.unwrap();
+        step_both(&mut host, &mut opt, &mut grads[s]);
     }
     emulated::synchronize_all();
     assert_eq!(dp, hp, "the three steps ran in order");
@@ -156,24 +145,10 @@ fn a_step_on_a_new_stream_runs_after_the_steps_on_the_old_one() {
 
 #[test]
 fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_runs() {
-    if emulated::skip() {
+    let Some((dev, stream)) = emulated::device_and_stream() else {
         return;
-    }
-    let dev = emulated::device().unwrap();
-    let stream = emulated::create_stream(EMULATED);
-    let mut hp = encode(DType::F32, &values(N, 6));
-    let mut dp = hp.clone();
-    let (mut host, mut opt) = (adamw(), adamw());
-    unsafe {
-        host.add_param("p", view(&mut hp), None, 0).unwrap();
-        opt.add_param(
-            "p",
-            emulated::on(emulated::dev(EMULATED), &view(&mut dp)),
-            None,
-            0,
-        )
-        .unwrap();
-    }
+    };
+    let (hp, dp, mut host, mut opt) = host_and_device(6);
     opt.set_stream(stream).unwrap();
     let mut grads: Vec<Vec<u8>> = (0..3)
         .map(|s| encode(DType::F32, &values(N, 20 + s)))
@@ -182,9 +157,7 @@ fn a_steps_launch_table_is_copied_from_pinned_memory_still_held_when_the_copy_ru
         // The stream is busy: the table's copy runs after `step` returned, when its
         // host buffer would be gone were it not the ring's pinned slot.
         dev.stall(stream, 20);
-        let g = Some(view(g));
-        unsafe { host.step(std::slice::from_ref(&g)) }.unwrap();
-        unsafe { opt.step(&emulated::each_on(&[emulated::dev(EMULATED)], &[g])) }.unwrap();
+        step_both(&mut host, &mut opt, g);
     }
     // Panics, naming the copy, where a queued copy read pageable or freed host memory.
     emulated::synchronize_all();
@@ -209,15 +182,7 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     let mut host = encode(DType::F32, &values(N, 7));
     let _host_mark = emulated::mark_host(&host);
     let mut opt = adamw();
-    let e = unsafe {
-        opt.add_param(
-            "h",
-            emulated::on(emulated::dev(d0), &view(&mut host)),
-            None,
-            0,
-        )
-    }
-    .unwrap_err();
+    let e = unsafe { add_on(&mut opt, "h", d0, &mut host) }.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     let e = e.to_string();
     assert!(e.contains("`param`: parameter h: pointer 0x"), "{e}");
@@ -239,7 +204,7 @@ fn host_memory_and_another_devices_memory_are_refused_naming_the_argument_before
     // Gradients: host memory, another device's memory.
     let mut p = encode(DType::F32, &values(N, 8));
     let before = p.clone();
-    unsafe { opt.add_param("p", emulated::on(emulated::dev(d0), &view(&mut p)), None, 0) }.unwrap();
+    unsafe { add_on(&mut opt, "p", d0, &mut p) }.unwrap();
     let mut g = encode(DType::F32, &values(N, 9));
     let _grad_mark = emulated::mark_host(&g);
     let e = unsafe {
