@@ -66,56 +66,16 @@ fn mixed_group_table_has_every_field() {
     let mut sgd_m = cfg(Algorithm::Sgd, StateFormat::Quant8, 0);
     sgd_m.momentum = 0.9;
     sgd_m.nesterov = true;
+    // One case a line (rustfmt would spread each over seven).
+    #[rustfmt::skip]
     let cases = [
-        (
-            cfg(Algorithm::AdamW, StateFormat::Fp32, 0),
-            DType::F32,
-            DType::F32,
-            100,
-            3,
-        ),
-        (
-            cfg(Algorithm::AdamW, StateFormat::Quant8, 24),
-            DType::BF16,
-            DType::F16,
-            33,
-            1,
-        ),
-        (
-            cfg(Algorithm::Adam, StateFormat::ParamDtype, 32),
-            DType::F16,
-            DType::BF16,
-            0,
-            1,
-        ),
-        (
-            cfg(Algorithm::Adam, StateFormat::ParamDtype, 32),
-            DType::F16,
-            DType::BF16,
-            64,
-            2,
-        ),
-        (
-            cfg(Algorithm::Lion, StateFormat::Quant8Wide, 0),
-            DType::BF16,
-            DType::BF16,
-            7,
-            5,
-        ),
-        (
-            cfg(Algorithm::AdamW, StateFormat::Quant8Wide, 24),
-            DType::BF16,
-            DType::F32,
-            95,
-            1,
-        ),
-        (
-            cfg(Algorithm::SgdW, StateFormat::Fp32, 0),
-            DType::F32,
-            DType::F32,
-            1,
-            1,
-        ),
+        (cfg(Algorithm::AdamW, StateFormat::Fp32, 0), DType::F32, DType::F32, 100, 3),
+        (cfg(Algorithm::AdamW, StateFormat::Quant8, 24), DType::BF16, DType::F16, 33, 1),
+        (cfg(Algorithm::Adam, StateFormat::ParamDtype, 32), DType::F16, DType::BF16, 0, 1),
+        (cfg(Algorithm::Adam, StateFormat::ParamDtype, 32), DType::F16, DType::BF16, 64, 2),
+        (cfg(Algorithm::Lion, StateFormat::Quant8Wide, 0), DType::BF16, DType::BF16, 7, 5),
+        (cfg(Algorithm::AdamW, StateFormat::Quant8Wide, 24), DType::BF16, DType::F32, 95, 1),
+        (cfg(Algorithm::SgdW, StateFormat::Fp32, 0), DType::F32, DType::F32, 1, 1),
         (sgd_m, DType::F16, DType::F16, 40, 1),
     ];
     let mut states: Vec<ParamState> = cases.iter().map(|c| state(&c.0, c.1, c.3)).collect();
