@@ -44,9 +44,6 @@ python3 scripts/import_graph.py --max-back 0 --max-circles 0
 step "cargo test (Rust unit, integration and oracle tests; header freshness)"
 cargo test --release --all-targets
 
-step "cargo test --features cuda (the NCCL path builds without CUDA and refuses clearly)"
-cargo test --release --features cuda --test comm_nccl
-
 step "cmake build + ctest (C++17 tests of the C ABI, find_package(fo) consumer)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)"
@@ -65,11 +62,6 @@ NVRTC13_SO="$NVRTC13_SITE/nvidia/cu13/lib/libnvrtc.so.13"
   .venv/bin/python -m pip install -q --no-deps --target "$NVRTC13_SITE" nvidia-cuda-nvrtc==13.2.86
 .venv/bin/python scripts/nvrtc_check.py "$NVRTC12_SO"
 .venv/bin/python scripts/nvrtc_check.py "$NVRTC13_SO"
-
-step "NVRTC through fo's own search and launch code: FO_NVRTC_LIBRARY, a loaded copy, the wheels' site-packages layout, the library path; the embedded kernels compile for sm_80/sm_90 with NVRTC 12 and 13 (no GPU needed)"
-LD_LIBRARY_PATH="$NVRTC_SITE/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-  FO_TEST_NVRTC12_LIBRARY="$NVRTC12_SO" FO_TEST_NVRTC13_LIBRARY="$NVRTC13_SO" \
-  cargo test --release --features cuda --lib device::nvrtc
 
 step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
@@ -90,7 +82,7 @@ else
 fi
 "$TORCH_VENV/bin/python" -m pip install -q -r python/requirements-test.txt -r python/requirements-torch.txt
 
-step "NCCL where torch's wheel puts it (site-packages/nvidia/nccl/lib/libnccl.so.2): fo finds the loaded copy and calls ncclGetVersion (no GPU needed)"
+step "NCCL where torch's wheel puts it (site-packages/nvidia/nccl/lib/libnccl.so.2): fo finds the loaded copy and calls ncclGetVersion (no GPU needed; again with the cuda feature at the end)"
 NCCL_SO=$(find "$TORCH_VENV" -path '*/nvidia/nccl/lib/libnccl.so.2' -print -quit 2>/dev/null || true)
 if [ -z "$NCCL_SO" ]; then # a torch without the NCCL wheel: the pinned wheel, cached
   NCCL_SITE="${HOME}/.cache/fo/nccl-2.32.3"
@@ -98,7 +90,6 @@ if [ -z "$NCCL_SO" ]; then # a torch without the NCCL wheel: the pinned wheel, c
     .venv/bin/python -m pip install -q --no-deps --target "$NCCL_SITE" nvidia-nccl-cu12==2.32.3
   NCCL_SO="$NCCL_SITE/nvidia/nccl/lib/libnccl.so.2"
 fi
-FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --features cuda --test comm_nccl
 FO_TEST_NCCL_LIBRARY="$NCCL_SO" cargo test --release --lib comm::nccl_lib
 
 step "pytest with torch (fo.torch optimizers, FSDP2 + CPUOffloadPolicy on gloo, DCP resharding, every torch test)"
@@ -128,4 +119,13 @@ rm -rf "$fuzz_scratch"
 
 step "the README's main job: fo demo"
 cargo run --release --bin fo -- demo
+
+# Last, so it is built once: cargo rebuilds the cdylib and the binary (their file names
+# carry no feature hash) whenever the features change, and every step above uses the
+# default build (target/release/libfo.so for pytest and cmake).
+step "cargo test --features cuda: every unit test of the cuda build, NVRTC through fo's own search and launch code (FO_NVRTC_LIBRARY, a loaded copy, the wheels' site-packages layout, the library path; the embedded kernels compile for sm_80/sm_90 with NVRTC 12 and 13), the NCCL path refusing clearly without a GPU and found in torch's wheel (no GPU needed)"
+LD_LIBRARY_PATH="$NVRTC_SITE/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  FO_TEST_NVRTC12_LIBRARY="$NVRTC12_SO" FO_TEST_NVRTC13_LIBRARY="$NVRTC13_SO" \
+  FO_TEST_NCCL_LIBRARY="$NCCL_SO" \
+  cargo test --release --features cuda --lib --test comm_nccl
 step "all tests passed (in $SECONDS s)"
