@@ -13,7 +13,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::config::{OptimConfig, StateFormat};
 use crate::optim::math::quant8::GROUP;
-use crate::optim::math::rule::{Lion, Rule, Sgd};
+use crate::optim::math::rule::lion::Lion;
+use crate::optim::math::rule::sgd::Sgd;
+use crate::optim::math::rule::Rule;
 use crate::optim::math::state::{ErrorBits, F32Buf, Moment, ParamState, Root};
 
 /// `fo_rule_kind` of fo_rules.cuh.
@@ -194,28 +196,32 @@ impl FoRule {
     /// is the one whose bits the GPU reproduces), so it is refused, not approximated.
     pub fn new(rule: &Rule) -> Result<FoRule> {
         let l2 = |l2: Option<f32>| (l2.is_some() as i32, l2.unwrap_or(0.0));
-        let sgd = |kind, c: &Sgd| FoRule {
-            kind,
-            has_l2: l2(c.l2).0,
-            l2: l2(c.l2).1,
-            has_momentum: c.momentum.is_some() as i32,
-            momentum: c.momentum.unwrap_or(0.0),
-            nesterov: c.nesterov as i32,
-            decay: c.decay,
-            wdamp: c.wdamp,
-            lr: c.lr,
-            ..FoRule::default()
-        };
-        let lion = |kind, c: &Lion| FoRule {
-            kind,
-            decay: c.decay,
-            b1: c.betas.b1,
-            w1: c.betas.w1,
-            b2: c.betas.b2,
-            w2: c.betas.w2,
-            lr: c.lr,
-            ..FoRule::default()
-        };
+        fn sgd<O>(kind: i32, c: &Sgd<O>) -> FoRule {
+            FoRule {
+                kind,
+                has_l2: c.l2.is_some() as i32,
+                l2: c.l2.unwrap_or(0.0),
+                has_momentum: c.momentum.is_some() as i32,
+                momentum: c.momentum.unwrap_or(0.0),
+                nesterov: c.nesterov as i32,
+                decay: c.decay,
+                wdamp: c.wdamp,
+                lr: c.lr,
+                ..FoRule::default()
+            }
+        }
+        fn lion<O>(kind: i32, c: &Lion<O>) -> FoRule {
+            FoRule {
+                kind,
+                decay: c.decay,
+                b1: c.betas.b1,
+                w1: c.betas.w1,
+                b2: c.betas.b2,
+                w2: c.betas.w2,
+                lr: c.lr,
+                ..FoRule::default()
+            }
+        }
         let r = match rule {
             Rule::TorchAdam(u) => FoRule {
                 kind: RULE_TORCH_ADAM,
@@ -245,10 +251,10 @@ impl FoRule {
                 lr: u.lr,
                 ..FoRule::default()
             },
-            Rule::TorchSgd(u) => sgd(RULE_TORCH_SGD, &u.0),
-            Rule::FlashSgd(u) => sgd(RULE_FLASH_SGD, &u.0),
-            Rule::TorchLion(u) => lion(RULE_TORCH_LION, &u.0),
-            Rule::FlashLion(u) => lion(RULE_FLASH_LION, &u.0),
+            Rule::TorchSgd(u) => sgd(RULE_TORCH_SGD, u),
+            Rule::FlashSgd(u) => sgd(RULE_FLASH_SGD, u),
+            Rule::TorchLion(u) => lion(RULE_TORCH_LION, u),
+            Rule::FlashLion(u) => lion(RULE_FLASH_LION, u),
             Rule::Fast(_) => return Err(Error::Unsupported(
                 "arithmetic = fast has no GPU kernel; device tensors step with arithmetic = exact"
                     .into(),

@@ -90,3 +90,54 @@ impl Arith for Scalar {
         }
     }
 }
+
+/// Where torch's arithmetic and FlashOptim's differ in the rules they share (SGD, Lion):
+/// whether `x·y + z` is one fused multiply-add, and a learning-rate step added by one
+/// (`lr` held negative) or subtracted after a product (`lr` positive).
+pub trait Ops: Copy + Default + std::fmt::Debug {
+    const FUSED: bool;
+
+    /// `x·y + z`, as this arithmetic rounds it.
+    #[inline(always)]
+    fn mad<A: Arith>(a: A, x: A::F, y: A::F, z: A::F) -> A::F {
+        if Self::FUSED {
+            a.fma(x, y, z)
+        } else {
+            a.add(a.mul(x, y), z)
+        }
+    }
+
+    /// The gradient `g` with `L2` weight decay `wd·p` added (torch's `g.add(p, alpha=wd)`).
+    #[inline(always)]
+    fn l2<A: Arith, const L2: bool>(a: A, p: A::F, g: A::F, wd: Option<f32>) -> A::F {
+        if L2 {
+            Self::mad(a, p, a.splat(wd.unwrap_or(0.0)), g)
+        } else {
+            g
+        }
+    }
+
+    /// `base` moved by `d` times the learning rate `lr` (negative where `FUSED`).
+    #[inline(always)]
+    fn step<A: Arith>(a: A, d: A::F, lr: A::F, base: A::F) -> A::F {
+        if Self::FUSED {
+            a.fma(d, lr, base)
+        } else {
+            a.sub(base, a.mul(d, lr))
+        }
+    }
+}
+
+/// torch.optim's (and the `fast` arithmetic's) operations.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Torch;
+impl Ops for Torch {
+    const FUSED: bool = true;
+}
+
+/// FlashOptim's: no fused multiply-add anywhere.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Flash;
+impl Ops for Flash {
+    const FUSED: bool = false;
+}

@@ -1,7 +1,7 @@
 //! The `fast` arithmetic (`Arithmetic::Fast`) for the compressed formats: the same
 //! algorithms and stored formats as FlashOptim's, with the operations reformulated for
 //! speed; `kernels::host::fused` carries it out, one quantization group at a time in registers
-//! (SGD and Lion step with torch's operations, `torch::TorchSgd` and `torch::TorchLion`):
+//! (SGD and Lion step with torch's operations, `Sgd<Torch>` and `Lion<Torch>`):
 //! - bias corrections folded into two scalars (`lr/bc1`, `1/sqrt(bc2)`), multiplied;
 //! - quant8 variance kept by its root through the step: decode gives `sqrt(v)`, the update
 //!   squares it, takes the one square root per element it needs and hands it to the encoder
@@ -21,11 +21,13 @@
 //! code, one bf16/f16 ulp), `ULP_BOUND_FINE` for 32-bit masters and f32 params (whose
 //! resolution is about one f32 ulp, where the f32 roundings fast saves or adds show),
 //! the unit taken at the larger of the old and new value (tests/optim_fast.rs).
-use super::arith::Arith;
-use super::torch::{TorchLion, TorchSgd};
-use super::update::{with_sgd, Elem, Fixed, Runner, States, Update, ADAM};
-use super::{Betas, Lion, Sgd};
+use super::arith::{Arith, Ops, Torch};
+use super::lion::Lion;
+use super::sgd::Sgd;
+use super::update::{with_sgd, Elem, Fixed, Runner, Update};
+use super::Betas;
 use crate::optim::math::config::{Algorithm, OptimConfig};
+use std::marker::PhantomData;
 
 /// Bound per step, fast vs exact from the same state, for 24-bit masters, 16-bit params
 /// without error bits and 16-bit (`param_dtype`) states, in units of their resolution.
@@ -41,8 +43,8 @@ pub const ULP_BOUND_FINE: u32 = 32;
 #[derive(Debug, Clone, Copy)]
 pub enum FastRule {
     Adam(FastAdam),
-    Sgd(TorchSgd),
-    Lion(TorchLion),
+    Sgd(Sgd<Torch>),
+    Lion(Lion<Torch>),
 }
 
 /// Adam and AdamW with the bias corrections folded into two scalars.
@@ -61,17 +63,12 @@ pub struct FastAdam {
 }
 
 impl Update for FastAdam {
-    const STATES: [States; 5] = [ADAM; 5];
     #[inline(always)]
     fn update<A: Arith, const L2: bool, const K: u8>(&self, a: A, x: Elem<A::F>) -> Elem<A::F> {
         let s = |x: f32| a.splat(x);
         let Betas { b1, w1, b2, w2 } = self.betas;
         let Elem { p, g, m, v } = x;
-        let gi = if L2 {
-            a.fma(p, s(self.l2.unwrap_or(0.0)), g)
-        } else {
-            g
-        };
+        let gi = Torch::l2::<A, L2>(a, p, g, self.l2);
         let root = K == 1;
         let m = a.fma(gi, s(w1), a.mul(m, s(b1)));
         let prev = if root { a.mul(v, v) } else { v };
@@ -109,19 +106,21 @@ impl FastRule {
                     v_root: c.state_format.is_quantized(),
                 })
             }
-            Algorithm::Sgd | Algorithm::SgdW => FastRule::Sgd(TorchSgd(Sgd {
+            Algorithm::Sgd | Algorithm::SgdW => FastRule::Sgd(Sgd {
                 l2,
                 decay,
                 momentum: (c.momentum != 0.0).then_some(c.momentum as f32),
                 wdamp: (1.0 - c.dampening) as f32,
                 nesterov: c.nesterov,
                 lr: -(c.lr as f32),
-            })),
-            Algorithm::Lion => FastRule::Lion(TorchLion(Lion {
+                ops: PhantomData,
+            }),
+            Algorithm::Lion => FastRule::Lion(Lion {
                 decay,
                 betas,
                 lr: -(c.lr as f32),
-            })),
+                ops: PhantomData,
+            }),
         }
     }
 
@@ -136,7 +135,14 @@ impl FastRule {
                 (true, false) => r.run(&Fixed::<_, true, 0>(*u)),
                 (true, true) => r.run(&Fixed::<_, true, 1>(*u)),
             },
-            FastRule::Sgd(u) => with_sgd(u, &u.0, first, r),
+            FastRule::Sgd(u) => with_sgd(
+                u,
+                u.l2.is_some(),
+                u.momentum.is_some(),
+                u.nesterov,
+                first,
+                r,
+            ),
             FastRule::Lion(u) => r.run(&Fixed::<_, false, 0>(*u)),
         }
     }

@@ -5,7 +5,8 @@
 //! checked against these bits by the host-shim tests.
 //!
 //! - `arith`: the operations rules are written in; `update`: how a rule meets memory;
-//! - `torch`, `flash`, `fast`: the three arithmetics' rules and their scalars.
+//! - `torch`, `flash`, `fast`: the three arithmetics' Adams; `sgd`, `lion`: SGD and Lion
+//!   in torch's or FlashOptim's operations (`arith::Ops`); each with its scalars.
 //!
 //! Two contracts (see `StateFormat`):
 //! - `Torch*` (fp32 state): torch.optim's single-tensor CPU arithmetic. Scalars in double
@@ -22,13 +23,20 @@
 pub mod arith;
 pub mod fast;
 pub mod flash;
+pub mod lion;
+pub mod sgd;
 pub mod torch;
 pub mod update;
 
 use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
+use std::marker::PhantomData;
+
+use arith::{Flash, Torch};
 use fast::FastRule;
-use flash::{FlashAdam, FlashLion, FlashSgd};
-use torch::{TorchAdam, TorchLion, TorchSgd};
+use flash::FlashAdam;
+use lion::Lion;
+use sgd::Sgd;
+use torch::TorchAdam;
 use update::{with_l2, with_sgd, Fixed, Runner, Slices};
 
 /// One parameter's rule for one step: its arithmetic's update and scalars.
@@ -36,10 +44,10 @@ use update::{with_l2, with_sgd, Fixed, Runner, Slices};
 pub enum Rule {
     TorchAdam(TorchAdam),
     FlashAdam(FlashAdam),
-    TorchSgd(TorchSgd),
-    FlashSgd(FlashSgd),
-    TorchLion(TorchLion),
-    FlashLion(FlashLion),
+    TorchSgd(Sgd<Torch>),
+    FlashSgd(Sgd<Flash>),
+    TorchLion(Lion<Torch>),
+    FlashLion(Lion<Flash>),
     /// `Arithmetic::Fast` on non-fp32 state (see `fast`).
     Fast(FastRule),
 }
@@ -74,31 +82,6 @@ impl Betas {
             w2: 1.0 - b2,
         }
     }
-}
-
-/// SGD's scalars, shared by its arithmetics (`torch::TorchSgd`, `flash::FlashSgd`).
-#[derive(Debug, Clone, Copy)]
-pub struct Sgd {
-    /// SGD's weight decay, added to the gradient.
-    pub l2: Option<f32>,
-    /// `1 − lr·wd` (SGDW), else 1.
-    pub decay: f32,
-    pub momentum: Option<f32>,
-    /// `1 − dampening`.
-    pub wdamp: f32,
-    pub nesterov: bool,
-    /// The learning rate as the arithmetic applies it: `−lr` where it is added by a fused
-    /// multiply-add (torch, fast), `lr` where it is subtracted (FlashOptim).
-    pub lr: f32,
-}
-
-/// Lion's scalars, shared by its arithmetics (`torch::TorchLion`, `flash::FlashLion`);
-/// `lr` as `Sgd`'s.
-#[derive(Debug, Clone, Copy)]
-pub struct Lion {
-    pub decay: f32,
-    pub betas: Betas,
-    pub lr: f32,
 }
 
 /// `(double)(float)beta` raised to `step` in double, rounded to f32 (FlashOptim's host).
@@ -146,32 +129,36 @@ impl Rule {
                     eps: c.eps as f32,
                 })
             }
-            (Algorithm::Sgd | Algorithm::SgdW, true) => Rule::TorchSgd(TorchSgd(Sgd {
+            (Algorithm::Sgd | Algorithm::SgdW, true) => Rule::TorchSgd(Sgd {
                 l2,
                 decay: (1.0 - decay_amount) as f32,
                 momentum,
                 wdamp: (1.0 - c.dampening) as f32,
                 nesterov: c.nesterov,
                 lr: (-c.lr) as f32,
-            })),
-            (Algorithm::Sgd | Algorithm::SgdW, false) => Rule::FlashSgd(FlashSgd(Sgd {
+                ops: PhantomData,
+            }),
+            (Algorithm::Sgd | Algorithm::SgdW, false) => Rule::FlashSgd(Sgd {
                 l2,
                 decay: 1.0 - decay_amount as f32,
                 momentum,
                 wdamp: (1.0 - c.dampening) as f32,
                 nesterov: c.nesterov,
                 lr: c.lr as f32,
-            })),
-            (Algorithm::Lion, true) => Rule::TorchLion(TorchLion(Lion {
+                ops: PhantomData,
+            }),
+            (Algorithm::Lion, true) => Rule::TorchLion(Lion {
                 decay: (1.0 - decay_amount) as f32,
                 betas: Betas::f64(c),
                 lr: (-c.lr) as f32,
-            })),
-            (Algorithm::Lion, false) => Rule::FlashLion(FlashLion(Lion {
+                ops: PhantomData,
+            }),
+            (Algorithm::Lion, false) => Rule::FlashLion(Lion {
                 decay: 1.0 - decay_amount as f32,
                 betas: Betas::f32(c),
                 lr: c.lr as f32,
-            })),
+                ops: PhantomData,
+            }),
         }
     }
 
@@ -192,8 +179,22 @@ impl Rule {
             }
             Rule::TorchAdam(u) => with_l2(u, u.l2.is_some(), r),
             Rule::FlashAdam(u) => with_l2(u, u.l2.is_some(), r),
-            Rule::TorchSgd(u) => with_sgd(u, &u.0, first, r),
-            Rule::FlashSgd(u) => with_sgd(u, &u.0, first, r),
+            Rule::TorchSgd(u) => with_sgd(
+                u,
+                u.l2.is_some(),
+                u.momentum.is_some(),
+                u.nesterov,
+                first,
+                r,
+            ),
+            Rule::FlashSgd(u) => with_sgd(
+                u,
+                u.l2.is_some(),
+                u.momentum.is_some(),
+                u.nesterov,
+                first,
+                r,
+            ),
             Rule::TorchLion(u) => r.run(&Fixed::<_, false, 0>(*u)),
             Rule::FlashLion(u) => r.run(&Fixed::<_, false, 0>(*u)),
         }

@@ -4,7 +4,6 @@
 //! fixed update (`Elementwise`) to a `Runner`: the slice loop below, or the fused group
 //! kernel of `kernels::host::fused`.
 use super::arith::{Arith, Scalar};
-use super::Sgd;
 
 /// Which states an update touches.
 #[derive(Debug, Clone, Copy)]
@@ -17,7 +16,7 @@ pub struct States {
     pub v: bool,
 }
 
-pub(super) const ADAM: States = States {
+const ADAM: States = States {
     m: true,
     read_m: true,
     v: true,
@@ -44,8 +43,8 @@ pub struct Elem<F> {
 /// the buffer's first step (set to the gradient); the fast Adam: 1 where the variance
 /// state holds `sqrt(v)`, as the quantized formats store it.
 pub trait Update: Copy {
-    /// The states touched, by `K`.
-    const STATES: [States; 5];
+    /// The states touched, by `K` (Adam's: both moments, read and written).
+    const STATES: [States; 5] = [ADAM; 5];
     fn update<A: Arith, const L2: bool, const K: u8>(&self, a: A, x: Elem<A::F>) -> Elem<A::F>;
 }
 
@@ -88,20 +87,27 @@ pub(super) fn with_l2<U: Update, R: Runner>(u: &U, l2: bool, r: R) -> R::Out {
     }
 }
 
-/// `u` (an SGD with scalars `c`) with its choices fixed: `K` from momentum, Nesterov
-/// and the buffer's first step.
+/// `u` (an SGD) with its choices fixed: `K` from momentum, Nesterov and the buffer's
+/// first step.
 #[inline(always)]
-pub(super) fn with_sgd<U: Update, R: Runner>(u: &U, c: &Sgd, first: bool, r: R) -> R::Out {
+pub(super) fn with_sgd<U: Update, R: Runner>(
+    u: &U,
+    l2: bool,
+    momentum: bool,
+    nesterov: bool,
+    first: bool,
+    r: R,
+) -> R::Out {
     macro_rules! run {
         ($k:literal) => {
-            if c.l2.is_some() {
+            if l2 {
                 r.run(&Fixed::<U, true, $k>(*u))
             } else {
                 r.run(&Fixed::<U, false, $k>(*u))
             }
         };
     }
-    match (c.momentum.is_some(), c.nesterov, first) {
+    match (momentum, nesterov, first) {
         (false, _, _) => run!(0),
         (true, false, false) => run!(1),
         (true, true, false) => run!(2),
