@@ -24,7 +24,7 @@
 use super::arith::{Arith, Ops, Torch};
 use super::lion::Lion;
 use super::sgd::Sgd;
-use super::update::{with_sgd, Elem, Fixed, Runner, Update};
+use super::update::{Elem, Fixed, Runner, Update};
 use super::Betas;
 use crate::optim::math::config::{Algorithm, OptimConfig};
 use std::marker::PhantomData;
@@ -135,14 +135,7 @@ impl FastRule {
                 (true, false) => r.run(&Fixed::<_, true, 0>(*u)),
                 (true, true) => r.run(&Fixed::<_, true, 1>(*u)),
             },
-            FastRule::Sgd(u) => with_sgd(
-                u,
-                u.l2.is_some(),
-                u.momentum.is_some(),
-                u.nesterov,
-                first,
-                r,
-            ),
+            FastRule::Sgd(u) => u.with(first, r),
             FastRule::Lion(u) => r.run(&Fixed::<_, false, 0>(*u)),
         }
     }

@@ -8,15 +8,17 @@
 //! - `torch`, `flash`, `fast`: the three arithmetics' Adams; `sgd`, `lion`: SGD and Lion
 //!   in torch's or FlashOptim's operations (`arith::Ops`); each with its scalars.
 //!
-//! Two contracts (see `StateFormat`):
-//! - `Torch*` (fp32 state): torch.optim's single-tensor CPU arithmetic. Scalars in double
-//!   on the host (`1 − lr·wd`, `lr/bc1`, `sqrt(bc2)`, `1 − β`), rounded to f32 when
-//!   applied; `add(x, alpha=a)` is one fused multiply-add (`f32::mul_add`); `lerp` is
-//!   ATen's vectorized form; `addcmul`/`addcdiv` are separate roundings.
-//! - `Flash*` (param_dtype / quant8 / split masters, `exact`): FlashOptim 0.1.4's kernel arithmetic:
-//!   hyper-parameters rounded to f32, `1 − β` an f32 subtraction, `lr·wd` and `1 − dampening`
-//!   in double then rounded, `pow(β, step)` in double from the f32 β, then rounded; no
-//!   fused multiply-add anywhere (Rust never contracts `a*b + c`).
+//! Two exact contracts (see `StateFormat`), and `fast` (see `fast`):
+//! - torch's (fp32 state: `TorchAdam`, `Sgd<Torch>`, `Lion<Torch>`): torch.optim's
+//!   single-tensor CPU arithmetic. Scalars in double on the host (`1 − lr·wd`, `lr/bc1`,
+//!   `sqrt(bc2)`, `1 − β`), rounded to f32 when applied; `add(x, alpha=a)` is one fused
+//!   multiply-add (`f32::mul_add`); `lerp` is ATen's vectorized form; `addcmul`/`addcdiv`
+//!   are separate roundings.
+//! - FlashOptim 0.1.4's kernel arithmetic (param_dtype / quant8 / split masters stepped
+//!   `exact`: `FlashAdam`, `Sgd<Flash>`, `Lion<Flash>`): hyper-parameters rounded to f32,
+//!   `1 − β` an f32 subtraction, `lr·wd` and `1 − dampening` in double then rounded,
+//!   `pow(β, step)` in double from the f32 β, then rounded; no fused multiply-add anywhere
+//!   (Rust never contracts `a*b + c`).
 //!
 //! SGD dampening follows torch in both contracts: the first step sets the buffer to the
 //! gradient undampened (FlashOptim dampens it; identical when dampening = 0).
@@ -37,7 +39,7 @@ use flash::FlashAdam;
 use lion::Lion;
 use sgd::Sgd;
 use torch::TorchAdam;
-use update::{with_l2, with_sgd, Fixed, Runner, Slices};
+use update::{with_l2, Fixed, Runner, Slices};
 
 /// One parameter's rule for one step: its arithmetic's update and scalars.
 #[derive(Debug, Clone, Copy)]
@@ -179,22 +181,8 @@ impl Rule {
             }
             Rule::TorchAdam(u) => with_l2(u, u.l2.is_some(), r),
             Rule::FlashAdam(u) => with_l2(u, u.l2.is_some(), r),
-            Rule::TorchSgd(u) => with_sgd(
-                u,
-                u.l2.is_some(),
-                u.momentum.is_some(),
-                u.nesterov,
-                first,
-                r,
-            ),
-            Rule::FlashSgd(u) => with_sgd(
-                u,
-                u.l2.is_some(),
-                u.momentum.is_some(),
-                u.nesterov,
-                first,
-                r,
-            ),
+            Rule::TorchSgd(u) => u.with(first, r),
+            Rule::FlashSgd(u) => u.with(first, r),
             Rule::TorchLion(u) => r.run(&Fixed::<_, false, 0>(*u)),
             Rule::FlashLion(u) => r.run(&Fixed::<_, false, 0>(*u)),
         }

@@ -4,7 +4,7 @@
 use std::marker::PhantomData;
 
 use super::arith::{Arith, Ops};
-use super::update::{Elem, States, Update, MOMENTUM};
+use super::update::{Elem, Fixed, Runner, States, Update, MOMENTUM};
 
 /// SGD's scalars for one step.
 #[derive(Debug, Clone, Copy)]
@@ -63,5 +63,29 @@ impl<O: Ops> Update for Sgd<O> {
         };
         let p = O::step(a, d, s(self.lr), a.mul(p, s(self.decay)));
         Elem { p, g, m, v }
+    }
+}
+
+impl<O: Ops> Sgd<O> {
+    /// Runs this SGD with `r`, its choices fixed: `K` from momentum, Nesterov and the
+    /// buffer's first step (`first`).
+    #[inline(always)]
+    pub(super) fn with<R: Runner>(&self, first: bool, r: R) -> R::Out {
+        macro_rules! run {
+            ($k:literal) => {
+                if self.l2.is_some() {
+                    r.run(&Fixed::<Self, true, $k>(*self))
+                } else {
+                    r.run(&Fixed::<Self, false, $k>(*self))
+                }
+            };
+        }
+        match (self.momentum.is_some(), self.nesterov, first) {
+            (false, _, _) => run!(0),
+            (true, false, false) => run!(1),
+            (true, true, false) => run!(2),
+            (true, false, true) => run!(3),
+            (true, true, true) => run!(4),
+        }
     }
 }

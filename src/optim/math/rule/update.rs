@@ -87,35 +87,6 @@ pub(super) fn with_l2<U: Update, R: Runner>(u: &U, l2: bool, r: R) -> R::Out {
     }
 }
 
-/// `u` (an SGD) with its choices fixed: `K` from momentum, Nesterov and the buffer's
-/// first step.
-#[inline(always)]
-pub(super) fn with_sgd<U: Update, R: Runner>(
-    u: &U,
-    l2: bool,
-    momentum: bool,
-    nesterov: bool,
-    first: bool,
-    r: R,
-) -> R::Out {
-    macro_rules! run {
-        ($k:literal) => {
-            if l2 {
-                r.run(&Fixed::<U, true, $k>(*u))
-            } else {
-                r.run(&Fixed::<U, false, $k>(*u))
-            }
-        };
-    }
-    match (momentum, nesterov, first) {
-        (false, _, _) => run!(0),
-        (true, false, false) => run!(1),
-        (true, true, false) => run!(2),
-        (true, false, true) => run!(3),
-        (true, true, true) => run!(4),
-    }
-}
-
 /// The exact arithmetic's loop: equal-length f32 slices (`m`, `v` empty where the rule
 /// has no such state), one element at a time, which the compiler vectorizes.
 pub struct Slices<'a> {
