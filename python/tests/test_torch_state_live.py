@@ -30,12 +30,18 @@ def moments(sd):
     return {(i, k): v for i, st in sd["state"].items() for k, v in st.items() if k != "step"}
 
 
-def test_fp32_state_dict_is_live_like_torchs_and_quant8_is_a_copy():
+def trained_pair():
+    """Two copies of one model after two steps: torch's AdamW on one, fo's fp32 on the other."""
     a, b = make_model(), make_model()
     ta = torch.optim.AdamW(a.parameters(), lr=1e-2)
     fb = fo.torch.AdamW(b.parameters(), lr=1e-2, state_format="fp32")
     train(a, ta, 2)
     train(b, fb, 2)
+    return a, ta, b, fb
+
+
+def test_fp32_state_dict_is_live_like_torchs_and_quant8_is_a_copy():
+    a, ta, b, fb = trained_pair()
     sa, sb = ta.state_dict(), fb.state_dict()
     again = moments(fb.state_dict())
     for key, t in moments(sb).items():
@@ -57,11 +63,7 @@ def test_fp32_state_dict_is_live_like_torchs_and_quant8_is_a_copy():
 
 
 def test_edits_of_live_state_step_exactly_as_torchs_and_loads_write_in_place():
-    a, b = make_model(), make_model()
-    ta = torch.optim.AdamW(a.parameters(), lr=1e-2)
-    fb = fo.torch.AdamW(b.parameters(), lr=1e-2, state_format="fp32")
-    train(a, ta, 2)
-    train(b, fb, 2)
+    a, ta, b, fb = trained_pair()
     pa, pb = next(a.parameters()), next(b.parameters())
     ta.state[pa]["exp_avg"].mul_(0.5)
     held = fb.state[pb]["exp_avg"]
