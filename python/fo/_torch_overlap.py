@@ -30,6 +30,14 @@ What a real loop does between backward and `step()` is honoured, never silently 
   checkpoint) or by `zero_grad()` is rolled back first: parameters and state exactly as
   before the backward, as torch drops a step that never ran.
 
+Early steps take cores. When backward itself runs on the host CPU with a team of torch
+intra-op threads covering every core this process may use (`torch.get_num_threads()` >= 2
+and >= the cores), any core fo takes stalls that team at its next barrier: measured on 2
+cores, FSDP2 on gloo, 1.12-1.19x the sequential iteration. There the hooks hand nothing over
+and `step()` steps everything (the cost of overlap=False; a warning says so once, and
+`last_step_stats["not_overlapped"]` why). Backward on a GPU (parameters on CUDA, or FSDP2
+shards on the host of a CUDA mesh) leaves the host cores to fo.
+
 Clipping is an optimizer argument (`max_grad_norm`, `norm_type`, `error_if_nonfinite`),
 since the step starts before the user could call `clip_grad_norm_`; it means the same with
 `overlap=False` (fo's `fo_clip_grad_norm` over the gradients in param-group order, then the
@@ -40,6 +48,7 @@ torch.distributed's default group.
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib
 import ctypes
+import os
 import sys
 import warnings
 import weakref
@@ -107,6 +116,22 @@ def _fsdp_offload_event(p, frame):
     return None
 
 
+def _host_cores():
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _computes_on_host(p):
+    """Whether forward and backward of p's module run on the host CPU. An FSDP2 shard kept on
+    the host (CPUOffloadPolicy) is computed on its mesh's device."""
+    if is_dtensor(p):
+        return p.device_mesh.device_type == "cpu"
+    return p.device.type == "cpu"
+
+
 def _grad_mark(g):
     """What tells whether a gradient changed since it was handed over: the tensor object (a
     replaced `.grad` is another one) and its in-place edit counters (a DTensor's and its
@@ -165,7 +190,7 @@ def _hook(ref):
     @torch.compiler.disable  # runs eagerly in backward; traced, every call would break a graph
     def hook(p):
         opt = ref()
-        if opt is not None and not opt._accumulating and not opt._deferred:
+        if opt is not None and not opt._accumulating and not opt._deferred and not opt._cores_taken():
             event = _fsdp_offload_event(p, sys._getframe(1))
             opt._from_backward(p, event)
     return hook
@@ -188,6 +213,7 @@ class Overlap:
         self._undone = {}  # rollbacks since the last step(): UNDO_KEYS -> count
         self._warned = set()
         self._hooks = []
+        self._host_backward = True  # every hooked parameter computes on the host CPU
         self._clip_comm = None
         self.last_step_stats = None
         if options["overlap"]:
@@ -201,6 +227,25 @@ class Overlap:
         for p in params:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref)))
+                self._host_backward = self._host_backward and _computes_on_host(p)
+
+    def _cores_taken(self, warn=True):
+        """Why early steps would only slow backward down (None: they would not): backward
+        runs on the host CPU with a team of torch threads on every core (module doc).
+        `warn`: say so once (the hooks do; `step()` only records it)."""
+        if not self._host_backward:
+            return None
+        threads, cores = torch.get_num_threads(), _host_cores()
+        if threads < 2 or threads < cores:
+            return None
+        reason = (f"backward runs on the host CPU with {threads} torch intra-op threads on its {cores} cores; "
+                  "stepping early would stall them")
+        if warn:
+            self._warn_once("cores", f"fo.torch overlap=True: {reason}, so gradients are handed over at "
+                            "optimizer.step() (the cost of overlap=False). To overlap on the host, leave fo cores "
+                            "of its own: torch.set_num_threads(n) with n below the cores, fo.set_num_threads(the "
+                            "rest).")
+        return reason
 
     @property
     def overlap(self):
@@ -422,20 +467,33 @@ class Overlap:
                 "clipping), so every early step had to be redone; from now on gradients are handed over at "
                 "step() (the cost of overlap=False). To overlap, clip with the optimizer's max_grad_norm= "
                 "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)", stacklevel=3)
+        held = self._deferred or (self._cores_taken(warn=False) if in_backward == 0 else None)
+        extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held)
+        undone, self._undone, self._in_backward = self._undone, {}, 0
+        status = 0
         if not self._open:
-            self._begin()
-        for _, p, _ in self._names():
-            if p.grad is not None and p not in self._handed:
-                self._hand_over(p)
-        stats = _optim.OverlapStats()
-        status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
-        self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
-        _track_open(self, False)
-        self.last_step_stats = dict(_stats_dict(stats), handed_over_in_backward=in_backward, redone=redone)
-        for k, v in self._undone.items():  # early steps put back before this step() closed
+            # Nothing is stepped yet (no hook handed a gradient over, or the early steps were
+            # put back): the plain step, which keeps no undo record (nothing can undo it now).
+            try:
+                n = self._plain_step()
+            finally:
+                self._unscaled = False
+            clip = self.last_step_stats if self._ov["max_grad_norm"] is not None else {}
+            stats = {f: 0 for f, _ in _optim.OverlapStats._fields_}
+            stats.update(handed_over=n, deferred=n, total_norm=clip.get("total_norm", -1.0),
+                         clipped=clip.get("clipped", False))
+            self.last_step_stats = dict(stats, **extra)
+        else:
+            for _, p, _ in self._names():
+                if p.grad is not None and p not in self._handed:
+                    self._hand_over(p)
+            stats = _optim.OverlapStats()
+            status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
+            self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
+            _track_open(self, False)
+            self.last_step_stats = dict(_stats_dict(stats), **extra)
+        for k, v in undone.items():  # early steps put back before this step() closed
             self.last_step_stats[k] += v
-        self._undone = {}
-        self._in_backward = 0
         check(status)
 
     def _warn_once(self, key, message):

@@ -225,8 +225,13 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             return
         if self._ov["overlap"]:
             self._end()
-            self.state.after_step()
-            return
+        else:
+            self._plain_step()
+        self.state.after_step()
+
+    def _plain_step(self):
+        """fo's clip (with max_grad_norm) then one fo_optimizer_step over every gradient;
+        returns how many parameters had one."""
         if self._ov["max_grad_norm"] is not None:
             self._clip_now()
         self._flush()
@@ -248,7 +253,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         finally:
             grads.release()
             self._unscaled = False
-        self.state.after_step()
+        return sum(p.grad is not None for p in self._index)
 
     # -- state ------------------------------------------------------------------------
     def _has_state(self, p):

@@ -297,3 +297,6 @@ mod defer_tests;
 
 #[cfg(test)]
 mod offload_tests;
+
+#[cfg(test)]
+mod undo_tests;
