@@ -649,6 +649,27 @@ std::vector<Case> cases() {
     Fx::must(fo_optimizer_grads_ready(opened(f), &i, &g, 1), "grads_ready");
     return fo_optimizer_grads_ready(f.opt, &i, &g, 1);
   });
+  auto at_end = [opened](std::function<void(int32_t&, T&, size_t&)> edit) {
+    return [opened, edit](Fx& f) {
+      int32_t i = 0;
+      T g = f.grad();
+      size_t n = 1;
+      edit(i, g, n);
+      return fo_optimizer_grads_at_end(opened(f), &i, &g, n);
+    };
+  };
+  E("fo_optimizer_grads_at_end", "opt NULL", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_at_end(nullptr, &i, &g, 1); });
+  E("fo_optimizer_grads_at_end", "no step open", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_at_end(f.opt, &i, &g, 1); });
+  E("fo_optimizer_grads_at_end", "indices NULL, n 1", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_grads_at_end(opened(f), nullptr, &g, 1); });
+  E("fo_optimizer_grads_at_end", "n SIZE_MAX", at_end([](int32_t&, T&, size_t& n) { n = SIZE_MAX; }));
+  E("fo_optimizer_grads_at_end", "index -1", at_end([](int32_t& i, T&, size_t&) { i = -1; }));
+  E("fo_optimizer_grads_at_end", "grad dtype I8", at_end([](int32_t&, T& g, size_t&) { g.dtype = FO_DTYPE_I8; }));
+  E("fo_optimizer_grads_at_end", "handed over by grads_ready", [opened](Fx& f) {
+    int32_t i = 0;
+    T g = f.grad();
+    Fx::must(fo_optimizer_grads_ready(opened(f), &i, &g, 1), "grads_ready");
+    return fo_optimizer_grads_at_end(f.opt, &i, &g, 1);
+  });
   E("fo_optimizer_step_end", "opt NULL", [](Fx&) { return fo_optimizer_step_end(nullptr, nullptr, nullptr); });
   E("fo_optimizer_step_end", "no step open", [](Fx& f) { return fo_optimizer_step_end(f.opt, nullptr, nullptr); });
   E("fo_optimizer_step_end", "after a bad gradient", [opened](Fx& f) {

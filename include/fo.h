@@ -1195,6 +1195,18 @@ fo_status fo_optimizer_grads_ready(struct fo_optimizer *opt,
                                    size_t n);
 
 /*
+ Hands over gradients as `fo_optimizer_grads_ready` does, for a caller about to call
+ `fo_optimizer_step_end` (e.g. the gradients no backward hook handed over): they are
+ stepped at step_end with the rest, keeping no undo record, where an early step would
+ gain nothing and copy its parameter and state first. Same arguments, checks and
+ errors as `fo_optimizer_grads_ready`; counted in `fo_overlap_stats.deferred`.
+ */
+fo_status fo_optimizer_grads_at_end(struct fo_optimizer *opt,
+                                    const int32_t *indices,
+                                    const struct fo_tensor *grads,
+                                    size_t n);
+
+/*
  Closes the overlapped step: waits for fo's pool, and returns the step's status. With
  clipping, combines the total norm through `comm` (collective: every rank calls
  step_end; NULL: this rank alone), and if `max_norm / (total + 1e-6)` < 1 puts the early

@@ -330,12 +330,13 @@ class Overlap:
             elif not event.query():
                 still.append((p, event))
                 continue
-            if self._hand_over(p) and not wait:
+            if self._hand_over(p, at_end=wait) and not wait:
                 self._in_backward += 1
         self._pending = still
 
-    def _hand_over(self, p):
-        """Hands p's gradient to fo (opening the step if none is); False if fo already holds
+    def _hand_over(self, p, at_end=False):
+        """Hands p's gradient to fo (opening the step if none is; `at_end`: from `step()`, so
+        fo steps it at step_end with no undo record); False if fo already holds
         this very gradient. A gradient that changed since it was handed over means the step
         fo began was not the one `step()` will close (a second backward accumulated into it,
         or a new backward followed model.zero_grad()): the step starts over from here. A
@@ -367,7 +368,7 @@ class Overlap:
         idx = (ctypes.c_int32 * 1)(self._index[p])
         arr = (type(arg.struct) * 1)(arg.struct)
         self._handed[p], self._marks[p] = arg, _grad_mark(g)
-        status = _optim._grads_ready(self._fo._handle, idx, arr, 1)
+        status = (_optim._grads_at_end if at_end else _optim._grads_ready)(self._fo._handle, idx, arr, 1)
         if status:
             try:
                 check(status)
@@ -486,7 +487,7 @@ class Overlap:
         else:
             for _, p, _ in self._names():
                 if p.grad is not None and p not in self._handed:
-                    self._hand_over(p)
+                    self._hand_over(p, at_end=True)
             stats = _optim.OverlapStats()
             status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
             self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False

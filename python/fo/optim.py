@@ -111,6 +111,7 @@ class OverlapStats(ctypes.Structure):
 _overlap_default = declare("fo_overlap_options_default", [ctypes.POINTER(OverlapOptions)], None)
 _step_begin = declare("fo_optimizer_step_begin", [_P, ctypes.POINTER(OverlapOptions)])
 _grads_ready = declare("fo_optimizer_grads_ready", [_P, _i32p, _tp, ctypes.c_size_t])
+_grads_at_end = declare("fo_optimizer_grads_at_end", [_P, _i32p, _tp, ctypes.c_size_t])
 _step_end = declare("fo_optimizer_step_end", [_P, ctypes.c_void_p, ctypes.POINTER(OverlapStats)])
 _step_abort = declare("fo_optimizer_step_abort", [_P, ctypes.POINTER(OverlapStats)])
 
@@ -223,12 +224,20 @@ class Optimizer(Owned):
         """Hands over the final gradients of parameters `indices` (any strides); fo steps
         them on its pool and this returns at once. The arrays are kept referenced until
         `step_end` (fo reads them until then, and with clipping may scale them in place)."""
+        self._hand_over(_grads_ready, indices, grads)
+
+    def grads_at_end(self, indices: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        """`grads_ready` for gradients handed over just before `step_end`: they are
+        stepped there, with no undo record (an early step would gain nothing)."""
+        self._hand_over(_grads_at_end, indices, grads)
+
+    def _hand_over(self, fn, indices, grads) -> None:
         if len(indices) != len(grads):
             raise ValueError(f"{len(indices)} indices for {len(grads)} gradients")
         args = [TensorArg(g) for g in grads]
         idx = (ctypes.c_int32 * max(len(args), 1))(*indices)
         self.__dict__.setdefault("_overlap_refs", []).append(args)
-        check(_grads_ready(self._handle, idx, tensor_array(args), len(args)))
+        check(fn(self._handle, idx, tensor_array(args), len(args)))
 
     def step_end(self, comm: Any = None) -> dict[str, Any]:
         """Closes the overlapped step (waits for fo's pool) and returns its stats as a dict

@@ -76,6 +76,36 @@ def test_clipping_has_the_bits_of_clip_grad_norm_then_step(max_norm):
         assert state(a) == state(b)
 
 
+@pytest.mark.parametrize("max_norm", [None, 0.5, 1e6], ids=["noclip", "clip_triggers", "clip_idle"])
+def test_gradients_handed_over_at_the_end_step_at_step_end_with_no_undo_record(max_norm):
+    comm = fo.Comm.local_group(1)[0]
+    a, pa = make(5)
+    b, pb = make(5)
+    for s in range(3):
+        ga, gb = grads(s), grads(s)
+        if max_norm is not None:
+            fo.clip_grad_norm(comm, [(g, False) for g in ga], max_norm)
+        a.step(ga)
+        b.step_begin(max_norm=max_norm)
+        b.grads_ready([0, 2], [gb[0], gb[2]])  # early, during "backward"
+        b.grads_at_end([1, 3], [gb[1], gb[3]])  # the rest, right before step_end
+        st = b.step_end(comm)
+        assert st["handed_over"] == 4 and st["deferred"] == 2
+        assert st["speculative"] == 2
+        if max_norm == 0.5:  # the clip scales: the early ones were put back, all stepped at the end
+            assert st["clipped"] and st["rolled_back"] == 2
+        else:
+            assert st["rolled_back"] == 0
+        # Undo records of the two early parameters only: their bf16 bytes, and from the
+        # second step on (the first creates the state) their state's: int8 error bits,
+        # quant8 codes of both moments and an fp16 scale per 32 elements of each.
+        n = [pb[0].size, pb[2].size]
+        undo = sum(2 * k + (s > 0) * (3 * k + 2 * 2 * -(-k // 32)) for k in n)
+        assert st["undo_high_water_bytes"] == undo
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(pa, pb))
+        assert state(a) == state(b)
+
+
 def test_a_bad_gradient_fails_the_step_and_changes_nothing():
     opt, params = make(4)
     gs = grads(0)

@@ -180,7 +180,37 @@ def test_step_without_any_hook_is_the_plain_step():
                 p.grad = torch.randn_like(p)
         ref.step()
         opt.step()
-        assert opt.last_step_stats["handed_over"] == 6 and opt.last_step_stats["handed_over_in_backward"] == 0
+        st = opt.last_step_stats
+        assert st["handed_over"] == 6 and st["handed_over_in_backward"] == 0
+        assert st["speculative"] == 0 and st["undo_high_water_bytes"] == 0  # nothing to undo
+    assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3], ids=["noclip", "clip_triggers"])
+def test_gradients_step_hands_over_keep_no_undo_record(clip):
+    """A gradient no hook handed over (set by hand after backward) is handed over by step()
+    and stepped there with the rest: no early step, no undo record for it."""
+    ref_model, ref = build("adamw", False, state_format="quant8", max_grad_norm=clip)
+    model, opt = build("adamw", True, state_format="quant8", max_grad_norm=clip)
+    for it in range(3):
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            backward(m, it)
+            m.unused.weight.grad = torch.full_like(m.unused.weight, 0.25 * (it + 1))  # by hand
+            o.step()
+        st = opt.last_step_stats
+        assert st["handed_over"] == 7 and st["handed_over_in_backward"] == 6
+        assert st["speculative"] + st["deferred"] == 7 and st["clipped"] == bool(clip)
+        if clip:
+            # Once the clip is sure to scale, later gradients wait for step() too; the
+            # early ones are put back and everything steps with the scaled gradients.
+            assert st["deferred"] >= 1 and st["rolled_back"] == st["speculative"]
+            continue
+        assert st["speculative"] == 6 and st["deferred"] == 1 and st["rolled_back"] == 0
+        # Only the six early parameters keep undo records (fp32 bytes, from the second
+        # step on also their quant8 state: 2 code bytes per element and 2 fp16 scales per 32).
+        sizes = [p.numel() for n, p in model.named_parameters() if not n.startswith("unused")]
+        assert st["undo_high_water_bytes"] == sum(4 * k + (it > 0) * (2 * k + 4 * -(-k // 32)) for k in sizes)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
 
 

@@ -111,11 +111,12 @@ impl fo_optim_config {
 }
 
 /// The calls an open overlapped step lets through (`enter_opt` refuses every other call
-/// on the handle with FO_ERR_BUSY until `fo_optimizer_step_end` or `_abort`): its own four, and
+/// on the handle with FO_ERR_BUSY until `fo_optimizer_step_end` or `_abort`): its own five, and
 /// those that read only the handle's tables.
 const ALLOWED_WHILE_OPEN: &[&str] = &[
     "fo_optimizer_step_begin",
     "fo_optimizer_grads_ready",
+    "fo_optimizer_grads_at_end",
     "fo_optimizer_step_end",
     "fo_optimizer_step_abort",
     "fo_optimizer_num_params",

@@ -143,30 +143,55 @@ pub unsafe extern "C" fn fo_optimizer_grads_ready(
     grads: *const fo_tensor,
     n: usize,
 ) -> fo_status {
-    guard(|| {
-        let mut opt = enter_opt(opt, "fo_optimizer_grads_ready")?;
-        let bucket = (|| -> Result<(Vec<usize>, Vec<TensorView>)> {
-            let (idx, gs) = (
-                arg_slice(indices, n, "indices")?,
-                arg_slice(grads, n, "grads")?,
-            );
-            let mut out = (Vec::new(), Vec::new());
-            for (k, (&i, g)) in idx.iter().zip(gs).enumerate() {
-                let i = index(i, &format!("indices[{k}]"))?;
-                if g.data.is_null() {
-                    continue; // no gradient, as for fo_optimizer_step
-                }
-                out.0.push(i);
-                out.1.push(g.to_view(&format!("grads[{k}]"))?);
+    guard(|| hand_over(opt, indices, grads, n, "fo_optimizer_grads_ready", true))
+}
+
+/// Hands over gradients as `fo_optimizer_grads_ready` does, for a caller about to call
+/// `fo_optimizer_step_end` (e.g. the gradients no backward hook handed over): they are
+/// stepped at step_end with the rest, keeping no undo record, where an early step would
+/// gain nothing and copy its parameter and state first. Same arguments, checks and
+/// errors as `fo_optimizer_grads_ready`; counted in `fo_overlap_stats.deferred`.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_grads_at_end(
+    opt: *mut fo_optimizer,
+    indices: *const i32,
+    grads: *const fo_tensor,
+    n: usize,
+) -> fo_status {
+    guard(|| hand_over(opt, indices, grads, n, "fo_optimizer_grads_at_end", false))
+}
+
+unsafe fn hand_over(
+    opt: *mut fo_optimizer,
+    indices: *const i32,
+    grads: *const fo_tensor,
+    n: usize,
+    call: &'static str,
+    early: bool,
+) -> Result<()> {
+    let mut opt = enter_opt(opt, call)?;
+    let bucket = (|| -> Result<(Vec<usize>, Vec<TensorView>)> {
+        let (idx, gs) = (
+            arg_slice(indices, n, "indices")?,
+            arg_slice(grads, n, "grads")?,
+        );
+        let mut out = (Vec::new(), Vec::new());
+        for (k, (&i, g)) in idx.iter().zip(gs).enumerate() {
+            let i = index(i, &format!("indices[{k}]"))?;
+            if g.data.is_null() {
+                continue; // no gradient, as for fo_optimizer_step
             }
-            Ok(out)
-        })();
-        match bucket {
-            Ok((i, g)) => opt.grads_ready(&i, &g),
-            // A bucket that cannot be read fails the step like a bad gradient.
-            Err(e) => Err(opt.fail_step(e)),
+            out.0.push(i);
+            out.1.push(g.to_view(&format!("grads[{k}]"))?);
         }
-    })
+        Ok(out)
+    })();
+    match (bucket, early) {
+        (Ok((i, g)), true) => opt.grads_ready(&i, &g),
+        (Ok((i, g)), false) => opt.grads_at_end(&i, &g),
+        // A bucket that cannot be read fails the step like a bad gradient.
+        (Err(e), _) => Err(opt.fail_step(e)),
+    }
 }
 
 /// Closes the overlapped step: waits for fo's pool, and returns the step's status. With

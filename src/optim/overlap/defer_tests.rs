@@ -149,3 +149,42 @@ fn undo_records_are_refilled_from_step_to_step() {
         seen = Some(now);
     }
 }
+
+/// Gradients handed over by `grads_at_end` wait for `step_end`, keep no undo record, and
+/// the step keeps the bits of one `step`.
+#[test]
+fn gradients_handed_over_at_the_end_wait_for_step_end_with_no_undo() {
+    let mut cfg = cfg_for(Algorithm::AdamW, DType::BF16);
+    cfg.lr = 1e-2;
+    let mut a = model(&cfg, DType::BF16, 4, false).unwrap();
+    let mut b = model(&cfg, DType::BF16, 4, false).unwrap();
+    let mut rng = Rng::new(17);
+    for step in 0..3 {
+        let mut grads = Grads::new(&mut rng, 1.0, false);
+        let g = grads.views();
+        let all: Vec<Option<TensorView>> = g.iter().cloned().map(Some).collect();
+        unsafe { a.opt.step(&all) }.unwrap();
+        let (early, late): (Vec<usize>, Vec<usize>) = (0..SHAPES.len()).partition(|i| i % 2 == 0);
+        let pick = |ix: &[usize]| ix.iter().map(|&i| g[i].clone()).collect::<Vec<_>>();
+        let mut st = OverlapStats::default();
+        unsafe {
+            b.opt.step_begin(OverlapOptions::default()).unwrap();
+            b.opt.grads_ready(&early, &pick(&early)).unwrap();
+            b.opt.grads_at_end(&late, &pick(&late)).unwrap();
+            b.opt.step_end(None, &mut st).unwrap();
+        }
+        assert_eq!(st.speculative as usize, early.len());
+        assert_eq!(st.deferred as usize, late.len());
+        // Records of the early parameters only: their bytes, and from the second step on
+        // (the first creates the state) the state of each.
+        let undo: usize = early
+            .iter()
+            .map(|&i| {
+                let p = b.opt.entry(i);
+                p.tensor().nbytes() + (step > 0) as usize * p.state.as_ref().unwrap().nbytes()
+            })
+            .sum();
+        assert_eq!(st.undo_high_water_bytes as usize, undo, "step {step}");
+        assert!(snapshot(&a) == snapshot(&b), "step {step}: bits differ");
+    }
+}

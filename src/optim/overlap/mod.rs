@@ -9,7 +9,8 @@
 //!   `check_numerics` or a non-finite norm under `error_if_nonfinite` fails the whole
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
-//!   device parameters (which `step` launches). A host parameter whose gradient is on
+//!   device parameters (which `step` launches) and gradients handed over as the step
+//!   ends (`grads_at_end`: an early step would gain nothing there). A host parameter whose gradient is on
 //!   a device (the offload case) steps early too: its task brings the gradient down to a
 //!   host copy first (through the device's pinned ring), and `step_end` writes its mirror.
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
@@ -57,7 +58,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// Until `step_end` (or the optimizer is dropped), the caller calls no method of this
-    /// optimizer other than `grads_ready`, `step_end` and the table readers (`num_params`,
+    /// optimizer other than `grads_ready`, `grads_at_end`, `step_end` and the table readers (`num_params`,
     /// `param_fqn`, `group_config`, ...): parameters and state belong to the step's tasks.
     /// The mutators (`step`, `add_param`, `set_states`, `set_group_config`) refuse; the C
     /// ABI refuses every other call on the handle.
@@ -100,14 +101,38 @@ impl Optimizer {
     /// Every gradient must stay valid, and unchanged by the caller, until `step_end`
     /// returns (with clipping, writable: `step_end` may scale it in place).
     pub unsafe fn grads_ready(&mut self, indices: &[usize], grads: &[TensorView]) -> Result<()> {
-        let r = self.take_bucket(indices, grads);
+        self.hand_over(indices, grads, true)
+    }
+
+    /// `grads_ready` for gradients that arrive as the step ends (the caller calls
+    /// `step_end` next): stepping them early would gain nothing and cost their undo
+    /// records, so they wait for `step_end` (`deferred`), which steps them with the rest.
+    ///
+    /// # Safety
+    /// As `grads_ready`.
+    pub unsafe fn grads_at_end(&mut self, indices: &[usize], grads: &[TensorView]) -> Result<()> {
+        self.hand_over(indices, grads, false)
+    }
+
+    unsafe fn hand_over(
+        &mut self,
+        indices: &[usize],
+        grads: &[TensorView],
+        early_ok: bool,
+    ) -> Result<()> {
+        let r = self.take_bucket(indices, grads, early_ok);
         if let (Err(e), Some(open)) = (&r, self.open_step_mut()) {
             open.failed.get_or_insert_with(|| e.clone());
         }
         r
     }
 
-    unsafe fn take_bucket(&mut self, indices: &[usize], grads: &[TensorView]) -> Result<()> {
+    unsafe fn take_bucket(
+        &mut self,
+        indices: &[usize],
+        grads: &[TensorView],
+        early_ok: bool,
+    ) -> Result<()> {
         let open = self.open_step().ok_or_else(|| no_step("grads_ready"))?;
         if let Some(e) = &open.failed {
             return Err(Error::invalid(
@@ -159,7 +184,7 @@ impl Optimizer {
             let need = p.tensor().nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
             // A host parameter with a device gradient (the offload case) comes down first.
             let host_step = p.device().is_host() && (g.device().is_host() || g.nbytes() > 0);
-            let fits = host_step && !certain && used.saturating_add(need) <= budget;
+            let fits = early_ok && host_step && !certain && used.saturating_add(need) <= budget;
             if fits {
                 used += need;
             }
