@@ -609,15 +609,19 @@ std::vector<Case> cases() {
     Fx::must(fo_optimizer_step_begin(f.opt, nullptr), "step_begin");
     return f.opt;
   };
-  auto ready = [opened](std::function<void(int32_t&, T&, size_t&)> edit) {
-    return [opened, edit](Fx& f) {
+  // One hand-over of parameter 0's gradient through `fn` (grads_ready or grads_at_end),
+  // edited first, in a step opened for it.
+  using HandOver = fo_status (*)(fo_optimizer*, const int32_t*, const fo_tensor*, size_t);
+  auto hand = [opened](HandOver fn, std::function<void(int32_t&, T&, size_t&)> edit) {
+    return [opened, fn, edit](Fx& f) {
       int32_t i = 0;
       T g = f.grad();
       size_t n = 1;
       edit(i, g, n);
-      return fo_optimizer_grads_ready(opened(f), &i, &g, n);
+      return fn(opened(f), &i, &g, n);
     };
   };
+  auto ready = [hand](std::function<void(int32_t&, T&, size_t&)> edit) { return hand(fo_optimizer_grads_ready, edit); };
   auto begin_with = [](std::function<void(fo_overlap_options&)> edit) {
     return [edit](Fx& f) {
       fo_overlap_options o;
@@ -649,15 +653,7 @@ std::vector<Case> cases() {
     Fx::must(fo_optimizer_grads_ready(opened(f), &i, &g, 1), "grads_ready");
     return fo_optimizer_grads_ready(f.opt, &i, &g, 1);
   });
-  auto at_end = [opened](std::function<void(int32_t&, T&, size_t&)> edit) {
-    return [opened, edit](Fx& f) {
-      int32_t i = 0;
-      T g = f.grad();
-      size_t n = 1;
-      edit(i, g, n);
-      return fo_optimizer_grads_at_end(opened(f), &i, &g, n);
-    };
-  };
+  auto at_end = [hand](std::function<void(int32_t&, T&, size_t&)> edit) { return hand(fo_optimizer_grads_at_end, edit); };
   E("fo_optimizer_grads_at_end", "opt NULL", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_at_end(nullptr, &i, &g, 1); });
   E("fo_optimizer_grads_at_end", "no step open", [](Fx& f) { int32_t i = 0; T g = f.grad(); return fo_optimizer_grads_at_end(f.opt, &i, &g, 1); });
   E("fo_optimizer_grads_at_end", "indices NULL, n 1", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_grads_at_end(opened(f), nullptr, &g, 1); });
