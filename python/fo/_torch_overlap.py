@@ -116,6 +116,18 @@ def _fsdp_offload_event(p, frame):
     return None
 
 
+_SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def _warn(message):
+    """warnings.warn pointing at the first frame outside torch and fo: the user's
+    `loss.backward()` or `optimizer.step()` line, however deep torch's wrappers are."""
+    f, level = sys._getframe(1), 2
+    while f is not None and f.f_code.co_filename.startswith(_SKIP_DIRS):
+        f, level = f.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
 def _host_cores():
     """The cores this process may run on."""
     try:
@@ -450,9 +462,9 @@ class Overlap:
                 self._group_hp(g) != hp for g, hp in zip(self.param_groups, self._pushed))):
             # param_groups changed between backward and step (an lr set just before step):
             # the early steps used the old values. Put them back and step with the new ones.
-            warnings.warn("fo.torch overlap=True: param_groups changed after backward started handing "
+            _warn("fo.torch overlap=True: param_groups changed after backward started handing "
                           "gradients over; this step was redone without overlap. Change lr etc. "
-                          "before backward (e.g. scheduler.step() after optimizer.step()).", stacklevel=3)
+                          "before backward (e.g. scheduler.step() after optimizer.step()).")
             redone = "param_groups changed after backward"
             self._abandon()
         edited = self._edited() if self._open else []
@@ -462,12 +474,12 @@ class Overlap:
         self._redone_in_a_row = self._redone_in_a_row + 1 if edited else 0
         if self._redone_in_a_row >= 2 and self._deferred is None:
             self._deferred = redone
-            warnings.warn(
+            _warn(
                 f"fo.torch overlap=True: gradients were edited between backward and optimizer.step() in two "
                 f"steps in a row (e.g. parameter {edited[0]}: clip_grad_norm_, GradScaler.unscale_, a trainer's "
                 "clipping), so every early step had to be redone; from now on gradients are handed over at "
                 "step() (the cost of overlap=False). To overlap, clip with the optimizer's max_grad_norm= "
-                "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)", stacklevel=3)
+                "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)")
         held = self._deferred or (self._cores_taken(warn=False) if in_backward == 0 else None)
         extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held)
         undone, self._undone, self._in_backward = self._undone, {}, 0
@@ -500,7 +512,7 @@ class Overlap:
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
+            _warn(message)
 
     def _overlap_zero_grad(self, set_to_none=True):
         """torch's zero_grad (overlap=True only: an instance attribute, so overlap=False keeps

@@ -80,3 +80,26 @@ def test_a_module_computed_on_a_gpu_mesh_leaves_the_host_cores_to_fo():
     assert _computes_on_host(torch.nn.Parameter(torch.zeros(2)))
     meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
     assert not _computes_on_host(meta)
+
+
+@pytest.mark.skipif(CORES < 2, reason="one core: no team of torch threads to stall")
+def test_warnings_point_at_the_users_line(torch_threads):
+    # Raised inside a backward hook, under torch's wrappers: the warning names this file.
+    model, opt = build("adamw", True)
+    torch_threads(CORES)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        train(model, opt, steps=1)
+    said = [x for x in w if "intra-op threads" in str(x.message)]
+    assert len(said) == 1 and said[0].filename.endswith("test_torch_overlap.py"), said[0].filename
+    # And from step(): the lr changed between backward and step.
+    torch_threads(1)
+    opt.zero_grad()
+    from test_torch_overlap import backward
+    backward(model, 1)
+    opt.param_groups[0]["lr"] = 5e-3
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        opt.step()
+    said = [x for x in w if "param_groups changed" in str(x.message)]
+    assert len(said) == 1 and said[0].filename == __file__, said[0].filename
