@@ -463,8 +463,8 @@ class Overlap:
             # param_groups changed between backward and step (an lr set just before step):
             # the early steps used the old values. Put them back and step with the new ones.
             _warn("fo.torch overlap=True: param_groups changed after backward started handing "
-                          "gradients over; this step was redone without overlap. Change lr etc. "
-                          "before backward (e.g. scheduler.step() after optimizer.step()).")
+                  "gradients over; this step was redone without overlap. Change lr etc. "
+                  "before backward (e.g. scheduler.step() after optimizer.step()).")
             redone = "param_groups changed after backward"
             self._abandon()
         edited = self._edited() if self._open else []

@@ -10,9 +10,10 @@
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
 //!   device parameters (which `step` launches) and gradients handed over as the step
-//!   ends (`grads_at_end`: an early step would gain nothing there). A host parameter whose gradient is on
-//!   a device (the offload case) steps early too: its task brings the gradient down to a
-//!   host copy first (through the device's pinned ring), and `step_end` writes its mirror.
+//!   ends (`grads_at_end`: an early step would gain nothing there). A host parameter
+//!   whose gradient is on a device (the offload case) steps early too: its task brings
+//!   the gradient down to a host copy first (through the device's pinned ring), and
+//!   `step_end` writes its mirror.
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
 //!   and combined at `step_end` in parameter order through `clip`'s own reduction, so the
 //!   total has the bits `fo_clip_grad_norm` gives over the handed-over gradients in
@@ -58,8 +59,9 @@ impl Optimizer {
     ///
     /// # Safety
     /// Until `step_end` (or the optimizer is dropped), the caller calls no method of this
-    /// optimizer other than `grads_ready`, `grads_at_end`, `step_end` and the table readers (`num_params`,
-    /// `param_fqn`, `group_config`, ...): parameters and state belong to the step's tasks.
+    /// optimizer other than `grads_ready`, `grads_at_end`, `step_end` and the table
+    /// readers (`num_params`, `param_fqn`, `group_config`, ...): parameters and state
+    /// belong to the step's tasks.
     /// The mutators (`step`, `add_param`, `set_states`, `set_group_config`) refuse; the C
     /// ABI refuses every other call on the handle.
     pub unsafe fn step_begin(&mut self, opts: OverlapOptions) -> Result<()> {
@@ -172,7 +174,8 @@ impl Optimizer {
             self.check_grad(i, g)?;
         }
         // Early (speculative) steps need an undo record within the budget and a host
-        // parameter with a host gradient; the rest waits for step_end's `step`. Once
+        // parameter with a host gradient, and are not for `grads_at_end`; the rest waits
+        // for step_end's `step`. Once
         // the clip is certain to scale, an early step would only be rolled back and taken
         // again: from then on gradients wait for step_end, with no undo record.
         let certain = open.clip_certain
