@@ -13,7 +13,20 @@ fn fo(args: &[&str]) -> Output {
 
 #[test]
 fn bench_overlap_reports_every_case() {
-    let out = fo(&["--layers", "16", "--layer-size", "4K", "--rounds", "2"]);
+    report_every_case(&[]);
+}
+
+#[test]
+fn bench_overlap_reports_every_case_with_fp32_state() {
+    let s = report_every_case(&["--state-format", "fp32"]);
+    assert!(s.contains("AdamW, fp32 state"), "{s}");
+}
+
+/// Runs a tiny benchmark with `extra` flags, checks its report and returns it.
+fn report_every_case(extra: &[&str]) -> String {
+    let mut args = vec!["--layers", "16", "--layer-size", "4K", "--rounds", "2"];
+    args.extend_from_slice(extra);
+    let out = fo(&args);
     let (s, err) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -50,6 +63,7 @@ fn bench_overlap_reports_every_case() {
             assert_eq!(early, 16, "nothing defers without a clip that scales: {s}");
         }
     }
+    s.into_owned()
 }
 
 #[test]
@@ -58,6 +72,7 @@ fn bench_overlap_refuses_out_of_range_flags() {
         (&["--layers", "8"][..], "--layers"),
         (&["--layer-size", "100"][..], "--layer-size"),
         (&["--rounds", "0"][..], "--rounds"),
+        (&["--state-format", "fp16"][..], "--state-format"),
     ] {
         let out = fo(args);
         let err = String::from_utf8_lossy(&out.stderr);

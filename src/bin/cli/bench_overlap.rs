@@ -1,5 +1,6 @@
 //! `fo bench overlap`: the host step hidden behind backward. A model of `--layers` equal
-//! bf16 layers (AdamW, quant8 state, 24-bit masters: fo's defaults); a "backward" on the
+//! bf16 layers (AdamW with 24-bit masters and quant8 state, fo's defaults, or fp32 state
+//! with `--state-format fp32`: the largest undo records); a "backward" on the
 //! calling thread produces each layer's gradient in reverse order with a fixed amount of
 //! memory-touching work per layer (calibrated so backward takes about as long as the
 //! step), while fo's pool (the other cores) steps. Per round, interleaved: the sequential
@@ -13,7 +14,7 @@ use std::time::Instant;
 use fo::clip::clip_grad_norm;
 use fo::comm::Comm;
 use fo::optim::overlap::{OverlapOptions, OverlapStats};
-use fo::optim::{threads, Algorithm, OptimConfig, Optimizer};
+use fo::optim::{threads, Algorithm, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, TensorView};
 
 use super::args::Count;
@@ -22,7 +23,8 @@ use super::bench_util::fill;
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Examples:
   fo bench overlap
-  fo bench overlap --layers 32 --layer-size 512K --rounds 9")]
+  fo bench overlap --layers 32 --layer-size 512K --rounds 9
+  fo bench overlap --state-format fp32")]
 pub struct OverlapArgs {
     /// Equal layers in the model (16..=4096).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(16..=4096))]
@@ -33,6 +35,42 @@ pub struct OverlapArgs {
     /// Interleaved rounds per case (1..=1000); medians and ranges are over them.
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
+    /// The optimizer state's format.
+    #[arg(long, value_enum, default_value_t = Format::Quant8)]
+    pub state_format: Format,
+}
+
+/// The state formats the benchmark compares.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Format {
+    /// 8-bit moments, fp16 scale per 32 (fo's default): ~2.1 bytes of state per element.
+    Quant8,
+    /// f32 moments (torch's layout): 8 bytes of state per element.
+    Fp32,
+}
+
+impl Format {
+    fn state_format(self) -> StateFormat {
+        match self {
+            Format::Quant8 => StateFormat::Quant8,
+            Format::Fp32 => StateFormat::Fp32,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Format::Quant8 => "quant8",
+            Format::Fp32 => "fp32",
+        }
+    }
+
+    /// Bytes per element of state plus error bits, and again for its undo record.
+    fn state_bytes(self) -> u64 {
+        match self {
+            Format::Quant8 => 2 * 4,
+            Format::Fp32 => 2 * 9,
+        }
+    }
 }
 
 /// The model: parameters, gradients (what backward writes) and backward's own buffer.
@@ -102,9 +140,10 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     if !(1024..=64 << 20).contains(&n) {
         return Err(format!("--layer-size {n} is outside 1K..=64M elements"));
     }
-    // Per element: param 2 + grad 2 + state ~5.1 + undo ~5.1, and backward's 4 bytes per layer element.
+    // Per element: param 2 + grad 2 + its undo 2, state and its undo, and backward's 4
+    // bytes per layer element.
     let need = (layers as u64 * n as u64)
-        .checked_mul(15)
+        .checked_mul(6 + a.state_format.state_bytes())
         .and_then(|b| b.checked_add(4 * n as u64));
     super::mem::check_memory(need, &format!("--layers {layers} --layer-size {n}"))?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
@@ -112,8 +151,9 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     let mut params: Vec<Vec<u16>> = (0..layers)
         .map(|l| fill(n, 10 + l as u64, 1.0).into_iter().map(bf16).collect())
         .collect();
-    let mut opt =
-        Optimizer::new(OptimConfig::default_for(Algorithm::AdamW)).map_err(|e| e.to_string())?;
+    let mut cfg = OptimConfig::default_for(Algorithm::AdamW);
+    cfg.state_format = a.state_format.state_format();
+    let mut opt = Optimizer::new(cfg).map_err(|e| e.to_string())?;
     for (l, p) in params.iter_mut().enumerate() {
         // SAFETY: `params` outlives the optimizer (dropped at the end of this function).
         unsafe {
@@ -152,9 +192,10 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     let step_s = median_range(step_t).0;
     let passes = ((step_s / layers as f64 / sweep).round() as usize).max(1);
     println!(
-        "fo bench overlap: {layers} layers x {n} bf16 elements (AdamW, quant8, 24-bit masters); \
+        "fo bench overlap: {layers} layers x {n} bf16 elements (AdamW, {} state, 24-bit masters); \
          {cores} cores: backward on the calling thread, fo's pool {} thread(s); \
          backward: {passes} sweeps/layer (calibrated to the step's {:.1} ms); {} rounds",
+        a.state_format.name(),
         threads::num_threads().map_err(|e| e.to_string())?,
         step_s * 1e3,
         a.rounds
