@@ -14,7 +14,7 @@ use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
 use crate::optim::math::config::OptimConfig;
-use crate::optim::math::state::{ErrorBits, Moment, ParamState};
+use crate::optim::math::state::{ErrorBits, Moment, MomentChunk, ParamState};
 use crate::optim::optimizer::Param;
 use crate::optim::step::numerics;
 use crate::optim::step::push_param_jobs;
@@ -58,6 +58,10 @@ pub(super) struct Done {
     grad: TensorView,
     /// A contiguous copy of a strided gradient.
     gathered: Option<Vec<u8>>,
+    /// f32 moments (`m`, `v`) whose buffers changed places with the undo record's: the
+    /// record's buffer (the values before the step) and the live one's address, which the
+    /// chunks refill from it just before their kernels (`swap_f32_moments`).
+    refill: [Option<Refill>; 2],
     pub fresh: bool,
     /// Taken before the step; None when the parameter was not stepped.
     pub undo: Option<Saved>,
@@ -94,17 +98,66 @@ impl Done {
     }
 }
 
+/// An f32 moment whose values before the step are in the undo record's buffer (`old`),
+/// and whose live buffer (`live`, the same length) holds stale values until each chunk is
+/// refilled from `old` just before its kernel runs.
+#[derive(Clone, Copy)]
+struct Refill {
+    old: *const f32,
+    live: *const f32,
+    len: usize,
+}
+
+// SAFETY: the pointers are to buffers the item owns (its state and its undo record) for
+// as long as the item lives; only the item's own jobs read and write through them.
+unsafe impl Send for Refill {}
+unsafe impl Sync for Refill {}
+
+/// The undo record's state: f32 moments not lent out change places with the record's
+/// buffers (no copy: the live moment gets the record's buffer, refilled chunk by chunk
+/// as the step reaches it, so the step writes its new values once and the values before
+/// it stay where they were); everything else is copied into the record.
+fn swap_f32_moments(rec: &mut Option<ParamState>, live: &mut ParamState) -> [Option<Refill>; 2] {
+    clone_state_into(rec, live, true);
+    let rec = rec.as_mut().expect("just filled");
+    let mut refill = [None, None];
+    for (k, (l, r)) in [(&mut live.m, &mut rec.m), (&mut live.v, &mut rec.v)]
+        .into_iter()
+        .enumerate()
+    {
+        let (Some(Moment::F32(lb)), Some(Moment::F32(rb))) = (l.as_mut(), r.as_mut()) else {
+            continue;
+        };
+        if lb.is_shared() {
+            // A borrower sees this buffer: it keeps its address, so its values are copied.
+            rb.clone_from(lb);
+            continue;
+        }
+        if rb.len() != lb.len() {
+            *rb = crate::optim::math::state::F32Buf::zeros(lb.len());
+        }
+        std::mem::swap(lb, rb);
+        refill[k] = Some(Refill {
+            old: rb.as_ptr(),
+            live: lb.as_ptr(),
+            len: lb.len(),
+        });
+    }
+    refill
+}
+
 /// `*dst = Some(src.clone())`, reusing the buffers `dst` already holds where their kinds
-/// match (`Vec::clone_from` keeps its allocation).
-fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState) {
+/// match (`Vec::clone_from` keeps its allocation). `skip_f32`: f32 moments get a buffer of
+/// the right kind but not the values (`swap_f32_moments` swaps them in).
+fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState, skip_f32: bool) {
     let Some(d) = dst else {
         *dst = Some(src.clone());
         return;
     };
     d.step = src.step;
     d.m_valid = src.m_valid;
-    clone_moment_into(&mut d.m, &src.m);
-    clone_moment_into(&mut d.v, &src.v);
+    clone_moment_into(&mut d.m, &src.m, skip_f32);
+    clone_moment_into(&mut d.v, &src.v, skip_f32);
     match (&mut d.error_bits, &src.error_bits) {
         (Some(ErrorBits::I8(a)), Some(ErrorBits::I8(b))) => a.clone_from(b),
         (Some(ErrorBits::I16(a)), Some(ErrorBits::I16(b))) => a.clone_from(b),
@@ -112,8 +165,9 @@ fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState) {
     }
 }
 
-fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>) {
+fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>, skip_f32: bool) {
     match (dst, src) {
+        (Some(Moment::F32(_)), Some(Moment::F32(_))) if skip_f32 => {}
         (Some(Moment::F32(a)), Some(Moment::F32(b))) => a.clone_from(b),
         (Some(Moment::Half(ha, a)), Some(Moment::Half(hb, b))) => {
             *ha = *hb;
@@ -168,6 +222,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         cfg: it.cfg,
         grad: it.grad,
         gathered: None,
+        refill: [None, None],
         fresh: it.fresh,
         undo: None,
         spare: None,
@@ -215,9 +270,9 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         };
         bytes.clear();
         bytes.extend_from_slice(now);
-        let state = match (&d.param.state, d.fresh) {
-            (Some(src), false) => {
-                clone_state_into(&mut state, src);
+        let state = match (&mut d.param.state, d.fresh) {
+            (Some(live), false) => {
+                d.refill = swap_f32_moments(&mut state, live);
                 state
             }
             _ => None,
@@ -246,22 +301,38 @@ pub(super) unsafe fn run(items: Vec<Item>, clip_p: Option<f64>) -> Vec<Done> {
         .map(|it| prepare(it, clip_p))
         .collect();
     let stepped = catch_unwind(AssertUnwindSafe(|| {
-        let mut jobs: Vec<Job<'_>> = Vec::new();
+        let mut jobs: Vec<(Job<'_>, [Option<Refill>; 2])> = Vec::new();
         for d in dones.iter_mut().filter(|d| d.undo.is_some()) {
             let Done {
                 param,
                 cfg,
                 grad,
                 gathered,
+                refill,
                 ..
             } = d;
             let g = match gathered {
                 Some(v) => &v[..],
                 None => grad.contiguous_bytes().expect("contiguous"),
             };
-            push_param_jobs(&mut jobs, param, cfg, g, grad.dtype());
+            let mut own = Vec::new();
+            push_param_jobs(&mut own, param, cfg, g, grad.dtype());
+            jobs.extend(own.into_iter().map(|j| (j, *refill)));
         }
-        jobs.into_par_iter().for_each(kernel::run);
+        jobs.into_par_iter().for_each(|(mut job, refill)| {
+            for (m, r) in [&mut job.m, &mut job.v].into_iter().zip(refill) {
+                if let (Some(MomentChunk::F32(dst)), Some(r)) = (m.as_mut(), r) {
+                    // SAFETY: `dst` lies in the live buffer `r.live` of `r.len` values, and
+                    // `r.old` has as many: the same offset in it holds this chunk's values
+                    // before the step, which nothing writes during the step.
+                    let at = (dst.as_ptr() as usize - r.live as usize) / 4;
+                    assert!(at + dst.len() <= r.len, "a chunk outside its moment");
+                    let src = unsafe { std::slice::from_raw_parts(r.old.add(at), dst.len()) };
+                    dst.copy_from_slice(src);
+                }
+            }
+            kernel::run(job)
+        });
     }));
     if let Err(p) = stepped {
         let e = panic_error("the step's kernels", p);
