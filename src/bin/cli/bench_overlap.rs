@@ -35,17 +35,19 @@ pub struct OverlapArgs {
     /// Interleaved rounds per case (1..=1000); medians and ranges are over them.
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
-    /// The optimizer state's format.
+    /// The optimizer state's format: quant8 (8-bit moments, fo's default) or fp32 (f32
+    /// moments, torch's layout: the largest undo records).
     #[arg(long, value_enum, default_value_t = Format::Quant8)]
     pub state_format: Format,
 }
 
-/// The state formats the benchmark compares.
+/// The state formats the benchmark compares. (Plain comments on the variants: doc
+/// comments would switch `--help` to its long layout, one line per default.)
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum Format {
-    /// 8-bit moments, fp16 scale per 32 (fo's default): ~2.1 bytes of state per element.
+    // 8-bit moments, fp16 scale per 32: ~2.1 bytes of state per element.
     Quant8,
-    /// f32 moments (torch's layout): 8 bytes of state per element.
+    // f32 moments: 8 bytes of state per element.
     Fp32,
 }
 
