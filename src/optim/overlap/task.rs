@@ -325,8 +325,11 @@ pub(super) unsafe fn run(items: Vec<Item>, clip_p: Option<f64>) -> Vec<Done> {
                     // SAFETY: `dst` lies in the live buffer `r.live` of `r.len` values, and
                     // `r.old` has as many: the same offset in it holds this chunk's values
                     // before the step, which nothing writes during the step.
-                    let at = (dst.as_ptr() as usize - r.live as usize) / 4;
-                    assert!(at + dst.len() <= r.len, "a chunk outside its moment");
+                    let at = (dst.as_ptr() as usize)
+                        .checked_sub(r.live as usize)
+                        .map(|b| b / 4)
+                        .filter(|&at| at <= r.len && dst.len() <= r.len - at)
+                        .expect("a chunk outside its moment");
                     let src = unsafe { std::slice::from_raw_parts(r.old.add(at), dst.len()) };
                     dst.copy_from_slice(src);
                 }
