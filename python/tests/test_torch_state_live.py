@@ -115,6 +115,34 @@ def test_an_overlapped_step_rolled_back_leaves_live_state_as_it_was():
         assert v.data_ptr() == moments(opt.state_dict())[k].data_ptr()
 
 
+def test_live_state_held_across_overlapped_steps_follows_them_in_place():
+    # An early step swaps an f32 moment's buffer with its undo record's unless the buffer
+    # is lent out: a held state_dict() tensor keeps its address and sees every step.
+    ref_m = make_model()
+    ref = fo.torch.AdamW(ref_m.parameters(), lr=1e-2, state_format="fp32")
+    m = make_model()
+    opt = fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32", overlap=True)
+    train(ref_m, ref, 2)
+    train(m, opt, 2)
+    live = moments(opt.state_dict())
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    # An odd number of steps: a buffer swapped at every step would be back in place after
+    # an even number.
+    train(ref_m, ref, 3, start=2)
+    train(m, opt, 3, start=2)
+    assert opt.last_step_stats["speculative"] == 4  # stepped early, during backward
+    now, want = moments(opt.state_dict()), moments(ref.state_dict())
+    for k, v in live.items():
+        assert v.data_ptr() == ptrs[k] == now[k].data_ptr(), k
+        assert torch.equal(v, want[k]), k
+    del live, now  # no borrower left: the next steps swap buffers, same bits
+    train(ref_m, ref, 3, start=5)
+    train(m, opt, 3, start=5)
+    assert all(torch.equal(a, b) for a, b in zip(ref_m.parameters(), m.parameters()))
+    want = moments(ref.state_dict())
+    assert all(torch.equal(v, want[k]) for k, v in moments(opt.state_dict()).items())
+
+
 def test_a_live_tensor_assigned_as_another_params_state_is_loaded_but_never_overwritten():
     def run(share):
         torch.manual_seed(0)
