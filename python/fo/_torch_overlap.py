@@ -487,10 +487,7 @@ class Overlap:
         if not self._open:
             # Nothing is stepped yet (no hook handed a gradient over, or the early steps were
             # put back): the plain step, which keeps no undo record (nothing can undo it now).
-            try:
-                n = self._plain_step()
-            finally:
-                self._unscaled = False
+            n = self._plain_step()  # clears _unscaled, as step_end's path below does
             clip = self.last_step_stats if self._ov["max_grad_norm"] is not None else {}
             stats = {f: 0 for f, _ in _optim.OverlapStats._fields_}
             stats.update(handed_over=n, deferred=n, total_norm=clip.get("total_norm", -1.0),

@@ -239,7 +239,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         n = len(self._index)
         if self._grads is None or self._grads.n != n:
             self._grads = GradArray(n)
-        grads = self._grads
+        grads, given = self._grads, 0
         try:
             for p, i in self._index.items():
                 g = p.grad
@@ -249,11 +249,12 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
                     raise RuntimeError(_sparse_message(self, self._name[p]))
                 else:
                     grads.set(i, g, f"gradient of parameter {self._name[p]}")
+                    given += 1
             check(_optim._step(self._fo._handle, grads.array, n))
         finally:
             grads.release()
             self._unscaled = False
-        return sum(p.grad is not None for p in self._index)
+        return given
 
     # -- state ------------------------------------------------------------------------
     def _has_state(self, p):

@@ -59,13 +59,6 @@ impl Format {
         }
     }
 
-    fn name(self) -> &'static str {
-        match self {
-            Format::Quant8 => "quant8",
-            Format::Fp32 => "fp32",
-        }
-    }
-
     /// Bytes per element of state plus error bits, and again for its undo record.
     fn state_bytes(self) -> u64 {
         match self {
@@ -197,7 +190,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         "fo bench overlap: {layers} layers x {n} bf16 elements (AdamW, {} state, 24-bit masters); \
          {cores} cores: backward on the calling thread, fo's pool {} thread(s); \
          backward: {passes} sweeps/layer (calibrated to the step's {:.1} ms); {} rounds",
-        a.state_format.name(),
+        a.state_format.state_format().name(),
         threads::num_threads().map_err(|e| e.to_string())?,
         step_s * 1e3,
         a.rounds
