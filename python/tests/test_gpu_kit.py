@@ -1,0 +1,57 @@
+"""scripts/gpu_kit.sh, the one prepared GPU run, without a GPU: its usage, the refusal where
+torch sees no GPU (nothing run), the refusal of a missing kit, and its time budget: a step
+past its timeout is reported as such and later steps are skipped once the budget is spent,
+each a line of SUMMARY.txt (a GPU session has minutes, so a hung step must not eat them)."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_kit.sh"
+
+
+def run(*args, **env):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU; python3 is this interpreter (torch or not).
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    e = dict(os.environ, CUDA_VISIBLE_DEVICES="", PATH=path, **env)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_usage_names_both_modes():
+    r = run()
+    assert r.returncode == 2
+    assert "gpu_kit.sh pack" in r.stdout and "gpu_kit.sh run" in r.stdout
+
+
+def test_run_without_a_gpu_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    r = run("run", "checks", FO_GPU_KIT=str(tmp_path), OUT=str(out))
+    assert r.returncode == 2
+    assert "no GPU" in r.stderr and "nothing ran" in r.stderr
+    assert not out.exists()
+
+
+def test_a_missing_kit_is_named(tmp_path):
+    r = run("run", "checks", FO_GPU_KIT=str(tmp_path / "kit"), FO_GPU_KIT_ANYWAY="1")
+    assert r.returncode == 2
+    assert f"{tmp_path / 'kit'}/fo" in r.stderr and "pack" in r.stderr
+
+
+def test_a_hung_step_times_out_and_the_rest_are_skipped_within_the_budget(tmp_path):
+    kit, out = tmp_path / "kit", tmp_path / "out"
+    (kit / "tests").mkdir(parents=True)
+    (kit / "libfo.so").write_bytes(b"")
+    fo = kit / "fo"
+    fo.write_text("#!/bin/sh\necho selftest started\nsleep 60\n")
+    fo.chmod(0o755)
+    r = run("run", "checks", "13", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out))
+    assert r.returncode == 0, r.stderr
+    summary = (out / "SUMMARY.txt").read_text().splitlines()
+    steps = {line.split()[0]: line for line in summary if line.split() and line.split()[0] in
+             ("selftest", "gpu_abi", "optim_api", "comm_nccl", "unit_device", "pytest_cuda")}
+    assert "timeout" in steps["selftest"] and "selftest started" in steps["selftest"], summary
+    assert "selftest started" in (out / "selftest.log").read_text()
+    # 13 s: the selftest's timeout leaves under 10 s, so every later step is skipped, not run.
+    for name in ("gpu_abi", "optim_api", "comm_nccl", "unit_device", "pytest_cuda"):
+        assert "skipped" in steps[name] and "budget" in steps[name], summary

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Every check and benchmark that needs a GPU, as one prepared run: a session is lent a GPU
+# machine for minutes at a time (start-up included) and that machine cannot build Rust, so
+# the binaries are built here and carried there.
+#
+#   scripts/gpu_kit.sh pack                  here: the `cuda` build (its own target dir,
+#                                            target/gpu-kit, so the default build stays) of
+#                                            libfo.so, fo and the cuda-feature test binaries,
+#                                            stripped into gpu-kit/ (ignored), with pytest
+#   scripts/gpu_kit.sh run [checks|bench|all] [SECONDS]
+#                                            there: each step under its own timeout, the whole
+#                                            run within SECONDS (default 540); logs and a
+#                                            summary (SUMMARY.txt) under ${OUT:-gpu-kit/out}
+#
+# With the device tool: `run` with carry ["gpu-kit"] and the command
+# `bash scripts/gpu_kit.sh run checks`, then `... run bench` on the same warm machine.
+# Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
+# FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+KIT=${FO_GPU_KIT:-$ROOT/gpu-kit} # FO_GPU_KIT: another kit folder (the tests use one)
+
+pack() {
+  set -e
+  local target=$ROOT/target/gpu-kit
+  echo "==> cargo build --release --features cuda (lib, fo) into $target"
+  cargo build --release --features cuda --lib --bin fo --target-dir "$target"
+  echo "==> the cuda-feature test binaries (lib unit tests, gpu_abi, optim_api, comm_nccl)"
+  rm -rf "$KIT"
+  mkdir -p "$KIT/tests" "$KIT/py"
+  cp "$target/release/libfo.so" "$target/release/fo" "$KIT/"
+  local json=$target/gpu-kit-tests.json
+  cargo test --release --features cuda --no-run --lib --test gpu_abi --test optim_api \
+    --test comm_nccl --target-dir "$target" --message-format=json >"$json"
+  # One executable per test target; the lib's unit tests are named fo (kind lib).
+  python3 -c '
+import json, shutil, sys
+for line in open(sys.argv[1]):
+    try:
+        j = json.loads(line)
+    except ValueError:
+        continue
+    if j.get("reason") == "compiler-artifact" and j.get("executable") and j["profile"]["test"]:
+        name = "lib" if j["target"]["name"] == "fo" else j["target"]["name"]
+        shutil.copy(j["executable"], sys.argv[2] + "/" + name)
+        print("    " + name + " <- " + j["executable"])
+' "$json" "$KIT/tests"
+  strip "$KIT/libfo.so" "$KIT/fo" "$KIT"/tests/*
+  # The device image has torch but not pytest: a pure-Python copy travels with the kit.
+  local py=python3
+  [ -x .venv/bin/python ] && py=.venv/bin/python
+  "$py" -m pip install -q --target "$KIT/py" pytest
+  # pygments only colours tracebacks (pytest imports it when present) and is most of the size.
+  rm -rf "$KIT"/py/pygments "$KIT"/py/pygments-*.dist-info "$KIT"/py/bin
+  git describe --always --dirty --abbrev=12 >"$KIT/COMMIT"
+  du -sh "$KIT"
+  echo "packed $(cat "$KIT/COMMIT") into gpu-kit/ (carry it: the device tool takes 64 MiB)"
+}
+
+# step NAME SECONDS CMD...: runs CMD under the smaller of its timeout and what is left of
+# the run's budget, logging to $OUT/NAME.log and a line of SUMMARY.txt.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 10 ]; then
+    printf '%-22s %-8s %5s  %s\n' "$name" "skipped" "-" "the run's time budget is spent" | tee -a "$OUT/SUMMARY.txt"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$? verdict=ok
+  [ $rc -ne 0 ] && verdict="rc=$rc"
+  [ $rc -eq 124 ] && verdict="timeout"
+  local last
+  last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-110)
+  printf '%-22s %-8s %4ss  %s\n' "$name" "$verdict" $((SECONDS - t0)) "$last" | tee -a "$OUT/SUMMARY.txt"
+}
+
+run() {
+  local what=${1:-checks} budget=${2:-540}
+  DEADLINE=$((SECONDS + budget))
+  if [ "${FO_GPU_KIT_ANYWAY:-0}" != 1 ] &&
+    ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "no GPU: python3 has no torch that sees one (torch.cuda.is_available()); nothing ran" >&2
+    exit 2
+  fi
+  if [ ! -x "$KIT/fo" ] || [ ! -f "$KIT/libfo.so" ]; then
+    echo "no kit: $KIT/fo or $KIT/libfo.so is missing (run scripts/gpu_kit.sh pack where Rust builds, carry gpu-kit)" >&2
+    exit 2
+  fi
+  OUT=${OUT:-$KIT/out}
+  mkdir -p "$OUT"
+  # Test binaries find the kernel sources and fixtures through the checkout they were built
+  # in (env!("CARGO_MANIFEST_DIR")); on the GPU machine that path is this copy.
+  local built
+  built=$(strings "$KIT/tests/lib" 2>/dev/null | grep -m1 -o '^/[^ ]*/src/kernels/gpu' | sed 's#/src/kernels/gpu##')
+  if [ -n "$built" ] && [ ! -e "$built" ]; then
+    mkdir -p "$(dirname "$built")" && ln -s "$ROOT" "$built" || echo "could not link $built to $ROOT" >&2
+  fi
+  export FO_LIBRARY=$KIT/libfo.so PYTHONPATH=$ROOT/python:$KIT/py
+  local nccl
+  nccl=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(glob.glob(d + "/nvidia/nccl/lib/libnccl.so.2")), ""))' 2>/dev/null)
+  {
+    echo "commit $(cat "$KIT/COMMIT" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+    echo "host cores: $(nproc)"
+  } | tee "$OUT/SUMMARY.txt"
+  if [ "$what" = checks ] || [ "$what" = all ]; then
+    step selftest 150 "$KIT/fo" selftest
+    step gpu_abi 60 "$KIT/tests/gpu_abi" --test-threads 1
+    step optim_api 90 "$KIT/tests/optim_api"
+    step comm_nccl 60 env FO_TEST_NCCL_LIBRARY="$nccl" "$KIT/tests/comm_nccl" --test-threads 1
+    step unit_device 240 "$KIT/tests/lib" device:: kernels:: clip:: comm:: broadcast:: optim::placement optim::overlap
+    step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
+      $(ls python/tests/test_torch_cuda*.py 2>/dev/null)
+  fi
+  if [ "$what" = bench ] || [ "$what" = all ]; then
+    step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
+    step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
+    step bench_fsdp2_overlap 150 python3 scripts/bench_fsdp2_overlap.py --rounds 3
+  fi
+  echo "logs: $OUT ($(ls "$OUT" | wc -l) files)"
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  run) shift; run "$@" ;;
+  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
