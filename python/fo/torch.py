@@ -35,8 +35,9 @@ from . import _codes as _names
 from . import _torch_compile as _compile
 from . import optim as _optim
 from . import _torch_checks as _checks
-from ._ffi import check, tensor_array
+from ._ffi import FoError, check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_cuda import HOST_ARITHMETIC, Streams, default_arithmetic, is_cuda
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import FO_KEYS, Storage
@@ -47,9 +48,10 @@ PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 # what fp32 state lends live instead of decoding (fo_optimizer_share_state)
 _LENDABLE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 ARITHMETIC = _optim.ARITHMETIC
-# fo.torch steps host tensors, where the fast arithmetic runs: it is the default (within fo's
-# stated bound of exact per step; "exact" = FlashOptim's bits).
-DEFAULT_ARITHMETIC = "fast"
+# The default for host parameters: the fast arithmetic (within fo's stated bound of exact per
+# step; "exact" = FlashOptim's bits). A group holding a CUDA parameter defaults to "exact",
+# the arithmetic fo's GPU kernels run (fo._torch_cuda).
+DEFAULT_ARITHMETIC = HOST_ARITHMETIC
 
 
 def _create(cfg):
@@ -80,7 +82,7 @@ def _arithmetic_name(value):
     return next(k for k, v in ARITHMETIC.items() if v == code)
 
 
-class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
+class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
@@ -88,7 +90,9 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         for flag in ("amsgrad", "maximize", "differentiable"):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        defaults["arithmetic"] = _arithmetic_name(defaults.get("arithmetic", DEFAULT_ARITHMETIC))
+        # None: each group's default (default_arithmetic: exact where it holds a CUDA parameter)
+        a = defaults.get("arithmetic")
+        defaults["arithmetic"] = None if a is None else _arithmetic_name(a)
         _check_state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
@@ -106,6 +110,8 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         self._name = {}  # param -> the name fo knows it by (for error messages)
         self._pushed = []  # the hyper-parameters last pushed to each fo group
         self._grads = None  # the step's gradient array (GradArray), kept across steps
+        self._device = {}  # param -> the fo device code it is registered with
+        self._stream = None  # (handle, {device: torch stream}) fo steps on; None: NULL, unset
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
@@ -118,6 +124,9 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         if "state_format" in param_group:
             _check_state_format(param_group["state_format"])
         super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
+            g["arithmetic"] = default_arithmetic(g["params"])
         if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
             self._hook_params(self.param_groups[-1]["params"])
 
@@ -151,14 +160,25 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
     def _register(self, p, gi, name):
         arg = TorchArg(p, f"parameter {name}")
         spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
+        device = arg.struct.device
+        if device >= 0:
+            self._before_cuda_register(device)
         idx = ctypes.c_int32(-1)
-        check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
-                                ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
+        try:
+            check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
+                                    ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
+        except FoError as e:
+            if device < 0 or name in e.message:
+                raise
+            # fo names the argument ("param.device = 0: this libfo was built without GPU
+            # support ..."); the user needs the parameter too
+            raise error(e.status, f"parameter {name} is on cuda:{device}: {e.message}") from None
         self._index[p] = idx.value
         self._fo._fqns.append(name)  # fo.optim's view: fo.ckpt.torch_state_dict(opt._fo) names them
         self._where[p] = self._placed(p)
         self._keep[p] = (arg, spec)
         self._name[p] = name
+        self._device[p] = device
 
     def _sync(self, also=()):
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
@@ -169,7 +189,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         if self._fo is None:
             hp = self._group_hp(self.param_groups[0])
             self._fo = _create(_optim.config(self.algorithm, **hp))
-            self._pushed = [hp]
+            self._pushed, self._stream = [hp], None  # a new handle steps on NULL until told
         for gi, g in enumerate(self.param_groups):
             hp = self._group_hp(g)
             if gi == len(self._pushed):
@@ -192,7 +212,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         saved = {p: self._export(p, local_only=True) for p in self._index if self._has_state(p)}
         self._fo.close()
         self.state.forget_live()
-        self._fo, self._index, self._where, self._keep, self._pushed = None, {}, {}, {}, []
+        self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
         self._sync(also=set(saved))
         for p, st in saved.items():
             st.pop("master", None)
@@ -236,6 +256,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             self._clip_now()
         self._flush()
         self._sync()
+        self._use_current_stream()
         n = len(self._index)
         if self._grads is None or self._grads.n != n:
             self._grads = GradArray(n)
@@ -279,14 +300,19 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
 
     def _get(self, i, key, p):
         # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
-        # is not asked, to keep each read one call; float32 state is lent, not decoded
-        if key in _LENDABLE:
+        # is not asked, to keep each read one call; float32 host state is lent, not decoded. A
+        # CUDA parameter's state lives on its device, where fo lends nothing: it is decoded
+        # through host memory (fo waits for its stream) and handed out on the parameter's
+        # device, as torch.optim keeps it (`step` stays a host scalar, as torch's non-fused
+        # optimizers keep it)
+        cuda = self._device.get(p, -1) >= 0
+        if key in _LENDABLE and not cuda:
             t = self.state.lend(i, p, key, local(p).shape)
             if t is not None:
                 return t
         t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
         self._read(i, key, t)
-        return t
+        return t.to(local(p).device) if cuda and key != "step" else t
 
     def _read(self, i, key, out):
         """Decodes state `key` of fo parameter `i` straight into `out` (a host tensor of the
