@@ -60,6 +60,7 @@ from . import optim as _optim
 from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
 from ._torch_args import TorchArg, is_dtensor, local
+from ._torch_cuda import choose_stream, is_cuda
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
 OPTION_KEYS = ("overlap", "max_grad_norm", "norm_type", "error_if_nonfinite", "undo_budget_bytes")
@@ -291,13 +292,19 @@ class Overlap:
         """fo_clip_grad_norm over every gradient in param-group order (scaled in place when
         the total exceeds max_grad_norm), as the overlapped step combines them."""
         o = self._ov
-        args, flags = [], []
+        args, flags, devices = [], [], {}
         for _, p, name in self._names():
             if p.grad is not None:
                 args.append(TorchArg(p.grad, f"gradient of parameter {name}", empty_non_null=True))
                 flags.append(int(_is_shard(p)))
+                if args[-1].struct.device >= 0:
+                    devices[args[-1].struct.device] = torch.cuda.current_stream(args[-1].struct.device).cuda_stream
         arr = (_comm._Grad * max(len(args), 1))(*[_comm._Grad(a.struct, s) for a, s in zip(args, flags)])
         total = ctypes.c_double()
+        if devices:
+            # fo sums and scales CUDA gradients on the comm's stream, after the work queued
+            # there: the stream backward left them on, chosen as the step's (fo._torch_cuda)
+            self._comm().set_stream(choose_stream(devices))
         check(_comm._clip(self._comm()._h, arr, len(args), o["max_grad_norm"], o["norm_type"],
                           int(o["error_if_nonfinite"]), ctypes.byref(total)))
         clipped = o["max_grad_norm"] / (total.value + 1e-6) < 1
@@ -309,6 +316,7 @@ class Overlap:
         # Every parameter is registered now, in param-group order: none can be added while
         # the step is open, and the clip norm combines them in this order.
         self._sync(also={p for g in self.param_groups for p in g["params"]})
+        self._use_current_stream()  # fo takes no new stream while the step is open
         o = self._ov
         opts = _optim.OverlapOptions()
         _optim._overlap_default(ctypes.byref(opts))
@@ -322,7 +330,10 @@ class Overlap:
 
     def _from_backward(self, p, event):
         """A post-accumulate-grad hook: hands p's gradient over, or queues it while its copy
-        (`event`) is in flight; first hands over the queued ones whose copy has landed."""
+        (`event`) is in flight; first hands over the queued ones whose copy has landed. A
+        CUDA parameter's gradient is left for `step()` (module doc)."""
+        if is_cuda(p):
+            return
         self._poll_pending(wait=False)
         if event is not None and not event.query():
             if not self._open:
@@ -494,11 +505,13 @@ class Overlap:
                          clipped=clip.get("clipped", False))
             self.last_step_stats = dict(stats, **extra)
         else:
+            behind = self._order_after_current()  # CUDA gradients are ordered on the caller's stream
             for _, p, _ in self._names():
                 if p.grad is not None and p not in self._handed:
                     self._hand_over(p, at_end=True)
             stats = _optim.OverlapStats()
             status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
+            self._order_current(behind)
             self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
             _track_open(self, False)
             self.last_step_stats = dict(_stats_dict(stats), **extra)
