@@ -5,7 +5,9 @@
 
 Parameters and gradients are read in place through `data_ptr()` (a DTensor through its local
 shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
-with `CPUOffloadPolicy` are stepped where they lie. `param_groups` stay torch dicts: what an
+with `CPUOffloadPolicy` are stepped where they lie, and CUDA parameters on their GPU, on
+torch's current stream, with their state on that GPU (fo._torch_cuda); one optimizer may
+hold both. `param_groups` stay torch dicts: what an
 lr scheduler writes there is pushed to fo before every step. `state_dict()` has torch's
 layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params)
 in float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
@@ -13,9 +15,11 @@ torch.optim checkpoint loads into any fo state format. fp32 state is handed out 
 torch's is (fo's own buffers: no copy); compressed state is decoded into new tensors.
 
 Defaults: `state_format="quant8"` (FlashOptim's 8-bit state: 2.125 B/param for AdamW instead
-of torch's 8) with `arithmetic="fast"` (within fo's stated bound of FlashOptim's bits per step,
-about as fast as torch's fused AdamW); pass `arithmetic="exact"` for bit-parity with FlashOptim
-and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e-5).
+of torch's 8) with `arithmetic="fast"` for a param group of host parameters (within fo's
+stated bound of FlashOptim's bits per step, about as fast as torch's fused AdamW) and
+`"exact"` for a group holding a CUDA parameter (fo's GPU kernels run exact); pass
+`arithmetic="exact"` for bit-parity with FlashOptim everywhere, `state_format="fp32"` for
+torch's trajectories (rtol 1e-5).
 `opt.state[p]` tensors of compressed state are decoded copies whose edits reach fo before
 the next step, those of fp32 state fo's live buffers (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
@@ -37,7 +41,8 @@ from . import optim as _optim
 from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
-from ._torch_cuda import HOST_ARITHMETIC, Streams, default_arithmetic, is_cuda
+from ._torch_clip import Clip
+from ._torch_cuda import HOST_ARITHMETIC, Streams, default_arithmetic
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import FO_KEYS, Storage
@@ -64,25 +69,7 @@ def _create(cfg):
     return opt
 
 
-def _arithmetic_code(value):
-    code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
-    if code not in ARITHMETIC.values():
-        raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
-    return code
-
-
-def _check_state_format(value):
-    if not isinstance(value, str) or value not in _optim.STATE_FORMATS:
-        raise ValueError(f"state_format {value!r} is not one of {sorted(_optim.STATE_FORMATS)}")
-
-
-def _arithmetic_name(value):
-    """The name param_groups show ("exact"/"fast") for a name or fo code."""
-    code = _arithmetic_code(value)
-    return next(k for k, v in ARITHMETIC.items() if v == code)
-
-
-class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
+class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
@@ -91,9 +78,8 @@ class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         # None: each group's default (default_arithmetic: exact where it holds a CUDA parameter)
-        a = defaults.get("arithmetic")
-        defaults["arithmetic"] = None if a is None else _arithmetic_name(a)
-        _check_state_format(defaults["state_format"])
+        defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"))
+        _checks.state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
         self._ov, self._hooked = options, False  # add_param_group (called by torch's __init__) reads them
@@ -120,9 +106,9 @@ class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
             if param_group.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         if "arithmetic" in param_group:
-            param_group["arithmetic"] = _arithmetic_name(param_group["arithmetic"])
+            param_group["arithmetic"] = _checks.arithmetic_name(param_group["arithmetic"])
         if "state_format" in param_group:
-            _check_state_format(param_group["state_format"])
+            _checks.state_format(param_group["state_format"])
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
@@ -142,7 +128,7 @@ class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
         hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
         hp["state_format"] = group["state_format"]
         hp["master_weight_bits"] = int(group["master_weight_bits"])
-        hp["arithmetic"] = _arithmetic_code(group["arithmetic"])
+        hp["arithmetic"] = _checks.arithmetic_code(group["arithmetic"])
         return hp
 
     # -- registration -----------------------------------------------------------------
@@ -267,7 +253,7 @@ class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
                 if g is None:
                     grads.clear(i)
                 elif g.layout != torch.strided:
-                    raise RuntimeError(_sparse_message(self, self._name[p]))
+                    raise RuntimeError(_checks.sparse_message(self, self._name[p]))
                 else:
                     grads.set(i, g, f"gradient of parameter {self._name[p]}")
                     given += 1
@@ -422,25 +408,17 @@ class _FoOptimizer(Overlap, Streams, Storage, torch.optim.Optimizer):
                 self._load_param(p, entries)
 
 
-def _sparse_message(opt, name):
-    kind = type(opt).__name__
-    if kind == "SGD":
-        return (f"fo.torch.SGD does not support sparse gradients (parameter {name}); torch.optim.SGD "
-                "does, or densify the gradient (grad.to_dense())")
-    return (f"{kind} does not support sparse gradients (parameter {name}), please consider SparseAdam "
-            "instead")
-
-
 def _torch_flags(kind, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  **overlap):
     """torch's implementation flags. fo's step is always one fused kernel per parameter, so
     `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
-    them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors.
+    them, and change nothing. `capturable` (CUDA-graph capture) is refused: fo's step is a
+    host call that launches its own kernels, not capturable work.
     `kind` (the optimizer's name) names the constructor when a keyword is unknown."""
     _checks.unexpected(kind, [k for k in overlap if k not in OPTION_KEYS])
     if capturable:
         raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
-                                 "fo.torch steps host tensors: drop capturable (fused/foreach are accepted)")
+                                 "fo's step is not captured in a CUDA graph: drop capturable (fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                 fused=fused, **overlap_options(**overlap))
 
