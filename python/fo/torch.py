@@ -418,7 +418,8 @@ def _torch_flags(kind, foreach=None, maximize=False, capturable=False, different
     _checks.unexpected(kind, [k for k in overlap if k not in OPTION_KEYS])
     if capturable:
         raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
-                                 "fo's step is not captured in a CUDA graph: drop capturable (fused/foreach are accepted)")
+                                 "fo's step is not captured in a CUDA graph: drop capturable "
+                                 "(fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                 fused=fused, **overlap_options(**overlap))
 
