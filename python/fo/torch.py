@@ -433,9 +433,11 @@ class AdamW(_FoOptimizer):
     - `state_format="quant8"` (default: 2.125 B/param of state vs torch's 8; "fp32": torch's
       arithmetic and trajectories, 8 B/param; "quant8_wide"; "param_dtype");
     - `master_weight_bits=0` (24/32 keep int8/int16 error bits for bf16/f16 params: +1/+2 B/param);
-    - `arithmetic="fast"` (default: within fo's stated bound of exact per step, a quant8 step
-      ~3.5x faster than "exact" (scripts/bench_torch_step.py); "exact": FlashOptim's bits, as
-      fo's device kernels; fp32 state steps the same under both).
+    - `arithmetic` (None, the default: "fast" for a param group of host parameters, within
+      fo's stated bound of exact per step, a quant8 step ~3.5x faster than "exact"
+      (scripts/bench_torch_step.py); "exact" for a group holding a CUDA parameter, the only
+      arithmetic fo's GPU kernels run. "exact": FlashOptim's bits; fp32 state steps the same
+      under both).
     `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
     optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
     `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap)."""
@@ -443,7 +445,7 @@ class AdamW(_FoOptimizer):
     algorithm = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("AdamW", **flags)  # first: Python refuses an unknown keyword before the body runs
         _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -460,7 +462,7 @@ class Adam(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0,
-                 arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 arithmetic=None, **flags):
         flags = _torch_flags("Adam", **flags)
         _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         _FoOptimizer.__init__(self, params, dict(
@@ -479,7 +481,7 @@ class SGD(_FoOptimizer):
     algorithm = "sgd"
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("SGD", **flags)
         _checks.sgd(lr, momentum, dampening, weight_decay, nesterov)
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -497,7 +499,7 @@ class Lion(_FoOptimizer):
     algorithm = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format="quant8",
-                 master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("Lion", **flags)
         _checks.lion(lr, betas, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, **flags,
