@@ -39,15 +39,25 @@ def local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
+def device_code(t, what):
+    """fo's `device` for torch tensor `t` (a local tensor): FO_DEVICE_HOST on the CPU, the
+    ordinal on CUDA; any other device (meta, mps, xpu...) is fo's UNSUPPORTED naming `what`."""
+    dev = t.device
+    if dev.type == "cpu":
+        return FO_DEVICE_HOST
+    if dev.type == "cuda":
+        return dev.index  # a CUDA tensor's device always has its ordinal
+    raise error(UNSUPPORTED, f"{what} is on {dev}; fo steps host (CPU) and CUDA tensors only "
+                             "(move it to cpu or cuda)")
+
+
 class TorchArg:
     """An fo_tensor over a torch tensor's memory: its data_ptr(), dtype, shape and strides
     exactly as torch holds them. Keeps the tensor and the shape/stride arrays alive."""
 
     def __init__(self, t, what, empty_non_null=False):
         t = local(t)
-        if t.device.type != "cpu":
-            raise error(UNSUPPORTED, f"{what} is on {t.device}; this libfo steps host (CPU) tensors only "
-                                     "(FSDP2's CPUOffloadPolicy keeps shards on the host)")
+        device = device_code(t, what)
         code = _CODES.get(t.dtype)
         if code is None:
             raise error(DTYPE, f"{what} has dtype {t.dtype}, which fo has no code for")
@@ -57,7 +67,7 @@ class TorchArg:
         self._strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())
         ptr = t.data_ptr() if t.numel() else (ctypes.addressof(_EMPTY) if empty_non_null else None)
         self.struct = Tensor(ptr, DTYPE_CODES[code], nd, ctypes.cast(self._shape, i64p),
-                             ctypes.cast(self._strides, i64p), FO_DEVICE_HOST)
+                             ctypes.cast(self._strides, i64p), device)
 
 
 def _placement(pl):
@@ -105,7 +115,11 @@ class GradArray:
     def set(self, i, g, what):
         t = local(g)
         code = _CODES.get(t.dtype)
-        if t.device.type != "cpu" or code is None:
+        dev = t.device
+        # the host's code or a CUDA ordinal (fo checks that a gradient lies on its
+        # parameter's device, naming it); inline, as this runs per gradient per step
+        device = FO_DEVICE_HOST if dev.type == "cpu" else (dev.index if dev.type == "cuda" else None)
+        if device is None or code is None:
             TorchArg(t, what)  # raises the error naming the gradient
         shape, strides = t.shape, t.stride()
         d = self._dims[i]
@@ -118,7 +132,7 @@ class GradArray:
         e.dtype = DTYPE_CODES[code]
         e.ndim = len(shape)
         e.shape, e.strides = d[4], d[5]
-        e.device = -1
+        e.device = device
         self._keep[i] = t
 
     def clear(self, i):

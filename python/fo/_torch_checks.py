@@ -5,8 +5,13 @@ them). They run first in each constructor, as torch's do before `Optimizer.__ini
 bad hyper-parameter fails where it is written, not as an FoError at the first step (fo
 builds its handle lazily). Lion, which torch lacks, gets Adam's checks that apply to it.
 
+fo's own arguments (`state_format`, `arithmetic`) are checked here too, and torch's message
+for a sparse gradient is written here.
+
 Only `fo.torch` imports this module (it needs torch)."""
 from torch import Tensor
+
+from .optim import ARITHMETIC, STATE_FORMATS
 
 
 def _tensor_lr(lr, foreach, capturable):
@@ -77,3 +82,34 @@ def unexpected(kind, names):
     fo.torch's constructors collect in **flags before knowing them."""
     if names:
         raise TypeError(f"{kind}.__init__() got an unexpected keyword argument {names[0]!r}")
+
+
+def arithmetic_code(value):
+    """fo's code for an arithmetic given by name ("exact"/"fast") or code."""
+    code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
+    if code not in ARITHMETIC.values():
+        raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
+    return code
+
+
+def arithmetic_name(value):
+    """The name param_groups show ("exact"/"fast") for a name or fo code; None stays None
+    (no choice: the group's default, fo._torch_cuda.default_arithmetic)."""
+    if value is None:
+        return None
+    code = arithmetic_code(value)
+    return next(k for k, v in ARITHMETIC.items() if v == code)
+
+
+def state_format(value):
+    if not isinstance(value, str) or value not in STATE_FORMATS:
+        raise ValueError(f"state_format {value!r} is not one of {sorted(STATE_FORMATS)}")
+
+
+def sparse_message(opt, name):
+    kind = type(opt).__name__
+    if kind == "SGD":
+        return (f"fo.torch.SGD does not support sparse gradients (parameter {name}); torch.optim.SGD "
+                "does, or densify the gradient (grad.to_dense())")
+    return (f"{kind} does not support sparse gradients (parameter {name}), please consider SparseAdam "
+            "instead")

@@ -1,4 +1,5 @@
-"""fo.torch's overlapped step (`overlap=True`) and the optimizer-side clip (`max_grad_norm=`).
+"""fo.torch's overlapped step (`overlap=True`); the optimizer-side clip (`max_grad_norm=`) it
+closes with is fo._torch_clip's.
 
 With `overlap=True` every parameter gets a post-accumulate-grad hook: the first hook of an
 iteration opens fo's step (`fo_optimizer_step_begin`), each hook hands that parameter's
@@ -38,13 +39,6 @@ and `step()` steps everything (the cost of overlap=False; a warning says so once
 `last_step_stats["not_overlapped"]` why). Backward on a GPU (parameters on CUDA, or FSDP2
 shards on the host of a CUDA mesh) leaves the host cores to fo.
 
-Clipping is an optimizer argument (`max_grad_norm`, `norm_type`, `error_if_nonfinite`),
-since the step starts before the user could call `clip_grad_norm_`; it means the same with
-`overlap=False` (fo's `fo_clip_grad_norm` over the gradients in param-group order, then the
-step), so both modes follow the same trajectory bit for bit. DTensor parameters count as
-shards in the norm when a placement is `Shard`/`_StridedShard`; the norm is combined over
-torch.distributed's default group.
-
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib
 import ctypes
@@ -55,11 +49,11 @@ import weakref
 
 import torch
 
-from . import comm as _comm
 from . import optim as _optim
 from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
 from ._torch_args import TorchArg, is_dtensor, local
+from ._torch_cuda import is_cuda
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
 OPTION_KEYS = ("overlap", "max_grad_norm", "norm_type", "error_if_nonfinite", "undo_budget_bytes")
@@ -78,27 +72,6 @@ def overlap_options(overlap=False, max_grad_norm=None, norm_type=2.0, error_if_n
     return dict(overlap=bool(overlap), max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                 norm_type=norm_type, error_if_nonfinite=bool(error_if_nonfinite),
                 undo_budget_bytes=int(undo_budget_bytes))
-
-
-def _is_shard(p):
-    """Whether p's gradient is a shard in the clip norm (as fo decides from its shard spec)."""
-    return is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
-
-
-def _torch_comm():
-    """An fo Comm over torch.distributed's default group (the clip norm's all-reduce)."""
-    dist = torch.distributed
-
-    def broadcast(buf, root):
-        if buf.size:
-            dist.broadcast(torch.from_numpy(buf), src=root)
-
-    def all_reduce_f64(vals, op):
-        if vals.size:
-            dist.all_reduce(torch.from_numpy(vals), op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-
-    return _comm.Comm.from_callbacks(dist.get_rank(), dist.get_world_size(), broadcast, all_reduce_f64,
-                                     dist.barrier)
 
 
 def _fsdp_offload_event(p, frame):
@@ -210,7 +183,8 @@ def _hook(ref):
 
 class Overlap:
     """Mixed into fo.torch's optimizers (which provide `_fo`, `_index`, `_name`, `_names`,
-    `_flush`, `_sync`, `_group_hp`, `_pushed` and `param_groups`)."""
+    `_flush`, `_sync`, `_group_hp`, `_pushed`, `param_groups`, fo._torch_clip's `Clip` and
+    fo._torch_cuda's `Streams`)."""
 
     def _overlap_init(self, options):
         self._ov = options
@@ -226,7 +200,7 @@ class Overlap:
         self._warned = set()
         self._hooks = []
         self._host_backward = True  # every hooked parameter computes on the host CPU
-        self._clip_comm = None
+        self._clip_comm = None  # fo._torch_clip's, made at the first clip
         self.last_step_stats = None
         if options["overlap"]:
             for g in self.param_groups:
@@ -274,41 +248,13 @@ class Overlap:
         finally:
             self._accumulating = before
 
-    # -- the comm for the clip norm ---------------------------------------------------
-    def _comm(self):
-        dist = torch.distributed
-        if self._clip_comm is None:
-            live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            self._clip_comm = _torch_comm() if live else _comm.Comm.local_group(1)[0]
-        return self._clip_comm
-
-    def _comm_handle(self):
-        """The comm step_end combines the norm through (None: this rank alone)."""
-        return self._comm()._h if self._ov["max_grad_norm"] is not None else None
-
-    # -- overlap=False with max_grad_norm: fo's clip, then the step ---------------------
-    def _clip_now(self):
-        """fo_clip_grad_norm over every gradient in param-group order (scaled in place when
-        the total exceeds max_grad_norm), as the overlapped step combines them."""
-        o = self._ov
-        args, flags = [], []
-        for _, p, name in self._names():
-            if p.grad is not None:
-                args.append(TorchArg(p.grad, f"gradient of parameter {name}", empty_non_null=True))
-                flags.append(int(_is_shard(p)))
-        arr = (_comm._Grad * max(len(args), 1))(*[_comm._Grad(a.struct, s) for a, s in zip(args, flags)])
-        total = ctypes.c_double()
-        check(_comm._clip(self._comm()._h, arr, len(args), o["max_grad_norm"], o["norm_type"],
-                          int(o["error_if_nonfinite"]), ctypes.byref(total)))
-        clipped = o["max_grad_norm"] / (total.value + 1e-6) < 1
-        self.last_step_stats = {"total_norm": total.value, "clipped": clipped}
-
     # -- the overlapped step ----------------------------------------------------------
     def _begin(self):
         self._flush()
         # Every parameter is registered now, in param-group order: none can be added while
         # the step is open, and the clip norm combines them in this order.
         self._sync(also={p for g in self.param_groups for p in g["params"]})
+        self._use_current_stream()  # fo takes no new stream while the step is open
         o = self._ov
         opts = _optim.OverlapOptions()
         _optim._overlap_default(ctypes.byref(opts))
@@ -322,7 +268,10 @@ class Overlap:
 
     def _from_backward(self, p, event):
         """A post-accumulate-grad hook: hands p's gradient over, or queues it while its copy
-        (`event`) is in flight; first hands over the queued ones whose copy has landed."""
+        (`event`) is in flight; first hands over the queued ones whose copy has landed. A
+        CUDA parameter's gradient is left for `step()` (module doc)."""
+        if is_cuda(p):
+            return
         self._poll_pending(wait=False)
         if event is not None and not event.query():
             if not self._open:
@@ -494,11 +443,16 @@ class Overlap:
                          clipped=clip.get("clipped", False))
             self.last_step_stats = dict(stats, **extra)
         else:
+            behind = self._order_after_current()  # CUDA gradients are ordered on the caller's stream
             for _, p, _ in self._names():
                 if p.grad is not None and p not in self._handed:
                     self._hand_over(p, at_end=True)
+            if self._ov["max_grad_norm"] is not None and self._stream is not None:
+                # step_end takes CUDA gradients' norm and scales them on the comm's stream
+                self._comm().set_stream(self._stream[0])
             stats = _optim.OverlapStats()
             status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
+            self._order_current(behind)
             self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
             _track_open(self, False)
             self.last_step_stats = dict(_stats_dict(stats), **extra)

@@ -5,7 +5,9 @@
 
 Parameters and gradients are read in place through `data_ptr()` (a DTensor through its local
 shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
-with `CPUOffloadPolicy` are stepped where they lie. `param_groups` stay torch dicts: what an
+with `CPUOffloadPolicy` are stepped where they lie, and CUDA parameters on their GPU, on
+torch's current stream, with their state on that GPU (fo._torch_cuda); one optimizer may
+hold both. `param_groups` stay torch dicts: what an
 lr scheduler writes there is pushed to fo before every step. `state_dict()` has torch's
 layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params)
 in float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
@@ -13,9 +15,11 @@ torch.optim checkpoint loads into any fo state format. fp32 state is handed out 
 torch's is (fo's own buffers: no copy); compressed state is decoded into new tensors.
 
 Defaults: `state_format="quant8"` (FlashOptim's 8-bit state: 2.125 B/param for AdamW instead
-of torch's 8) with `arithmetic="fast"` (within fo's stated bound of FlashOptim's bits per step,
-about as fast as torch's fused AdamW); pass `arithmetic="exact"` for bit-parity with FlashOptim
-and fo's device kernels, `state_format="fp32"` for torch's trajectories (rtol 1e-5).
+of torch's 8) with `arithmetic="fast"` for a param group of host parameters (within fo's
+stated bound of FlashOptim's bits per step, about as fast as torch's fused AdamW) and
+`"exact"` for a group holding a CUDA parameter (fo's GPU kernels run exact); pass
+`arithmetic="exact"` for bit-parity with FlashOptim everywhere, `state_format="fp32"` for
+torch's trajectories (rtol 1e-5).
 `opt.state[p]` tensors of compressed state are decoded copies whose edits reach fo before
 the next step, those of fp32 state fo's live buffers (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
@@ -35,8 +39,10 @@ from . import _codes as _names
 from . import _torch_compile as _compile
 from . import optim as _optim
 from . import _torch_checks as _checks
-from ._ffi import check, tensor_array
+from ._ffi import FoError, check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_clip import Clip
+from ._torch_cuda import HOST_ARITHMETIC, Streams, default_arithmetic
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import FO_KEYS, Storage
@@ -47,9 +53,10 @@ PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 # what fp32 state lends live instead of decoding (fo_optimizer_share_state)
 _LENDABLE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 ARITHMETIC = _optim.ARITHMETIC
-# fo.torch steps host tensors, where the fast arithmetic runs: it is the default (within fo's
-# stated bound of exact per step; "exact" = FlashOptim's bits).
-DEFAULT_ARITHMETIC = "fast"
+# The default for host parameters: the fast arithmetic (within fo's stated bound of exact per
+# step; "exact" = FlashOptim's bits). A group holding a CUDA parameter defaults to "exact",
+# the arithmetic fo's GPU kernels run (fo._torch_cuda).
+DEFAULT_ARITHMETIC = HOST_ARITHMETIC
 
 
 def _create(cfg):
@@ -62,25 +69,7 @@ def _create(cfg):
     return opt
 
 
-def _arithmetic_code(value):
-    code = ARITHMETIC.get(value, value) if isinstance(value, str) else int(value)
-    if code not in ARITHMETIC.values():
-        raise ValueError(f"arithmetic {value!r} is not one of {sorted(ARITHMETIC)}")
-    return code
-
-
-def _check_state_format(value):
-    if not isinstance(value, str) or value not in _optim.STATE_FORMATS:
-        raise ValueError(f"state_format {value!r} is not one of {sorted(_optim.STATE_FORMATS)}")
-
-
-def _arithmetic_name(value):
-    """The name param_groups show ("exact"/"fast") for a name or fo code."""
-    code = _arithmetic_code(value)
-    return next(k for k, v in ARITHMETIC.items() if v == code)
-
-
-class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
+class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
@@ -88,8 +77,9 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         for flag in ("amsgrad", "maximize", "differentiable"):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        defaults["arithmetic"] = _arithmetic_name(defaults.get("arithmetic", DEFAULT_ARITHMETIC))
-        _check_state_format(defaults["state_format"])
+        # None: each group's default (default_arithmetic: exact where it holds a CUDA parameter)
+        defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"))
+        _checks.state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
         self._ov, self._hooked = options, False  # add_param_group (called by torch's __init__) reads them
@@ -106,6 +96,8 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         self._name = {}  # param -> the name fo knows it by (for error messages)
         self._pushed = []  # the hyper-parameters last pushed to each fo group
         self._grads = None  # the step's gradient array (GradArray), kept across steps
+        self._device = {}  # param -> the fo device code it is registered with
+        self._stream = None  # (handle, {device: torch stream}) fo steps on; None: NULL, unset
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
@@ -114,10 +106,13 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             if param_group.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
         if "arithmetic" in param_group:
-            param_group["arithmetic"] = _arithmetic_name(param_group["arithmetic"])
+            param_group["arithmetic"] = _checks.arithmetic_name(param_group["arithmetic"])
         if "state_format" in param_group:
-            _check_state_format(param_group["state_format"])
+            _checks.state_format(param_group["state_format"])
         super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
+            g["arithmetic"] = default_arithmetic(g["params"])
         if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
             self._hook_params(self.param_groups[-1]["params"])
 
@@ -133,7 +128,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
         hp["state_format"] = group["state_format"]
         hp["master_weight_bits"] = int(group["master_weight_bits"])
-        hp["arithmetic"] = _arithmetic_code(group["arithmetic"])
+        hp["arithmetic"] = _checks.arithmetic_code(group["arithmetic"])
         return hp
 
     # -- registration -----------------------------------------------------------------
@@ -151,14 +146,25 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
     def _register(self, p, gi, name):
         arg = TorchArg(p, f"parameter {name}")
         spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
+        device = arg.struct.device
+        if device >= 0:
+            self._before_cuda_register(device)
         idx = ctypes.c_int32(-1)
-        check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
-                                ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
+        try:
+            check(_optim._add_param(self._fo._handle, name.encode(), ctypes.byref(arg.struct),
+                                    ctypes.byref(spec.struct) if spec is not None else None, gi, ctypes.byref(idx)))
+        except FoError as e:
+            if device < 0 or name in e.message:
+                raise
+            # fo names the argument ("param.device = 0: this libfo was built without GPU
+            # support ..."); the user needs the parameter too
+            raise error(e.status, f"parameter {name} is on cuda:{device}: {e.message}") from None
         self._index[p] = idx.value
         self._fo._fqns.append(name)  # fo.optim's view: fo.ckpt.torch_state_dict(opt._fo) names them
         self._where[p] = self._placed(p)
         self._keep[p] = (arg, spec)
         self._name[p] = name
+        self._device[p] = device
 
     def _sync(self, also=()):
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
@@ -169,7 +175,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         if self._fo is None:
             hp = self._group_hp(self.param_groups[0])
             self._fo = _create(_optim.config(self.algorithm, **hp))
-            self._pushed = [hp]
+            self._pushed, self._stream = [hp], None  # a new handle steps on NULL until told
         for gi, g in enumerate(self.param_groups):
             hp = self._group_hp(g)
             if gi == len(self._pushed):
@@ -192,7 +198,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
         saved = {p: self._export(p, local_only=True) for p in self._index if self._has_state(p)}
         self._fo.close()
         self.state.forget_live()
-        self._fo, self._index, self._where, self._keep, self._pushed = None, {}, {}, {}, []
+        self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
         self._sync(also=set(saved))
         for p, st in saved.items():
             st.pop("master", None)
@@ -236,6 +242,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
             self._clip_now()
         self._flush()
         self._sync()
+        self._use_current_stream()
         n = len(self._index)
         if self._grads is None or self._grads.n != n:
             self._grads = GradArray(n)
@@ -246,7 +253,7 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
                 if g is None:
                     grads.clear(i)
                 elif g.layout != torch.strided:
-                    raise RuntimeError(_sparse_message(self, self._name[p]))
+                    raise RuntimeError(_checks.sparse_message(self, self._name[p]))
                 else:
                     grads.set(i, g, f"gradient of parameter {self._name[p]}")
                     given += 1
@@ -279,14 +286,19 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
 
     def _get(self, i, key, p):
         # decoded keys are shaped like the local parameter (`step` 0-dim): fo_optimizer_state_info
-        # is not asked, to keep each read one call; float32 state is lent, not decoded
-        if key in _LENDABLE:
+        # is not asked, to keep each read one call; float32 host state is lent, not decoded. A
+        # CUDA parameter's state lives on its device, where fo lends nothing: it is decoded
+        # through host memory (fo waits for its stream) and handed out on the parameter's
+        # device, as torch.optim keeps it (`step` stays a host scalar, as torch's non-fused
+        # optimizers keep it)
+        cuda = self._device.get(p, -1) >= 0
+        if key in _LENDABLE and not cuda:
             t = self.state.lend(i, p, key, local(p).shape)
             if t is not None:
                 return t
         t = torch.empty(() if key == "step" else local(p).shape, dtype=torch.float32)
         self._read(i, key, t)
-        return t
+        return t.to(local(p).device) if cuda and key != "step" else t
 
     def _read(self, i, key, out):
         """Decodes state `key` of fo parameter `i` straight into `out` (a host tensor of the
@@ -396,25 +408,18 @@ class _FoOptimizer(Overlap, Storage, torch.optim.Optimizer):
                 self._load_param(p, entries)
 
 
-def _sparse_message(opt, name):
-    kind = type(opt).__name__
-    if kind == "SGD":
-        return (f"fo.torch.SGD does not support sparse gradients (parameter {name}); torch.optim.SGD "
-                "does, or densify the gradient (grad.to_dense())")
-    return (f"{kind} does not support sparse gradients (parameter {name}), please consider SparseAdam "
-            "instead")
-
-
 def _torch_flags(kind, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  **overlap):
     """torch's implementation flags. fo's step is always one fused kernel per parameter, so
     `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
-    them, and change nothing. `capturable` (CUDA graphs) is refused: fo steps host tensors.
+    them, and change nothing. `capturable` (CUDA-graph capture) is refused: fo's step is a
+    host call that launches its own kernels, not capturable work.
     `kind` (the optimizer's name) names the constructor when a keyword is unknown."""
     _checks.unexpected(kind, [k for k in overlap if k not in OPTION_KEYS])
     if capturable:
         raise error(UNSUPPORTED, "capturable=True keeps step counts on the GPU for CUDA-graph capture; "
-                                 "fo.torch steps host tensors: drop capturable (fused/foreach are accepted)")
+                                 "fo's step is not captured in a CUDA graph: drop capturable "
+                                 "(fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                 fused=fused, **overlap_options(**overlap))
 
@@ -428,9 +433,11 @@ class AdamW(_FoOptimizer):
     - `state_format="quant8"` (default: 2.125 B/param of state vs torch's 8; "fp32": torch's
       arithmetic and trajectories, 8 B/param; "quant8_wide"; "param_dtype");
     - `master_weight_bits=0` (24/32 keep int8/int16 error bits for bf16/f16 params: +1/+2 B/param);
-    - `arithmetic="fast"` (default: within fo's stated bound of exact per step, a quant8 step
-      ~3.5x faster than "exact" (scripts/bench_torch_step.py); "exact": FlashOptim's bits, as
-      fo's device kernels; fp32 state steps the same under both).
+    - `arithmetic` (None, the default: "fast" for a param group of host parameters, within
+      fo's stated bound of exact per step, a quant8 step ~3.5x faster than "exact"
+      (scripts/bench_torch_step.py); "exact" for a group holding a CUDA parameter, the only
+      arithmetic fo's GPU kernels run. "exact": FlashOptim's bits; fp32 state steps the same
+      under both).
     `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
     optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
     `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap)."""
@@ -438,7 +445,7 @@ class AdamW(_FoOptimizer):
     algorithm = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("AdamW", **flags)  # first: Python refuses an unknown keyword before the body runs
         _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -455,7 +462,7 @@ class Adam(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  decoupled_weight_decay=False, state_format="quant8", master_weight_bits=0,
-                 arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 arithmetic=None, **flags):
         flags = _torch_flags("Adam", **flags)
         _checks.adam(lr, betas, eps, weight_decay, flags["foreach"], flags["capturable"])
         _FoOptimizer.__init__(self, params, dict(
@@ -474,7 +481,7 @@ class SGD(_FoOptimizer):
     algorithm = "sgd"
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 state_format="quant8", master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 state_format="quant8", master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("SGD", **flags)
         _checks.sgd(lr, momentum, dampening, weight_decay, nesterov)
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -492,7 +499,7 @@ class Lion(_FoOptimizer):
     algorithm = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format="quant8",
-                 master_weight_bits=0, arithmetic=DEFAULT_ARITHMETIC, **flags):
+                 master_weight_bits=0, arithmetic=None, **flags):
         flags = _torch_flags("Lion", **flags)
         _checks.lion(lr, betas, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, **flags,

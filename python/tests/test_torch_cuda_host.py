@@ -1,0 +1,245 @@
+"""What of fo.torch's CUDA support can be checked without a GPU (python/tests/test_torch_cuda.py
+runs the rest on one): device codes and refusals naming the parameter, the stream choice and
+when fo is told of a new stream (torch's streams stood in for), the arithmetic a group of
+CUDA parameters defaults to, and what overlap=True and the state path do with a parameter
+fo.torch takes for a CUDA one."""
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import fo  # noqa: E402
+import fo._torch_args as targs  # noqa: E402
+import fo._torch_cuda as tcuda  # noqa: E402
+import fo._torch_overlap as tov  # noqa: E402
+import fo.torch  # noqa: E402
+from fo import _codes  # noqa: E402
+from test_torch_overlap import assert_same_bits, build, snapshot, train  # noqa: E402
+
+
+def on(device):
+    """A stand-in with only a `.device`: what device_code and is_cuda read."""
+    return types.SimpleNamespace(device=torch.device(device))
+
+
+def libfo_steps_devices():
+    """Whether this libfo has the cuda feature and a driver (set_stream refuses otherwise)."""
+    try:
+        fo.Optimizer("adamw").set_stream(None)
+        return True
+    except fo.FoError as e:
+        assert e.status == _codes.FO_ERR_UNSUPPORTED, e
+        return False
+
+
+# -- device codes ------------------------------------------------------------------------
+def test_device_codes_are_the_hosts_or_the_cuda_ordinal():
+    assert targs.device_code(torch.zeros(2), "x") == _codes.FO_DEVICE_HOST == -1
+    assert targs.device_code(on("cuda:3"), "x") == 3
+    assert targs.device_code(on("cuda:0"), "x") == 0
+    for dev in ("meta", "mps", "xpu:1"):
+        with pytest.raises(fo.FoError, match=f"parameter fc.w is on {dev}; fo steps host") as e:
+            targs.device_code(on(dev), "parameter fc.w")
+        assert e.value.name == "FO_ERR_UNSUPPORTED"
+
+
+def test_a_meta_gradient_is_refused_naming_it():
+    # torch refuses a meta .grad on a host parameter, so the gradient array is asked directly
+    grads = targs.GradArray(1)
+    with pytest.raises(fo.FoError, match="gradient of parameter enc.w is on meta") as e:
+        grads.set(0, torch.zeros(3, device="meta"), "gradient of parameter enc.w")
+    assert e.value.name == "FO_ERR_UNSUPPORTED"
+    grads.set(0, torch.zeros(3), "gradient of parameter enc.w")
+    assert grads.array[0].device == _codes.FO_DEVICE_HOST
+
+
+def test_a_cuda_parameter_that_this_libfo_cannot_step_is_refused_by_fo_naming_it(monkeypatch):
+    """A CUDA parameter reaches fo with its ordinal; a libfo built without `cuda` (or without
+    a driver) refuses it with its own message, which fo.torch completes with the parameter's
+    name (fo names only the argument). Stood in for by a host tensor registered as device 0."""
+    if libfo_steps_devices():
+        pytest.skip("this libfo steps device tensors: the refusal under test is a host-only build's")
+    w = torch.nn.Parameter(torch.zeros(4))
+    real = targs.device_code
+    monkeypatch.setattr(targs, "device_code", lambda t, what: 0 if t is w else real(t, what))
+    opt = fo.torch.AdamW([("decoder.proj.weight", w)], lr=1e-3)
+    w.grad = torch.ones(4)
+    with pytest.raises(fo.FoError) as e:
+        opt.step()
+    assert e.value.name == "FO_ERR_UNSUPPORTED"
+    msg = e.value.message
+    assert msg.startswith("parameter decoder.proj.weight is on cuda:0: "), msg
+    assert "device = 0" in msg, msg  # fo's own words follow: what is missing
+    try:
+        fo.Optimizer("adamw").set_stream(None)
+    except fo.FoError as probe:
+        if "built without GPU support" in probe.message:
+            assert "built without GPU support (rebuild with `--features cuda`)" in msg, msg
+    assert torch.equal(w, torch.zeros(4))
+
+
+# -- the stream --------------------------------------------------------------------------
+def test_one_device_steps_on_its_current_stream_several_on_their_default_streams():
+    assert tcuda.choose_stream({0: 0x5a}) == 0x5a
+    assert tcuda.choose_stream({1: 0}) == 0
+    assert tcuda.choose_stream({0: 0, 1: 0, 3: 0}) == 0  # NULL: each device's legacy stream
+    with pytest.raises(fo.FoError) as e:
+        tcuda.choose_stream({0: 0, 1: 0xbeef})
+    assert e.value.name == "FO_ERR_UNSUPPORTED"
+    assert "devices [0, 1]" in e.value.message and "cuda:1 on stream 0xbeef" in e.value.message
+    assert "cuda:0 on" not in e.value.message  # device 0 is on its default stream
+    assert "one fo.torch optimizer per device" in e.value.message
+
+
+class FakeStream:
+    """torch.cuda.Stream's part fo.torch uses: the handle, and wait_stream (recorded)."""
+
+    waits = []
+
+    def __init__(self, device, handle):
+        self.device, self.cuda_stream = device, handle
+
+    def wait_stream(self, other):
+        FakeStream.waits.append((self.cuda_stream, other.cuda_stream))
+
+    def __eq__(self, other):
+        return (self.device, self.cuda_stream) == (other.device, other.cuda_stream)
+
+    __hash__ = None
+
+
+class FakeFo:
+    def __init__(self):
+        self.calls = []
+
+    def set_stream(self, stream):
+        self.calls.append(stream)
+
+
+class Holder(tcuda.Streams):
+    """fo.torch's optimizer as the Streams mixin sees it."""
+
+    def __init__(self, devices):
+        self._fo, self._stream = FakeFo(), None
+        self._device = {f"p{i}": d for i, d in enumerate(devices)}
+
+
+@pytest.fixture
+def current(monkeypatch):
+    """{device: handle} read as torch.cuda.current_stream(device); 0 is the default stream."""
+    now = {}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: FakeStream(d, now.get(d, 0)))
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda d: FakeStream(d, 0))
+    FakeStream.waits = []
+    return now
+
+
+def test_fo_is_told_the_stream_only_when_it_changed(current):
+    h = Holder([-1, 0, 0])
+    h._use_current_stream()
+    assert h._fo.calls == [None]  # torch's default stream is the legacy one: NULL, said once
+    h._use_current_stream()
+    assert h._fo.calls == [None]
+    current[0] = 0x77
+    h._use_current_stream()
+    h._use_current_stream()
+    assert h._fo.calls == [None, 0x77]
+    current[0] = 0x99
+    h._use_current_stream()
+    current[0] = 0
+    h._use_current_stream()
+    assert h._fo.calls == [None, 0x77, 0x99, None]
+
+
+def test_an_optimizer_without_cuda_parameters_never_sets_a_stream(current):
+    h = Holder([-1, -1])
+    current[0] = 0x77
+    h._use_current_stream()
+    assert h._fo.calls == [] and h._stream is None
+
+
+def test_several_devices_step_on_null_and_refuse_a_side_stream(current):
+    h = Holder([0, 1, -1])
+    h._use_current_stream()
+    assert h._fo.calls == [None]
+    current[1] = 0x42
+    with pytest.raises(fo.FoError, match="cuda:1 on stream 0x42"):
+        h._use_current_stream()
+    assert h._fo.calls == [None]  # nothing changed
+
+
+def test_a_parameter_on_another_device_takes_fo_back_to_null_before_it_is_registered(current):
+    h = Holder([0])
+    current[0] = 0x77
+    h._use_current_stream()
+    h._before_cuda_register(0)  # the stream's own device: nothing to do
+    assert h._fo.calls == [0x77]
+    h._before_cuda_register(1)  # fo refuses a device parameter off its stream's device
+    assert h._fo.calls == [0x77, None] and h._stream[0] == 0
+    h._device["q"] = 1
+    h._before_cuda_register(2)  # already NULL: every device's
+    assert h._fo.calls == [0x77, None]
+
+
+def test_a_step_opened_on_another_stream_is_ordered_after_the_callers_by_events(current):
+    h = Holder([0])
+    current[0] = 0x10  # the stream a backward hook opened the step on
+    h._use_current_stream()
+    current[0] = 0x20  # the caller's at step()
+    behind = h._order_after_current()
+    assert FakeStream.waits == [(0x10, 0x20)]  # fo's stream waits for the gradients' stream
+    h._order_current(behind)
+    assert FakeStream.waits == [(0x10, 0x20), (0x20, 0x10)]  # then the caller's waits for fo's
+    FakeStream.waits = []
+    current[0] = 0x10
+    h._order_current(h._order_after_current())
+    assert FakeStream.waits == []  # the same stream: nothing to order
+
+
+# -- arithmetic ----------------------------------------------------------------------------
+def test_a_group_holding_a_cuda_parameter_defaults_to_exact(monkeypatch):
+    assert tcuda.default_arithmetic([on("cpu"), on("cuda:0")]) == "exact"
+    assert tcuda.default_arithmetic([on("cpu"), on("meta")]) == "fast"
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    monkeypatch.setattr(tcuda, "is_cuda", lambda p: p is a or p is d)  # stand-ins for CUDA parameters
+    opt = fo.torch.AdamW([{"params": [a, b]}, {"params": [c]}, {"params": [c.new_zeros(1)], "arithmetic": None}])
+    assert [g["arithmetic"] for g in opt.param_groups] == ["exact", "fast", "fast"]
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1)), d]})
+    assert opt.param_groups[-1]["arithmetic"] == "exact"
+    assert opt.defaults["arithmetic"] is None  # each group's own default
+    # a choice made is kept: fo refuses "fast" for a CUDA parameter's compressed state itself
+    opt = fo.torch.AdamW([a, b], arithmetic="fast")
+    assert opt.param_groups[0]["arithmetic"] == "fast"
+    opt = fo.torch.SGD([{"params": [a], "arithmetic": "fast"}, {"params": [b]}], arithmetic="exact")
+    assert [g["arithmetic"] for g in opt.param_groups] == ["fast", "exact"]
+
+
+# -- overlap and state -----------------------------------------------------------------------
+def test_overlap_leaves_cuda_gradients_for_step_with_the_same_bits(monkeypatch):
+    """The hooks hand no CUDA parameter's gradient over: step() does (grads_at_end), and
+    the result has overlap=False's bits. fc1.weight stands in for a CUDA parameter."""
+    monkeypatch.setattr(tov, "_host_cores", lambda: 64)  # backward's threads leave fo cores
+    ref_model, ref = build("adamw", False, max_grad_norm=0.5)
+    model, opt = build("adamw", True, max_grad_norm=0.5)
+    monkeypatch.setattr(tov, "is_cuda", lambda p: p is model.fc1.weight)
+    train(ref_model, ref)
+    stats = train(model, opt)
+    assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
+    assert all(s["handed_over"] == 6 and s["handed_over_in_backward"] == 5 for s in stats), stats
+
+
+def test_a_cuda_parameters_fp32_state_is_decoded_never_lent():
+    """fo lends host fp32 state only; a CUDA parameter's state is read through host memory
+    and moved to its device. Stood in for by marking a host parameter's device code."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5))
+    opt = fo.torch.AdamW([w], lr=1e-2, state_format="fp32")
+    w.grad = torch.randn(5)
+    opt.step()
+    lent = opt.state[w]["exp_avg"]
+    assert opt.state.is_live(w, "exp_avg", lent)  # the host parameter's: fo's own buffer
+    want = lent.clone()
+    opt._device[w] = 0
+    got = opt._get(opt._index[w], "exp_avg", w)
+    assert not opt.state.is_live(w, "exp_avg", got) and got.data_ptr() != lent.data_ptr()
+    assert torch.equal(got, want)
