@@ -19,7 +19,8 @@ each device's legacy default stream). So:
 fo's fast arithmetic has no GPU kernel (the C layer refuses it for device parameters of
 compressed formats, naming the parameter: the GPU reproduces the exact arithmetic's bits),
 so a param group that holds a CUDA parameter when it is added defaults to
-`arithmetic="exact"`; a group of host parameters keeps fo.torch's `"fast"`.
+`arithmetic="exact"`; a group of host parameters keeps fo.torch's `"fast"`, and so does a
+group whose CUDA parameters are all offloaded (`offload=`: stepped on the host).
 
 Only `fo.torch` imports this module (it needs torch)."""
 import torch
@@ -36,9 +37,10 @@ def is_cuda(p):
     return local(p).device.type == "cuda"
 
 
-def default_arithmetic(params):
-    """The arithmetic a new param group defaults to: exact when it holds a CUDA parameter."""
-    return DEVICE_ARITHMETIC if any(is_cuda(p) for p in params) else HOST_ARITHMETIC
+def default_arithmetic(params, offloaded=lambda p: False):
+    """The arithmetic a new param group defaults to: exact when it holds a CUDA parameter
+    that steps on its GPU (an `offloaded` one steps on the host, fo._torch_offload)."""
+    return DEVICE_ARITHMETIC if any(is_cuda(p) and not offloaded(p) for p in params) else HOST_ARITHMETIC
 
 
 def choose_stream(current):

@@ -52,7 +52,7 @@ class Storage:
             n = self._fo.state_bytes(i)
             groups[gi]["bytes"] += n
             groups[gi]["params"] += local(p).numel()
-            if local(p).device.type == "cpu":
+            if local(p).device.type == "cpu" or self._is_offloaded(p):  # offload=: state on the host
                 host += n
             else:
                 device += n

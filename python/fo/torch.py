@@ -42,10 +42,13 @@ from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
 from ._torch_clip import Clip
-from ._torch_cuda import HOST_ARITHMETIC, Streams, default_arithmetic
+from ._torch_dicts import Dicts
+from . import _torch_cuda as _cuda
+from ._torch_cuda import HOST_ARITHMETIC, Streams
+from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
-from ._torch_storage import FO_KEYS, Storage
+from ._torch_storage import Storage
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion"]
 
@@ -69,7 +72,7 @@ def _create(cfg):
     return opt
 
 
-class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
+class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
@@ -83,7 +86,13 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
         self._ov, self._hooked = options, False  # add_param_group (called by torch's __init__) reads them
+        # the constructor's groups are placed together once all are added (fo._torch_offload)
+        self._offload_arg, self._offloaded, self._placing = check_offload(defaults.pop("offload", None)), {}, True
         super().__init__(params, defaults)
+        self._placing = False
+        self._place_groups(self.param_groups, 0)
+        for g in self.param_groups:
+            self._default_arithmetic(g)
         self.state = State(self)  # torch's __init__ set a defaultdict
         self._overlap_init(options)
 
@@ -98,6 +107,7 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         self._grads = None  # the step's gradient array (GradArray), kept across steps
         self._device = {}  # param -> the fo device code it is registered with
         self._stream = None  # (handle, {device: torch stream}) fo steps on; None: NULL, unset
+        self._mirror_version = {}  # offloaded param -> its version when fo's host copy equalled it
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
@@ -110,11 +120,15 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         if "state_format" in param_group:
             _checks.state_format(param_group["state_format"])
         super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
-            g["arithmetic"] = default_arithmetic(g["params"])
+        if not self._placing:  # a group added later: placed, and its arithmetic fixed, now
+            self._place_groups(self.param_groups[-1:], len(self.param_groups) - 1)
+            self._default_arithmetic(self.param_groups[-1])
         if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
             self._hook_params(self.param_groups[-1]["params"])
+
+    def _default_arithmetic(self, g):
+        if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
+            g["arithmetic"] = _cuda.default_arithmetic(g["params"], self._is_offloaded)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _hp(self, group):
@@ -144,9 +158,14 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         return (t.data_ptr(), tuple(t.shape), t.dtype)
 
     def _register(self, p, gi, name):
-        arg = TorchArg(p, f"parameter {name}")
+        offloaded = self._is_offloaded(p)
+        # an offloaded CUDA parameter: fo owns a host copy (master and state on the host) and
+        # keeps the CUDA parameter as its mirror (fo._torch_offload)
+        mirror = TorchArg(p, f"parameter {name}") if offloaded else None
+        host = self._host_copy(p, name) if offloaded else None
+        arg = TorchArg(p if host is None else host, f"parameter {name}")
         spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
-        device = arg.struct.device
+        device = arg.struct.device if mirror is None else mirror.struct.device
         if device >= 0:
             self._before_cuda_register(device)
         idx = ctypes.c_int32(-1)
@@ -162,7 +181,11 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         self._index[p] = idx.value
         self._fo._fqns.append(name)  # fo.optim's view: fo.ckpt.torch_state_dict(opt._fo) names them
         self._where[p] = self._placed(p)
-        self._keep[p] = (arg, spec)
+        self._keep[p] = (arg, spec, mirror, host)
+        if mirror is not None:
+            if local(p).numel():  # an empty shard has nothing to mirror
+                self._fo.set_mirror(idx.value, mirror)
+            self._mirror_seen(p)
         self._name[p] = name
         self._device[p] = device
 
@@ -199,6 +222,7 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         self._fo.close()
         self.state.forget_live()
         self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
+        self._mirror_version = {}
         self._sync(also=set(saved))
         for p, st in saved.items():
             st.pop("master", None)
@@ -213,6 +237,7 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
             self._sync(also=set(edits))
             for p, entries in edits.items():
                 self._load_param(p, entries)
+        self._take_up_edits()  # offloaded parameters edited in place (fo._torch_offload)
 
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -334,82 +359,9 @@ class _FoOptimizer(Overlap, Clip, Streams, Storage, torch.optim.Optimizer):
         ckeys = (ctypes.c_char_p * len(keys))(*[k.encode() for k in keys])
         check(_optim._set_state(self._fo._handle, self._index[p], ckeys, tensor_array(args), len(keys)))
 
-    def state_dict(self):
-        """torch's layout: {"state": {index: {...}}, "param_groups": [...]} with indices
-        counted across groups in order, as `torch.optim.Optimizer.state_dict` numbers them."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self._flush()
-        state, groups, start = {}, [], 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(start, start + len(g["params"])))
-            for j, p in enumerate(g["params"]):
-                if self._has_state(p):
-                    state[start + j] = self._export(p)
-            start += len(g["params"])
-            groups.append(packed)
-        out = {"state": state, "param_groups": groups}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, out) or out
-        return out
-
-    def load_state_dict(self, state_dict):
-        """Loads torch's layout (from fo.torch or torch.optim, any state format) into this
-        optimizer's own format; group hyper-parameters come from the checkpoint, fo's
-        storage keys (`state_format`, `master_weight_bits`, `arithmetic`) stay as they are."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        by_id = {}
-        for gi, (g, s) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(s["params"]) != len(g["params"]):
-                raise ValueError(f"loaded param group {gi} has {len(s['params'])} parameters, "
-                                 f"this optimizer's has {len(g['params'])}")
-            by_id.update(zip(s["params"], g["params"]))
-        unknown = [k for k in state_dict["state"] if k not in by_id]
-        if unknown:
-            raise ValueError(f"state for parameters {unknown} that no param group lists")
-        for g, s in zip(self.param_groups, saved_groups):
-            for k, v in s.items():
-                if k not in ("params", "param_names") and k not in FO_KEYS:
-                    g[k] = v
-        self._flush()
-        self._sync(also={by_id[k] for k in state_dict["state"]})
-        for k, entries in state_dict["state"].items():
-            self._load_param(by_id[k], entries)
-        self.state.after_step()  # tensors handed out before the load now show it
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    # -- copies -----------------------------------------------------------------------
-    def __getstate__(self):
-        """torch's pickled form (defaults, param_groups, state keyed by parameter), with the
-        state decoded; `__setstate__` builds a new fo handle from it, so a deep copy or an
-        unpickled optimizer steps on its own parameters and state."""
-        self._flush()
-        state = {p: self._export(p) for p in self._index if self._has_state(p)}
-        return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups, "fo_overlap": self._ov}
-
-    def __setstate__(self, saved):
-        saved = dict(saved)
-        state = saved.pop("state", {})
-        options = saved.pop("fo_overlap", None) or overlap_options()
-        self._fresh()
-        self._ov, self._hooked = options, False
-        super().__setstate__(saved)  # torch's: hooks, the patched step
-        self._overlap_init(options)  # overlap=True: hooks on this copy's parameters
-        if state:
-            self._sync(also=set(state))
-            for p, entries in state.items():
-                self._load_param(p, entries)
-
 
 def _torch_flags(kind, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 **overlap):
+                 offload=None, **overlap):
     """torch's implementation flags. fo's step is always one fused kernel per parameter, so
     `fused` and `foreach` are accepted with any value, kept in param_groups as torch keeps
     them, and change nothing. `capturable` (CUDA-graph capture) is refused: fo's step is a
@@ -421,7 +373,7 @@ def _torch_flags(kind, foreach=None, maximize=False, capturable=False, different
                                  "fo's step is not captured in a CUDA graph: drop capturable "
                                  "(fused/foreach are accepted)")
     return dict(foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                fused=fused, **overlap_options(**overlap))
+                fused=fused, offload=check_offload(offload), **overlap_options(**overlap))
 
 
 def _fo_args(state_format, master_weight_bits, arithmetic):
@@ -440,7 +392,9 @@ class AdamW(_FoOptimizer):
       under both).
     `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
     optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
-    `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap)."""
+    `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap), and `offload=None`
+    (a fraction or a predicate (name, param): CUDA parameters whose master weights and state
+    fo keeps and steps on the host, fo._torch_offload)."""
 
     algorithm = "adamw"
 
