@@ -41,7 +41,7 @@ from . import optim as _optim
 from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
 from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
-from ._torch_clip import Clip
+from ._torch_clip import Clip, clip_grad_norm_
 from ._torch_dicts import Dicts
 from . import _torch_cuda as _cuda
 from ._torch_cuda import HOST_ARITHMETIC, Streams
@@ -50,7 +50,7 @@ from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import Storage
 
-__all__ = ["AdamW", "Adam", "SGD", "Lion"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 # what fp32 state lends live instead of decoding (fo_optimizer_share_state)

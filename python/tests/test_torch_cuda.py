@@ -356,3 +356,20 @@ def test_dcp_resume_under_fsdp2_on_a_cuda_mesh_is_bit_equal(one_rank, tmp_path, 
     assert_same_bits([p.to_local() for p in straight.parameters()], [p.to_local() for p in resumed.parameters()])
     if fmt == "fp32":  # decoded fp32 loads exactly; quant8 is requantized on load (the params above match)
         assert_same_state(s_opt, r_opt)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), 3.0])
+def test_clip_grad_norm_on_cuda_gradients_has_the_hosts_bits(norm_type):
+    """fo.torch.clip_grad_norm_ sums CUDA gradients on the GPU and scales them there: the total
+    and the scaled gradients are the host computation's bits; a mixed list too."""
+    host, dev = params("cpu", torch.bfloat16), params(CUDA, torch.bfloat16)
+    give_grads(host, 0)
+    give_grads(dev, 0)
+    total_h = fo.torch.clip_grad_norm_(host, 0.5, norm_type=norm_type)
+    total_d = fo.torch.clip_grad_norm_(dev, 0.5, norm_type=norm_type)
+    assert total_d.device == CUDA and torch.equal(total_h, total_d.cpu())
+    assert_same_bits([p.grad for p in host], [p.grad for p in dev])
+    mixed = params("cpu", torch.bfloat16)[:2] + params(CUDA, torch.bfloat16)[2:]
+    give_grads(mixed, 0)
+    assert torch.equal(fo.torch.clip_grad_norm_(mixed, 0.5, norm_type=norm_type).cpu(), total_h)
+    assert_same_bits([p.grad for p in host], [p.grad for p in mixed])
