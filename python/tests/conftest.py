@@ -32,3 +32,24 @@ def torchrun(nproc, script, *args):
             continue
         break
     raise AssertionError(r.stdout[-4000:] + r.stderr[-8000:])
+
+
+def run_script(script, *args, timeout=300):
+    """Runs a scripts/ file with this interpreter and fo's package on the path, every GPU
+    hidden (CUDA_VISIBLE_DEVICES="": "no GPU" holds on a GPU machine too)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_script(script):
+    """A scripts/ file imported as a module (its functions tested without running main)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

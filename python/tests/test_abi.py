@@ -3,14 +3,13 @@ struct layout of include/fo.h, parsed here, must be what python/fo declares. A f
 fo exports that Python does not bind, a ctypes argtype that disagrees with the prototype,
 a struct field out of order or a hand-copied code that drifted fails here."""
 import ctypes
-import importlib.util
 import re
 
 import numpy as np
 import pytest
 
 import fo
-from conftest import ROOT
+from conftest import ROOT, load_script
 from fo import _codes, _ffi, ckpt, comm, optim, shard
 
 HEADER = (ROOT / "include" / "fo.h").read_text()
@@ -213,9 +212,7 @@ def test_checker_catches_a_wrong_signature_and_a_wrong_layout():
 # --- the binding against the header ---------------------------------------------------
 
 def test_generated_codes_are_the_headers():
-    spec = importlib.util.spec_from_file_location("gen_py_codes", ROOT / "scripts" / "gen_py_codes.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script(ROOT / "scripts" / "gen_py_codes.py")
     committed = (ROOT / "python" / "fo" / "_codes.py").read_text()
     assert committed == gen.render(HEADER, gen.naming_text()), "python/fo/_codes.py is stale: run scripts/gen_py_codes.py"
     got = {k: v for k, v in vars(_codes).items() if k.startswith("FO_")}

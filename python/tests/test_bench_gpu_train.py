@@ -2,30 +2,20 @@
 argument), the one-line exit 2 where there is nothing to measure, and, where torch is
 installed, the optimizers it builds and the state memory it reports (on a host model: torch's
 fused AdamW keeps 8 B/param, fo's default quant8 2.125, as the table must say)."""
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script, run_script
 
 SCRIPT = ROOT / "scripts" / "bench_torch_gpu_train.py"
 
 
 def run(*args):
-    # CUDA_VISIBLE_DEVICES="" hides any GPU, so "no GPU" holds on a GPU machine too.
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_script(SCRIPT, *args)
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_torch_gpu_train", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_help_names_every_flag_and_runner():

@@ -4,31 +4,21 @@ installed, its torch loop and copies baseline on CPU tensors through a stand-in 
 torch.cuda (they must compute what torch's own AdamW computes, or the baseline measures
 something else), and the table's ratios (their direction is the targets' meaning)."""
 import contextlib
-import importlib.util
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script, run_script
 
 SCRIPT = ROOT / "scripts" / "bench_offload.py"
 
 
 def run(*args):
-    # CUDA_VISIBLE_DEVICES="" hides any GPU, so "no GPU" holds on a GPU machine too.
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_script(SCRIPT, *args)
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_help_names_every_flag_and_the_targets():
