@@ -7,7 +7,8 @@ Parameters and gradients are read in place through `data_ptr()` (a DTensor throu
 shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
 with `CPUOffloadPolicy` are stepped where they lie, and CUDA parameters on their GPU, on
 torch's current stream, with their state on that GPU (fo._torch_cuda); one optimizer may
-hold both. `param_groups` stay torch dicts: what an
+hold both. `offload=` keeps chosen CUDA parameters' master weights and state on the host,
+stepped there and written back (fo._torch_offload). `param_groups` stay torch dicts: what an
 lr scheduler writes there is pushed to fo before every step. `state_dict()` has torch's
 layout (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`; DTensors for DTensor params)
 in float32, so `torch.distributed.checkpoint` saves, loads and reshards it, and a
@@ -29,7 +30,8 @@ handle from the decoded state. Under `torch.compile` the step is one opaque op (
 gradient final (post-accumulate-grad hooks; FSDP2 runs them on the reduced shard), and
 `step()` waits for the rest: the same bits as `overlap=False`. Clip with the optimizer's
 `max_grad_norm=` (and `norm_type=`, `error_if_nonfinite=`), accumulate gradients under
-`with opt.no_handover():`, read `opt.last_step_stats`; see `fo._torch_overlap`.
+`with opt.no_handover():`, read `opt.last_step_stats`; see `fo._torch_overlap`. Without
+overlap, `fo.torch.clip_grad_norm_` is the same clip as torch's function (fo._torch_clip).
 """
 import ctypes
 
