@@ -115,8 +115,8 @@ run() {
     step optim_api 90 "$KIT/tests/optim_api"
     step comm_nccl 60 env FO_TEST_NCCL_LIBRARY="$nccl" "$KIT/tests/comm_nccl" --test-threads 1
     step unit_device 240 "$KIT/tests/lib" device:: kernels:: clip:: comm:: broadcast:: optim::placement optim::overlap
-    step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
-      $(ls python/tests/test_torch_cuda*.py 2>/dev/null)
+    step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
+      $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_examples.py
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3

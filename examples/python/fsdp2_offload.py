@@ -6,6 +6,11 @@ the optimizer state):
     torchrun --nproc-per-node 4 examples/python/fsdp2_offload.py --ckpt /tmp/fo_fsdp2 --steps 40
     torchrun --nproc-per-node 2 examples/python/fsdp2_offload.py --ckpt /tmp/fo_fsdp2 --steps 40 --resume
 
+`--device cuda` (one GPU per rank, a `cuda` build of libfo) keeps the shards on the GPUs over
+NCCL, with no CPUOffloadPolicy, and fo steps them there; `--device cpu` (the default where
+torch sees fewer GPUs than ranks) offloads them to the host over gloo. A checkpoint saved by
+either resumes on the other.
+
 The model is a small decoder (embedding, causal self-attention, MLP) learning a fixed
 next-token rule; widths do not divide by the world size, so FSDP2's shards are uneven.
 """
@@ -74,18 +79,31 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="cuda: shards on one GPU per rank (NCCL); cpu: offloaded to the host (gloo); "
+                         "auto: cuda where torch sees a GPU per rank")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= world)
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cuda:nccl,cpu:gloo")  # DCP's planning runs on host tensors
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     torch.manual_seed(0)
     model = TinyDecoder()
-    # Shards live on the host; pinning that memory needs a CUDA driver.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if cuda:  # shards on this rank's GPU, stepped there by fo's kernels
+        model = model.cuda()
+        offload = None
+    else:  # shards on the host; pinning that memory needs a CUDA driver
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    kw = {} if offload is None else {"offload_policy": offload}
     for blk in model.blocks:
-        fully_shard(blk, mesh=mesh, offload_policy=offload)
-    fully_shard(model, mesh=mesh, offload_policy=offload)
+        fully_shard(blk, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
     # The one line that changes: fo.torch.AdamW instead of torch.optim.AdamW.
     opt = fo.torch.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, state_format="quant8")
@@ -106,6 +124,8 @@ def main():
     t0 = time.perf_counter()
     for step in range(first, first + args.steps):
         x, y = global_batch(step)
+        if cuda:
+            x, y = x.cuda(), y.cuda()
         opt.zero_grad()
         loss = F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten())
         loss.backward()
@@ -122,7 +142,8 @@ def main():
     if rank == 0:
         local = sum(p.to_local().numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
-        print(f"{world} ranks, {total} parameters ({local} on rank 0, on the host), "
+        where = f"on cuda:{torch.cuda.current_device()}" if cuda else "on the host"
+        print(f"{world} ranks, {total} parameters ({local} on rank 0, {where}), "
               f"{args.steps} steps in {time.perf_counter() - t0:.1f}s"
               + ("" if args.resume else f"; saved to {args.ckpt}"))
     dist.destroy_process_group()
