@@ -51,6 +51,13 @@ def device_code(t, what):
                              "(move it to cpu or cuda)")
 
 
+def group_names(group, gi):
+    """The names fo.torch gives param group `gi`'s parameters (in errors, and to `offload=`'s
+    predicate): `param_names` of a named group, else `param_groups[gi].params[j]`."""
+    names = group.get("param_names")
+    return [names[j] if names else f"param_groups[{gi}].params[{j}]" for j in range(len(group["params"]))]
+
+
 class TorchArg:
     """An fo_tensor over a torch tensor's memory: its data_ptr(), dtype, shape and strides
     exactly as torch holds them. Keeps the tensor and the shape/stride arrays alive."""

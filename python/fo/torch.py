@@ -42,7 +42,8 @@ from . import _torch_compile as _compile
 from . import optim as _optim
 from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
-from ._torch_args import UNSUPPORTED, GradArray, TorchArg, error, is_dtensor, like_param, local, shard_spec
+from ._torch_args import (UNSUPPORTED, GradArray, TorchArg, error, group_names, is_dtensor, like_param, local,
+                          shard_spec)
 from ._torch_clip import Clip, clip_grad_norm_
 from ._torch_dicts import Dicts
 from . import _torch_cuda as _cuda
@@ -57,7 +58,6 @@ __all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 # what fp32 state lends live instead of decoding (fo_optimizer_share_state)
 _LENDABLE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-ARITHMETIC = _optim.ARITHMETIC
 # The default for host parameters: the fast arithmetic (within fo's stated bound of exact per
 # step; "exact" = FlashOptim's bits). A group holding a CUDA parameter defaults to "exact",
 # the arithmetic fo's GPU kernels run (fo._torch_cuda).
@@ -150,9 +150,8 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
     # -- registration -----------------------------------------------------------------
     def _names(self):
         for gi, g in enumerate(self.param_groups):
-            names = g.get("param_names")
-            for j, p in enumerate(g["params"]):
-                yield gi, p, (names[j] if names else f"param_groups[{gi}].params[{j}]")
+            for p, name in zip(g["params"], group_names(g, gi)):
+                yield gi, p, name
 
     @staticmethod
     def _placed(p):
