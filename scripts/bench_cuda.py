@@ -1,6 +1,6 @@
 """What the GPU benchmarks in scripts/ share: element counts on the command line, tensors
-split evenly, and torch with a usable CUDA device (or one line saying why not, exit 2:
-nothing to measure is not a traceback)."""
+split evenly, torch with a usable CUDA device and a libfo that steps CUDA memory (or one
+line saying why not, exit 2: nothing to measure is not a traceback)."""
 from __future__ import annotations
 
 import argparse
@@ -45,3 +45,18 @@ def need_torch_gpu(name: str, ordinal: int):
     if not 0 <= ordinal < torch.cuda.device_count():
         die(name, f"--device {ordinal}, but torch sees {torch.cuda.device_count()} GPU(s)")
     return torch
+
+
+def fo_cuda_missing(stream=None):
+    """Why this libfo cannot step CUDA memory (the FoError of `set_stream`, which a build
+    without the `cuda` feature or without libcuda refuses), or None when it can."""
+    import fo
+    opt = fo.optim.Optimizer("adamw")
+    try:
+        opt.set_stream(stream)
+    except fo.FoError as e:
+        return f"libfo at {fo._ffi.library_path} cannot step CUDA memory ({e}); build it with " \
+               "`cargo build --release --features cuda` and point FO_LIBRARY at it"
+    finally:
+        opt.close()
+    return None

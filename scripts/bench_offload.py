@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_cuda import count, need_torch_gpu, split  # noqa: E402
+from bench_cuda import count, fo_cuda_missing, need_torch_gpu, split  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 # fo's formats: the param dtype they step (and mirror), and their optimizer config.
@@ -108,21 +108,6 @@ def parse_args(argv):
     if a.device < 0:
         ap.error("--device must be >= 0")
     return a
-
-
-def fo_cuda_missing(stream=None):
-    """Why this libfo cannot step CUDA memory (the FoError of `set_stream`, which a build
-    without the `cuda` feature or without libcuda refuses), or None when it can."""
-    import fo
-    opt = fo.optim.Optimizer("adamw")
-    try:
-        opt.set_stream(stream)
-    except fo.FoError as e:
-        return f"libfo at {fo._ffi.library_path} cannot step CUDA memory ({e}); build it with " \
-               "`cargo build --release --features cuda` and point FO_LIBRARY at it"
-    finally:
-        opt.close()
-    return None
 
 
 class Structs:

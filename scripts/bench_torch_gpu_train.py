@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from bench_cuda import die, need_torch_gpu  # noqa: E402
+from bench_cuda import die, fo_cuda_missing, need_torch_gpu  # noqa: E402
 
 NAME = "bench_torch_gpu_train"
 RUNNERS = ("torch fused", "fo quant8", "fo fp32", "fo offload")
@@ -98,11 +98,9 @@ def main(argv=None):
     torch = need_torch_gpu(NAME, a.device)
     import fo
 
-    try:
-        fo.Optimizer("adamw").set_stream(None)
-    except fo.FoError as e:
-        die(NAME, f"the loaded libfo cannot step CUDA tensors ({e.message}); build it with --features cuda "
-                  "and point FO_LIBRARY at it")
+    why = fo_cuda_missing()
+    if why is not None:
+        die(NAME, why)
     dev = torch.device("cuda", a.device)
     torch.cuda.set_device(dev)
     g = torch.Generator(device=dev).manual_seed(1)

@@ -25,11 +25,32 @@ group whose CUDA parameters are all offloaded (`offload=`: stepped on the host).
 Only `fo.torch` imports this module (it needs torch)."""
 import torch
 
+from . import optim as _optim
 from ._codes import FO_DEVICE_HOST
+from ._ffi import FoError
 from ._torch_args import UNSUPPORTED, error, local
 
 HOST_ARITHMETIC = "fast"  # fo.torch's default for host parameters (within fo's bound of exact)
 DEVICE_ARITHMETIC = "exact"  # the only arithmetic fo's GPU kernels run for compressed state
+
+
+_SUPPORT = []  # [None, or the FoError of a libfo that cannot step CUDA tensors], probed once
+
+
+def device_support():
+    """None where the loaded libfo steps CUDA tensors (a `cuda` build with a driver), else the
+    FoError it refuses a stream with, which says what is missing (asked of a scratch
+    optimizer, once per process)."""
+    if not _SUPPORT:
+        opt = _optim.Optimizer("adamw")
+        try:
+            opt.set_stream(None)
+            _SUPPORT.append(None)
+        except FoError as e:
+            _SUPPORT.append(e)
+        finally:
+            opt.close()
+    return _SUPPORT[0]
 
 
 def is_cuda(p):

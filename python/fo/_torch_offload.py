@@ -35,22 +35,7 @@ Only `fo.torch` imports this module (it needs torch)."""
 import numbers
 
 from . import _torch_cuda as _cuda
-from . import optim as _optim
-from ._torch_args import UNSUPPORTED, error, local
-
-_SUPPORT = []  # [None or why this libfo cannot take a device mirror], probed once
-
-
-def _device_support():
-    """None where this libfo takes CUDA streams and mirrors, else fo's reason (a build
-    without the `cuda` feature, or no driver): asked of a scratch optimizer, once."""
-    if not _SUPPORT:
-        try:
-            _optim.Optimizer("adamw").set_stream(None)
-            _SUPPORT.append(None)
-        except Exception as e:  # fo.FoError: the library says what is missing
-            _SUPPORT.append(getattr(e, "message", str(e)))
-    return _SUPPORT[0]
+from ._torch_args import UNSUPPORTED, error, group_names, local
 
 
 def check_offload(offload):
@@ -63,12 +48,6 @@ def check_offload(offload):
     if not 0.0 <= float(offload) <= 1.0:
         raise ValueError(f"offload fraction {offload!r} is not in [0, 1]")
     return float(offload)
-
-
-def group_names(group, gi):
-    """The names fo.torch gives a group's parameters (as `_names` does)."""
-    names = group.get("param_names")
-    return [names[j] if names else f"param_groups[{gi}].params[{j}]" for j in range(len(group["params"]))]
 
 
 def place(offload, entries):
@@ -109,10 +88,10 @@ class Offload:
         the mirror is refused first, naming the parameter: fo registers the host copy before
         it takes the mirror, and a parameter cannot be taken back."""
         t = local(p)
-        why = _device_support()
+        why = _cuda.device_support()
         if why is not None:
             raise error(UNSUPPORTED, f"parameter {name} is offloaded from {t.device}, which needs a libfo that "
-                                     f"steps CUDA tensors: {why}")
+                                     f"steps CUDA tensors: {why.message}")
         if not t.is_contiguous():
             raise error(UNSUPPORTED, f"parameter {name}: an offloaded parameter is fo's device mirror, which "
                                      f"must be contiguous (strides {tuple(t.stride())})")

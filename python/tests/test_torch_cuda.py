@@ -20,17 +20,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 
 
-def _libfo_steps_devices():
-    try:
-        fo.Optimizer("adamw").set_stream(None)
-        return None
-    except fo.FoError as e:
-        return e.message
-
-
-_WHY = _libfo_steps_devices()
+_WHY = fo._torch_cuda.device_support()
 if _WHY is not None:
-    pytest.skip(f"the loaded libfo cannot step CUDA tensors: {_WHY}", allow_module_level=True)
+    pytest.skip(f"the loaded libfo cannot step CUDA tensors: {_WHY.message}", allow_module_level=True)
 
 CUDA = torch.device("cuda", 0)
 SHAPES = [(24, 16), (24,), (3, 24), (3,), (1000,)]  # the last: several quant8 groups and a short one

@@ -116,7 +116,7 @@ def test_host_parameters_step_as_without_offload():
 
 
 def test_a_libfo_that_cannot_take_a_mirror_refuses_the_offloaded_parameter_by_name(monkeypatch):
-    if toff._device_support() is None:
+    if tcuda.device_support() is None:
         pytest.skip("this libfo takes device mirrors: the refusal under test is a host-only build's")
     w = torch.nn.Parameter(torch.ones(6))
     fake_cuda(monkeypatch, [w])
@@ -127,5 +127,5 @@ def test_a_libfo_that_cannot_take_a_mirror_refuses_the_offloaded_parameter_by_na
     assert e.value.name == "FO_ERR_UNSUPPORTED"
     assert e.value.message.startswith("parameter lm_head.weight is offloaded from cpu, which needs a libfo that "
                                       "steps CUDA tensors: "), e.value.message
-    assert toff._device_support() in e.value.message
+    assert tcuda.device_support().message in e.value.message
     assert torch.equal(w, torch.ones(6)) and not opt._index  # nothing registered, nothing stepped
