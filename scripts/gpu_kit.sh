@@ -54,6 +54,7 @@ for line in open(sys.argv[1]):
   # pygments only colours tracebacks (pytest imports it when present) and is most of the size.
   rm -rf "$KIT"/py/pygments "$KIT"/py/pygments-*.dist-info "$KIT"/py/bin
   git describe --always --dirty --abbrev=12 >"$KIT/COMMIT"
+  echo "$ROOT" >"$KIT/BUILT_IN" # the checkout the test binaries name (CARGO_MANIFEST_DIR)
   du -sh "$KIT"
   echo "packed $(cat "$KIT/COMMIT") into gpu-kit/ (carry it: the device tool takes 64 MiB)"
 }
@@ -96,7 +97,7 @@ run() {
   # Test binaries find the kernel sources and fixtures through the checkout they were built
   # in (env!("CARGO_MANIFEST_DIR")); on the GPU machine that path is this copy.
   local built
-  built=$(strings "$KIT/tests/lib" 2>/dev/null | grep -m1 -o '^/[^ ]*/src/kernels/gpu' | sed 's#/src/kernels/gpu##')
+  built=$(cat "$KIT/BUILT_IN" 2>/dev/null)
   if [ -n "$built" ] && [ ! -e "$built" ]; then
     mkdir -p "$(dirname "$built")" && ln -s "$ROOT" "$built" || echo "could not link $built to $ROOT" >&2
   fi
