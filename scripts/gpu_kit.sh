@@ -8,9 +8,10 @@
 #                                            libfo.so, fo and the cuda-feature test binaries,
 #                                            stripped into gpu-kit/ (ignored), with pytest
 #   scripts/gpu_kit.sh run [checks|bench|all] [SECONDS]
-#                                            there: each step under its own timeout, the whole
-#                                            run within SECONDS (default 540); logs and a
-#                                            summary (SUMMARY.txt) under ${OUT:-gpu-kit/out}
+#                                            there: each step under its own timeout, the steps
+#                                            within SECONDS (default 540; the GPU and torch lines
+#                                            before them at most 90 s more); logs and a summary
+#                                            (SUMMARY.txt) under ${OUT:-gpu-kit/out}
 #
 # With the device tool: `run` with carry ["gpu-kit"] and the command
 # `bash scripts/gpu_kit.sh run checks`, then `... run bench` on the same warm machine.
@@ -82,7 +83,6 @@ step() {
 
 run() {
   local what=${1:-checks} budget=${2:-540}
-  DEADLINE=$((SECONDS + budget))
   if [ "${FO_GPU_KIT_ANYWAY:-0}" != 1 ] &&
     ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "no GPU: python3 has no torch that sees one (torch.cuda.is_available()); nothing ran" >&2
@@ -106,10 +106,12 @@ run() {
   nccl=$(python3 -c 'import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); print(next(iter(glob.glob(d + "/nvidia/nccl/lib/libnccl.so.2")), ""))' 2>/dev/null)
   {
     echo "commit $(cat "$KIT/COMMIT" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
     echo "host cores: $(nproc)"
   } | tee "$OUT/SUMMARY.txt"
+  # The budget is the steps': the lines above are bounded by their own timeouts.
+  DEADLINE=$((SECONDS + budget))
   if [ "$what" = checks ] || [ "$what" = all ]; then
     step selftest 150 "$KIT/fo" selftest
     step gpu_abi 60 "$KIT/tests/gpu_abi" --test-threads 1
@@ -131,5 +133,5 @@ run() {
 case "${1:-}" in
   pack) pack ;;
   run) shift; run "$@" ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,/^[^#]/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 2 ;;
 esac
