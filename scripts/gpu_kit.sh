@@ -7,14 +7,15 @@
 #                                            target/gpu-kit, so the default build stays) of
 #                                            libfo.so, fo and the cuda-feature test binaries,
 #                                            stripped into gpu-kit/ (ignored), with pytest
-#   scripts/gpu_kit.sh run [checks|bench|all] [SECONDS]
+#   scripts/gpu_kit.sh run [checks|rust|py|bench|all] [SECONDS]
 #                                            there: each step under its own timeout, the steps
 #                                            within SECONDS (default 540; the GPU and torch lines
 #                                            before them at most 90 s more); logs and a summary
 #                                            (SUMMARY.txt) under ${OUT:-gpu-kit/out}
 #
 # With the device tool: `run` with carry ["gpu-kit"] and the command
-# `bash scripts/gpu_kit.sh run checks`, then `... run bench` on the same warm machine.
+# `bash scripts/gpu_kit.sh run checks`, then `... run bench` on the same warm machine
+# (checks = rust + py: the Rust test binaries and pytest, which may run side by side).
 # Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
 # FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
 set -uo pipefail
@@ -112,20 +113,22 @@ run() {
   } | tee "$OUT/SUMMARY.txt"
   # The budget is the steps': the lines above are bounded by their own timeouts.
   DEADLINE=$((SECONDS + budget))
-  if [ "$what" = checks ] || [ "$what" = all ]; then
+  case $what in checks | all | rust) ;; *) false ;; esac && {
     step selftest 150 "$KIT/fo" selftest
     step gpu_abi 60 "$KIT/tests/gpu_abi" --test-threads 1
     step optim_api 90 "$KIT/tests/optim_api"
     step comm_nccl 60 env FO_TEST_NCCL_LIBRARY="$nccl" "$KIT/tests/comm_nccl" --test-threads 1
     step unit_device 240 "$KIT/tests/lib" device:: kernels:: clip:: comm:: broadcast:: optim::placement optim::overlap
+  }
+  case $what in checks | all | py) ;; *) false ;; esac && {
     step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
       $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_examples.py
-  fi
+  }
   if [ "$what" = bench ] || [ "$what" = all ]; then
-    step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
-    step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
     step bench_fsdp2_overlap 150 python3 scripts/bench_fsdp2_overlap.py --rounds 3
     step bench_torch_gpu_train 150 python3 scripts/bench_torch_gpu_train.py --rounds 3
+    step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
+    step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
   fi
   echo "logs: $OUT ($(ls "$OUT" | wc -l) files)"
 }

@@ -26,6 +26,10 @@ fn nccl_comm_is_a_clear_error_where_it_cannot_work() {
 /// loaded by its full path as torch's RPATH loads it: fo finds that copy although no
 /// `libnccl.so` / `libnccl.so.1x` is on the search path, and calls `ncclGetVersion`
 /// (no GPU needed).
+///
+/// In a process of its own (this binary again, this test alone): fo keeps the first NCCL
+/// it loads, and the other test loads one by the search, a system copy where there is one
+/// (the GPU machine has `/usr/lib/x86_64-linux-gnu/libnccl.so.2`), before this test runs.
 #[cfg(feature = "cuda")]
 #[test]
 fn nccl_is_found_as_the_copy_torch_loaded_from_the_wheel() {
@@ -33,6 +37,30 @@ fn nccl_is_found_as_the_copy_torch_loaded_from_the_wheel() {
         eprintln!("skipped: FO_TEST_NCCL_LIBRARY (the wheel's libnccl.so.2) is not set");
         return;
     };
+    const ALONE: &str = "FO_TEST_NCCL_ALONE";
+    if std::env::var_os(ALONE).is_none() {
+        let name = "nccl_is_found_as_the_copy_torch_loaded_from_the_wheel";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(ALONE, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "the test in its own process failed:\n{text}"
+        );
+        assert!(
+            text.contains("1 passed"),
+            "the test did not run alone:\n{text}"
+        );
+        eprintln!(
+            "{}",
+            text.lines().find(|l| l.starts_with("NCCL ")).unwrap_or("")
+        );
+        return;
+    }
     assert!(
         std::env::var_os("FO_NCCL_LIBRARY").is_none(),
         "this test checks the search, not FO_NCCL_LIBRARY"

@@ -51,6 +51,11 @@ def test_a_fraction_offloads_cuda_parameters_in_order_until_it_is_reached():
     assert placed(0.01, a, host, b, c) == [True, False, False, False]
     assert placed(0.6, c, a, b) == [True, True, False]  # 24 of 40: c (20), then a (20 < 24)
     assert placed(0.5, host) == [False]
+    # the GPU tests' shapes (test_torch_cuda.SHAPES, 1483 elements): 0.5 takes all five, since
+    # the last (1000) starts with 483 < 741.5 before it; 0.25 takes the first alone (a split)
+    gpu_test = [stand_in("cuda:0", n) for n in (384, 24, 72, 3, 1000)]
+    assert placed(0.5, *gpu_test) == [True] * 5
+    assert placed(0.25, *gpu_test) == [True, False, False, False, False]
 
 
 def test_a_predicate_sees_the_names_and_places_cuda_parameters_only():

@@ -1,7 +1,7 @@
 //! Devices emulated in host memory, for the unit tests (compiled under `cfg(test)` only):
 //! "device memory" is host memory and a launch runs the kernel text built for the host by
 //! g++ (`-ffp-contract=off`, through the shim header, as ctest builds it). Ordinals
-//! `EMULATED`, `EMULATED + 1` and `CHECKER` resolve to them in `open::backend`, so
+//! `EMULATED`, `EMULATED + 1`, `CHECKER` and `COUNTED` resolve to them in `open::backend`, so
 //! registration, device state, the hybrid step and state staging run end to end in CI;
 //! only the CUDA calls behind `cuda::Device` are left to a GPU. Unavailable (tests skip,
 //! saying why) without g++. The host kernels are `kernels`, a stream `stream`, the
@@ -263,11 +263,15 @@ impl Emulated {
     }
 }
 
-/// The emulated devices: ordinals `EMULATED`, `EMULATED + 1` and `CHECKER`.
-pub const EMULATED_DEVICES: i32 = 3;
+/// The emulated devices: ordinals `EMULATED`, `EMULATED + 1`, `CHECKER` and `COUNTED`.
+pub const EMULATED_DEVICES: i32 = 4;
 /// The device tests provoke violations on (to prove the checks): `synchronize_all`
 /// leaves its violations to those tests.
 pub const CHECKER: i32 = EMULATED + 2;
+/// The device of the tests that count its live allocations (`live_allocations`, which
+/// is per device and process): no other test allocates there, so tests running in
+/// parallel elsewhere cannot move the count (on a 16-core host they did).
+pub const COUNTED: i32 = EMULATED + 3;
 
 fn devices() -> Option<&'static [Arc<Emulated>]> {
     static D: OnceLock<Option<Vec<Arc<Emulated>>>> = OnceLock::new();
