@@ -137,8 +137,9 @@ FO_HD void fo_step_lane(const fo_step_tensor& t, const fo_rule& rule, bool fresh
   if (vs) fo_gather(vw, t.v, vs, e0, n, vec);
   float sm = fo_is_quantized(t.m_kind) ? fo_f16_to_f32(t.m_scales[g]) : 0.0f;
   float sv = fo_is_quantized(t.v_kind) ? fo_f16_to_f32(t.v_scales[g]) : 0.0f;
-  // One copy of the rule in the kernel (not unrolled): nvrtc_check.py counts its fused
-  // multiply-adds, and the loop is the same for the vector and the element path.
+  // One copy of the rule per path (not unrolled: a loop unrolled over 16 elements held
+  // 152-187 registers and stepped at half the speed on an H200); the same loop for the
+  // vector and the element path.
   FO_NO_UNROLL
   for (int k = 0; k < n; ++k) {
     float mk = fo_moment_decode(t.m_kind, mw, k, sm), vk = fo_moment_decode(t.v_kind, vw, k, sv);
@@ -172,6 +173,67 @@ FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_
   if (lane == 0) scales[g] = fo_f32_to_f16(a);
 }
 
+// One item (a 32-element group) of row `row`: this thread's lanes stepped, then, for
+// quantized moments, the group's scales and codes. The template arguments fix a row's
+// formats and the rule's kind at compile time (-1: read them from the row and the rule):
+// given constants, every switch over dtypes and kinds in the per-element code folds away,
+// so a specialized path runs only its own arithmetic. The text, and so the bits, are the
+// generic path's: it overwrites the fields with the values they already hold.
+template <int PD, int GD, int EW, int MK, int VK, int RK>
+FO_HD void fo_step_group(const fo_step_tensor& row, const fo_rule& rule_in, bool first, uint64_t g,
+                         unsigned lane0) {
+  fo_step_tensor t = row;
+  fo_rule rule = rule_in;
+  if (PD >= 0) t.param_dtype = PD;
+  if (GD >= 0) t.grad_dtype = GD;
+  if (EW >= 0) t.error_bits_width = EW;
+  if (MK >= 0) t.m_kind = MK;
+  if (VK >= 0) t.v_kind = VK;
+  if (RK >= 0) rule.kind = RK;
+  bool aligned = fo_row_aligned16(t);
+  float m[FO_RUN_LANES * FO_VEC], v[FO_RUN_LANES * FO_VEC];
+  uint32_t km = 0, kv = 0;  // a partial group's idle lanes add key 0
+  for (unsigned l = 0; l < FO_RUN_LANES; ++l)
+    fo_step_lane(t, rule, first, g, lane0 + l, aligned, m + l * FO_VEC, v + l * FO_VEC, &km, &kv);
+  // Uniform over the group's lanes (one item, one tensor), so both reach the shuffle.
+  if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) return;
+  km = fo_lanes_max<FO_GROUP_LANES>(km);
+  kv = fo_lanes_max<FO_GROUP_LANES>(kv);
+  float am = fo_quant_scale(t.m_kind, km), av = fo_quant_scale(t.v_kind, kv);
+  for (unsigned l = 0; l < FO_RUN_LANES; ++l) {
+    fo_quant_lane(t, t.m_kind, t.m, t.m_scales, g, lane0 + l, aligned, m + l * FO_VEC, am);
+    fo_quant_lane(t, t.v_kind, t.v, t.v_scales, g, lane0 + l, aligned, v + l * FO_VEC, av);
+  }
+}
+
+// The specialized paths, by the formats of AdamW's common uses (0: the generic path):
+// torch's arithmetic for fp32 state over f32 or bf16 parameters, and FlashOptim's for
+// quant8 state over f32 parameters and over bf16 parameters with or without 24-bit
+// masters (8-bit error bits). Gradients of the parameter's dtype, as torch gives them.
+enum fo_step_path {
+  FO_PATH_GENERIC = 0,
+  FO_PATH_TORCH_ADAM_F32 = 1,
+  FO_PATH_TORCH_ADAM_BF16 = 2,
+  FO_PATH_FLASH_ADAM_Q8_F32 = 3,
+  FO_PATH_FLASH_ADAM_Q8_BF16 = 4,
+  FO_PATH_FLASH_ADAM_Q8_BF16_E8 = 5,
+};
+
+FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
+  if (t.grad_dtype != t.param_dtype) return FO_PATH_GENERIC;
+  if (r.kind == FO_RULE_TORCH_ADAM && t.m_kind == FO_MOMENT_F32 && t.v_kind == FO_MOMENT_F32 &&
+      t.error_bits_width == 0) {
+    if (t.param_dtype == 0) return FO_PATH_TORCH_ADAM_F32;
+    if (t.param_dtype == 2) return FO_PATH_TORCH_ADAM_BF16;
+  }
+  if (r.kind == FO_RULE_FLASH_ADAM && t.m_kind == FO_MOMENT_Q8_SIGNED && t.v_kind == FO_MOMENT_Q8_SQRT) {
+    if (t.param_dtype == 0 && t.error_bits_width == 0) return FO_PATH_FLASH_ADAM_Q8_F32;
+    if (t.param_dtype == 2 && t.error_bits_width == 0) return FO_PATH_FLASH_ADAM_Q8_BF16;
+    if (t.param_dtype == 2 && t.error_bits_width == 8) return FO_PATH_FLASH_ADAM_Q8_BF16_E8;
+  }
+  return FO_PATH_GENERIC;
+}
+
 // One launch for the rows of a table that share one rule. The rule travels by value with
 // the launch (68 bytes of kernel parameters), so a step whose pointers did not change
 // uploads nothing.
@@ -185,7 +247,7 @@ FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_
 // lanes on the GPU (fo_lanes_max), the same max however it is ordered. On the host
 // (fo_shim.cuh) a group's first lane runs both of its lanes in lockstep, with the
 // cross-lane max taken by this same loop, so the host-shim tests run this text, the GPU's
-// split and its vector accesses included.
+// split and its vector accesses included, on every path (fo_step_path_of).
 FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
                               fo_rule rule, int32_t first) {
   fo_require_warp_blocks();
@@ -198,19 +260,25 @@ FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int coun
     const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
     uint64_t g = gi - t.group_begin;
     unsigned lane0 = (unsigned)(li % FO_GROUP_LANES);
-    bool aligned = fo_row_aligned16(t);
-    float m[FO_RUN_LANES * FO_VEC], v[FO_RUN_LANES * FO_VEC];
-    uint32_t km = 0, kv = 0;  // a partial group's idle lanes add key 0
-    for (unsigned l = 0; l < FO_RUN_LANES; ++l)
-      fo_step_lane(t, rule, first != 0, g, lane0 + l, aligned, m + l * FO_VEC, v + l * FO_VEC, &km, &kv);
-    // Uniform over the group's lanes (one item, one tensor), so both reach the shuffle.
-    if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) continue;
-    km = fo_lanes_max<FO_GROUP_LANES>(km);
-    kv = fo_lanes_max<FO_GROUP_LANES>(kv);
-    float am = fo_quant_scale(t.m_kind, km), av = fo_quant_scale(t.v_kind, kv);
-    for (unsigned l = 0; l < FO_RUN_LANES; ++l) {
-      fo_quant_lane(t, t.m_kind, t.m, t.m_scales, g, lane0 + l, aligned, m + l * FO_VEC, am);
-      fo_quant_lane(t, t.v_kind, t.v, t.v_scales, g, lane0 + l, aligned, v + l * FO_VEC, av);
+    bool f = first != 0;
+    switch (fo_step_path_of(t, rule)) {
+      case FO_PATH_TORCH_ADAM_F32:
+        fo_step_group<0, 0, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
+        break;
+      case FO_PATH_TORCH_ADAM_BF16:
+        fo_step_group<2, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
+        break;
+      case FO_PATH_FLASH_ADAM_Q8_F32:
+        fo_step_group<0, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+        break;
+      case FO_PATH_FLASH_ADAM_Q8_BF16:
+        fo_step_group<2, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+        break;
+      case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
+        fo_step_group<2, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+        break;
+      default:
+        fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
     }
   }
 }
