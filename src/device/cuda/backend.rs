@@ -169,7 +169,7 @@ impl Backend for Device {
             &mut r as *mut _ as *mut c_void,
             &mut f as *mut _ as *mut c_void,
         ];
-        // Two lanes per 32-element group, 16 elements each (fo_step.cuh); BLOCK is whole warps.
+        // Eight lanes per 32-element group, 4 elements each (fo_step.cuh); BLOCK is whole warps.
         let threads = total_groups.saturating_mul(STEP_LANES_PER_GROUP);
         self.run(self.func, threads, stream_of(stream), &mut args)
     }

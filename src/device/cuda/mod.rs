@@ -23,8 +23,8 @@ use super::ring::Ring;
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
 
-/// Threads per block (whole warps); the step kernel gives each 32-element group two of
-/// them, 16 elements each (`STEP_LANES_PER_GROUP`).
+/// Threads per block (whole warps); the step kernel gives each 32-element group eight of
+/// them, 4 elements each (`STEP_LANES_PER_GROUP`).
 const BLOCK: u32 = 128;
 /// Resident blocks per SM the grid is capped at; the kernel's grid-stride loop covers
 /// the rest, so a huge group does not launch millions of blocks.

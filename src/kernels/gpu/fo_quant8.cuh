@@ -42,8 +42,8 @@ FO_HD float fo_signed_decode(int8_t code, float scale) {
 // Encoding is split at the one point where a scale group's elements meet: each element
 // gives a key, the group's scale comes from the largest key (max is order-free, so a
 // shuffle between lanes and a loop over the 32 elements give the same bits), and then
-// each element is encoded alone with that scale. The kernel runs two lanes per group, 16
-// elements each (fo_step.cuh); the keys, scale and per-element code here are the Rust
+// each element is encoded alone with that scale. The kernel runs eight lanes per group,
+// 4 elements each (fo_step.cuh); the keys, scale and per-element code here are the Rust
 // kernels' numbers.
 
 // The key whose maximum over a group gives the group's scale: |x| as ordered bits for

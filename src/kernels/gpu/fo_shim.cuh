@@ -56,11 +56,28 @@ __device__ __forceinline__ uint32_t fo_lanes_max(uint32_t x) {
   }
   return x;
 }
-// 16 bytes in one load or store instruction (ld/st .v4.u32); the address must be 16-byte
-// aligned or the access faults, so callers check the addresses first (fo_vec.cuh).
-typedef uint4 fo_vec16;
-FO_HD fo_vec16 fo_vload(const void* p) { return *(const uint4*)p; }
-FO_HD void fo_vstore(void* p, fo_vec16 w) { *(uint4*)p = w; }
+// 4, 8 or 16 bytes (`bytes`) in one load or store instruction (ld/st .u32, .v2.u32,
+// .v4.u32) as 32-bit words; the address must be aligned to `bytes` or the access faults,
+// so callers check the addresses first (fo_vec.cuh).
+FO_HD void fo_vload(const void* p, int bytes, uint32_t* w) {
+  if (bytes == 16) {
+    uint4 v = *(const uint4*)p;
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if (bytes == 8) {
+    uint2 v = *(const uint2*)p;
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *(const uint32_t*)p;
+  }
+}
+FO_HD void fo_vstore(void* p, int bytes, const uint32_t* w) {
+  if (bytes == 16)
+    *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]);
+  else if (bytes == 8)
+    *(uint2*)p = make_uint2(w[0], w[1]);
+  else
+    *(uint32_t*)p = w[0];
+}
 #define FO_UNROLL _Pragma("unroll")
 #define FO_NO_UNROLL _Pragma("unroll 1")
 // fo's launches use blocks of whole warps (BLOCK = 128 in src/device/cuda).
@@ -101,30 +118,26 @@ template <unsigned L>
 inline uint32_t fo_lanes_max(uint32_t x) {
   return x;
 }
-// 16-byte vector accesses. A GPU faults on a misaligned one, so the host build aborts on it
-// too, naming the address: a host test with misaligned tensors proves the kernels check
-// the addresses before taking the vector path. Each thread counts its vector accesses, so
-// a test with aligned tensors proves the vector path is taken.
-struct fo_vec16 {
-  uint32_t x, y, z, w;
-};
+// Vector accesses of 4, 8 or 16 bytes. A GPU faults on one not aligned to its size, so the
+// host build aborts on it too, naming the address: a host test with misaligned tensors
+// proves the kernels check the addresses before taking the vector path. Each thread
+// counts its vector accesses, so a test with aligned tensors proves the vector path is
+// taken.
 inline thread_local uint64_t fo_vec_loads = 0, fo_vec_stores = 0;
-inline void fo_vec_check(const void* p, const char* what) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return;
-  std::fprintf(stderr, "fo_shim: misaligned 16-byte %s at %p (a fault on a GPU)\n", what, p);
+inline void fo_vec_check(const void* p, int bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % (uintptr_t)bytes == 0) return;
+  std::fprintf(stderr, "fo_shim: misaligned %d-byte %s at %p (a fault on a GPU)\n", bytes, what, p);
   std::abort();
 }
-inline fo_vec16 fo_vload(const void* p) {
-  fo_vec_check(p, "load");
+inline void fo_vload(const void* p, int bytes, uint32_t* w) {
+  fo_vec_check(p, bytes, "load");
   ++fo_vec_loads;
-  fo_vec16 w;
-  std::memcpy(&w, p, 16);
-  return w;
+  std::memcpy(w, p, (size_t)bytes);
 }
-inline void fo_vstore(void* p, fo_vec16 w) {
-  fo_vec_check(p, "store");
+inline void fo_vstore(void* p, int bytes, const uint32_t* w) {
+  fo_vec_check(p, bytes, "store");
   ++fo_vec_stores;
-  std::memcpy(p, &w, 16);
+  std::memcpy(p, w, (size_t)bytes);
 }
 #define FO_UNROLL
 #define FO_NO_UNROLL

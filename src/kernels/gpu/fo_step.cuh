@@ -11,9 +11,9 @@
 #include "fo_rules.cuh"
 #include "fo_vec.cuh"
 
-// Lanes per scale group: each lane moves its FO_VEC elements of every array in 16-byte
-// vectors (16 int8 codes or error bits: one vector; 16 halves: two; 16 f32: four).
-// src/kernels/gpu/mod.rs (STEP_LANES_PER_GROUP) sizes the launch from this.
+// Lanes per scale group: each lane moves its FO_VEC = 4 elements of every array in one
+// access (fo_vec.cuh). src/kernels/gpu/mod.rs (STEP_LANES_PER_GROUP) sizes the launch
+// from this.
 #define FO_GROUP_LANES (FO_GROUP / FO_VEC)
 // Lanes one thread runs: 1 on the GPU, a whole group on the host (fo_shim.cuh).
 #define FO_RUN_LANES (FO_LOCKSTEP ? FO_GROUP_LANES : 1)
@@ -137,11 +137,11 @@ FO_HD void fo_step_lane(const fo_step_tensor& t, const fo_rule& rule, bool fresh
   if (vs) fo_gather(vw, t.v, vs, e0, n, vec);
   float sm = fo_is_quantized(t.m_kind) ? fo_f16_to_f32(t.m_scales[g]) : 0.0f;
   float sv = fo_is_quantized(t.v_kind) ? fo_f16_to_f32(t.v_scales[g]) : 0.0f;
-  // One copy of the rule per path (not unrolled: a loop unrolled over 16 elements held
-  // 152-187 registers and stepped at half the speed on an H200); the same loop for the
-  // vector and the element path.
-  FO_NO_UNROLL
-  for (int k = 0; k < n; ++k) {
+  // Unrolled over the FO_VEC elements (n only guards), so every array here is a register
+  // (fo_vec.cuh says why); the same loop for the vector and the element path.
+  FO_UNROLL
+  for (int k = 0; k < FO_VEC; ++k) {
+    if (k >= n) break;
     float mk = fo_moment_decode(t.m_kind, mw, k, sm), vk = fo_moment_decode(t.v_kind, vw, k, sv);
     float pk = fo_param_decode(t, p, e, k);
     fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh);
@@ -168,7 +168,11 @@ FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_
   int n = fo_lane_range(t, g, lane, &e0);
   if (!fo_is_quantized(kind) || n == 0) return;
   uint32_t w[FO_VEC];
-  for (int k = 0; k < n; ++k) w[k] = (uint8_t)fo_quant_code(kind, x[k], a);
+  FO_UNROLL
+  for (int k = 0; k < FO_VEC; ++k) {
+    if (k >= n) break;
+    w[k] = (uint8_t)fo_quant_code(kind, x[k], a);
+  }
   fo_scatter(s, w, 1, e0, n, aligned && n == FO_VEC);
   if (lane == 0) scales[g] = fo_f32_to_f16(a);
 }
@@ -239,11 +243,11 @@ FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
 // uploads nothing.
 //
 // Multi-tensor apply: every tensor is cut into work items of 32 consecutive elements (a
-// quant8 scale group), and FO_GROUP_LANES = 2 neighbouring lanes step one item per
+// quant8 scale group), and FO_GROUP_LANES = 8 neighbouring lanes step one item per
 // iteration of a grid-stride loop over the items of all rows, lane l on elements
-// [16l, 16l + 16), moved in 16-byte vectors where fo_vec.cuh allows (whole ranges of
+// [4l, 4l + 4), moved in one access per array where fo_vec.cuh allows (whole ranges of
 // aligned arrays), else element by element; the math per element is the same either way.
-// A quantized group's scale is the max of its lanes' keys: a shuffle between the two
+// A quantized group's scale is the max of its lanes' keys: a shuffle tree among the eight
 // lanes on the GPU (fo_lanes_max), the same max however it is ordered. On the host
 // (fo_shim.cuh) a group's first lane runs both of its lanes in lockstep, with the
 // cross-lane max taken by this same loop, so the host-shim tests run this text, the GPU's

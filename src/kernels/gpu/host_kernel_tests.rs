@@ -81,9 +81,9 @@ fn shift_state(
     (ptrs, copies)
 }
 
-/// What `run_both` saw: mismatching buffers, and the kernel's 16-byte vector loads and
-/// stores against the count of an aligned run (one per 16 bytes of every array of every
-/// whole range of 16 elements; a gradient is only loaded).
+/// What `run_both` saw: mismatching buffers, and the kernel's vector loads and stores
+/// against the count of an aligned run (one per array of every whole range of 4
+/// elements; a gradient is only loaded).
 struct Both {
     bad: usize,
     vectors: u64,
@@ -145,13 +145,9 @@ fn run_both(
                 continue;
             }
             let (state, c) = shift_state(st, sizes[i], shift[2]);
-            let es = state.error_bits_width as usize / 8;
-            let ms: usize = [state.m, state.v]
-                .iter()
-                .flatten()
-                .map(|m| moment_size(m.kind))
-                .sum();
-            aligned_vectors += ((sizes[i] / 16) * (3 * dt.size() + 2 * (es + ms))) as u64;
+            let state_arrays = usize::from(state.error_bits_width != 0)
+                + [state.m, state.v].iter().flatten().count();
+            aligned_vectors += ((sizes[i] / 4) * (3 + 2 * state_arrays)) as u64;
             copies.extend(c);
             entries.push(TableEntry {
                 param: b[i].ptr(),
@@ -254,7 +250,7 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
 /// Tensors whose arrays (all, or one) start 1 or 2 elements past a 16-byte boundary (1 to
 /// 8 bytes off), with lengths that leave tails shorter than a vector: the kernel takes no vector
 /// access (a misaligned one aborts in the host shim, as it faults on a GPU), and the bits
-/// are the CPU step's; aligned, it takes exactly one per 16 bytes of every whole range.
+/// are the CPU step's; aligned, it takes exactly one per array of every whole range of 4 elements.
 #[test]
 fn the_host_kernel_moves_misaligned_and_tail_ranges_element_by_element() {
     let k = match host_kernels() {

@@ -24,8 +24,8 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 ];
 
 /// Threads `fo_step_kernel` wants per 32-element group: `FO_GROUP_LANES` in fo_step.cuh,
-/// each lane on 16 consecutive elements (so its accesses can be 16-byte vectors).
-pub const STEP_LANES_PER_GROUP: u64 = 2;
+/// each lane on 4 consecutive elements (one access per array: a warp's is contiguous).
+pub const STEP_LANES_PER_GROUP: u64 = 8;
 
 #[cfg(test)]
 #[path = "host_kernel_tests.rs"]
@@ -52,9 +52,9 @@ mod tests {
     #[test]
     fn the_launch_sizes_the_step_kernel_as_its_source_says() {
         let src = |n: &str| KERNEL_SOURCES.iter().find(|(f, _)| *f == n).unwrap().1;
-        assert!(src("fo_vec.cuh").contains("#define FO_VEC 16\n"));
+        assert!(src("fo_vec.cuh").contains("#define FO_VEC 4\n"));
         assert!(src("fo_quant8.cuh").contains("#define FO_GROUP 32\n"));
         assert!(src("fo_step.cuh").contains("#define FO_GROUP_LANES (FO_GROUP / FO_VEC)\n"));
-        assert_eq!(STEP_LANES_PER_GROUP, 32 / 16);
+        assert_eq!(STEP_LANES_PER_GROUP, 32 / 4);
     }
 }
