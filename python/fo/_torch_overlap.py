@@ -1,7 +1,8 @@
-"""fo.torch's overlapped step (`overlap=True`); the optimizer-side clip (`max_grad_norm=`) it
-closes with is fo._torch_clip's.
+"""fo.torch's overlapped step (`overlap=True`, measured by fo._torch_overlap_tune: kept only
+where it makes the loop's iterations faster; `overlap="always"`, never measured); the
+optimizer-side clip (`max_grad_norm=`) it closes with is fo._torch_clip's.
 
-With `overlap=True` every parameter gets a post-accumulate-grad hook: the first hook of an
+With overlap on, every parameter gets a post-accumulate-grad hook: the first hook of an
 iteration opens fo's step (`fo_optimizer_step_begin`), each hook hands that parameter's
 final gradient over (`fo_optimizer_grads_ready`) and fo steps it on its own pool while
 backward goes on; `optimizer.step()` hands over whatever has a gradient and was not handed
@@ -54,6 +55,7 @@ from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
 from ._torch_args import TorchArg, is_dtensor, local
 from ._torch_cuda import is_cuda
+from ._torch_overlap_tune import Measured
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
 OPTION_KEYS = ("overlap", "max_grad_norm", "norm_type", "error_if_nonfinite", "undo_budget_bytes")
@@ -62,6 +64,9 @@ OPTION_KEYS = ("overlap", "max_grad_norm", "norm_type", "error_if_nonfinite", "u
 def overlap_options(overlap=False, max_grad_norm=None, norm_type=2.0, error_if_nonfinite=False,
                     undo_budget_bytes=0):
     """fo.torch's overlap and clip arguments, checked (a TypeError names an unknown one)."""
+    if not (isinstance(overlap, bool) or (isinstance(overlap, str) and overlap == "always")):
+        raise ValueError(f"overlap must be True (measured: kept where it makes iterations faster), 'always' "
+                         f"(hand over in every backward) or False, got {overlap!r}")
     if max_grad_norm is not None and not float(max_grad_norm) > 0:
         raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
     norm_type = float(norm_type)
@@ -69,7 +74,7 @@ def overlap_options(overlap=False, max_grad_norm=None, norm_type=2.0, error_if_n
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     if int(undo_budget_bytes) < 0:
         raise ValueError(f"undo_budget_bytes must be >= 0 (0: no bound), got {undo_budget_bytes!r}")
-    return dict(overlap=bool(overlap), max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+    return dict(overlap=overlap, max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                 norm_type=norm_type, error_if_nonfinite=bool(error_if_nonfinite),
                 undo_budget_bytes=int(undo_budget_bytes))
 
@@ -175,16 +180,17 @@ def _hook(ref):
     @torch.compiler.disable  # runs eagerly in backward; traced, every call would break a graph
     def hook(p):
         opt = ref()
-        if opt is not None and not opt._accumulating and not opt._deferred and not opt._cores_taken():
+        if (opt is not None and not opt._accumulating and not opt._deferred and opt._probe_hands_over()
+                and not opt._cores_taken()):
             event = _fsdp_offload_event(p, sys._getframe(1))
             opt._from_backward(p, event)
     return hook
 
 
-class Overlap:
+class Overlap(Measured):
     """Mixed into fo.torch's optimizers (which provide `_fo`, `_index`, `_name`, `_names`,
     `_flush`, `_sync`, `_group_hp`, `_pushed`, `param_groups`, fo._torch_clip's `Clip` and
-    fo._torch_cuda's `Streams`)."""
+    fo._torch_cuda's `Streams`, and call `_after_step` when `step()` returns)."""
 
     def _overlap_init(self, options):
         self._ov = options
@@ -202,6 +208,7 @@ class Overlap:
         self._host_backward = True  # every hooked parameter computes on the host CPU
         self._clip_comm = None  # fo._torch_clip's, made at the first clip
         self.last_step_stats = None
+        self._measure_init(options["overlap"])
         if options["overlap"]:
             for g in self.param_groups:
                 self._hook_params(g["params"])
@@ -349,6 +356,7 @@ class Overlap:
         self._pending = []
         stats = _optim.OverlapStats()
         status = _optim._step_abort(self._fo._handle, ctypes.byref(stats))
+        self._probe_spoil()  # that iteration is no measure of the overlap's cost
         self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
         _track_open(self, False)
         self.last_step_stats = _stats_dict(stats)
@@ -429,8 +437,8 @@ class Overlap:
                 "clipping), so every early step had to be redone; from now on gradients are handed over at "
                 "step() (the cost of overlap=False). To overlap, clip with the optimizer's max_grad_norm= "
                 "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)")
-        held = self._deferred or (self._cores_taken(warn=False) if in_backward == 0 else None)
-        extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held)
+        held = self._deferred or self._probe_held() or (self._cores_taken(warn=False) if in_backward == 0 else None)
+        extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held, overlap_probe=None)
         undone, self._undone, self._in_backward = self._undone, {}, 0
         status = 0
         if not self._open:
@@ -482,6 +490,7 @@ class Overlap:
             h.remove()
         self._hooks = []
         self._ov = dict(self._ov, overlap=False)
+        self._measure_init(False)
         self.__dict__.pop("zero_grad", None)
 
 

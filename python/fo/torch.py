@@ -28,8 +28,10 @@ handle from the decoded state. Under `torch.compile` the step is one opaque op (
 
 `overlap=True` (any optimizer here) steps each parameter on fo's pool as backward makes its
 gradient final (post-accumulate-grad hooks; FSDP2 runs them on the reduced shard), and
-`step()` waits for the rest: the same bits as `overlap=False`. Clip with the optimizer's
-`max_grad_norm=` (and `norm_type=`, `error_if_nonfinite=`), accumulate gradients under
+`step()` waits for the rest: the same bits as `overlap=False`. It times the loop's first
+iterations with and without hand-over and keeps handing over only if that is faster
+(fo._torch_overlap_tune); `overlap="always"` hands over in every backward. Clip with the
+optimizer's `max_grad_norm=` (and `norm_type=`, `error_if_nonfinite=`), accumulate gradients under
 `with opt.no_handover():`, read `opt.last_step_stats`; see `fo._torch_overlap`. Without
 overlap, `fo.torch.clip_grad_norm_` is the same clip as torch's function (fo._torch_clip).
 """
@@ -253,13 +255,17 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         return loss
 
     def _step(self):
-        if not self._grad_scaler_step():
-            return
-        if self._ov["overlap"]:
-            self._end()
-        else:
-            self._plain_step()
-        self.state.after_step()
+        stepped = False
+        try:
+            if self._grad_scaler_step():
+                if self._ov["overlap"]:
+                    self._end()
+                else:
+                    self._plain_step()
+                self.state.after_step()
+                stepped = True
+        finally:
+            self._after_step(stepped)  # overlap=True times the loop's iterations (fo._torch_overlap_tune)
 
     def _plain_step(self):
         """fo's clip (with max_grad_norm) then one fo_optimizer_step over every gradient;
@@ -392,8 +398,10 @@ class AdamW(_FoOptimizer):
       arithmetic fo's GPU kernels run. "exact": FlashOptim's bits; fp32 state steps the same
       under both).
     `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
-    optimizer also takes `overlap=False`, `max_grad_norm=None`, `norm_type=2.0`,
-    `error_if_nonfinite=False` and `undo_budget_bytes=0` (fo._torch_overlap), and `offload=None`
+    optimizer also takes `overlap=False` (True: step parameters during backward, kept only
+    where the loop's iterations measure faster so; "always": in every backward),
+    `max_grad_norm=None`, `norm_type=2.0`, `error_if_nonfinite=False` and
+    `undo_budget_bytes=0` (fo._torch_overlap), and `offload=None`
     (a fraction or a predicate (name, param): CUDA parameters whose master weights and state
     fo keeps and steps on the host, fo._torch_offload)."""
 

@@ -189,7 +189,7 @@ def test_host_and_cuda_parameters_in_one_optimizer_step_as_each_alone():
     assert mem["host_bytes"] > 0 and mem["device_bytes"] > 0, mem
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, "always"])
 def test_a_non_default_current_stream_steps_with_the_same_bits(overlap):
     ref_ps, ps = params(CUDA), params(CUDA)
     ref = fo.torch.AdamW(ref_ps, lr=1e-2, state_format="quant8", max_grad_norm=1.0)
@@ -224,7 +224,7 @@ def test_overlap_with_cuda_and_host_parameters_has_the_bits_of_the_plain_step():
     ref = loop(ref_host, ref_dev, fo.torch.AdamW([*ref_host.parameters(), *ref_dev.parameters()], lr=1e-2,
                                                  max_grad_norm=0.5))
     opt = loop(host_layer, dev_layer, fo.torch.AdamW([*host_layer.parameters(), *dev_layer.parameters()],
-                                                     lr=1e-2, overlap=True, max_grad_norm=0.5))
+                                                     lr=1e-2, overlap="always", max_grad_norm=0.5))
     assert_same_bits([*ref_host.parameters(), *ref_dev.parameters()],
                      [*host_layer.parameters(), *dev_layer.parameters()])
     assert_same_state(ref, opt)

@@ -214,7 +214,7 @@ def test_overlap_leaves_cuda_gradients_for_step_with_the_same_bits(monkeypatch):
     the result has overlap=False's bits. fc1.weight stands in for a CUDA parameter."""
     monkeypatch.setattr(tov, "_host_cores", lambda: 64)  # backward's threads leave fo cores
     ref_model, ref = build("adamw", False, max_grad_norm=0.5)
-    model, opt = build("adamw", True, max_grad_norm=0.5)
+    model, opt = build("adamw", "always", max_grad_norm=0.5)
     monkeypatch.setattr(tov, "is_cuda", lambda p: p is model.fc1.weight)
     train(ref_model, ref)
     stats = train(model, opt)

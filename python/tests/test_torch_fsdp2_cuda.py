@@ -1,4 +1,4 @@
-"""fo.torch overlap=True under FSDP2 + CPUOffloadPolicy on a GPU (NCCL at world 1): the
+"""fo.torch's overlapped step (overlap="always") under FSDP2 + CPUOffloadPolicy on a GPU (NCCL at world 1): the
 overlapped runs have the bits of overlap=False (issue 33, case 1: the offloaded gradients'
 non-blocking copies must land before fo reads them). Runs where torch sees a GPU and NCCL."""
 import json

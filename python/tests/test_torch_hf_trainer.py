@@ -1,8 +1,8 @@
 """fo.torch under Hugging Face's Trainer, as its users run it (issue 33): the default
 max_grad_norm=1.0 clips the gradients between backward and step(), gradient accumulation runs
 without no_handover(), and a run resumed from a checkpoint must continue the uninterrupted one.
-With overlap=True every case must end with overlap=False's bits. A tiny GPT-2 built from a
-config (no download), on the host."""
+With overlap="always" (and overlap=True, measured) every case must end with overlap=False's
+bits. A tiny GPT-2 built from a config (no download), on the host."""
 import warnings
 
 import pytest
@@ -51,10 +51,11 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("overlap", ["always", True])
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_trainer_with_its_default_clipping_and_accumulation_matches_overlap_false(tmp_path, accumulation):
+def test_trainer_with_its_default_clipping_and_accumulation_matches_overlap_false(tmp_path, accumulation, overlap):
     ref, _ = train(tmp_path / "ref", False, accumulation)
-    got, opt = train(tmp_path / "overlap", True, accumulation)
+    got, opt = train(tmp_path / "overlap", overlap, accumulation)
     assert same(ref, got)
     assert opt.last_step_stats is not None
 

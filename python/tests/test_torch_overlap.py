@@ -1,5 +1,6 @@
-"""fo.torch with overlap=True: post-accumulate-grad hooks hand each gradient to fo as backward
-makes it final, step() closes the step. Same bits as overlap=False (params and state) for
+"""fo.torch's overlapped step (overlap="always": the mechanism, handing over in every backward;
+overlap=True measures it first, test_torch_overlap_tune.py): post-accumulate-grad hooks hand
+each gradient to fo as backward makes it final, step() closes the step. Same bits as overlap=False (params and state) for
 every rule and state format, with clipping that triggers and that does not, with gradient
 accumulation under no_handover(); misuse raises clear errors and changes nothing."""
 import copy
@@ -76,7 +77,7 @@ def assert_same_bits(a, b):
 @pytest.mark.parametrize("clip", [None, 0.5, 1e6], ids=["noclip", "clip_triggers", "clip_idle"])
 def test_overlap_has_the_bits_of_the_plain_step(rule, state_format, clip):
     ref_model, ref = build(rule, False, state_format=state_format, max_grad_norm=clip)
-    model, opt = build(rule, True, state_format=state_format, max_grad_norm=clip)
+    model, opt = build(rule, "always", state_format=state_format, max_grad_norm=clip)
     ref_stats = train(ref_model, ref)
     stats = train(model, opt)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
@@ -96,7 +97,7 @@ def test_overlap_has_the_bits_of_the_plain_step(rule, state_format, clip):
 
 def test_bf16_params_with_24_bit_masters_and_a_small_undo_budget():
     ref_model, ref = build("adamw", False, torch.bfloat16, master_weight_bits=24, max_grad_norm=0.5)
-    model, opt = build("adamw", True, torch.bfloat16, master_weight_bits=24, max_grad_norm=0.5,
+    model, opt = build("adamw", "always", torch.bfloat16, master_weight_bits=24, max_grad_norm=0.5,
                        undo_budget_bytes=2000)  # fc2.weight (2640 B of bf16) never fits
     train(ref_model, ref)
     stats = train(model, opt)
@@ -125,7 +126,7 @@ def test_optimizer_clip_equals_torchs_clip_grad_norm_then_step_to_rounding():
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_gradient_accumulation_hands_over_only_the_last_micro_batch(clip):
     ref_model, ref = build("adamw", False, max_grad_norm=clip)
-    model, opt = build("adamw", True, max_grad_norm=clip)
+    model, opt = build("adamw", "always", max_grad_norm=clip)
     train(ref_model, ref, micro=2)
     stats = train(model, opt, micro=2)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
@@ -138,7 +139,7 @@ def test_a_second_backward_without_no_handover_starts_the_step_over_with_the_acc
     them back when it starts) and its backward accumulates into the gradients: the bits of
     overlap=False."""
     ref_model, ref = build("adamw", False, max_grad_norm=0.5)
-    model, opt = build("adamw", True, max_grad_norm=0.5)
+    model, opt = build("adamw", "always", max_grad_norm=0.5)
     caught = {ref: [], opt: []}
     for it in range(3):
         for m, o in ((ref_model, ref), (model, opt)):
@@ -157,7 +158,7 @@ def test_a_second_backward_without_no_handover_starts_the_step_over_with_the_acc
 
 
 def test_zero_grad_after_backward_drops_the_step_like_torch():
-    model, opt = build("sgd", True, state_format="fp32")
+    model, opt = build("sgd", "always", state_format="fp32")
     train(model, opt, steps=1)
     before = snapshot(model, opt)
     opt.zero_grad()
@@ -191,7 +192,7 @@ def test_gradients_step_hands_over_keep_no_undo_record(clip):
     """A gradient no hook handed over (set by hand after backward) is handed over by step()
     and stepped there with the rest: no early step, no undo record for it."""
     ref_model, ref = build("adamw", False, state_format="quant8", max_grad_norm=clip)
-    model, opt = build("adamw", True, state_format="quant8", max_grad_norm=clip)
+    model, opt = build("adamw", "always", state_format="quant8", max_grad_norm=clip)
     for it in range(3):
         for m, o in ((ref_model, ref), (model, opt)):
             o.zero_grad()
@@ -216,7 +217,7 @@ def test_gradients_step_hands_over_keep_no_undo_record(clip):
 
 def test_lr_changed_between_backward_and_step_is_honoured_with_a_warning():
     ref_model, ref = build("adamw", False)
-    model, opt = build("adamw", True)
+    model, opt = build("adamw", "always")
     for m, o in ((ref_model, ref), (model, opt)):
         train(m, o, steps=1)
         o.zero_grad()
@@ -233,7 +234,7 @@ def test_lr_changed_between_backward_and_step_is_honoured_with_a_warning():
 
 
 def test_a_non_finite_norm_with_error_if_nonfinite_fails_the_step_and_changes_nothing():
-    model, opt = build("adamw", True, max_grad_norm=1.0, error_if_nonfinite=True)
+    model, opt = build("adamw", "always", max_grad_norm=1.0, error_if_nonfinite=True)
     train(model, opt, steps=1)
     before = snapshot(model, opt)
     opt.zero_grad()
@@ -258,10 +259,10 @@ def test_bad_arguments_are_refused_by_name():
 
 
 def test_deepcopy_keeps_overlap_and_hooks_its_own_parameters():
-    model, opt = build("adamw", True, state_format="fp32")
+    model, opt = build("adamw", "always", state_format="fp32")
     train(model, opt, steps=1)
     twin_model, twin = copy.deepcopy((model, opt))
-    assert twin.overlap
+    assert twin.overlap == "always"
     for m, o in ((model, opt), (twin_model, twin)):
         o.zero_grad()
         backward(m, 1)
@@ -284,7 +285,7 @@ def test_reading_state_between_backward_and_step_rolls_the_open_step_back():
     """state_dict() (or opt.state, a checkpoint) between backward and step sees the state as
     before that backward; step() then steps as overlap=False would."""
     ref_model, ref = build("adamw", False)
-    model, opt = build("adamw", True)
+    model, opt = build("adamw", "always")
     train(ref_model, ref, steps=1)
     train(model, opt, steps=1)
     before = snapshot(model, opt)

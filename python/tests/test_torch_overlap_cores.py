@@ -1,4 +1,4 @@
-"""fo.torch overlap=True leaves the cores to a backward that uses them all: when backward runs
+"""fo.torch's overlapped step (overlap=True or "always") leaves the cores to a backward that uses them all: when backward runs
 on the host CPU with a team of torch intra-op threads on every core, early steps would only
 stall that team (measured: 1.12-1.19x the sequential FSDP2 iteration on 2 cores), so the hooks
 hand nothing over, step() takes the plain step (no undo record), a warning says so once and
@@ -23,10 +23,11 @@ def torch_threads():
 
 
 @pytest.mark.skipif(CORES < 2, reason="one core: no team of torch threads to stall")
+@pytest.mark.parametrize("overlap", ["always", True])  # measured or not, the rule holds
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip_triggers"])
-def test_a_backward_on_every_core_gets_the_plain_step_and_one_warning(torch_threads, clip):
+def test_a_backward_on_every_core_gets_the_plain_step_and_one_warning(torch_threads, clip, overlap):
     ref_model, ref = build("adamw", False, state_format="quant8", max_grad_norm=clip)
-    model, opt = build("adamw", True, state_format="quant8", max_grad_norm=clip)
+    model, opt = build("adamw", overlap, state_format="quant8", max_grad_norm=clip)
     torch_threads(CORES)
     ref_stats = train(ref_model, ref)
     with warnings.catch_warnings(record=True) as w:
@@ -53,7 +54,7 @@ def test_a_backward_on_every_core_gets_the_plain_step_and_one_warning(torch_thre
 
 @pytest.mark.skipif(CORES < 2, reason="one core: no team of torch threads to stall")
 def test_fewer_torch_threads_than_cores_overlap(torch_threads):
-    model, opt = build("adamw", True)
+    model, opt = build("adamw", "always")
     torch_threads(CORES - 1 if CORES > 2 else 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning about cores
@@ -68,7 +69,7 @@ def test_one_torch_thread_is_no_team_to_stall(torch_threads, monkeypatch):
     import fo._torch_overlap as ov
 
     monkeypatch.setattr(ov, "_host_cores", lambda: 1)
-    model, opt = build("sgd", True)
+    model, opt = build("sgd", "always")
     torch_threads(1)
     stats = train(model, opt, steps=2)
     assert all(s["handed_over_in_backward"] == 6 and s["not_overlapped"] is None for s in stats)

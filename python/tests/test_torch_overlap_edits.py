@@ -1,4 +1,5 @@
-"""fo.torch overlap=True in the loops users really run (issue 33): gradients edited between
+"""fo.torch's overlapped step (overlap="always"; some loops with overlap=True, measured, too)
+in the loops users really run (issue 33): gradients edited between
 backward and step() (torch's clip_grad_norm_, GradScaler.unscale_), a step GradScaler skips,
 model.zero_grad() instead of the optimizer's, and a gradient whose device-to-host copy is
 still in flight when its hook runs (FSDP2 + CPUOffloadPolicy, emulated: no GPU needed). In
@@ -12,11 +13,11 @@ import fo.torch  # noqa: E402
 from test_torch_overlap import assert_same_bits, backward, build, snapshot  # noqa: E402
 
 
-def run_pair(loop, rule="adamw", steps=4, **kw):
-    """Runs `loop(model, opt, it)` for overlap=False and overlap=True; returns both snapshots
+def run_pair(loop, rule="adamw", steps=4, overlap="always", **kw):
+    """Runs `loop(model, opt, it)` for overlap=False and `overlap`; returns both snapshots
     and the overlapped optimizer's stats per step and warnings."""
     ref_model, ref = build(rule, False, **kw)
-    model, opt = build(rule, True, **kw)
+    model, opt = build(rule, overlap, **kw)
     stats, caught = [], []
     for it in range(steps):
         loop(ref_model, ref, it)
@@ -80,8 +81,9 @@ def grad_scaler():
         pytest.skip(f"torch.amp.GradScaler('cpu') is not available: {e}")
 
 
+@pytest.mark.parametrize("overlap", ["always", True])
 @pytest.mark.parametrize("zero_grad", ["optimizer", "model_set_to_none", "model_in_place"])
-def test_grad_scaler_unscales_and_skips_a_step_with_inf_gradients(zero_grad):
+def test_grad_scaler_unscales_and_skips_a_step_with_inf_gradients(zero_grad, overlap):
     """GradScaler.unscale_ edits every gradient after hand-over; at it == 2 the loss is inf, the
     scaler skips step() and fo must put its early (non-finite) steps back."""
     scalers = {}
@@ -99,14 +101,14 @@ def test_grad_scaler_unscales_and_skips_a_step_with_inf_gradients(zero_grad):
         scaler.update()
 
     # SGD: a scaled gradient moves the parameters (Adam's update would hide most of the scale)
-    ref, got, stats, _, opt = run_pair(loop, rule="sgd", steps=5, state_format="fp32")
+    ref, got, stats, _, opt = run_pair(loop, rule="sgd", steps=5, overlap=overlap, state_format="fp32")
     assert_same_bits(ref, got)
     assert all(torch.isfinite(p).all() for p in got[0])
     assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
 
 
 def test_state_dict_after_a_skipped_step_is_the_state_before_it():
-    model, opt = build("adamw", True, state_format="fp32")
+    model, opt = build("adamw", "always", state_format="fp32")
     opt.zero_grad()
     backward(model, 0)
     opt.step()
@@ -173,7 +175,7 @@ def fsdp_style_backward(model, it, lands_after):
 @pytest.mark.parametrize("lands_after", [None, 0, 2], ids=["lands_at_step", "lands_at_once", "lands_later"])
 def test_a_gradient_whose_offload_copy_is_in_flight_is_not_read_before_it_lands(lands_after):
     ref_model, ref = build("adamw", False)
-    model, opt = build("adamw", True)
+    model, opt = build("adamw", "always")
     for it in range(3):
         ref.zero_grad()
         backward(ref_model, it)

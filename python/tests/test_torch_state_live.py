@@ -103,7 +103,7 @@ def test_live_state_outlives_the_optimizer_and_a_rebuild_turns_it_into_a_followi
 
 def test_an_overlapped_step_rolled_back_leaves_live_state_as_it_was():
     m = make_model()
-    opt = fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32", overlap=True)
+    opt = fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32", overlap="always")
     train(m, opt, 2)
     live = moments(opt.state_dict())
     before = {k: v.clone() for k, v in live.items()}
@@ -121,7 +121,7 @@ def test_live_state_held_across_overlapped_steps_follows_them_in_place():
     ref_m = make_model()
     ref = fo.torch.AdamW(ref_m.parameters(), lr=1e-2, state_format="fp32")
     m = make_model()
-    opt = fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32", overlap=True)
+    opt = fo.torch.AdamW(m.parameters(), lr=1e-2, state_format="fp32", overlap="always")
     train(ref_m, ref, 2)
     train(m, opt, 2)
     live = moments(opt.state_dict())

@@ -1,6 +1,6 @@
 """One torchrun rank of test_torch_fsdp2_cuda.py (issue 33, case 1): FSDP2 with
-CPUOffloadPolicy(pin_memory=True) on CUDA + NCCL, fo.torch.AdamW with overlap=True against
-overlap=False on the same model and batches. FSDP2 copies each reduced gradient to pinned host
+CPUOffloadPolicy(pin_memory=True) on CUDA + NCCL, fo.torch.AdamW with overlap="always" (hand-over
+in every backward, never measured) against overlap=False on the same model and batches. FSDP2 copies each reduced gradient to pinned host
 memory with non_blocking=True and records `fsdp_param.grad_offload_event` (torch versions that
 keep the copy non-blocking when a post-accumulate-grad hook is registered, e.g. 2.11); fo must
 not read a gradient before its copy lands. Two overlapped runs and the plain run must end with
@@ -57,7 +57,7 @@ def main():
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     for fmt in ("quant8", "fp32"):
         ref_losses, ref_params, _ = run(mesh, width, layers, steps, False, fmt)
-        runs = [run(mesh, width, layers, steps, True, fmt) for _ in range(2)]
+        runs = [run(mesh, width, layers, steps, "always", fmt) for _ in range(2)]
         res[fmt] = {
             "same_bits": [all(torch.equal(a, b) for a, b in zip(ref_params, r[1])) for r in runs],
             "same_losses": [r[0] == ref_losses for r in runs],

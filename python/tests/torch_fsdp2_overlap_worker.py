@@ -1,6 +1,6 @@
 """One torchrun rank of test_torch_fsdp2.py's overlap test: FSDP2 with CPUOffloadPolicy on
-gloo, fo.torch.AdamW with overlap=True against overlap=False, clipping by max_grad_norm
-(the norm all-reduced over the default group). FSDP2 runs the sharded parameters'
+gloo, fo.torch.AdamW with overlap="always" (hand-over in every backward, never measured)
+against overlap=False, clipping by max_grad_norm (the norm all-reduced over the default group). FSDP2 runs the sharded parameters'
 post-accumulate-grad hooks once their gradient is reduce-scattered (and copied to the host).
 
     torchrun --nproc-per-node N torch_fsdp2_overlap_worker.py OUT_JSON
@@ -24,7 +24,7 @@ def main():
     for clip, name in ((None, "noclip"), (0.05, "clip")):
         ref, mine = build(mesh), build(mesh)
         r_opt = fo.torch.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
-        o_opt = fo.torch.AdamW(mine.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip, overlap=True)
+        o_opt = fo.torch.AdamW(mine.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=clip, overlap="always")
         same, stats = True, []
         for s in range(6):
             train_step(ref, r_opt, s)
