@@ -678,6 +678,7 @@ std::vector<Case> cases() {
   });
   E("fo_optimizer_step_abort", "opt NULL", [](Fx&) { return fo_optimizer_step_abort(nullptr, nullptr); });
   E("fo_optimizer_step_abort", "no step open", [](Fx& f) { return fo_optimizer_step_abort(f.opt, nullptr); });
+  E("fo_optimizer_release_undo", "opt NULL", [](Fx&) { return fo_optimizer_release_undo(nullptr, nullptr); });
   E("fo_optimizer_step", "a step open", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_step(opened(f), &g, 1); });
 
   auto get = [](std::function<void(int32_t&, const char*&, T&)> edit) {

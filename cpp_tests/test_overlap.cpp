@@ -191,6 +191,31 @@ void abort_puts_every_early_step_back() {
   CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
 }
 
+// The undo records kept between overlapped steps are freed on request, with their size;
+// a second request frees nothing; with a step open the call is refused; the next
+// overlapped step makes them again.
+void kept_undo_records_are_released() {
+  Model m;
+  Grads g(4, 1.0f);
+  size_t freed = 7;
+  CHECK_OK(fo_optimizer_release_undo(m.opt, &freed));
+  CHECK(freed == 0);
+  int32_t all[4] = {0, 1, 2, 3};
+  for (int k = 0; k < 2; ++k) {
+    CHECK_OK(fo_optimizer_step_begin(m.opt, nullptr));
+    CHECK_OK(fo_optimizer_grads_ready(m.opt, all, g.views.data(), 4));
+    if (k == 1) CHECK_ERR(fo_optimizer_release_undo(m.opt, &freed), FO_ERR_BUSY, "fo_optimizer_release_undo");
+    fo_overlap_stats st;
+    CHECK_OK(fo_optimizer_step_end(m.opt, nullptr, &st));
+    CHECK(st.speculative == 4);
+    CHECK_OK(fo_optimizer_release_undo(m.opt, &freed));
+    CHECK(freed > 0 && freed <= st.undo_high_water_bytes);
+    CHECK_OK(fo_optimizer_release_undo(m.opt, nullptr));
+    CHECK_OK(fo_optimizer_release_undo(m.opt, &freed));
+    CHECK(freed == 0);
+  }
+}
+
 void misuse_is_an_error() {
   Model m;
   Grads g(5, 1.0f);
@@ -258,6 +283,7 @@ int main() {
   a_bad_gradient_changes_nothing();
   misuse_is_an_error();
   abort_puts_every_early_step_back();
+  kept_undo_records_are_released();
   destroy_with_a_step_open_restores();
   ranks_disagreeing_on_clipping_fail_every_rank_with_nothing_stepped();
   return fo_test::summary("test_overlap");

@@ -1235,6 +1235,15 @@ fo_status fo_optimizer_step_end(struct fo_optimizer *opt,
 fo_status fo_optimizer_step_abort(struct fo_optimizer *opt, struct fo_overlap_stats *stats);
 
 /*
+ Frees the undo records fo keeps between overlapped steps for the next one to reuse (as
+ large as the parameters last stepped early plus their state) and writes their size in
+ bytes to `*released` (NULL: not wanted). For a loop that stops overlapping (fo.torch's
+ `overlap=True` once it measured overlapping slower); the next overlapped step allocates
+ them again. A step open: FO_ERR_BUSY.
+ */
+fo_status fo_optimizer_release_undo(struct fo_optimizer *opt, size_t *released);
+
+/*
  Starts saving the optimizer's state into `dir` in the background and returns once a
  copy-on-write snapshot of it is registered: the checkpoint holds the state as of this
  call, byte-identical to what `fo_state_save` (or `fo_state_save_comm`) would write

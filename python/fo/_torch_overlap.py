@@ -492,6 +492,8 @@ class Overlap(Measured):
         self._ov = dict(self._ov, overlap=False)
         self._measure_init(False)
         self.__dict__.pop("zero_grad", None)
+        if self._fo is not None:  # no overlapped step comes: its undo records go back
+            self._fo.release_undo()
 
 
 def _stats_dict(st):

@@ -129,6 +129,7 @@ class Measured:
 
     def _measure_init(self, overlap):
         self._probe = Probe() if overlap is True else None
+        self._undo_released = False
 
     def _probe_hands_over(self):
         return self._probe is None or self._probe.hands_over
@@ -144,8 +145,11 @@ class Measured:
         """`step()` returns (`stepped`: False when it was skipped or raised): the probe times
         the iteration it closed, and may stop the hand-over for good."""
         probe = self._probe
-        if probe is None:
-            return
+        if probe is not None:
+            self._probe_after_step(probe, stepped)
+        self._release_undo_once_stopped()
+
+    def _probe_after_step(self, probe, stepped):
         if not stepped:
             probe.spoil()
         if self._deferred is not None:
@@ -158,3 +162,16 @@ class Measured:
                             "backward regardless, pass overlap='always'.")
         if stepped:
             self.last_step_stats["overlap_probe"] = probe.stats()
+
+    def _release_undo_once_stopped(self):
+        """Once the hooks hand nothing over for good (`_deferred`: measured slower, or
+        gradients edited in two steps in a row), fo's undo records kept for the next
+        overlapped step are freed: as large as the parameters last stepped early plus their
+        state (269.6 MiB for 50.4M parameters in the H200 run), held for nothing. Their size
+        is `last_step_stats["undo_released_bytes"]` of that step."""
+        if self._deferred is None or self._undo_released or self._fo is None or self._open:
+            return
+        self._undo_released = True
+        released = self._fo.release_undo()
+        if self.last_step_stats is not None:
+            self.last_step_stats["undo_released_bytes"] = released

@@ -114,6 +114,7 @@ _grads_ready = declare("fo_optimizer_grads_ready", [_P, _i32p, _tp, ctypes.c_siz
 _grads_at_end = declare("fo_optimizer_grads_at_end", [_P, _i32p, _tp, ctypes.c_size_t])
 _step_end = declare("fo_optimizer_step_end", [_P, ctypes.c_void_p, ctypes.POINTER(OverlapStats)])
 _step_abort = declare("fo_optimizer_step_abort", [_P, ctypes.POINTER(OverlapStats)])
+_release_undo = declare("fo_optimizer_release_undo", [_P, ctypes.POINTER(ctypes.c_size_t)])
 
 
 def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
@@ -259,6 +260,15 @@ class Optimizer(Owned):
             self.__dict__.pop("_overlap_refs", None)
         check(status)
         return _overlap_stats(st)
+
+    def release_undo(self) -> int:
+        """Frees the undo records fo keeps between overlapped steps for the next one (as
+        large as the parameters last stepped early plus their state) and returns their size
+        in bytes: for a loop that stops overlapping. The next overlapped step makes them
+        again. Refused (FO_ERR_BUSY) while a step is open."""
+        n = ctypes.c_size_t(0)
+        check(_release_undo(self._handle, ctypes.byref(n)))
+        return n.value
 
     def state_info(self, index: int, key: str) -> tuple[int, tuple[int, ...]]:
         dt, nd = ctypes.c_int32(0), ctypes.c_int32(0)

@@ -143,6 +143,24 @@ def test_misuse_raises_and_other_calls_wait_for_step_end():
     opt.step(gs)
 
 
+def test_release_undo_frees_the_records_kept_for_the_next_step():
+    opt, params = make(6)
+    gs = grads(2)
+    assert opt.release_undo() == 0  # no overlapped step yet
+    opt.step_begin()
+    opt.grads_ready(list(range(len(gs))), gs)
+    with pytest.raises(fo.FoError, match="fo_optimizer_release_undo") as e:
+        opt.release_undo()  # the step is open
+    assert e.value.name == "FO_ERR_BUSY"
+    stats = opt.step_end()
+    assert stats["speculative"] > 0
+    assert 0 < opt.release_undo() <= stats["undo_high_water_bytes"]
+    assert opt.release_undo() == 0  # freed once
+    opt.step_begin()  # and made again by the next overlapped step
+    opt.grads_ready(list(range(len(gs))), gs)
+    assert opt.step_end()["speculative"] == stats["speculative"] and opt.release_undo() > 0
+
+
 def test_step_abort_puts_every_early_step_back():
     opt, params = make(6)
     gs = grads(2)

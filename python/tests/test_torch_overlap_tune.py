@@ -95,6 +95,11 @@ def test_overlap_stops_for_good_where_overlapped_iterations_are_slower(clock):
     assert stats[-1]["overlap_probe"]["decision"] == "no hand-over"
     assert len(said) == 1 and why in said[0] and "overlap='always'" in said[0], said
     assert files == [__file__]  # the loop's step() line, not fo's
+    # The undo records kept for the next overlapped step go back at the decision, once: at
+    # most every parameter's bytes and its state.
+    bound = sum(p.numel() * p.element_size() for p in model.parameters()) + opt.state_memory()["host_bytes"]
+    assert 0 < stats[-1]["undo_released_bytes"] <= bound
+    assert all("undo_released_bytes" not in s for s in stats[:-1]) and opt._fo.release_undo() == 0
 
     # It stays dropped, whatever the iterations take from now on: never measured again.
     iterate(ref_model, ref, range(n, n + 6))
@@ -104,6 +109,7 @@ def test_overlap_stops_for_good_where_overlapped_iterations_are_slower(clock):
     assert all(s["handed_over_in_backward"] == 0 and s["not_overlapped"] == why for s in stats)
     assert all(s["speculative"] == 0 and s["undo_high_water_bytes"] == 0 for s in stats)  # the plain step
     assert all(s["clipped"] and s["total_norm"] > 0.5 for s in stats)
+    assert all("undo_released_bytes" not in s for s in stats)
 
 
 def test_equal_medians_keep_the_overlap(clock):
@@ -209,6 +215,9 @@ def test_gradients_edited_after_every_hand_over_stop_the_probe(clock):
     model, opt = build("adamw", True)
     stats, said = caught_warnings(lambda: iterate(model, opt, range(4), clock, 0.01, 0.02, between=clip))
     assert opt._deferred.startswith("6 gradients changed") and stats[-1]["overlap_probe"]["phase"] == "stopped"
+    # held for nothing from the step that stopped the hand-over: given back then, once
+    released = [s["undo_released_bytes"] for s in stats if "undo_released_bytes" in s]
+    assert len(released) == 1 and released[0] > 0 and opt._fo.release_undo() == 0
     assert not any("measured" in m for m in said)
 
 
@@ -243,6 +252,8 @@ def test_the_decision_is_the_loops_not_training_state(clock, how):
 
 def test_remove_hooks_ends_the_measurement():
     model, opt = build("adamw", True)
+    iterate(model, opt, range(2))  # overlapped (warm-up): fo keeps undo records for the next
     opt.remove_hooks()
+    assert opt._fo.release_undo() == 0  # remove_hooks gave them back
     assert opt.overlap is False and opt._probe is None
     iterate(model, opt, range(2))

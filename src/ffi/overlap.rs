@@ -248,3 +248,22 @@ pub unsafe extern "C" fn fo_optimizer_step_abort(
         r
     })
 }
+
+/// Frees the undo records fo keeps between overlapped steps for the next one to reuse (as
+/// large as the parameters last stepped early plus their state) and writes their size in
+/// bytes to `*released` (NULL: not wanted). For a loop that stops overlapping (fo.torch's
+/// `overlap=True` once it measured overlapping slower); the next overlapped step allocates
+/// them again. A step open: FO_ERR_BUSY.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_release_undo(
+    opt: *mut fo_optimizer,
+    released: *mut usize,
+) -> fo_status {
+    guard(|| {
+        let n = enter_opt(opt, "fo_optimizer_release_undo")?.release_undo();
+        if let Some(out) = released.as_mut() {
+            *out = n;
+        }
+        Ok(())
+    })
+}

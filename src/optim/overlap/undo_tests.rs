@@ -86,3 +86,40 @@ fn multi_chunk_parameters_are_put_back_whole_from_fresh_and_reused_records() {
         }
     }
 }
+
+/// The records kept for the next step are freed on request, with their size: each
+/// parameter's bytes plus its state; nothing is left to free a second time; the next
+/// overlapped step makes new ones and steps as a plain step with the same gradients does.
+#[test]
+fn kept_undo_records_are_freed_with_their_size_and_made_again() {
+    let (fmt, pdt, bits) = (StateFormat::Quant8, DType::BF16, 24);
+    let (mut m, mut plain) = (model(fmt, pdt, bits), model(fmt, pdt, bits));
+    assert_eq!(m.opt.release_undo(), 0, "no overlapped step yet");
+    let mut rng = Rng::new(9);
+    for step in 0..3 {
+        let mut g = grads(&mut rng, pdt);
+        let mut g2 = g.clone();
+        let v = views(&mut g, &[pdt, pdt]);
+        let mut st = super::OverlapStats::default();
+        unsafe {
+            m.opt.step_begin(OverlapOptions::default()).unwrap();
+            m.opt.grads_ready(&[0, 1], &v).unwrap();
+            m.opt.step_end(None, &mut st).unwrap();
+            let pv: Vec<Option<TensorView>> =
+                views(&mut g2, &[pdt, pdt]).into_iter().map(Some).collect();
+            plain.opt.step(&pv).unwrap();
+        }
+        assert_eq!(st.speculative, 2);
+        if step == 1 {
+            let kept = m.opt.release_undo();
+            // The records were taken before this step: the parameters' bytes and their
+            // state after step 0, the same size as the state now.
+            let want: usize = (0..SIZES.len())
+                .map(|i| SIZES[i] * pdt.size() + m.opt.state_bytes(i).unwrap())
+                .sum();
+            assert_eq!(kept, want);
+            assert_eq!(m.opt.release_undo(), 0, "freed once");
+        }
+        assert!(snapshot(&m) == snapshot(&plain), "step {step}");
+    }
+}
