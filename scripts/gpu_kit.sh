@@ -121,7 +121,7 @@ run() {
     step unit_device 240 "$KIT/tests/lib" device:: kernels:: clip:: comm:: broadcast:: optim::placement optim::overlap
   }
   case $what in checks | all | py) ;; *) false ;; esac && {
-    step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
+    step pytest_cuda 300 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
       $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_examples.py
   }
   if [ "$what" = bench ] || [ "$what" = all ]; then
