@@ -13,6 +13,9 @@ import time
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "kernels" / "gpu"
 ARCHS = ["compute_80", "compute_90"]
 ENTRY = "fo_step_kernel"
+# One entry per compiled path besides ENTRY's (src/kernels/step_path.rs).
+STEP_PATHS = 6
+STEP_ENTRIES = [ENTRY] + [f"{ENTRY}_p{p}" for p in range(1, STEP_PATHS)]
 # The clip's device norm and scaling (fo_norm.cuh).
 NORM_ENTRIES = ["fo_norm_lanes_kernel", "fo_norm_chunks_kernel", "fo_scale_kernel"]
 WRITTEN_FMAS = (KERNELS / "fo_rules.cuh").read_text().count("fo_fma(")
@@ -74,7 +77,7 @@ def main():
         t = time.perf_counter()
         ptx = compile_ptx(nvrtc, arch)
         dt = time.perf_counter() - t
-        for entry in [ENTRY] + NORM_ENTRIES:
+        for entry in STEP_ENTRIES + NORM_ENTRIES:
             if f".entry {entry}" not in ptx:
                 sys.exit(f"NVRTC {arch}: the PTX has no entry {entry}")
         # --fmad=false holds for f64 too: the norm's sums must not be contracted.
@@ -90,7 +93,7 @@ def main():
         if out:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"fo_kernels_{arch}.ptx").write_text(ptx)
-        print(f"NVRTC {major.value}.{minor.value} {arch}: {len(ptx)} bytes of PTX, entries {ENTRY} + {len(NORM_ENTRIES)} norm, "
+        print(f"NVRTC {major.value}.{minor.value} {arch}: {len(ptx)} bytes of PTX, entries {ENTRY} + {STEP_PATHS - 1} paths + {len(NORM_ENTRIES)} norm, "
               f"no warnings, {written} fma (all written as fo_fma), {dt:.2f} s")
 
 

@@ -9,7 +9,7 @@ use super::lanes::{LaneStreams, Lanes};
 use super::ring::Ring;
 use crate::error::Result;
 use crate::kernels::norm_table::NormTable;
-use crate::kernels::step_table::FoRule;
+use crate::kernels::step_table::StepLaunch;
 
 /// One device. Streams are `CUstream` values as integers (0: the legacy default stream).
 pub trait Backend: LaneStreams + Send + Sync {
@@ -66,9 +66,9 @@ pub trait Backend: LaneStreams + Send + Sync {
     /// As `Ring::upload`: `dst` must be `src.len()` writable bytes of this device.
     unsafe fn upload_table(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
 
-    /// Launches `fo_step_kernel` on `stream` over `count` rows of a table already in
-    /// device memory (spanning `total_groups` groups), with the rule scalars and SGD's
-    /// `first` flag by value, without waiting for it.
+    /// Launches the step kernel's entry for `launch.path` on `stream` over `count` rows of
+    /// a table already in device memory at `table` (spanning `launch.total_groups`
+    /// groups), with the rule scalars and SGD's `first` flag by value, without waiting.
     ///
     /// # Safety
     /// `table` and every address in it must be memory of this device that stays valid
@@ -77,9 +77,7 @@ pub trait Backend: LaneStreams + Send + Sync {
         &self,
         table: u64,
         count: i32,
-        total_groups: u64,
-        rule: &FoRule,
-        first: bool,
+        launch: &StepLaunch,
         stream: usize,
     ) -> Result<()>;
 

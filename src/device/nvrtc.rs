@@ -206,6 +206,12 @@ mod tests {
             );
         }
         assert!(script.contains(&format!("ENTRY = \"{ENTRY}\"")));
+        assert_eq!(crate::kernels::step_path::entry_name(0), ENTRY);
+        let paths = crate::kernels::step_path::STEP_PATHS;
+        assert!(
+            script.contains(&format!("STEP_PATHS = {paths}")),
+            "STEP_PATHS in nvrtc_check.py"
+        );
         for e in NORM_ENTRIES {
             assert!(
                 script.contains(&format!("\"{e}\"")),
@@ -264,6 +270,13 @@ mod tests {
         }
     }
 
+    /// Every kernel entry the device loads: the step kernel's, one per path, and the norm's.
+    fn all_entries() -> Vec<String> {
+        let steps =
+            (0..crate::kernels::step_path::STEP_PATHS).map(crate::kernels::step_path::entry_name);
+        steps.chain(NORM_ENTRIES.map(String::from)).collect()
+    }
+
     /// The fma.rn.f32 of `ptx` inside inline-asm blocks (written as fo_fma) and outside.
     fn fma_counts(ptx: &str) -> (usize, usize) {
         let (mut inside, mut written, mut stray) = (false, 0, 0);
@@ -303,7 +316,7 @@ mod tests {
                 .unwrap()
                 .to_str()
                 .unwrap();
-            for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
+            for entry in all_entries() {
                 assert!(
                     text.contains(&format!(".entry {entry}")),
                     "{who} sm_{major}{minor}: {entry}"
@@ -336,7 +349,7 @@ mod tests {
             cubins.push(format!("sm_{major}{minor}"));
             let cubin = compile_cubin_with(nv, &cubin_arch_option(major, minor)).unwrap();
             assert!(cubin.starts_with(b"\x7fELF"), "{who} sm_{major}{minor}");
-            for entry in std::iter::once(ENTRY).chain(NORM_ENTRIES) {
+            for entry in all_entries() {
                 assert!(
                     cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
                     "{who} sm_{major}{minor} CUBIN: {entry}"

@@ -8,4 +8,5 @@
 pub mod gpu;
 pub mod host;
 pub mod norm_table;
+pub mod step_path;
 pub mod step_table;

@@ -341,6 +341,8 @@ pub struct StepLaunch {
     pub total_groups: u64,
     pub rule: FoRule,
     pub first: bool,
+    /// The kernel's path for these rows (`step_path::launch_path`; 0: the generic entry).
+    pub path: u32,
 }
 
 /// A param group's table (what stays resident on the device) and its launches.
@@ -427,6 +429,7 @@ pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
             total_groups,
             rule,
             first,
+            path: super::step_path::launch_path(&rows, &rule),
         });
         t.tensors.extend(rows);
     }

@@ -12,7 +12,8 @@ use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::gpu::STEP_LANES_PER_GROUP;
 use crate::kernels::norm_table::{NormTable, LANES};
-use crate::kernels::step_table::FoRule;
+use crate::kernels::step_path::STEP_PATHS;
+use crate::kernels::step_table::StepLaunch;
 
 fn stream_of(s: usize) -> cusys::CUstream {
     s as cusys::CUstream
@@ -153,15 +154,13 @@ impl Backend for Device {
         &self,
         table: u64,
         count: i32,
-        total_groups: u64,
-        rule: &FoRule,
-        first: bool,
+        launch: &StepLaunch,
         stream: usize,
     ) -> Result<()> {
         let _cur = self.enter()?;
-        let (mut t, mut n, mut total) = (table, count, total_groups);
+        let (mut t, mut n, mut total) = (table, count, launch.total_groups);
         // `fo_rule` by value: cuLaunchKernel copies the struct's 68 bytes from here.
-        let (mut r, mut f) = (*rule, first as i32);
+        let (mut r, mut f) = (launch.rule, launch.first as i32);
         let mut args = [
             &mut t as *mut _ as *mut c_void,
             &mut n as *mut _ as *mut c_void,
@@ -170,8 +169,15 @@ impl Backend for Device {
             &mut f as *mut _ as *mut c_void,
         ];
         // Eight lanes per 32-element group, 4 elements each (fo_step.cuh); BLOCK is whole warps.
-        let threads = total_groups.saturating_mul(STEP_LANES_PER_GROUP);
-        self.run(self.func, threads, stream_of(stream), &mut args)
+        let threads = launch.total_groups.saturating_mul(STEP_LANES_PER_GROUP);
+        let path = launch.path;
+        let func = *self.step_funcs.get(path as usize).ok_or_else(|| {
+            Error::invalid(
+                "path",
+                format!("no step kernel path {path} (0..{STEP_PATHS})"),
+            )
+        })?;
+        self.run(func, threads, stream_of(stream), &mut args)
     }
 
     unsafe fn norm_chunks(&self, table: &NormTable, power: u32, stream: usize) -> Result<Vec<f64>> {

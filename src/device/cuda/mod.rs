@@ -16,19 +16,21 @@ use cudarc::driver::{result as cu, sys as cusys};
 use super::context::Current;
 use super::lanes::Lanes;
 use super::nvrtc::{
-    arch_option, compile_ptx, cubin_arch_option, cubin_for, missing_nvrtc, nvrtc_version, ENTRY,
+    arch_option, compile_ptx, cubin_arch_option, cubin_for, missing_nvrtc, nvrtc_version,
     NORM_ENTRIES,
 };
 use super::ring::Ring;
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
+use crate::kernels::step_path::{entry_name, STEP_PATHS};
 
 /// Threads per block (whole warps); the step kernel gives each 32-element group eight of
 /// them, 4 elements each (`STEP_LANES_PER_GROUP`).
 const BLOCK: u32 = 128;
-/// Resident blocks per SM the grid is capped at; the kernel's grid-stride loop covers
-/// the rest, so a huge group does not launch millions of blocks.
-const BLOCKS_PER_SM: u32 = 8;
+/// Blocks per SM the grid is capped at; the kernel's grid-stride loop covers the rest, so
+/// a huge group does not launch millions of blocks. 16 blocks of 128 threads fill an SM
+/// (2048 threads) when registers allow: the one-path step entries need 42 to 66.
+const BLOCKS_PER_SM: u32 = 16;
 
 /// Why GPU steps cannot run in this process (a library that does not load), or None.
 /// libcuda comes with the NVIDIA driver, never with pip, so cudarc's search of the
@@ -89,7 +91,8 @@ pub struct Device {
     pub ordinal: i32,
     pub arch: String,
     ctx: cusys::CUcontext,
-    func: cusys::CUfunction,
+    /// The step kernel's entries by path (`kernels::step_path`; 0: `ENTRY`).
+    step_funcs: Vec<cusys::CUfunction>,
     /// `NORM_ENTRIES`, in order.
     norm: [cusys::CUfunction; 3],
     max_blocks: u32,
@@ -199,7 +202,9 @@ impl Device {
             cu::module::get_function(module, CString::new(name).expect("no NUL"))
                 .map_err(|e| cuda_err("cuModuleGetFunction", e))
         };
-        let func = get(ENTRY)?;
+        let step_funcs = (0..STEP_PATHS)
+            .map(|p| get(&entry_name(p)))
+            .collect::<Result<Vec<_>>>()?;
         let norm = [
             get(NORM_ENTRIES[0])?,
             get(NORM_ENTRIES[1])?,
@@ -209,7 +214,7 @@ impl Device {
             ordinal,
             arch,
             ctx,
-            func,
+            step_funcs,
             norm,
             max_blocks: sms * BLOCKS_PER_SM,
             ring: Ring::default(),

@@ -11,7 +11,7 @@ use crate::device::lanes::{LaneStreams, Lanes};
 use crate::device::ring::{PinnedCopy, Ring};
 use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
-use crate::kernels::step_table::{FoRule, FoStepTensor};
+use crate::kernels::step_table::{FoStepTensor, StepLaunch};
 
 impl LaneStreams for Emulated {
     unsafe fn create_stream(&self) -> Result<usize> {
@@ -220,14 +220,12 @@ impl Backend for Emulated {
         &self,
         table: u64,
         count: i32,
-        total_groups: u64,
-        rule: &FoRule,
-        first: bool,
+        launch: &StepLaunch,
         stream: usize,
     ) -> Result<()> {
         let _cur = self.enter();
         let w = self.worker(stream)?;
-        let (run, t, rule) = (self.run.step, Addr(table as usize), *rule);
+        let (run, t, l) = (self.run.step, Addr(table as usize), *launch);
         let failed = self.violations.clone();
         w.push(Box::new(move || {
             let t = t;
@@ -237,9 +235,10 @@ impl Backend for Emulated {
                 run(
                     t.0 as *const FoStepTensor,
                     count,
-                    total_groups,
-                    &rule,
-                    first as i32,
+                    l.total_groups,
+                    &l.rule,
+                    l.first as i32,
+                    l.path,
                 )
             }
         }));

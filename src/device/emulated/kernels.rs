@@ -8,9 +8,12 @@ use std::sync::OnceLock;
 use crate::kernels::norm_table::FoNormTensor;
 use crate::kernels::step_table::{FoRule, FoStepTensor};
 
-/// The host build of `fo_step_kernel` over a table's rows, on a small grid: (rows, count,
-/// groups, rule, first).
-pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64, *const FoRule, i32);
+/// The host build of the step kernel's entry for `path` (`fo_step_kernel` for 0,
+/// `fo_step_kernel_p<path>` else) over a table's rows, on a small grid: (rows, count,
+/// groups, rule, first, path).
+pub type RunTable = unsafe extern "C" fn(*const FoStepTensor, i32, u64, *const FoRule, i32, u32);
+/// The host build of `fo_step_path_of` (the path a row takes under a rule).
+pub type PathOf = unsafe extern "C" fn(*const FoStepTensor, *const FoRule) -> i32;
 /// The host build of the two norm kernels: (table, rows, chunks, power, out).
 pub type RunNorm = unsafe extern "C" fn(*const FoNormTensor, i32, u64, i32, *mut f64);
 /// The host build of `fo_scale_kernel`: (table, rows, chunks, coef, coef64).
@@ -26,11 +29,12 @@ pub struct HostKernels {
     pub norm: RunNorm,
     pub scale: RunScale,
     pub vec_counts: VecCounts,
+    pub path_of: PathOf,
 }
 
 /// Builds the host kernels into a shared object and loads them (once per process).
 pub fn host_kernels() -> std::result::Result<HostKernels, String> {
-    static K: OnceLock<std::result::Result<[usize; 4], String>> = OnceLock::new();
+    static K: OnceLock<std::result::Result<[usize; 5], String>> = OnceLock::new();
     let f = K.get_or_init(build).clone()?;
     // SAFETY: the addresses of the functions `build` defines, with these signatures.
     Ok(unsafe {
@@ -39,6 +43,7 @@ pub fn host_kernels() -> std::result::Result<HostKernels, String> {
             norm: std::mem::transmute::<usize, RunNorm>(f[1]),
             scale: std::mem::transmute::<usize, RunScale>(f[2]),
             vec_counts: std::mem::transmute::<usize, VecCounts>(f[3]),
+            path_of: std::mem::transmute::<usize, PathOf>(f[4]),
         }
     })
 }
@@ -54,9 +59,13 @@ const HOST_RUNNERS: &str = r#"#include "fo_step.cuh"
 #include "fo_norm.cuh"
 #include <vector>
 extern "C" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g, const fo_rule* r,
-                            int first) {
-  fo_host_launch(3, 64, [&] { fo_step_kernel(t, n, g, *r, first); });
+                            int first, unsigned path) {
+  decltype(&fo_step_kernel) entries[] = {fo_step_kernel,    fo_step_kernel_p1, fo_step_kernel_p2,
+                                         fo_step_kernel_p3, fo_step_kernel_p4, fo_step_kernel_p5};
+  if (path >= sizeof entries / sizeof entries[0]) abort();
+  fo_host_launch(3, 64, [&] { entries[path](t, n, g, *r, first); });
 }
+extern "C" int fo_test_path_of(const fo_step_tensor* t, const fo_rule* r) { return fo_step_path_of(*t, *r); }
 extern "C" void fo_test_norm(const fo_norm_tensor* t, int n, unsigned long long chunks, int power,
                              double* out) {
   std::vector<double> s(chunks * FO_NORM_LANES), m(chunks * FO_NORM_LANES);
@@ -73,7 +82,7 @@ extern "C" void fo_test_vec_counts(unsigned long long* loads, unsigned long long
 }
 "#;
 
-fn build() -> std::result::Result<[usize; 4], String> {
+fn build() -> std::result::Result<[usize; 5], String> {
     let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let src = dir.join("run.cpp");
@@ -99,7 +108,7 @@ fn build() -> std::result::Result<[usize; 4], String> {
         panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: a library built just above, defining the four C functions looked up.
+    // SAFETY: a library built just above, defining the five C functions looked up.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
         assert!(!h.is_null(), "dlopen {so:?}");
@@ -113,6 +122,7 @@ fn build() -> std::result::Result<[usize; 4], String> {
             sym(c"fo_test_norm"),
             sym(c"fo_test_scale"),
             sym(c"fo_test_vec_counts"),
+            sym(c"fo_test_path_of"),
         ])
     }
 }

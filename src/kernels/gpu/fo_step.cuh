@@ -238,6 +238,32 @@ FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
   return FO_PATH_GENERIC;
 }
 
+// One item of row t on path PATH (0: the row's own, fo_step_path_of, chosen at run time).
+// With PATH a constant the switch folds to its one case, so an entry compiled for one path
+// holds that path's code alone, and its registers are that path's.
+template <int PATH>
+FO_HD void fo_step_item(const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g, unsigned lane0) {
+  switch (PATH != FO_PATH_GENERIC ? PATH : fo_step_path_of(t, rule)) {
+    case FO_PATH_TORCH_ADAM_F32:
+      fo_step_group<0, 0, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
+      break;
+    case FO_PATH_TORCH_ADAM_BF16:
+      fo_step_group<2, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
+      break;
+    case FO_PATH_FLASH_ADAM_Q8_F32:
+      fo_step_group<0, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+      break;
+    case FO_PATH_FLASH_ADAM_Q8_BF16:
+      fo_step_group<2, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+      break;
+    case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
+      fo_step_group<2, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
+      break;
+    default:
+      fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
+  }
+}
+
 // One launch for the rows of a table that share one rule. The rule travels by value with
 // the launch (68 bytes of kernel parameters), so a step whose pointers did not change
 // uploads nothing.
@@ -249,11 +275,18 @@ FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
 // aligned arrays), else element by element; the math per element is the same either way.
 // A quantized group's scale is the max of its lanes' keys: a shuffle tree among the eight
 // lanes on the GPU (fo_lanes_max), the same max however it is ordered. On the host
-// (fo_shim.cuh) a group's first lane runs both of its lanes in lockstep, with the
+// (fo_shim.cuh) a group's first lane runs all of its lanes in lockstep, with the
 // cross-lane max taken by this same loop, so the host-shim tests run this text, the GPU's
-// split and its vector accesses included, on every path (fo_step_path_of).
-FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
-                              fo_rule rule, int32_t first) {
+// split and its vector accesses included, on every path.
+//
+// Entries: fo_step_kernel picks each row's path (any launch); fo_step_kernel_p<N> runs
+// path N for every row, for a launch whose rows all take it (the launch code checks,
+// src/kernels/step_path.rs): holding one path's code, it needs fewer registers (NVRTC
+// 13.2, sm_90: 42 to 66 against 104 for the entry holding every path), so more
+// threads are resident.
+template <int PATH>
+FO_HD void fo_step_rows(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
+                        const fo_rule& rule, int32_t first) {
   fo_require_warp_blocks();
   if (FO_LOCKSTEP && threadIdx.x % FO_GROUP_LANES != 0) return;
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
@@ -262,27 +295,18 @@ FO_GLOBAL void fo_step_kernel(const fo_step_tensor* __restrict__ table, int coun
        li += stride) {
     uint64_t gi = li / FO_GROUP_LANES;
     const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
-    uint64_t g = gi - t.group_begin;
-    unsigned lane0 = (unsigned)(li % FO_GROUP_LANES);
-    bool f = first != 0;
-    switch (fo_step_path_of(t, rule)) {
-      case FO_PATH_TORCH_ADAM_F32:
-        fo_step_group<0, 0, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
-        break;
-      case FO_PATH_TORCH_ADAM_BF16:
-        fo_step_group<2, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
-        break;
-      case FO_PATH_FLASH_ADAM_Q8_F32:
-        fo_step_group<0, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-        break;
-      case FO_PATH_FLASH_ADAM_Q8_BF16:
-        fo_step_group<2, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-        break;
-      case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
-        fo_step_group<2, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-        break;
-      default:
-        fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
-    }
+    fo_step_item<PATH>(t, rule, first != 0, gi - t.group_begin, (unsigned)(li % FO_GROUP_LANES));
   }
 }
+
+#define FO_STEP_ENTRY(NAME, PATH)                                                                          \
+  FO_GLOBAL void NAME(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups, fo_rule rule, \
+                      int32_t first) {                                                                       \
+    fo_step_rows<PATH>(table, count, total_groups, rule, first);                                             \
+  }
+FO_STEP_ENTRY(fo_step_kernel, FO_PATH_GENERIC)
+FO_STEP_ENTRY(fo_step_kernel_p1, FO_PATH_TORCH_ADAM_F32)
+FO_STEP_ENTRY(fo_step_kernel_p2, FO_PATH_TORCH_ADAM_BF16)
+FO_STEP_ENTRY(fo_step_kernel_p3, FO_PATH_FLASH_ADAM_Q8_F32)
+FO_STEP_ENTRY(fo_step_kernel_p4, FO_PATH_FLASH_ADAM_Q8_BF16)
+FO_STEP_ENTRY(fo_step_kernel_p5, FO_PATH_FLASH_ADAM_Q8_BF16_E8)

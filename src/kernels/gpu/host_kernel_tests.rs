@@ -6,7 +6,10 @@
 //! kinds, state addresses, group prefix sums, SGD's first step) against the kernel
 //! without a GPU; skipped, with the reason printed, where g++ is absent.
 use crate::dtype::DType;
-use crate::kernels::step_table::{build_table, MomentKind, StatePtrs, TableEntry};
+use crate::kernels::step_path::{row_path, STEP_PATHS};
+use crate::kernels::step_table::{
+    build_table, FoRule, FoStepTensor, MomentKind, StatePtrs, TableEntry,
+};
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
@@ -88,6 +91,8 @@ struct Both {
     bad: usize,
     vectors: u64,
     aligned_vectors: u64,
+    /// The kernel entries the launches ran (`step_path`).
+    paths: std::collections::BTreeSet<u32>,
 }
 
 /// One config on both sides for 3 steps (step 2 skips tensor 1), the kernel's parameter,
@@ -119,6 +124,7 @@ fn run_both(
     // The kernel side's state, as `DeviceState` holds it (zeroed, step, m_valid).
     let mut states: Vec<ParamState> = (0..sizes.len()).map(|i| cpu.new_state(i)).collect();
     let (mut vectors, mut aligned_vectors) = (0, 0);
+    let mut paths = std::collections::BTreeSet::new();
     for s in 0..3u64 {
         let grads: Vec<Vec<u8>> = sizes
             .iter()
@@ -174,8 +180,10 @@ fn run_both(
                     l.total_groups,
                     &l.rule,
                     l.first as i32,
+                    l.path,
                 )
             };
+            paths.insert(l.path);
         }
         unsafe { (k.vec_counts)(&mut l1, &mut s1) };
         vectors += l1 - l0 + s1 - s0;
@@ -195,6 +203,7 @@ fn run_both(
         bad,
         vectors,
         aligned_vectors,
+        paths,
     }
 }
 
@@ -221,7 +230,7 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
             cfgs.push(c);
         }
     }
-    let mut combos = 0;
+    let (mut combos, mut paths) = (0, std::collections::BTreeSet::new());
     for base in &cfgs {
         for f in [
             StateFormat::Fp32,
@@ -240,52 +249,54 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
                 let r = run_both(&k, &c, dt, &SIZES, [0; 3]);
                 assert_eq!(r.bad, 0, "{:?} {f:?} {dt} mw{mw}", c.algorithm);
                 assert_eq!(r.vectors, r.aligned_vectors, "{:?} {f:?} {dt}", c.algorithm);
+                paths.extend(r.paths);
                 combos += 1;
             }
         }
     }
     assert_eq!(combos, 9 * 4 * 4);
+    // Every entry of the kernel ran, each giving the CPU step's bits.
+    assert_eq!(paths, (0..STEP_PATHS).collect());
 }
 
-/// Tensors whose arrays (all, or one) start 1 or 2 elements past a 16-byte boundary (1 to
-/// 8 bytes off), with lengths that leave tails shorter than a vector: the kernel takes no vector
-/// access (a misaligned one aborts in the host shim, as it faults on a GPU), and the bits
-/// are the CPU step's; aligned, it takes exactly one per array of every whole range of 4 elements.
+/// The launch code's choice of entry (`step_path::row_path`) and the kernel's own
+/// (`fo_step_path_of`) agree on every combination of dtypes, error bits, moment kinds and
+/// rule kinds, so an entry compiled for one path never runs a row of another.
 #[test]
-fn the_host_kernel_moves_misaligned_and_tail_ranges_element_by_element() {
+fn the_launch_and_the_kernel_give_every_row_the_same_path() {
     let k = match host_kernels() {
-        Ok(k) => k,
+        Ok(r) => r,
         Err(why) => {
             eprintln!("skipped: {why}");
             return;
         }
     };
-    let sizes = [1, 15, 16, 17, 31, 47, 48, 129];
-    let mut runs = 0;
-    for (a, f, dt, mw) in [
-        (Algorithm::AdamW, StateFormat::Quant8, DType::BF16, 24),
-        (Algorithm::Adam, StateFormat::Fp32, DType::F32, 0),
-        (Algorithm::AdamW, StateFormat::Quant8Wide, DType::F16, 32),
-        (Algorithm::Sgd, StateFormat::ParamDtype, DType::BF16, 0),
-        (Algorithm::Lion, StateFormat::Quant8, DType::F16, 24),
-    ] {
-        let mut c = OptimConfig::default_for(a);
-        (c.lr, c.weight_decay) = (1e-2, 0.05);
-        c.momentum = if a.is_sgd() { 0.9 } else { 0.0 };
-        (c.state_format, c.master_weight_bits) = (f, mw);
-        // All arrays shifted, or one of them (the others aligned).
-        for shift in [[0; 3], [1; 3], [2; 3], [1, 0, 0], [0, 1, 0], [0, 0, 1]] {
-            let r = run_both(&k, &c, dt, &sizes, shift);
-            assert_eq!(r.bad, 0, "{a:?} {f:?} {dt} mw{mw} shifted {shift:?}");
-            assert!(r.aligned_vectors > 0);
-            let want = if shift == [0; 3] {
-                r.aligned_vectors
-            } else {
-                0
-            };
-            assert_eq!(r.vectors, want, "{a:?} {f:?} {dt} shifted {shift:?}");
-            runs += 1;
+    let mut seen = std::collections::BTreeSet::new();
+    let kinds = |n: i32| 0..n;
+    for pd in 0..3 {
+        for gd in 0..3 {
+            for ew in [0, 8, 16] {
+                for (m, v) in kinds(7).flat_map(|m| kinds(7).map(move |v| (m, v))) {
+                    for kind in 0..6 {
+                        let t = FoStepTensor {
+                            param_dtype: pd,
+                            grad_dtype: gd,
+                            error_bits_width: ew,
+                            m_kind: m,
+                            v_kind: v,
+                            ..FoStepTensor::default()
+                        };
+                        let r = FoRule {
+                            kind,
+                            ..FoRule::default()
+                        };
+                        let c = unsafe { (k.path_of)(&t, &r) };
+                        assert_eq!(row_path(&t, &r) as i32, c, "{t:?} {r:?}");
+                        seen.insert(c as u32);
+                    }
+                }
+            }
         }
     }
-    assert_eq!(runs, 30);
+    assert_eq!(seen, (0..STEP_PATHS).collect());
 }

@@ -58,8 +58,7 @@ impl ResidentTables {
                 Error::invalid("params", "more than 2^31 device tensors in one param group")
             })?;
             let at = d + row * l.row as u64;
-            t.backend
-                .launch_step(at, count, l.total_groups, &l.rule, l.first, stream)?;
+            t.backend.launch_step(at, count, l, stream)?;
         }
         Ok(())
     }
