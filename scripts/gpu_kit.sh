@@ -18,6 +18,7 @@
 # (checks = rust + py: the Rust test binaries and pytest, which may run side by side).
 # Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
 # FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
+# FO_GPU_KIT_TAR=1 packs the logs into $OUT/logs-<what>.tgz (SUMMARY.txt stays beside it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -129,6 +130,11 @@ run() {
     step bench_torch_gpu_train 150 python3 scripts/bench_torch_gpu_train.py --rounds 3
     step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
     step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
+  fi
+  # FO_GPU_KIT_TAR=1: the logs as one archive (the device tool returns a few files from $OUT
+  # and drops the rest: on 2026-11-27 five of thirteen logs did not come back).
+  if [ "${FO_GPU_KIT_TAR:-0}" = 1 ] && ls "$OUT"/*.log >/dev/null 2>&1; then
+    (cd "$OUT" && tar czf "logs-$what.tgz" ./*.log && rm -f ./*.log)
   fi
   echo "logs: $OUT ($(ls "$OUT" | wc -l) files)"
 }

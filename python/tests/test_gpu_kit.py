@@ -55,3 +55,21 @@ def test_a_hung_step_times_out_and_the_rest_are_skipped_within_the_budget(tmp_pa
     # 13 s: the selftest's timeout leaves under 10 s, so every later step is skipped, not run.
     for name in ("gpu_abi", "optim_api", "comm_nccl", "unit_device", "pytest_cuda"):
         assert "skipped" in steps[name] and "budget" in steps[name], summary
+
+
+def test_the_logs_travel_as_one_archive_when_asked(tmp_path):
+    """FO_GPU_KIT_TAR=1: the device tool returns a few files from $OUT, so the logs go back
+    as one archive beside SUMMARY.txt."""
+    import tarfile
+
+    kit, out = tmp_path / "kit", tmp_path / "out"
+    (kit / "tests").mkdir(parents=True)
+    (kit / "libfo.so").write_bytes(b"")
+    fo = kit / "fo"
+    fo.write_text("#!/bin/sh\necho selftest ran\n")
+    fo.chmod(0o755)
+    r = run("run", "checks", "11", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", FO_GPU_KIT_TAR="1", OUT=str(out))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["SUMMARY.txt", "logs-checks.tgz"]
+    with tarfile.open(out / "logs-checks.tgz") as t:
+        assert b"selftest ran" in t.extractfile("./selftest.log").read()
