@@ -223,19 +223,45 @@ enum fo_step_path {
   FO_PATH_FLASH_ADAM_Q8_BF16_E8 = 5,
 };
 
+// Path P's formats, the one table both the choice of a row's path (fo_step_path_of) and
+// the compiled path (fo_step_item) read: param and grad dtype, error bits, moment kinds,
+// rule kind.
+template <int P>
+struct fo_path;
+#define FO_PATH_FORMATS(P, PD, EW, MK, VK, RK)                                      \
+  template <>                                                                      \
+  struct fo_path<P> {                                                              \
+    static constexpr int pd = PD, gd = PD, ew = EW, mk = MK, vk = VK, rk = RK;      \
+  };
+FO_PATH_FORMATS(FO_PATH_TORCH_ADAM_F32, 0, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM)
+FO_PATH_FORMATS(FO_PATH_TORCH_ADAM_BF16, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM)
+FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_F32, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
+FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_BF16, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
+FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_BF16_E8, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
+
+// Whether row t under rule r has path P's formats.
+template <int P>
+FO_HD bool fo_path_takes(const fo_step_tensor& t, const fo_rule& r) {
+  using F = fo_path<P>;
+  return t.param_dtype == F::pd && t.grad_dtype == F::gd && t.error_bits_width == F::ew && t.m_kind == F::mk &&
+         t.v_kind == F::vk && r.kind == F::rk;
+}
+
+// The first path whose formats row t has, from P on (0 when none).
+template <int P = 1>
 FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
-  if (t.grad_dtype != t.param_dtype) return FO_PATH_GENERIC;
-  if (r.kind == FO_RULE_TORCH_ADAM && t.m_kind == FO_MOMENT_F32 && t.v_kind == FO_MOMENT_F32 &&
-      t.error_bits_width == 0) {
-    if (t.param_dtype == 0) return FO_PATH_TORCH_ADAM_F32;
-    if (t.param_dtype == 2) return FO_PATH_TORCH_ADAM_BF16;
+  if constexpr (P > FO_PATH_FLASH_ADAM_Q8_BF16_E8) {
+    return FO_PATH_GENERIC;
+  } else {
+    return fo_path_takes<P>(t, r) ? P : fo_step_path_of<P + 1>(t, r);
   }
-  if (r.kind == FO_RULE_FLASH_ADAM && t.m_kind == FO_MOMENT_Q8_SIGNED && t.v_kind == FO_MOMENT_Q8_SQRT) {
-    if (t.param_dtype == 0 && t.error_bits_width == 0) return FO_PATH_FLASH_ADAM_Q8_F32;
-    if (t.param_dtype == 2 && t.error_bits_width == 0) return FO_PATH_FLASH_ADAM_Q8_BF16;
-    if (t.param_dtype == 2 && t.error_bits_width == 8) return FO_PATH_FLASH_ADAM_Q8_BF16_E8;
-  }
-  return FO_PATH_GENERIC;
+}
+
+// One item of row t on path P, compiled with P's formats.
+template <int P>
+FO_HD void fo_step_path_group(const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g, unsigned lane0) {
+  using F = fo_path<P>;
+  fo_step_group<F::pd, F::gd, F::ew, F::mk, F::vk, F::rk>(t, rule, f, g, lane0);
 }
 
 // One item of row t on path PATH (0: the row's own, fo_step_path_of, chosen at run time).
@@ -244,23 +270,13 @@ FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
 template <int PATH>
 FO_HD void fo_step_item(const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g, unsigned lane0) {
   switch (PATH != FO_PATH_GENERIC ? PATH : fo_step_path_of(t, rule)) {
-    case FO_PATH_TORCH_ADAM_F32:
-      fo_step_group<0, 0, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
-      break;
-    case FO_PATH_TORCH_ADAM_BF16:
-      fo_step_group<2, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_RULE_TORCH_ADAM>(t, rule, f, g, lane0);
-      break;
-    case FO_PATH_FLASH_ADAM_Q8_F32:
-      fo_step_group<0, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-      break;
-    case FO_PATH_FLASH_ADAM_Q8_BF16:
-      fo_step_group<2, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-      break;
+    case FO_PATH_TORCH_ADAM_F32: return fo_step_path_group<FO_PATH_TORCH_ADAM_F32>(t, rule, f, g, lane0);
+    case FO_PATH_TORCH_ADAM_BF16: return fo_step_path_group<FO_PATH_TORCH_ADAM_BF16>(t, rule, f, g, lane0);
+    case FO_PATH_FLASH_ADAM_Q8_F32: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_F32>(t, rule, f, g, lane0);
+    case FO_PATH_FLASH_ADAM_Q8_BF16: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16>(t, rule, f, g, lane0);
     case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
-      fo_step_group<2, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM>(t, rule, f, g, lane0);
-      break;
-    default:
-      fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
+      return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16_E8>(t, rule, f, g, lane0);
+    default: return fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
   }
 }
 
