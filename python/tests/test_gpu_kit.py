@@ -38,13 +38,20 @@ def test_a_missing_kit_is_named(tmp_path):
     assert f"{tmp_path / 'kit'}/fo" in r.stderr and "pack" in r.stderr
 
 
-def test_a_hung_step_times_out_and_the_rest_are_skipped_within_the_budget(tmp_path):
+def fake_kit(tmp_path, fo_script):
+    """A kit whose `fo` is `fo_script` (no test binaries, an empty libfo), and where its run
+    writes: (kit, out)."""
     kit, out = tmp_path / "kit", tmp_path / "out"
     (kit / "tests").mkdir(parents=True)
     (kit / "libfo.so").write_bytes(b"")
     fo = kit / "fo"
-    fo.write_text("#!/bin/sh\necho selftest started\nsleep 60\n")
+    fo.write_text("#!/bin/sh\n" + fo_script)
     fo.chmod(0o755)
+    return kit, out
+
+
+def test_a_hung_step_times_out_and_the_rest_are_skipped_within_the_budget(tmp_path):
+    kit, out = fake_kit(tmp_path, "echo selftest started\nsleep 60\n")
     r = run("run", "checks", "13", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out))
     assert r.returncode == 0, r.stderr
     summary = (out / "SUMMARY.txt").read_text().splitlines()
@@ -62,12 +69,7 @@ def test_the_logs_travel_as_one_archive_when_asked(tmp_path):
     as one archive beside SUMMARY.txt."""
     import tarfile
 
-    kit, out = tmp_path / "kit", tmp_path / "out"
-    (kit / "tests").mkdir(parents=True)
-    (kit / "libfo.so").write_bytes(b"")
-    fo = kit / "fo"
-    fo.write_text("#!/bin/sh\necho selftest ran\n")
-    fo.chmod(0o755)
+    kit, out = fake_kit(tmp_path, "echo selftest ran\n")
     r = run("run", "checks", "11", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", FO_GPU_KIT_TAR="1", OUT=str(out))
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["SUMMARY.txt", "logs-checks.tgz"]
