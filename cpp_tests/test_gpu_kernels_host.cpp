@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -470,10 +471,42 @@ void table_layout() {
               sizeof(fo_step_tensor), sizeof(fo_rule));
 }
 
+// The step kernel decodes codes through tables (fo_code_tables): every byte, in the
+// layout the kernel indexes, gives the bits of the decode it replaces, for codes the
+// encoder never writes too (-128, from a loaded checkpoint), and the fill splits over a
+// block's threads without leaving an entry out (any thread count).
+void code_tables_decode_every_byte_as_the_division_does() {
+  const float scales[] = {1.0f, 0.37f, 1e-12f, 3.0e5f, 6.1e-5f, 65504.0f};
+  size_t bad = 0;
+  for (unsigned threads : {1u, 3u, 7u, 128u, 300u}) {
+    fo_code_tables tb;
+    std::memset(&tb, 0xff, sizeof(tb));  // NaN bits, so an entry left out shows
+    for (unsigned i0 = 0; i0 < threads; ++i0) fo_code_tables_fill(&tb, i0, threads);
+    for (unsigned c = 0; c < 256; ++c) {
+      for (float s : scales) {
+        auto same = [](float a, float b) { return fo_bits(a) == fo_bits(b); };
+        bad += !same(fo_signed_decode_t(tb, (int8_t)c, s), fo_signed_decode((int8_t)c, s));
+        bad += !same(fo_unsigned_decode_t(tb, (uint8_t)c, s, false), fo_unsigned_decode((uint8_t)c, s, false));
+        bad += !same(fo_unsigned_decode_t(tb, (uint8_t)c, s, true), fo_unsigned_decode((uint8_t)c, s, true));
+      }
+      for (uint16_t bits : {(uint16_t)0x3f80, (uint16_t)0x0001, (uint16_t)0xc2f7, (uint16_t)0x7f7f}) {
+        float want = fo_error_reconstruct(2, bits, (int8_t)c, 127.0f);
+        bad += fo_bits(fo_error_reconstruct_unit(2, bits, tb.q127[c])) != fo_bits(want);
+      }
+    }
+  }
+  CHECK(bad == 0);
+  const fo_code_tables& host = fo_host_code_tables();
+  CHECK(host.q127[0x80] < -1.0f);  // -128 / 127: past -1, as the CPU decodes it
+  CHECK(host.q255[255] == 1.0f && host.softsign[127] == 1.0f && host.softsign[0x81] == -1.0f);
+  std::printf("code tables: 256 bytes x 3 tables match the divisions (%zu mismatches)\n", bad);
+}
+
 }  // namespace
 
 int main() {
   table_layout();
+  code_tables_decode_every_byte_as_the_division_does();
   device_tensors_are_refused_clearly();
   random_matrix();
   oracle_cases();

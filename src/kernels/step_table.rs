@@ -378,8 +378,8 @@ fn float_dtype(d: DType, what: &str) -> Result<i32> {
 /// Builds a param group's table from `entries`: empty tensors are left out (no group to
 /// step); the rest are ordered by launch (entries sharing rule scalars and `first`, in
 /// the order each first appears, then in entry order), and `group_begin` is the running
-/// sum of groups within a launch, so the kernel's binary search over a launch's rows
-/// finds the tensor of any of its groups.
+/// sum of groups within a launch, so the kernel finds the tensor of any of its groups
+/// (a binary search over a launch's rows for a thread's first group, then a walk forward).
 pub fn build_table(entries: &[TableEntry]) -> Result<StepTable> {
     let mut launches: Vec<(FoRule, bool, Vec<FoStepTensor>, u64)> = Vec::new();
     for (i, e) in entries.iter().enumerate() {

@@ -373,6 +373,9 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
     (fp32.state_format, fp32.master_weight_bits) = (StateFormat::Fp32, 0);
     let q8 = OptimConfig::default_for(Algorithm::AdamW);
+    // fo.torch's default for CUDA bf16 parameters: quant8 state without master bits.
+    let mut q8_bare = q8.clone();
+    q8_bare.master_weight_bits = 0;
     println!(
         "throughput, {n} parameters in 64 tensors, best of {} steps:",
         iters
@@ -380,6 +383,7 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     for (label, cfg, dtype) in [
         ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
         ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
+        ("AdamW bf16 + quant8 (fo.torch's default)", q8_bare, DType::BF16),
     ] {
         let (t, per_param) = step_time(device, &cfg, dtype, n, iters)?;
         // A copy of S bytes reads S and writes S: the step's bytes are B = 2S.

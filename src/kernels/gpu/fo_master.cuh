@@ -38,10 +38,14 @@ FO_HD int32_t fo_error_encode(int32_t dtype, float x, uint16_t bits, float q) {
   return fo_to_code(fo_copysign(fo_floor(fo_abs(s) + 0.5f), s), -q, q);
 }
 
-// The master value of `bits` with error code `code`.
-FO_HD float fo_error_reconstruct(int32_t dtype, uint16_t bits, int32_t code, float q) {
+// The master value of `bits` whose error code, divided by its q, is `c`.
+FO_HD float fo_error_reconstruct_unit(int32_t dtype, uint16_t bits, float c) {
   int32_t l = fo_half_ulp_log2(dtype, bits);
-  float c = fo_div((float)code, q);
   int32_t h = fo_floor_half(l);
   return fo_half_to_f32(dtype, bits) + (c * fo_pow2(h)) * fo_pow2(l - h);
+}
+
+// The master value of `bits` with error code `code`.
+FO_HD float fo_error_reconstruct(int32_t dtype, uint16_t bits, int32_t code, float q) {
+  return fo_error_reconstruct_unit(dtype, bits, fo_div((float)code, q));
 }

@@ -80,3 +80,54 @@ FO_HD float fo_unsigned_decode(uint8_t code, float scale, bool fourth) {
   float u = (fourth && code == 0) ? (0.5f / 255.0f) * scale : fo_div((float)code, 255.0f) * scale;
   return fourth ? (u * u) * (u * u) : u * u;
 }
+
+// A code's value before its group's scale depends on the code's byte alone, so the step
+// kernel reads it from a table of the 256 bytes, filled by the expressions above (so the
+// bits are theirs) once per thread block, instead of dividing per element: correctly
+// rounded divisions are most of a GPU step's instructions (about 10 each on sm_90).
+struct fo_code_tables {
+  float q127[256];      // (int8_t)c / 127: the softsign's t, and 24-bit masters' error codes
+  float softsign[256];  // t / (2 - |t|): the momentum's value per unit of scale
+  float q255[256];      // c / 255: the variance's (sqrt or fourth root) per unit of scale
+};
+
+// Entries i0, i0 + step, ... of the tables (the threads of a block fill them together).
+FO_HD void fo_code_tables_fill(fo_code_tables* t, unsigned i0, unsigned step) {
+  for (unsigned c = i0; c < 256; c += step) {
+    float s = fo_div((float)(int8_t)(uint8_t)c, 127.0f);
+    t->q127[c] = s;
+    t->softsign[c] = fo_div(s, 2.0f - fo_abs(s));
+    t->q255[c] = fo_div((float)c, 255.0f);
+  }
+}
+
+// FO_CODE_TABLES(tb) at the top of a kernel entry declares `tb`, the filled tables: on the
+// GPU in the block's shared memory, filled by all of its threads before any reads (the
+// barrier is the entry's only one, ahead of any thread's return); on the host one copy
+// for the process, filled once (in three interleaved passes, as threads of a block would).
+#if defined(FO_GPU)
+#define FO_CODE_TABLES(tb)                                   \
+  __shared__ fo_code_tables tb##_shared;                     \
+  fo_code_tables_fill(&tb##_shared, threadIdx.x, blockDim.x); \
+  __syncthreads();                                           \
+  const fo_code_tables& tb = tb##_shared
+#else
+inline const fo_code_tables& fo_host_code_tables() {
+  static const fo_code_tables tables = [] {
+    fo_code_tables t;
+    for (unsigned i0 = 0; i0 < 3; ++i0) fo_code_tables_fill(&t, i0, 3);
+    return t;
+  }();
+  return tables;
+}
+#define FO_CODE_TABLES(tb) const fo_code_tables& tb = fo_host_code_tables()
+#endif
+
+// fo_signed_decode and fo_unsigned_decode through the tables: the same bits.
+FO_HD float fo_signed_decode_t(const fo_code_tables& tb, int8_t code, float scale) {
+  return tb.softsign[(uint8_t)code] * scale;
+}
+FO_HD float fo_unsigned_decode_t(const fo_code_tables& tb, uint8_t code, float scale, bool fourth) {
+  float u = (fourth && code == 0) ? (0.5f / 255.0f) * scale : tb.q255[code] * scale;
+  return fourth ? (u * u) * (u * u) : u * u;
+}

@@ -142,8 +142,10 @@ inline void fo_vstore(void* p, int bytes, const uint32_t* w) {
 #define FO_UNROLL
 #define FO_NO_UNROLL
 // Thread indices of the launch being emulated: fo_host_launch runs every (block, thread)
-// in turn. The kernels use no shared memory and no barriers, so the order is free; the
-// step kernel needs blocks of whole warps, as on the GPU.
+// in turn. The order is free: the one thing a block shares, the step kernel's code tables
+// (filled in shared memory before the entry's one barrier on the GPU), is one copy filled
+// once for the process here (FO_CODE_TABLES, fo_quant8.cuh); the step kernel needs blocks
+// of whole warps, as on the GPU.
 struct fo_dim3 {
   unsigned x = 1, y = 1, z = 1;
 };

@@ -20,7 +20,8 @@
 
 // One tensor of a launch. Pointers are device pointers on the GPU (host pointers in
 // the host build). `group_begin`: the first global group index of this tensor (a prefix
-// sum over the launch's rows, in order), so a thread finds its tensor by binary search.
+// sum over the launch's rows, in order), so a thread finds its first tensor by binary search
+// and the next ones by walking forward.
 // Nothing here changes from step to step (the rule's step-dependent scalars and SGD's
 // `first` are launch arguments), so a table stays resident on the device and is uploaded
 // again only when a pointer changes (src/optim/placement/device_table.rs).
@@ -58,8 +59,9 @@ FO_HD bool fo_row_aligned16(const fo_step_tensor& t) {
   return ok;
 }
 
-// Element k of a moment from its word (and its group's f32 scale when quantized).
-FO_HD float fo_moment_decode(int32_t kind, const uint32_t* w, int k, float scale) {
+// Element k of a moment from its word (and its group's f32 scale when quantized, with the
+// codes' values from `tb`).
+FO_HD float fo_moment_decode(const fo_code_tables& tb, int32_t kind, const uint32_t* w, int k, float scale) {
   switch (kind) {
     case FO_MOMENT_F32:
       return fo_from_bits(w[k]);
@@ -68,10 +70,10 @@ FO_HD float fo_moment_decode(int32_t kind, const uint32_t* w, int k, float scale
     case FO_MOMENT_BF16:
       return fo_bf16_to_f32((uint16_t)w[k]);
     case FO_MOMENT_Q8_SIGNED:
-      return fo_signed_decode((int8_t)(uint8_t)w[k], scale);
+      return fo_signed_decode_t(tb, (int8_t)(uint8_t)w[k], scale);
     case FO_MOMENT_Q8_SQRT:
     case FO_MOMENT_Q8_FOURTH:
-      return fo_unsigned_decode((uint8_t)w[k], scale, kind == FO_MOMENT_Q8_FOURTH);
+      return fo_unsigned_decode_t(tb, (uint8_t)w[k], scale, kind == FO_MOMENT_Q8_FOURTH);
     default:
       return 0.0f;
   }
@@ -85,10 +87,11 @@ FO_HD uint32_t fo_moment_encode(int32_t kind, float x) {
 }
 
 // The f32 master of element k from its parameter word p[k] and error bits e[k].
-FO_HD float fo_param_decode(const fo_step_tensor& t, const uint32_t* p, const uint32_t* e, int k) {
+FO_HD float fo_param_decode(const fo_code_tables& tb, const fo_step_tensor& t, const uint32_t* p, const uint32_t* e,
+                            int k) {
   if (t.param_dtype == 0) return fo_from_bits(p[k]);
   uint16_t b = (uint16_t)p[k];
-  if (t.error_bits_width == 8) return fo_error_reconstruct(t.param_dtype, b, (int8_t)(uint8_t)e[k], 127.0f);
+  if (t.error_bits_width == 8) return fo_error_reconstruct_unit(t.param_dtype, b, tb.q127[(uint8_t)e[k]]);
   if (t.error_bits_width == 16) return fo_error_reconstruct(t.param_dtype, b, (int16_t)(uint16_t)e[k], 32767.0f);
   return fo_half_to_f32(t.param_dtype, b);
 }
@@ -121,8 +124,8 @@ FO_HD int fo_lane_range(const fo_step_tensor& t, uint64_t g, unsigned lane, uint
 // applies the rule element by element, stores the parameter, error bits and any
 // unquantized moment, and leaves the new moments in m and v and their largest quant keys
 // in *km and *kv for the group's encode. `fresh`: SGD's buffer is created by this step.
-FO_HD void fo_step_lane(const fo_step_tensor& t, const fo_rule& rule, bool fresh, uint64_t g, unsigned lane,
-                        bool aligned, float* m, float* v, uint32_t* km, uint32_t* kv) {
+FO_HD void fo_step_lane(const fo_code_tables& tb, const fo_step_tensor& t, const fo_rule& rule, bool fresh,
+                        uint64_t g, unsigned lane, bool aligned, float* m, float* v, uint32_t* km, uint32_t* kv) {
   uint64_t e0;
   int n = fo_lane_range(t, g, lane, &e0);
   if (n == 0) return;
@@ -142,8 +145,8 @@ FO_HD void fo_step_lane(const fo_step_tensor& t, const fo_rule& rule, bool fresh
   FO_UNROLL
   for (int k = 0; k < FO_VEC; ++k) {
     if (k >= n) break;
-    float mk = fo_moment_decode(t.m_kind, mw, k, sm), vk = fo_moment_decode(t.v_kind, vw, k, sv);
-    float pk = fo_param_decode(t, p, e, k);
+    float mk = fo_moment_decode(tb, t.m_kind, mw, k, sm), vk = fo_moment_decode(tb, t.v_kind, vw, k, sv);
+    float pk = fo_param_decode(tb, t, p, e, k);
     fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh);
     fo_param_encode(t, pk, p, e, k);
     if (ms && !fo_is_quantized(t.m_kind)) mw[k] = fo_moment_encode(t.m_kind, mk);
@@ -184,8 +187,8 @@ FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_
 // so a specialized path runs only its own arithmetic. The text, and so the bits, are the
 // generic path's: it overwrites the fields with the values they already hold.
 template <int PD, int GD, int EW, int MK, int VK, int RK>
-FO_HD void fo_step_group(const fo_step_tensor& row, const fo_rule& rule_in, bool first, uint64_t g,
-                         unsigned lane0) {
+FO_HD void fo_step_group(const fo_code_tables& tb, const fo_step_tensor& row, const fo_rule& rule_in, bool first,
+                         uint64_t g, unsigned lane0) {
   fo_step_tensor t = row;
   fo_rule rule = rule_in;
   if (PD >= 0) t.param_dtype = PD;
@@ -198,7 +201,7 @@ FO_HD void fo_step_group(const fo_step_tensor& row, const fo_rule& rule_in, bool
   float m[FO_RUN_LANES * FO_VEC], v[FO_RUN_LANES * FO_VEC];
   uint32_t km = 0, kv = 0;  // a partial group's idle lanes add key 0
   for (unsigned l = 0; l < FO_RUN_LANES; ++l)
-    fo_step_lane(t, rule, first, g, lane0 + l, aligned, m + l * FO_VEC, v + l * FO_VEC, &km, &kv);
+    fo_step_lane(tb, t, rule, first, g, lane0 + l, aligned, m + l * FO_VEC, v + l * FO_VEC, &km, &kv);
   // Uniform over the group's lanes (one item, one tensor), so both reach the shuffle.
   if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) return;
   km = fo_lanes_max<FO_GROUP_LANES>(km);
@@ -259,24 +262,26 @@ FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
 
 // One item of row t on path P, compiled with P's formats.
 template <int P>
-FO_HD void fo_step_path_group(const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g, unsigned lane0) {
+FO_HD void fo_step_path_group(const fo_code_tables& tb, const fo_step_tensor& t, const fo_rule& rule, bool f,
+                              uint64_t g, unsigned lane0) {
   using F = fo_path<P>;
-  fo_step_group<F::pd, F::gd, F::ew, F::mk, F::vk, F::rk>(t, rule, f, g, lane0);
+  fo_step_group<F::pd, F::gd, F::ew, F::mk, F::vk, F::rk>(tb, t, rule, f, g, lane0);
 }
 
 // One item of row t on path PATH (0: the row's own, fo_step_path_of, chosen at run time).
 // With PATH a constant the switch folds to its one case, so an entry compiled for one path
 // holds that path's code alone, and its registers are that path's.
 template <int PATH>
-FO_HD void fo_step_item(const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g, unsigned lane0) {
+FO_HD void fo_step_item(const fo_code_tables& tb, const fo_step_tensor& t, const fo_rule& rule, bool f, uint64_t g,
+                        unsigned lane0) {
   switch (PATH != FO_PATH_GENERIC ? PATH : fo_step_path_of(t, rule)) {
-    case FO_PATH_TORCH_ADAM_F32: return fo_step_path_group<FO_PATH_TORCH_ADAM_F32>(t, rule, f, g, lane0);
-    case FO_PATH_TORCH_ADAM_BF16: return fo_step_path_group<FO_PATH_TORCH_ADAM_BF16>(t, rule, f, g, lane0);
-    case FO_PATH_FLASH_ADAM_Q8_F32: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_F32>(t, rule, f, g, lane0);
-    case FO_PATH_FLASH_ADAM_Q8_BF16: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16>(t, rule, f, g, lane0);
+    case FO_PATH_TORCH_ADAM_F32: return fo_step_path_group<FO_PATH_TORCH_ADAM_F32>(tb, t, rule, f, g, lane0);
+    case FO_PATH_TORCH_ADAM_BF16: return fo_step_path_group<FO_PATH_TORCH_ADAM_BF16>(tb, t, rule, f, g, lane0);
+    case FO_PATH_FLASH_ADAM_Q8_F32: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_F32>(tb, t, rule, f, g, lane0);
+    case FO_PATH_FLASH_ADAM_Q8_BF16: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16>(tb, t, rule, f, g, lane0);
     case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
-      return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16_E8>(t, rule, f, g, lane0);
-    default: return fo_step_group<-1, -1, -1, -1, -1, -1>(t, rule, f, g, lane0);
+      return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16_E8>(tb, t, rule, f, g, lane0);
+    default: return fo_step_group<-1, -1, -1, -1, -1, -1>(tb, t, rule, f, g, lane0);
   }
 }
 
@@ -301,24 +306,30 @@ FO_HD void fo_step_item(const fo_step_tensor& t, const fo_rule& rule, bool f, ui
 // 13.2, sm_90: 42 to 66 against 104 for the entry holding every path), so more
 // threads are resident.
 template <int PATH>
-FO_HD void fo_step_rows(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups,
-                        const fo_rule& rule, int32_t first) {
+FO_HD void fo_step_rows(const fo_code_tables& tb, const fo_step_tensor* __restrict__ table, int count,
+                        uint64_t total_groups, const fo_rule& rule, int32_t first) {
   fo_require_warp_blocks();
   if (FO_LOCKSTEP && threadIdx.x % FO_GROUP_LANES != 0) return;
   uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  uint64_t li = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (li >= total_groups * FO_GROUP_LANES) return;
+  // The row of the first item by binary search; after that the items only move forward,
+  // so the row does too: a walk of the rows passed (most strides stay in one row).
+  int row = fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, li / FO_GROUP_LANES);
   // A group's lanes are neighbours and the stride is whole warps, so they leave together.
-  for (uint64_t li = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; li < total_groups * FO_GROUP_LANES;
-       li += stride) {
+  for (; li < total_groups * FO_GROUP_LANES; li += stride) {
     uint64_t gi = li / FO_GROUP_LANES;
-    const fo_step_tensor& t = table[fo_find_row<fo_step_tensor, &fo_step_tensor::group_begin>(table, count, gi)];
-    fo_step_item<PATH>(t, rule, first != 0, gi - t.group_begin, (unsigned)(li % FO_GROUP_LANES));
+    while (row + 1 < count && table[row + 1].group_begin <= gi) ++row;
+    const fo_step_tensor& t = table[row];
+    fo_step_item<PATH>(tb, t, rule, first != 0, gi - t.group_begin, (unsigned)(li % FO_GROUP_LANES));
   }
 }
 
 #define FO_STEP_ENTRY(NAME, PATH)                                                                          \
   FO_GLOBAL void NAME(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups, fo_rule rule, \
                       int32_t first) {                                                                       \
-    fo_step_rows<PATH>(table, count, total_groups, rule, first);                                             \
+    FO_CODE_TABLES(tb);                                                                                      \
+    fo_step_rows<PATH>(tb, table, count, total_groups, rule, first);                                         \
   }
 FO_STEP_ENTRY(fo_step_kernel, FO_PATH_GENERIC)
 FO_STEP_ENTRY(fo_step_kernel_p1, FO_PATH_TORCH_ADAM_F32)
