@@ -21,6 +21,7 @@ _CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", to
 # fo reads nothing through an empty tensor's pointer but takes NULL as "no gradient", so an
 # empty local shard (a rank past the end of an uneven dim) points here instead.
 _EMPTY = ctypes.create_string_buffer(16)
+_EMPTY_ADDRESS = ctypes.addressof(_EMPTY)
 
 INVALID_ARGUMENT, DTYPE, UNSUPPORTED = FO_ERR_INVALID_ARGUMENT, FO_ERR_DTYPE, FO_ERR_UNSUPPORTED
 
@@ -108,39 +109,47 @@ def like_param(t, p):
 
 
 class GradArray:
-    """The fo_tensor array a step passes its gradients in, kept across steps: each step writes
-    a gradient's data pointer (and dtype) into its slot and rebuilds the shape/stride arrays
-    only when they change, so the per-step marshalling is a few field writes per gradient
-    (building a TorchArg per gradient was ~3 us each, most of the Python side of a step)."""
+    """The fo_tensor array a step passes its gradients in, kept across steps: a slot is
+    configured (dtype, device, shape/stride arrays) when its gradient's layout differs from
+    the slot's last one, and otherwise a step writes only its data pointer, so the per-step
+    marshalling is one key compare and one field write per gradient (building a TorchArg
+    per gradient was ~3 us each, most of the Python side of a step)."""
 
     def __init__(self, n):
         self.n = n
         self.array = (Tensor * max(n, 1))()
-        self._dims = [None] * n  # slot -> (shape, strides, their c arrays, pointers to them)
+        self._layout = [None] * n  # slot -> (dtype, device, shape, strides) it is configured for
+        self._dims = [None] * n  # slot -> the c arrays its shape/strides pointers point at
+        self._empty = [False] * n  # slot -> its gradients hold no element
         self._keep = [None] * n  # the tensors whose memory the slots point at, for the call
 
-    def set(self, i, g, what):
-        t = local(g)
-        code = _CODES.get(t.dtype)
-        dev = t.device
+    def set(self, i, g, name):
+        """Slot i passes gradient g of the parameter named `name` (for errors)."""
+        t = g._local_tensor if DTensor is not None and isinstance(g, DTensor) else g
+        layout = (t.dtype, t.device, t.shape, t.stride())
+        if layout != self._layout[i]:
+            self._configure(i, t, layout, f"gradient of parameter {name}")
+        self.array[i].data = _EMPTY_ADDRESS if self._empty[i] else t.data_ptr()
+        self._keep[i] = t
+
+    def _configure(self, i, t, layout, what):
+        dtype, dev, shape, strides = layout
+        code = _CODES.get(dtype)
         # the host's code or a CUDA ordinal (fo checks that a gradient lies on its
-        # parameter's device, naming it); inline, as this runs per gradient per step
+        # parameter's device, naming it)
         device = FO_DEVICE_HOST if dev.type == "cpu" else (dev.index if dev.type == "cuda" else None)
         if device is None or code is None:
             TorchArg(t, what)  # raises the error naming the gradient
-        shape, strides = t.shape, t.stride()
-        d = self._dims[i]
-        if d is None or d[0] != shape or d[1] != strides:
-            nd = len(shape)
-            cs, ct = (ctypes.c_int64 * max(nd, 1))(*shape), (ctypes.c_int64 * max(nd, 1))(*strides)
-            d = self._dims[i] = (shape, strides, cs, ct, ctypes.cast(cs, i64p), ctypes.cast(ct, i64p))
+        nd = len(shape)
+        cs, ct = (ctypes.c_int64 * max(nd, 1))(*shape), (ctypes.c_int64 * max(nd, 1))(*strides)
+        self._dims[i] = (cs, ct)
         e = self.array[i]
-        e.data = t.data_ptr() if t.numel() else ctypes.addressof(_EMPTY)
         e.dtype = DTYPE_CODES[code]
-        e.ndim = len(shape)
-        e.shape, e.strides = d[4], d[5]
+        e.ndim = nd
+        e.shape, e.strides = ctypes.cast(cs, i64p), ctypes.cast(ct, i64p)
         e.device = device
-        self._keep[i] = t
+        self._empty[i] = t.numel() == 0
+        self._layout[i] = layout
 
     def clear(self, i):
         """Slot i passes no gradient (NULL data)."""

@@ -160,6 +160,15 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         t = local(p)
         return (t.data_ptr(), tuple(t.shape), t.dtype)
 
+    def _moved(self):
+        """Whether a registered parameter's storage moved (or its shape or dtype changed)
+        since it was registered: a loop, as it runs per parameter per step."""
+        for p, (ptr, shape, dtype) in self._where.items():
+            t = local(p)
+            if t.data_ptr() != ptr or t.dtype != dtype or t.shape != shape:
+                return True
+        return False
+
     def _register(self, p, gi, name):
         offloaded = self._is_offloaded(p)
         # an offloaded CUDA parameter: fo owns a host copy (master and state on the host) and
@@ -196,7 +205,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
         one fo group per torch group with its current hyper-parameters (pushed only when
         they changed), and every parameter that has a gradient (or is in `also`) registered."""
-        if self._fo is not None and any(self._placed(p) != w for p, w in self._where.items()):
+        if self._fo is not None and self._moved():
             self._rebuild()
         if self._fo is None:
             hp = self._group_hp(self.param_groups[0])
@@ -278,16 +287,16 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         n = len(self._index)
         if self._grads is None or self._grads.n != n:
             self._grads = GradArray(n)
-        grads, given = self._grads, 0
+        grads, given, names, strided = self._grads, 0, self._name, torch.strided
         try:
             for p, i in self._index.items():
                 g = p.grad
                 if g is None:
                     grads.clear(i)
-                elif g.layout != torch.strided:
-                    raise RuntimeError(_checks.sparse_message(self, self._name[p]))
+                elif g.layout != strided:
+                    raise RuntimeError(_checks.sparse_message(self, names[p]))
                 else:
-                    grads.set(i, g, f"gradient of parameter {self._name[p]}")
+                    grads.set(i, g, names[p])
                     given += 1
             check(_optim._step(self._fo._handle, grads.array, n))
         finally:

@@ -149,7 +149,11 @@ impl Optimizer {
             }
             pipelined.clear();
         }
-        pool.install(|| numerics::check(self, grads, &grad_bytes))?;
+        // A hand-off to the pool and back costs tens of microseconds (its threads sleep):
+        // a step with nothing for the host (every gradient a device parameter's) skips it.
+        if grad_bytes.iter().any(Option::is_some) {
+            pool.install(|| numerics::check(self, grads, &grad_bytes))?;
+        }
         let device_step = self.prepare_device_step(grads)?;
         // An async save in flight gets what it still needs of every parameter this step
         // writes before anything is written (a failure here changes nothing), and its
@@ -185,7 +189,9 @@ impl Optimizer {
                 push_param_jobs(&mut jobs, p, &groups[p.group()], gb, gt.dtype());
             }
         }
-        pool.install(|| jobs.into_par_iter().for_each(kernel::run));
+        if !jobs.is_empty() {
+            pool.install(|| jobs.into_par_iter().for_each(kernel::run));
+        }
         undo.check_result(self)?;
         if let Some(d) = device_step {
             self.run_device_step(d)?;
