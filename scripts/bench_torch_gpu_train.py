@@ -5,11 +5,16 @@ slower than torch's fused AdamW on a >= 100M-parameter model, with a quarter of 
 
 Each runner trains its own copy of one model (`--layers` x Linear(width, width) with GELU,
 bf16 or fp32 parameters; the default, 24 x 2048, has 100.7M parameters) on the same fixed
-batches. Rounds are interleaved: every runner runs `--steps` timed steps per round, in a
-rotating order, each step timed with CUDA events around forward + backward + step; the table
-shows the median of the round medians, their spread (min-max) and the ratio to torch's fused
-AdamW in the same rounds, then the optimizer state each keeps (torch: its state tensors'
-bytes; fo: `state_memory()`, device and host).
+batches. Rounds are interleaved: in each round every runner, in a rotating order, runs
+`--steps` steps two ways, each timed with CUDA events:
+- one step at a time (forward + backward + step, then a wait for the GPU): a step's
+  latency, every GPU tail exposed;
+- back to back (`--steps` steps queued, one wait at the end, the time per step): a loop
+  that does not wait for each step, where the host queues the next forward while the GPU
+  finishes the step (at this model's small batch the host's launches set the pace).
+The table shows, for each, the median of the round values, their spread (min-max) and the
+ratio to torch's fused AdamW in the same rounds, then the optimizer state each keeps
+(torch: its state tensors' bytes; fo: `state_memory()`, device and host).
 
     FO_LIBRARY=target/release/libfo.so python scripts/bench_torch_gpu_train.py   # a cuda build
     python scripts/bench_torch_gpu_train.py --layers 8 --width 1024 --rounds 3   # --help: all flags
@@ -127,30 +132,43 @@ def main(argv=None):
         for k in range(a.warmup):
             step(name, k)
     torch.cuda.synchronize()
-    medians = {name: [] for name in a.only}
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    single = {name: [] for name in a.only}  # per round: the median of its steps, each waited for
+    queued = {name: [] for name in a.only}  # per round: ms per step of `--steps` back to back
     for r in range(a.rounds):
         order = a.only[r % len(a.only):] + a.only[:r % len(a.only)]
         for name in order:
             times = []
             for k in range(a.steps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = event(), event()
                 start.record()
                 step(name, k)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
-            medians[name].append(statistics.median(times))
-    base = statistics.median(medians[a.only[0]])
-    print(f"\n{'runner':<14} {'ms/step (median [min-max] of rounds)':>38} {'vs ' + a.only[0]:>16}"
+            single[name].append(statistics.median(times))
+            start, end = event(), event()
+            start.record()
+            for k in range(a.steps):
+                step(name, k)
+            end.record()
+            end.synchronize()
+            queued[name].append(start.elapsed_time(end) / a.steps)
+    print(f"\n{'runner':<14} {'one step at a time, ms':>28} {'vs ' + a.only[0]:>16}"
+          f" {'back to back, ms/step':>28} {'vs ' + a.only[0]:>16}"
           f" {'state, device':>15} {'state, host':>13} {'B/param':>8}")
+    base1, baseq = statistics.median(single[a.only[0]]), statistics.median(queued[a.only[0]])
     for name in a.only:
-        m = medians[name]
-        med = statistics.median(m)
+        m1, mq = single[name], queued[name]
+        med1, medq = statistics.median(m1), statistics.median(mq)
         d, h = state_bytes(torch, runs[name][1])
-        print(f"{name:<14} {med:>17.2f} [{min(m):.2f}-{max(m):.2f}]{'':>8} {base / med:>15.3f}x"
+        print(f"{name:<14} {med1:>12.2f} [{min(m1):.2f}-{max(m1):.2f}] {base1 / med1:>15.3f}x"
+              f" {medq:>12.2f} [{min(mq):.2f}-{max(mq):.2f}] {baseq / medq:>15.3f}x"
               f" {d / 1e6:>12.1f} MB {h / 1e6:>10.1f} MB {(d + h) / n:>8.3f}")
-    print(f"\n(vs {a.only[0]}: its median step time over this runner's, > 1 is faster; "
-          f"{a.rounds} rounds x {a.steps} steps)")
+    print(f"\n(median [min-max] over {a.rounds} rounds of {a.steps} steps; vs {a.only[0]}: its time "
+          f"over this runner's, > 1 is faster)")
 
 
 if __name__ == "__main__":

@@ -383,7 +383,11 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     for (label, cfg, dtype) in [
         ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
         ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
-        ("AdamW bf16 + quant8 (fo.torch's default)", q8_bare, DType::BF16),
+        (
+            "AdamW bf16 + quant8 (fo.torch's default)",
+            q8_bare,
+            DType::BF16,
+        ),
     ] {
         let (t, per_param) = step_time(device, &cfg, dtype, n, iters)?;
         // A copy of S bytes reads S and writes S: the step's bytes are B = 2S.
