@@ -24,12 +24,13 @@ use crate::error::{Error, Result};
 use crate::kernels::norm_table::NormTable;
 use crate::kernels::step_path::{entry_name, STEP_PATHS};
 
-/// Threads per block (whole warps); the step kernel gives each 32-element group eight of
-/// them, 4 elements each (`STEP_LANES_PER_GROUP`).
-const BLOCK: u32 = 128;
+/// Threads per block (whole warps; the kernels' launch bounds assume it); the step kernel
+/// gives each 32-element group eight of them, 4 elements each (`STEP_LANES_PER_GROUP`).
+const BLOCK: u32 = crate::kernels::gpu::BLOCK_THREADS;
 /// Blocks per SM the grid is capped at; the kernel's grid-stride loop covers the rest, so
 /// a huge group does not launch millions of blocks. 16 blocks of 128 threads fill an SM
-/// (2048 threads) when registers allow: the one-path step entries need 42 to 66.
+/// (2048 threads) when registers allow: the one-path step entries need 42 to 59 (p5 is
+/// capped at 48, fo_step.cuh).
 const BLOCKS_PER_SM: u32 = 16;
 
 /// Why GPU steps cannot run in this process (a library that does not load), or None.

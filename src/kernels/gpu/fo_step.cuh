@@ -303,7 +303,7 @@ FO_HD void fo_step_item(const fo_code_tables& tb, const fo_step_tensor& t, const
 // Entries: fo_step_kernel picks each row's path (any launch); fo_step_kernel_p<N> runs
 // path N for every row, for a launch whose rows all take it (the launch code checks,
 // src/kernels/step_path.rs): holding one path's code, it needs fewer registers (NVRTC
-// 13.2, sm_90: 42 to 66 against 104 for the entry holding every path), so more
+// 13.2, sm_90: 43 to 60, p5 capped at 48, against 117 for the entry holding every path), so more
 // threads are resident.
 template <int PATH>
 FO_HD void fo_step_rows(const fo_code_tables& tb, const fo_step_tensor* __restrict__ table, int count,
@@ -325,15 +325,33 @@ FO_HD void fo_step_rows(const fo_code_tables& tb, const fo_step_tensor* __restri
   }
 }
 
-#define FO_STEP_ENTRY(NAME, PATH)                                                                          \
-  FO_GLOBAL void NAME(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups, fo_rule rule, \
-                      int32_t first) {                                                                       \
-    FO_CODE_TABLES(tb);                                                                                      \
-    fo_step_rows<PATH>(tb, table, count, total_groups, rule, first);                                         \
+// Threads per block of every launch (BLOCK_THREADS in src/kernels/gpu/mod.rs, which the
+// launch code uses): an entry compiled with launch bounds refuses larger blocks.
+#define FO_BLOCK_THREADS 128
+// Launch bounds asking for `b` resident blocks per SM, so the compiler keeps the entry's
+// registers under 65536 / (128 * b); nothing on the host.
+#if defined(FO_GPU)
+#define FO_MIN_BLOCKS(b) __launch_bounds__(FO_BLOCK_THREADS, b)
+#else
+#define FO_MIN_BLOCKS(b)
+#endif
+#define FO_ANY_REGISTERS
+
+// BOUNDS: FO_ANY_REGISTERS, or FO_MIN_BLOCKS(b) where measured faster. Quant8 over bf16
+// with 24-bit masters (p5) holds 66 registers unbounded, so 7 blocks of 128 fit an SM;
+// capped at 48 (10 blocks, a few spills around the division's slow-path calls) it ran
+// 1.25x faster (H200, fo selftest, 57.7/57.4 -> 72.0/71.6 G params/s, two runs each,
+// 2026-11-27). Other caps measured there did not pay: 48 for p4 (59 registers: the same
+// speed), 40 (12 blocks) for every entry (fp32 0.86x, p4 0.94x).
+#define FO_STEP_ENTRY(NAME, PATH, BOUNDS)                                                          \
+  FO_GLOBAL void BOUNDS NAME(const fo_step_tensor* __restrict__ table, int count, uint64_t total_groups, \
+                             fo_rule rule, int32_t first) {                                          \
+    FO_CODE_TABLES(tb);                                                                              \
+    fo_step_rows<PATH>(tb, table, count, total_groups, rule, first);                                 \
   }
-FO_STEP_ENTRY(fo_step_kernel, FO_PATH_GENERIC)
-FO_STEP_ENTRY(fo_step_kernel_p1, FO_PATH_TORCH_ADAM_F32)
-FO_STEP_ENTRY(fo_step_kernel_p2, FO_PATH_TORCH_ADAM_BF16)
-FO_STEP_ENTRY(fo_step_kernel_p3, FO_PATH_FLASH_ADAM_Q8_F32)
-FO_STEP_ENTRY(fo_step_kernel_p4, FO_PATH_FLASH_ADAM_Q8_BF16)
-FO_STEP_ENTRY(fo_step_kernel_p5, FO_PATH_FLASH_ADAM_Q8_BF16_E8)
+FO_STEP_ENTRY(fo_step_kernel, FO_PATH_GENERIC, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p1, FO_PATH_TORCH_ADAM_F32, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p2, FO_PATH_TORCH_ADAM_BF16, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p3, FO_PATH_FLASH_ADAM_Q8_F32, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p4, FO_PATH_FLASH_ADAM_Q8_BF16, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p5, FO_PATH_FLASH_ADAM_Q8_BF16_E8, FO_MIN_BLOCKS(10))

@@ -23,6 +23,10 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fo_norm.cuh", include_str!("fo_norm.cuh")),
 ];
 
+/// Threads per block of every launch (whole warps): `FO_BLOCK_THREADS` in fo_step.cuh,
+/// where an entry compiled with launch bounds refuses larger blocks.
+pub const BLOCK_THREADS: u32 = 128;
+
 /// Threads `fo_step_kernel` wants per 32-element group: `FO_GROUP_LANES` in fo_step.cuh,
 /// each lane on 4 consecutive elements (one access per array: a warp's is contiguous).
 pub const STEP_LANES_PER_GROUP: u64 = 8;
@@ -56,5 +60,7 @@ mod tests {
         assert!(src("fo_quant8.cuh").contains("#define FO_GROUP 32\n"));
         assert!(src("fo_step.cuh").contains("#define FO_GROUP_LANES (FO_GROUP / FO_VEC)\n"));
         assert_eq!(STEP_LANES_PER_GROUP, 32 / 4);
+        assert!(src("fo_step.cuh").contains(&format!("#define FO_BLOCK_THREADS {BLOCK_THREADS}\n")));
+        assert_eq!(BLOCK_THREADS % 32, 0, "blocks of whole warps");
     }
 }
