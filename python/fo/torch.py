@@ -104,6 +104,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         """The fo side, empty: built at the first step or load."""
         self._fo = None  # fo.optim.Optimizer
         self._index = {}  # param -> fo index
+        self._order = []  # (param, fo index, name) in registration order: a step's loop
         self._where = {}  # param -> (data_ptr, shape, dtype) registered with fo
         self._keep = {}  # param -> what fo borrows (the local tensor, its shard spec)
         self._name = {}  # param -> the name fo knows it by (for error messages)
@@ -191,6 +192,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
             # support ..."); the user needs the parameter too
             raise error(e.status, f"parameter {name} is on cuda:{device}: {e.message}") from None
         self._index[p] = idx.value
+        self._order.append((p, idx.value, name))
         self._fo._fqns.append(name)  # fo.optim's view: fo.ckpt.torch_state_dict(opt._fo) names them
         self._where[p] = self._placed(p)
         self._keep[p] = (arg, spec, mirror, host)
@@ -234,6 +236,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         self._fo.close()
         self.state.forget_live()
         self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
+        self._order = []
         self._mirror_version = {}
         self._sync(also=set(saved))
         for p, st in saved.items():
@@ -287,16 +290,16 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         n = len(self._index)
         if self._grads is None or self._grads.n != n:
             self._grads = GradArray(n)
-        grads, given, names, strided = self._grads, 0, self._name, torch.strided
+        grads, given, strided = self._grads, 0, torch.strided
         try:
-            for p, i in self._index.items():
+            for p, i, name in self._order:
                 g = p.grad
                 if g is None:
                     grads.clear(i)
                 elif g.layout != strided:
-                    raise RuntimeError(_checks.sparse_message(self, names[p]))
+                    raise RuntimeError(_checks.sparse_message(self, name))
                 else:
-                    grads.set(i, g, names[p])
+                    grads.set(i, g, name)
                     given += 1
             check(_optim._step(self._fo._handle, grads.array, n))
         finally:
