@@ -145,6 +145,19 @@ impl KnownMemory {
         self.check(t, a)
     }
 
+    /// Whether `t`'s bytes lie inside a range already validated on its device (`check`
+    /// then passes without a look-up): the caller can skip naming the tensor.
+    pub fn knows(&self, t: &TensorView) -> bool {
+        let device = t.device();
+        let lo = t.as_ptr() as u64;
+        let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
+            return false; // empty or wrapping: `check` decides
+        };
+        self.ranges
+            .iter()
+            .any(|&(d, s, e)| d == device && s <= lo && hi <= e)
+    }
+
     /// `check_memory`, skipped for a tensor inside a range already validated on its
     /// device.
     ///
@@ -156,8 +169,7 @@ impl KnownMemory {
         let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
             return check_memory(t, a); // empty (nothing to check) or wrapping
         };
-        let inside = |&(d, s, e): &(Device, u64, u64)| d == device && s <= lo && hi <= e;
-        if self.ranges.iter().any(inside) {
+        if self.knows(t) {
             return Ok(());
         }
         check_memory(t, a)?;

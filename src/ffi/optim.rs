@@ -265,7 +265,9 @@ pub unsafe extern "C" fn fo_optimizer_step(
             .enumerate()
             .map(|(i, g)| {
                 let given = !g.data.is_null();
-                given.then(|| g.to_view(&format!("grads[{i}]"))).transpose()
+                given
+                    .then(|| g.to_view_named(|| format!("grads[{i}]")))
+                    .transpose()
             })
             .collect::<Result<Vec<Option<TensorView>>>>()?;
         opt.step(&views)

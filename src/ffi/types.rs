@@ -42,6 +42,40 @@ impl fo_tensor {
         self.view_on(device, what)
     }
 
+    /// `to_view` with the argument's name made only for an error: a step converts every
+    /// gradient at every call, and formatting their names (`grads[i].shape`, ...) was
+    /// most of that conversion's cost. The checks are `to_view`'s: any failure runs
+    /// `to_view` again with the name, for its error.
+    pub(crate) unsafe fn to_view_named(self, what: impl Fn() -> String) -> Result<TensorView> {
+        match self.try_view() {
+            Some(v) => Ok(v),
+            None => self.to_view(&what()),
+        }
+    }
+
+    /// The view `to_view` makes, or None where it would fail.
+    unsafe fn try_view(self) -> Option<TensorView> {
+        let device = match self.device {
+            Device::HOST_CODE => Device::Host,
+            n if n >= 0 => Device::Cuda(n as u32),
+            _ => return None,
+        };
+        let dtype = DType::by_code(self.dtype)?;
+        let ndim = usize::try_from(self.ndim)
+            .ok()
+            .filter(|&n| n <= FO_MAX_DIMS)?;
+        if ndim > 0 && self.shape.is_null() {
+            return None;
+        }
+        let shape = std::slice::from_raw_parts(self.shape, ndim);
+        let strides = match (self.strides.is_null(), ndim) {
+            (true, _) => None,
+            (false, 0) => Some(&[][..]),
+            (false, n) => Some(std::slice::from_raw_parts(self.strides, n)),
+        };
+        TensorView::on(device, self.data as *mut u8, dtype, shape, strides, "").ok()
+    }
+
     unsafe fn view_on(self, device: Device, what: &str) -> Result<TensorView> {
         let dtype = DType::from_code(self.dtype, &format!("{what}.dtype"))?;
         let ndim = arg_ndim(self.ndim, &format!("{what}.ndim"), false)?;
@@ -199,6 +233,65 @@ impl From<ShardInfo> for fo_shard_info {
             global_shape: fill(&s.global_shape),
             global_stride: fill(&s.global_stride),
             is_box: s.is_box as i32,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `to_view_named` (a step's gradients) gives what `to_view` gives, view or error,
+    /// across every field a caller can get wrong.
+    #[test]
+    fn a_lazily_named_view_is_the_named_one() {
+        let mut buf = [0u64; 8];
+        let data = buf.as_mut_ptr() as *mut c_void;
+        let shape = [2i64, 3];
+        let bad_shape = [2i64, -1];
+        let huge = [i64::MAX, 4];
+        let strides = [3i64, 1];
+        let bad_strides = [-3i64, 1];
+        let t = |data, dtype, ndim, shape: *const i64, strides: *const i64, device| fo_tensor {
+            data,
+            dtype,
+            ndim,
+            shape,
+            strides,
+            device,
+        };
+        let null = std::ptr::null::<i64>();
+        let cases = [
+            t(data, 0, 2, shape.as_ptr(), null, -1),
+            t(data, 2, 2, shape.as_ptr(), strides.as_ptr(), 3),
+            t(data, 0, 0, null, null, -1),
+            t(data, 0, 0, null, strides.as_ptr(), -1),
+            t(std::ptr::null_mut(), 0, 2, shape.as_ptr(), null, -1),
+            t(std::ptr::null_mut(), 0, 2, bad_shape.as_ptr(), null, -1),
+            t(data, 0, 2, huge.as_ptr(), null, -1),
+            t(
+                (data as *mut u8).wrapping_add(1) as *mut c_void,
+                0,
+                2,
+                shape.as_ptr(),
+                null,
+                -1,
+            ),
+            t(data, 99, 2, shape.as_ptr(), null, -1),
+            t(data, 0, -1, shape.as_ptr(), null, -1),
+            t(data, 0, 9, shape.as_ptr(), null, -1),
+            t(data, 0, 2, null, null, -1),
+            t(data, 0, 2, shape.as_ptr(), bad_strides.as_ptr(), -1),
+            t(data, 0, 2, shape.as_ptr(), null, -2),
+        ];
+        for (k, c) in cases.iter().enumerate() {
+            let want = unsafe { c.to_view("grads[7]") };
+            let got = unsafe { c.to_view_named(|| "grads[7]".to_string()) };
+            match (want, got) {
+                (Ok(w), Ok(g)) => assert_eq!(format!("{w:?}"), format!("{g:?}"), "case {k}"),
+                (Err(w), Err(g)) => assert_eq!(w.to_string(), g.to_string(), "case {k}"),
+                (w, g) => panic!("case {k}: to_view gave {w:?}, to_view_named {g:?}"),
+            }
         }
     }
 }

@@ -63,7 +63,10 @@ impl TensorView {
             ));
         }
         let ushape = non_negative(shape, what, "shape", |s| format!("negative size {s}"))?;
-        let numel = checked_numel(&ushape, &format!("{what}.shape"))?;
+        let numel = match ushape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
+            Some(n) => n,
+            None => checked_numel(&ushape, &format!("{what}.shape"))?, // its error
+        };
         // Bytes as listed (not as stored: a stride-0 view lists more than it stores) must
         // be addressable, so `nbytes()` and every copy of the view are well defined.
         if numel

@@ -122,7 +122,8 @@ impl Optimizer {
                 ),
             ));
         }
-        let context = format!("gradient of {}", p.fqn());
+        // Named only for an error: this runs per gradient per step.
+        let context = || format!("gradient of {}", p.fqn());
         if device.is_cuda() && p.device().is_host() {
             // The offload case: the gradient comes down to the host (`offload_step`);
             // looked up only outside memory already validated (`KnownMemory`).
@@ -132,11 +133,11 @@ impl Optimizer {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             // SAFETY: the address is only looked up.
-            unsafe { known.check_tensor(g, &grad_arg(&context)) }?;
-        } else if device.is_cuda() {
+            unsafe { known.check_tensor(g, &grad_arg(&context())) }?;
+        } else if device.is_cuda() && !g.is_contiguous() {
             // A device parameter's device is open; its memory is checked with the
             // device half (`prepare_device_step`).
-            crate::device::check::check_contiguous(g, &grad_arg(&context))?;
+            crate::device::check::check_contiguous(g, &grad_arg(&context()))?;
         }
         Ok(())
     }
@@ -181,8 +182,10 @@ impl Optimizer {
                 .known
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let context = format!("gradient of {}", p.fqn());
-            known.check(g, &grad_arg(&context))?;
+            if !known.knows(g) {
+                let context = format!("gradient of {}", p.fqn());
+                known.check(g, &grad_arg(&context))?;
+            }
         }
         let mut entries: BTreeMap<(usize, Device), Vec<TableEntry>> = BTreeMap::new();
         for (i, p) in self.entries().iter().enumerate() {
