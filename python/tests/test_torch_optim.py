@@ -412,3 +412,46 @@ def test_torchs_own_optimizer_error_inputs(name):
         else:
             with pytest.raises(e.error_type, match=e.error_regex):
                 build()
+
+
+def test_a_gradient_whose_layout_changes_between_steps_is_read_as_it_now_is():
+    """fo.torch keeps the gradient array across steps and rewrites a slot's dtype, shape and
+    strides only when they change: every change of layout (dtype, strides, none, back) must
+    still step exactly as fresh contiguous f32 gradients of the same values do."""
+    torch.manual_seed(3)
+    w0, b0 = torch.randn(6, 4), torch.randn(6)
+    ps = [torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())]
+    ref = [torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())]
+    opt = fo.torch.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    want = fo.torch.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    layouts = ["f32", "bf16", "transposed", "none", "f32", "strided", "bf16", "f32"]
+    if hasattr(ps[0], "grad_dtype"):
+        for p in ps:
+            p.grad_dtype = None  # torch refuses a bf16 grad on an f32 param unless told
+    else:
+        layouts = [x for x in layouts if x != "bf16"]
+    for s, layout in enumerate(layouts):
+        g = torch.Generator().manual_seed(50 + s)
+        gw, gb = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+        if layout in ("bf16",):
+            gw, gb = gw.bfloat16().float(), gb.bfloat16().float()  # the values a bf16 grad holds
+        for p, q, v in ((ps[0], ref[0], gw), (ps[1], ref[1], gb)):
+            q.grad = None if layout == "none" else v.clone()
+            if layout == "none":
+                p.grad = None
+            elif layout == "bf16":
+                p.grad = v.bfloat16()
+            elif layout == "transposed" and v.dim() == 2:
+                p.grad = v.t().contiguous().t()  # the same values, column-major strides
+            elif layout == "strided":
+                p.grad = torch.stack([v, torch.zeros_like(v)], dim=-1)[..., 0]  # every other element
+            else:
+                p.grad = v.clone()
+        if layout == "transposed":
+            assert ps[0].grad.stride() != ref[0].grad.stride()
+        if layout == "strided":
+            assert not ps[1].grad.is_contiguous()
+        opt.step()
+        want.step()
+        for p, q in zip(ps, ref):
+            assert torch.equal(p, q), f"step {s} ({layout})"
