@@ -7,7 +7,7 @@
 #                                            target/gpu-kit, so the default build stays) of
 #                                            libfo.so, fo and the cuda-feature test binaries,
 #                                            stripped into gpu-kit/ (ignored), with pytest
-#   scripts/gpu_kit.sh run [checks|rust|py|bench|all] [SECONDS]
+#   scripts/gpu_kit.sh run [checks|rust|py|bench|profile|all] [SECONDS]
 #                                            there: each step under its own timeout, the steps
 #                                            within SECONDS (default 540; the GPU and torch lines
 #                                            before them at most 90 s more); logs and a summary
@@ -16,6 +16,9 @@
 # With the device tool: `run` with carry ["gpu-kit"] and the command
 # `bash scripts/gpu_kit.sh run checks`, then `... run bench` on the same warm machine
 # (checks = rust + py: the Rust test binaries and pytest, which may run side by side).
+# `run profile` splits a training step's time (scripts/profile_gpu_step.py, with its CUDA
+# kernels) and, where Nsight Compute (ncu) is installed, reads the counters of one launch of
+# fo.torch's default path (fo_step_kernel_p4); it is not part of `all`.
 # Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
 # FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
 # FO_GPU_KIT_TAR=1 packs the logs into $OUT/logs-<what>.tgz (SUMMARY.txt stays beside it).
@@ -130,6 +133,17 @@ run() {
     step bench_torch_gpu_train 150 python3 scripts/bench_torch_gpu_train.py --rounds 3
     step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
     step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
+  fi
+  if [ "$what" = profile ]; then
+    step profile_gpu_step 150 python3 scripts/profile_gpu_step.py --kernels
+    if command -v ncu >/dev/null 2>&1; then
+      step ncu_step_p4 150 ncu --clock-control none -k regex:fo_step_kernel_p4 --launch-skip 2 -c 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \
+        python3 scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3
+    else
+      printf '%-22s %-8s %5s  %s\n' ncu_step_p4 skipped - "no ncu (Nsight Compute) on the PATH" | tee -a "$OUT/SUMMARY.txt"
+    fi
   fi
   # FO_GPU_KIT_TAR=1: the logs as one archive (the device tool returns a few files from $OUT
   # and drops the rest: on 2026-11-27 five of thirteen logs did not come back).

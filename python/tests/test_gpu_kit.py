@@ -14,7 +14,8 @@ SCRIPT = ROOT / "scripts" / "gpu_kit.sh"
 def run(*args, **env):
     # CUDA_VISIBLE_DEVICES="" hides any GPU; python3 is this interpreter (torch or not).
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    e = dict(os.environ, CUDA_VISIBLE_DEVICES="", PATH=path, **env)
+    e = dict(os.environ, CUDA_VISIBLE_DEVICES="", PATH=path)
+    e.update(env)  # a test may set its own PATH
     return subprocess.run(["bash", str(SCRIPT), *args], env=e, capture_output=True, text=True, timeout=120)
 
 
@@ -75,3 +76,20 @@ def test_the_logs_travel_as_one_archive_when_asked(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["SUMMARY.txt", "logs-checks.tgz"]
     with tarfile.open(out / "logs-checks.tgz") as t:
         assert b"selftest ran" in t.extractfile("./selftest.log").read()
+
+
+def test_profile_splits_a_step_and_reads_counters_only_where_ncu_is(tmp_path):
+    """`run profile` (a dry run here): the step split runs and, without ncu on the PATH, the
+    counters' step says why it was skipped."""
+    kit, out = fake_kit(tmp_path, "echo fo\n")
+    env = dict(FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out))
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not os.path.exists(os.path.join(d, "ncu")))
+    r = run("run", "profile", "60", PATH=os.path.dirname(sys.executable) + os.pathsep + path, **env)
+    assert r.returncode == 0, r.stderr
+    summary = (out / "SUMMARY.txt").read_text()
+    lines = {line.split()[0]: line for line in summary.splitlines() if line.split()}
+    # No GPU here: the script says so and exits 2, which the step records.
+    assert "rc=2" in lines["profile_gpu_step"] and "profile_gpu_step:" in lines["profile_gpu_step"], summary
+    assert "skipped" in lines["ncu_step_p4"] and "no ncu" in lines["ncu_step_p4"], summary
+    assert "selftest" not in lines  # the checks are not part of it
