@@ -52,7 +52,15 @@ def parse(argv=None):
     ap.add_argument("--only", default=",".join(RUNNERS),
                     help=f"comma-separated runners, the first is the base (default: {','.join(RUNNERS)})")
     ap.add_argument("--device", type=int, default=0, help="CUDA ordinal (default 0)")
-    a = ap.parse_args(argv)
+    a = check_args(ap, ap.parse_args(argv))
+    if a.warmup < 0:
+        ap.error("--warmup must be >= 0")
+    return a
+
+
+def check_args(ap, a):
+    """`a` with `--only` as a list of known runners and the sizes positive, else `ap`'s
+    error naming the flag (profile_gpu_step.py takes the same flags)."""
     a.only = [r.strip() for r in a.only.split(",") if r.strip()]
     unknown = [r for r in a.only if r not in RUNNERS]
     if unknown or not a.only:
@@ -60,8 +68,6 @@ def parse(argv=None):
     for flag in ("layers", "width", "batch", "rounds", "steps"):
         if getattr(a, flag) <= 0:
             ap.error(f"--{flag} must be positive")
-    if a.warmup < 0:
-        ap.error("--warmup must be >= 0")
     return a
 
 
@@ -98,24 +104,32 @@ def state_bytes(torch, opt):
     return dev, host
 
 
-def main(argv=None):
-    a = parse(argv)
-    torch = need_torch_gpu(NAME, a.device)
-    import fo
-
+def open_runs(a, name):
+    """(torch, the CUDA device, a seeded generator on it, {runner: (model, optimizer)} for
+    `a.only`), once torch sees the GPU and libfo steps CUDA memory (else one line naming
+    `name` and exit 2). profile_gpu_step.py opens its runs here too."""
+    torch = need_torch_gpu(name, a.device)
     why = fo_cuda_missing()
     if why is not None:
-        die(NAME, why)
+        die(name, why)
     dev = torch.device("cuda", a.device)
     torch.cuda.set_device(dev)
     g = torch.Generator(device=dev).manual_seed(1)
+    runs = {}
+    for r in a.only:
+        model = build(torch, a, dev)
+        runs[r] = (model, optimizer(torch, r, model))
+    return torch, dev, g, runs
+
+
+def main(argv=None):
+    a = parse(argv)
+    torch, dev, g, runs = open_runs(a, NAME)
+    import fo
+
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     batches = [(torch.randn(a.batch, a.width, generator=g, device=dev).to(dtype),
                 torch.randn(a.batch, a.width, generator=g, device=dev).to(dtype)) for _ in range(4)]
-    runs = {}
-    for name in a.only:
-        model = build(torch, a, dev)
-        runs[name] = (model, optimizer(torch, name, model))
     n = sum(p.numel() for p in runs[a.only[0]][0].parameters())
     print(f"{NAME}: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, fo {fo.version()}; "
           f"{a.layers} x Linear({a.width}) {a.dtype}: {n / 1e6:.1f}M params, batch {a.batch}")

@@ -30,8 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from bench_cuda import die, fo_cuda_missing, need_torch_gpu  # noqa: E402
-from bench_torch_gpu_train import RUNNERS, build, optimizer  # noqa: E402
+from bench_torch_gpu_train import check_args, open_runs  # noqa: E402
 
 NAME = "profile_gpu_step"
 DEFAULT = ("torch fused", "fo quant8", "fo fp32")
@@ -50,14 +49,7 @@ def parse(argv=None):
                     help=f"comma-separated runners of bench_torch_gpu_train.py (default: {','.join(DEFAULT)})")
     ap.add_argument("--kernels", action="store_true", help="also print torch.profiler's CUDA kernels per runner")
     ap.add_argument("--device", type=int, default=0, help="CUDA ordinal (default 0)")
-    a = ap.parse_args(argv)
-    a.only = [r.strip() for r in a.only.split(",") if r.strip()]
-    unknown = [r for r in a.only if r not in RUNNERS]
-    if unknown or not a.only:
-        ap.error(f"--only: unknown runner(s) {unknown} (known: {', '.join(RUNNERS)})" if unknown else "--only: none")
-    for flag in ("layers", "width", "batch", "rounds", "steps"):
-        if getattr(a, flag) <= 0:
-            ap.error(f"--{flag} must be positive")
+    a = check_args(ap, ap.parse_args(argv))
     a.dtype, a.warmup = "bf16", 2  # the training bench's model and warm-up
     return a
 
@@ -84,21 +76,11 @@ class CallTimer:
 
 def main(argv=None):
     a = parse(argv)
-    torch = need_torch_gpu(NAME, a.device)
+    torch, dev, g, runs = open_runs(a, NAME)
     import fo
 
-    why = fo_cuda_missing()
-    if why is not None:
-        die(NAME, why)
-    dev = torch.device("cuda", a.device)
-    torch.cuda.set_device(dev)
-    g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(a.batch, a.width, generator=g, device=dev).bfloat16()
     y = torch.randn(a.batch, a.width, generator=g, device=dev).bfloat16()
-    runs = {}
-    for name in a.only:
-        model = build(torch, a, dev)
-        runs[name] = (model, optimizer(torch, name, model))
     n = sum(p.numel() for p in runs[a.only[0]][0].parameters())
     print(f"{NAME}: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, fo {fo.version()}; "
           f"{a.layers} x Linear({a.width}) bf16: {n / 1e6:.1f}M params, batch {a.batch}")
