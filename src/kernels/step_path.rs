@@ -1,8 +1,8 @@
 //! Which entry of the step kernel a launch runs. fo_step.cuh compiles one path per common
 //! AdamW format (its `fo_step_path`) besides the generic one, and one entry per path; an
-//! entry holding one path needs fewer registers (NVRTC 13.2, sm_90: 43 to 60, p5 capped at
-//! 48, against 117 for `fo_step_kernel`, which holds every path and picks each row's), so more threads are
-//! resident. A launch whose rows all take one path runs that path's entry. The rule is
+//! entry holding one path needs fewer registers (NVRTC 13.2, sm_90: 43 to 60, p5 capped
+//! at 48, against 117 for `fo_step_kernel`, which holds every path and picks each row's),
+//! so more threads are resident. A launch whose rows all take one path runs that path's entry. The rule is
 //! written twice, here and in `fo_step_path_of`; `host_kernel_tests` checks that both give
 //! every combination of dtypes, formats and rule kinds the same path.
 use super::step_table::{FoRule, FoStepTensor, MomentKind, RULE_FLASH_ADAM, RULE_TORCH_ADAM};

@@ -29,7 +29,7 @@ use crate::kernels::step_path::{entry_name, STEP_PATHS};
 const BLOCK: u32 = crate::kernels::gpu::BLOCK_THREADS;
 /// Blocks per SM the grid is capped at; the kernel's grid-stride loop covers the rest, so
 /// a huge group does not launch millions of blocks. 16 blocks of 128 threads fill an SM
-/// (2048 threads) when registers allow: the one-path step entries need 42 to 59 (p5 is
+/// (2048 threads) when registers allow: the one-path step entries need 43 to 60 (p5 is
 /// capped at 48, fo_step.cuh).
 const BLOCKS_PER_SM: u32 = 16;
 

@@ -60,11 +60,7 @@ impl Optimizer {
     /// The next overlapped step allocates them again.
     pub fn release_undo(&mut self) -> usize {
         let spares = std::mem::take(self.undo_spares_mut());
-        spares
-            .into_iter()
-            .flatten()
-            .map(|u| u.bytes.len() + u.state.as_ref().map_or(0, ParamState::nbytes))
-            .sum()
+        spares.into_iter().flatten().map(|u| u.nbytes()).sum()
     }
 
     /// Keeps the step's undo records for the next overlapped step to fill.

@@ -50,6 +50,13 @@ pub(in crate::optim) struct Saved {
     pub state: Option<ParamState>,
 }
 
+impl Saved {
+    /// The record's size: the parameter's bytes and its state's.
+    pub fn nbytes(&self) -> usize {
+        self.bytes.len() + self.state.as_ref().map_or(0, ParamState::nbytes)
+    }
+}
+
 /// One parameter back from the pool.
 pub(super) struct Done {
     pub i: usize,
@@ -79,9 +86,7 @@ pub(super) struct Done {
 impl Done {
     /// The undo record's size (what a rollback copies back).
     pub fn undo_bytes(&self) -> usize {
-        self.undo.as_ref().map_or(0, |u| {
-            u.bytes.len() + u.state.as_ref().map_or(0, ParamState::nbytes)
-        })
+        self.undo.as_ref().map_or(0, Saved::nbytes)
     }
 
     /// Puts the parameter's memory back as it was before its step (the state is the
