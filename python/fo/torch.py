@@ -4,7 +4,8 @@
     opt = fo.torch.AdamW(model.parameters(), lr=1e-3, state_format="quant8")
 
 Parameters and gradients are read in place through `data_ptr()` (a DTensor through its local
-shard, with its mesh coordinate and placements as fo's shard spec), so FSDP2 shards offloaded
+shard, with its mesh coordinate and placements as fo's shard spec; a non-contiguous parameter
+through a contiguous stand-in, fo._torch_strided), so FSDP2 shards offloaded
 with `CPUOffloadPolicy` are stepped where they lie, and CUDA parameters on their GPU, on
 torch's current stream, with their state on that GPU (fo._torch_cuda); one optimizer may
 hold both. `offload=` keeps chosen CUDA parameters' master weights and state on the host,
@@ -54,6 +55,7 @@ from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import Storage
+from ._torch_strided import Strided
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 
@@ -76,7 +78,7 @@ def _create(cfg):
     return opt
 
 
-class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.Optimizer):
+class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
@@ -113,6 +115,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         self._device = {}  # param -> the fo device code it is registered with
         self._stream = None  # (handle, {device: torch stream}) fo steps on; None: NULL, unset
         self._mirror_version = {}  # offloaded param -> its version when fo's host copy equalled it
+        self._stand_in = {}  # non-contiguous param -> [the contiguous tensor fo steps, version] (fo._torch_strided)
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
@@ -176,7 +179,9 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         # keeps the CUDA parameter as its mirror (fo._torch_offload)
         mirror = TorchArg(p, f"parameter {name}") if offloaded else None
         host = self._host_copy(p, name) if offloaded else None
-        arg = TorchArg(p if host is None else host, f"parameter {name}")
+        # a non-contiguous parameter: fo steps a contiguous stand-in (fo._torch_strided)
+        stand_in = None if offloaded else self._stand_in_for(p, name)
+        arg = TorchArg(host if host is not None else p if stand_in is None else stand_in, f"parameter {name}")
         spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
         device = arg.struct.device if mirror is None else mirror.struct.device
         if device >= 0:
@@ -200,6 +205,8 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
             if local(p).numel():  # an empty shard has nothing to mirror
                 self._fo.set_mirror(idx.value, mirror)
             self._mirror_seen(p)
+        if stand_in is not None:
+            self._stand_in[p] = [stand_in, local(p)._version]
         self._name[p] = name
         self._device[p] = device
 
@@ -227,6 +234,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
             for gi, p, name in self._names():
                 if p not in self._index and (p.grad is not None or p in also):
                     self._register(p, gi, name)
+        self._stand_ins_in()  # parameters edited in place since: fo reads their stand-ins next
 
     def _rebuild(self):
         """A parameter's storage moved (its module reloaded or re-sharded): register the
@@ -237,7 +245,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
         self.state.forget_live()
         self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
         self._order = []
-        self._mirror_version = {}
+        self._mirror_version, self._stand_in = {}, {}
         self._sync(also=set(saved))
         for p, st in saved.items():
             st.pop("master", None)
@@ -253,6 +261,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
             for p, entries in edits.items():
                 self._load_param(p, entries)
         self._take_up_edits()  # offloaded parameters edited in place (fo._torch_offload)
+        self._stand_ins_in()  # and non-contiguous ones (fo._torch_strided)
 
     # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -274,6 +283,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
                     self._end()
                 else:
                     self._plain_step()
+                self._stand_ins_out([p for p in self._stand_in if p.grad is not None])
                 self.state.after_step()
                 stepped = True
         finally:
@@ -377,6 +387,8 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Storage, torch.optim.
             return
         ckeys = (ctypes.c_char_p * len(keys))(*[k.encode() for k in keys])
         check(_optim._set_state(self._fo._handle, self._index[p], ckeys, tensor_array(args), len(keys)))
+        if "master" in keys:  # fo wrote the parameter's values
+            self._stand_ins_out([p])
 
 
 def _torch_flags(kind, foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,

@@ -1,0 +1,65 @@
+"""fo.torch's non-contiguous parameters: a `channels_last` convolution's weight, a transposed
+view made a parameter. fo updates parameters in place over contiguous memory (its C ABI
+refuses other strides), so such a parameter is registered through a *stand-in*: a
+contiguous tensor of the same values on the same device, which fo steps and owns as its
+parameter. After every step the stand-in's values are copied into the parameter (on the
+current stream for a CUDA one, after fo's kernels), so the loop sees them as it would with
+any optimizer. The stand-in is the truth between steps: an in-place edit of the parameter
+(`load_state_dict` of the model, an init) is found by torch's version counter and copied
+into the stand-in before fo next reads it; a write through `.data` bypasses the counter and
+is overwritten by the next step, as for an offloaded parameter (fo._torch_offload).
+
+So the step has the bits of the same values held contiguously: fo's state (quant8 groups
+of 32 included) runs in the parameter's logical (row-major) order whatever its strides,
+and `state_dict()`, fo's checkpoints and `opt.state[p]` are those of a contiguous parameter.
+The cost is one copy of the parameter's bytes per step and its memory once (the stand-in).
+
+Not for a DTensor whose local shard is not contiguous (FSDP2's shards are): it is refused,
+naming the parameter. Only `fo.torch` imports this module (it needs torch)."""
+import torch
+
+from ._torch_args import UNSUPPORTED, error, is_dtensor, local
+
+
+class Strided:
+    """Mixed into fo.torch's optimizers (which provide `_fresh`'s `_stand_in`: param ->
+    [stand-in, the parameter's version when the two were last equal])."""
+
+    def _stand_in_for(self, p, name):
+        """A contiguous stand-in holding non-contiguous parameter p's values (the caller records
+        it once fo took it); None if p is contiguous (fo steps it in place)."""
+        t = local(p)
+        if t.is_contiguous():
+            return None
+        if is_dtensor(p):
+            raise error(UNSUPPORTED, f"parameter {name}: its local shard is not contiguous (strides "
+                                     f"{tuple(t.stride())} for shape {tuple(t.shape)}); fo steps a DTensor's "
+                                     f"shard in place and needs it contiguous")
+        s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with torch.no_grad():
+            s.copy_(t)
+        return s
+
+    def _stand_ins_in(self):
+        """Parameters edited in place since their stand-in last equalled them: the stand-in
+        takes the edit (fo reads it next)."""
+        if not self._stand_in:
+            return
+        with torch.no_grad():
+            for p, rec in self._stand_in.items():
+                t = local(p)
+                if t._version != rec[1]:
+                    rec[0].copy_(t)
+                    rec[1] = t._version
+
+    def _stand_ins_out(self, params=None):
+        """Copies what fo wrote into the stand-ins of `params` (all: None) into the parameters."""
+        if not self._stand_in:
+            return
+        with torch.no_grad():
+            for p in (self._stand_in if params is None else params):
+                rec = self._stand_in.get(p)
+                if rec is not None:
+                    t = local(p)
+                    t.copy_(rec[0])
+                    rec[1] = t._version
