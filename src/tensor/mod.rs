@@ -1,7 +1,8 @@
 //! Tensors: owned on the host (`Tensor`: bytes, dtype, shape), borrowed views over the
 //! caller's memory wherever it lives (`view`: `TensorView`, pointer, strides and its
-//! `Device`), and the size checks both share.
+//! `Device`; `gather`: a strided view copied out row-major), and the size checks both share.
 pub mod device;
+mod gather;
 pub mod view;
 
 pub use device::Device;

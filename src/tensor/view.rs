@@ -1,6 +1,7 @@
 //! `TensorView`: a borrowed view of caller memory (pointer, dtype, shape, element
 //! strides) that knows which device's memory it is, so no signature has to carry the
 //! device beside it.
+use super::gather::gather;
 use super::{checked_numel, contiguous_strides, try_with_capacity, Device, Tensor, MAX_DIMS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -235,11 +236,8 @@ impl TensorView {
         let data = match self.contiguous_bytes() {
             Some(b) => b.to_vec(),
             None => {
-                let es = self.dtype.size();
                 let mut v = Vec::with_capacity(self.nbytes());
-                self.for_each_offset(|_, off| {
-                    v.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es))
-                });
+                gather(self.ptr, &self.shape, &self.strides, self.dtype.size(), &mut v);
                 v
             }
         };
@@ -260,12 +258,7 @@ impl TensorView {
         let mut data = try_with_capacity::<u8>(self.nbytes(), what)?;
         match self.contiguous_bytes() {
             Some(b) => data.extend_from_slice(b),
-            None => {
-                let es = self.dtype.size();
-                self.for_each_offset(|_, off| {
-                    data.extend_from_slice(std::slice::from_raw_parts(self.ptr.add(off), es))
-                });
-            }
+            None => gather(self.ptr, &self.shape, &self.strides, self.dtype.size(), &mut data),
         }
         Ok(Tensor {
             dtype: self.dtype,
