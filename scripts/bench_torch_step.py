@@ -8,6 +8,11 @@ round medians) and the ratio to torch's fused AdamW measured in the same rounds.
 
     FO_LIBRARY=target/release/libfo.so python scripts/bench_torch_step.py --threads 1,2
 
+`--layout transposed` makes each weight a transposed view (strides (1, 1024)), as a
+channels_last convolution's weight is non-contiguous: torch steps it in place, fo.torch
+through a contiguous stand-in copied back after the step (fo._torch_strided); the two
+layouts' tables give that copy's cost.
+
 On a machine shared with other work, run with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
 otherwise spin-wait for each other, and with more runnable threads than cores torch's
 multi-threaded step collapses (measured: 57-344 ms per step instead of 7-35 ms at 2 threads on
@@ -29,11 +34,16 @@ import fo.torch  # noqa: E402
 SHAPES = [(1024, 1024)] * 12 + [(1024,)] * 2
 
 
-def make_params(seed=0):
+def make_params(seed=0, layout="contiguous"):
     g = torch.Generator().manual_seed(seed)
-    ps = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in SHAPES]
+    ps = []
+    for s in SHAPES:
+        w = torch.randn(s, generator=g) * 0.02
+        if layout == "transposed" and len(s) == 2:  # the same values, column-major: strides (1, rows)
+            w = w.t().contiguous().t()
+        ps.append(torch.nn.Parameter(w))
     for p in ps:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g) * 1e-3)  # the param's strides
     return ps
 
 
@@ -55,10 +65,10 @@ def time_steps(opt, steps):
     return statistics.median(times), min(times)
 
 
-def run(threads, rounds, steps, names):
+def run(threads, rounds, steps, names, layout):
     torch.set_num_threads(threads)
     fo.set_num_threads(threads)
-    opts = {n: OPTIMIZERS[n](make_params()) for n in names}
+    opts = {n: OPTIMIZERS[n](make_params(layout=layout)) for n in names}
     for o in opts.values():  # state allocated, threads started
         for _ in range(3):
             o.step()
@@ -72,7 +82,7 @@ def run(threads, rounds, steps, names):
             best[n] = min(best[n], low)
     base = per[names[0]]
     print(f"\n{threads} thread(s): {len(SHAPES)} tensors, {sum(p.numel() for p in make_params()) / 1e6:.1f}M "
-          f"fp32 params; {rounds} interleaved rounds x {steps} steps; ms/step median [min-max of round medians], "
+          f"fp32 params ({layout}); {rounds} interleaved rounds x {steps} steps; ms/step median [min-max of round medians], "
           "fastest single step (the least disturbed by other load)")
     for n in names:
         ratios = [b / t for b, t in zip(base, per[n])]
@@ -88,12 +98,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", default=",".join(OPTIMIZERS), help="comma-separated names, the first is the base")
+    ap.add_argument("--layout", choices=("contiguous", "transposed"), default="contiguous",
+                    help="transposed: every weight a non-contiguous (transposed) view")
     a = ap.parse_args()
     names = [n.strip() for n in a.only.split(",")]
     print(f"torch {torch.__version__}, fo {fo.version()} ({fo.library_path}), "
           f"default arithmetic {fo.torch.DEFAULT_ARITHMETIC}")
     for t in (int(x) for x in a.threads.split(",")):
-        run(t, a.rounds, a.steps, names)
+        run(t, a.rounds, a.steps, names, a.layout)
 
 
 if __name__ == "__main__":

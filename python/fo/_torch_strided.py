@@ -21,9 +21,18 @@ import torch
 from ._torch_args import UNSUPPORTED, error, is_dtensor, local
 
 
+def storage_order(t):
+    """t's dims from the largest stride to the smallest when that permutation of t is
+    contiguous (t is dense, only its dims' order differs: channels_last, a transpose), else
+    None. Copying into t through `t.permute(order)` walks its memory in order (a transposed
+    1024 x 1024 f32 copy took 0.57 ms so against 4.0 ms through t itself, one thread)."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+    return order if t.permute(order).is_contiguous() else None
+
+
 class Strided:
     """Mixed into fo.torch's optimizers (which provide `_fresh`'s `_stand_in`: param ->
-    [stand-in, the parameter's version when the two were last equal])."""
+    [stand-in, the parameter's version when the two were last equal, `storage_order`])."""
 
     def _stand_in_for(self, p, name):
         """A contiguous stand-in holding non-contiguous parameter p's values (the caller records
@@ -60,6 +69,9 @@ class Strided:
             for p in (self._stand_in if params is None else params):
                 rec = self._stand_in.get(p)
                 if rec is not None:
-                    t = local(p)
-                    t.copy_(rec[0])
+                    t, order = local(p), rec[2]
+                    if order is None:
+                        t.copy_(rec[0])
+                    else:  # written in its own memory order: torch's copy then runs over both in order
+                        t.permute(order).copy_(rec[0].permute(order))
                     rec[1] = t._version

@@ -55,7 +55,7 @@ from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import Storage
-from ._torch_strided import Strided
+from ._torch_strided import Strided, storage_order
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 
@@ -206,7 +206,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
                 self._fo.set_mirror(idx.value, mirror)
             self._mirror_seen(p)
         if stand_in is not None:
-            self._stand_in[p] = [stand_in, local(p)._version]
+            self._stand_in[p] = [stand_in, local(p)._version, storage_order(local(p))]
         self._name[p] = name
         self._device[p] = device
 

@@ -254,3 +254,24 @@ def test_channels_last_cuda_parameters_step_as_contiguous_ones(config):
     assert_same(ref, model)
     assert_same_state(ref_opt, opt)
     assert model.c1.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_storage_order_and_a_parameter_that_is_not_dense():
+    from fo._torch_strided import storage_order
+
+    assert storage_order(torch.empty(8, 16, 5, 5).contiguous(memory_format=torch.channels_last)) == [0, 2, 3, 1]
+    assert storage_order(torch.empty(4, 3).t()) == [1, 0]
+    assert storage_order(torch.empty(4, 6)[:, ::2]) is None  # every other column: no order makes it dense
+    base = torch.randn(4, 6)
+    between = base[:, 1::2].clone()
+    w = torch.nn.Parameter(base[:, ::2])  # strides (6, 2) into base's storage
+    ref = torch.nn.Parameter(base[:, ::2].contiguous())
+    opt, ref_opt = fo.torch.AdamW([w], lr=1e-2), fo.torch.AdamW([ref], lr=1e-2)
+    for s in range(3):
+        g = torch.randn(4, 3, generator=torch.Generator().manual_seed(s))
+        w.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    assert w.stride() == (6, 2) and torch.equal(w, ref)
+    assert torch.equal(base[:, ::2], ref)  # written through to the storage it shares
+    assert torch.equal(base[:, 1::2], between)  # the storage between its elements is untouched
