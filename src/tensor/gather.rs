@@ -15,10 +15,19 @@ const TILE: usize = 16;
 ///
 /// # Safety
 /// `ptr` must be valid for reads of every element the shape and strides address.
-pub(super) unsafe fn gather(ptr: *const u8, shape: &[usize], strides: &[usize], es: usize, out: &mut Vec<u8>) {
+pub(super) unsafe fn gather(
+    ptr: *const u8,
+    shape: &[usize],
+    strides: &[usize],
+    es: usize,
+    out: &mut Vec<u8>,
+) {
     let n: usize = shape.iter().product();
     let start = out.len();
-    assert!(out.capacity() - start >= n * es, "gather: no room for the view");
+    assert!(
+        out.capacity() - start >= n * es,
+        "gather: no room for the view"
+    );
     if n == 0 {
         return;
     }
@@ -89,7 +98,12 @@ unsafe fn copy_dims<T: Copy>(src: *const u8, dims: &[(usize, usize)], dst: *mut 
 /// One 2-D block: `rows` (count, stride) of `cols` (count, stride) elements into `dst`,
 /// `rows.0 * cols.0` elements row-major. Unit-stride rows are copied whole; others in
 /// `TILE` x `TILE` tiles, so reading down a column reuses each line fetched.
-unsafe fn copy_rows<T: Copy>(src: *const T, rows: (usize, usize), cols: (usize, usize), dst: *mut T) {
+unsafe fn copy_rows<T: Copy>(
+    src: *const T,
+    rows: (usize, usize),
+    cols: (usize, usize),
+    dst: *mut T,
+) {
     let ((nr, sr), (nc, sc)) = (rows, cols);
     if sc == 1 {
         for i in 0..nr {
@@ -135,14 +149,23 @@ mod tests {
         let span = if n == 0 {
             0
         } else {
-            shape.iter().zip(strides).map(|(&s, &t)| (s - 1) * t).sum::<usize>() + 1
+            shape
+                .iter()
+                .zip(strides)
+                .map(|(&s, &t)| (s - 1) * t)
+                .sum::<usize>()
+                + 1
         };
         let src: Vec<u8> = (0..span * es).map(|i| (i * 7 + i / 251) as u8).collect();
         let mut out = Vec::with_capacity(n * es + 3);
         out.extend_from_slice(&[9, 9, 9]); // appended after what is there
         unsafe { gather(src.as_ptr(), shape, strides, es, &mut out) };
         assert_eq!(&out[..3], &[9, 9, 9]);
-        assert_eq!(out[3..], reference(&src, shape, strides, es)[..], "{shape:?} {strides:?} es {es}");
+        assert_eq!(
+            out[3..],
+            reference(&src, shape, strides, es)[..],
+            "{shape:?} {strides:?} es {es}"
+        );
     }
 
     #[test]
@@ -164,7 +187,10 @@ mod tests {
     #[test]
     fn dims_merge_only_where_memory_runs_on() {
         assert_eq!(merged(&[2, 3, 4], &[12, 4, 1]), vec![(24, 1)]);
-        assert_eq!(merged(&[8, 16, 5, 5], &[400, 1, 80, 16]), vec![(8, 400), (16, 1), (25, 16)]);
+        assert_eq!(
+            merged(&[8, 16, 5, 5], &[400, 1, 80, 16]),
+            vec![(8, 400), (16, 1), (25, 16)]
+        );
         assert_eq!(merged(&[4, 3], &[1, 4]), vec![(4, 1), (3, 4)]);
         assert_eq!(merged(&[1, 1], &[7, 7]), vec![(1, 0)]);
     }

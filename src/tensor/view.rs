@@ -237,7 +237,13 @@ impl TensorView {
             Some(b) => b.to_vec(),
             None => {
                 let mut v = Vec::with_capacity(self.nbytes());
-                gather(self.ptr, &self.shape, &self.strides, self.dtype.size(), &mut v);
+                gather(
+                    self.ptr,
+                    &self.shape,
+                    &self.strides,
+                    self.dtype.size(),
+                    &mut v,
+                );
                 v
             }
         };
@@ -258,7 +264,13 @@ impl TensorView {
         let mut data = try_with_capacity::<u8>(self.nbytes(), what)?;
         match self.contiguous_bytes() {
             Some(b) => data.extend_from_slice(b),
-            None => gather(self.ptr, &self.shape, &self.strides, self.dtype.size(), &mut data),
+            None => gather(
+                self.ptr,
+                &self.shape,
+                &self.strides,
+                self.dtype.size(),
+                &mut data,
+            ),
         }
         Ok(Tensor {
             dtype: self.dtype,
