@@ -57,6 +57,10 @@ def build(a, device, mesh):
 
 def main():
     a = args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_fsdp2_overlap.py: --device cuda, and torch sees no GPU (torch.cuda.is_available())",
+              file=sys.stderr)
+        sys.exit(2)
     if "LOCAL_RANK" not in os.environ:  # not under torchrun: start one rank of it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                __file__, *sys.argv[1:]]

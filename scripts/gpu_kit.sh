@@ -7,7 +7,7 @@
 #                                            target/gpu-kit, so the default build stays) of
 #                                            libfo.so, fo and the cuda-feature test binaries,
 #                                            stripped into gpu-kit/ (ignored), with pytest
-#   scripts/gpu_kit.sh run [checks|rust|py|bench|profile|all] [SECONDS]
+#   scripts/gpu_kit.sh run [checks|rust|py|bench|profile|overlap|all] [SECONDS]
 #                                            there: each step under its own timeout, the steps
 #                                            within SECONDS (default 540; the GPU and torch lines
 #                                            before them at most 90 s more); logs and a summary
@@ -18,7 +18,10 @@
 # (checks = rust + py: the Rust test binaries and pytest, which may run side by side).
 # `run profile` splits a training step's time (scripts/profile_gpu_step.py, with its CUDA
 # kernels) and, where Nsight Compute (ncu) is installed, reads the counters of one launch of
-# fo.torch's default path (fo_step_kernel_p4); it is not part of `all`.
+# fo.torch's default path (fo_step_kernel_p4); it is not part of `all`. `run overlap` times
+# FSDP2 + CPUOffloadPolicy's overlapped iteration (scripts/bench_fsdp2_overlap.py, on the GPU)
+# with fo's pool on every host core, on all but one (the core the thread driving backward
+# needs: its launches wait while the pool holds every core) and on half of them; not in `all`.
 # Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
 # FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
 # FO_GPU_KIT_TAR=1 packs the logs into $OUT/logs-<what>.tgz (SUMMARY.txt stays beside it).
@@ -113,7 +116,7 @@ run() {
     echo "commit $(cat "$KIT/COMMIT" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
     timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
     timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
-    echo "host cores: $(nproc)"
+    echo "host cores: $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
   } | tee "$OUT/SUMMARY.txt"
   # The budget is the steps': the lines above are bounded by their own timeouts.
   DEADLINE=$((SECONDS + budget))
@@ -126,13 +129,24 @@ run() {
   }
   case $what in checks | all | py) ;; *) false ;; esac && {
     step pytest_cuda 300 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
-      $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_examples.py
+      $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_strided.py \
+      python/tests/test_torch_examples.py
   }
   if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench_fsdp2_overlap 150 python3 scripts/bench_fsdp2_overlap.py --rounds 3
     step bench_torch_gpu_train 150 python3 scripts/bench_torch_gpu_train.py --rounds 3
     step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
     step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
+  fi
+  if [ "$what" = overlap ]; then
+    local cores t done_t=" "
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # nproc heeds OMP_NUM_THREADS
+    for t in "$cores" $((cores - 1)) $((cores / 2)); do
+      case $done_t in *" $t "*) continue ;; esac
+      done_t="$done_t$t "
+      [ "$t" -ge 1 ] && step "fsdp2_overlap_t$t" 170 python3 scripts/bench_fsdp2_overlap.py --device cuda --rounds 3 \
+        --fo-threads "$t"
+    done
   fi
   if [ "$what" = profile ]; then
     step profile_gpu_step 150 python3 scripts/profile_gpu_step.py --kernels

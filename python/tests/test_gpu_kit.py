@@ -93,3 +93,20 @@ def test_profile_splits_a_step_and_reads_counters_only_where_ncu_is(tmp_path):
     assert "rc=2" in lines["profile_gpu_step"] and "profile_gpu_step:" in lines["profile_gpu_step"], summary
     assert "skipped" in lines["ncu_step_p4"] and "no ncu" in lines["ncu_step_p4"], summary
     assert "selftest" not in lines  # the checks are not part of it
+
+
+def test_overlap_times_fsdp2_at_three_pool_sizes_and_needs_a_gpu(tmp_path):
+    """`run overlap` (a dry run here): bench_fsdp2_overlap.py at fo's pool of every core, all
+    but one and half, each on the GPU, so without one each step refuses at once (rc 2)."""
+    kit, out = fake_kit(tmp_path, "echo fo\n")
+    r = run("run", "overlap", "120", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out))
+    assert r.returncode == 0, r.stderr
+    summary = (out / "SUMMARY.txt").read_text()
+    lines = {line.split()[0]: line for line in summary.splitlines() if line.split()}
+    cores = len(os.sched_getaffinity(0))
+    sizes = sorted({t for t in (cores, cores - 1, cores // 2) if t >= 1}, reverse=True)
+    steps = [name for name in lines if name.startswith("fsdp2_overlap_t")]
+    assert sorted(steps) == sorted(f"fsdp2_overlap_t{t}" for t in sizes), summary
+    for name in steps:
+        assert "rc=2" in lines[name] and "torch sees no GPU" in lines[name], summary
+    assert "selftest" not in lines and "bench_fsdp2_overlap" not in lines
