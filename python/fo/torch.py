@@ -115,7 +115,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         self._device = {}  # param -> the fo device code it is registered with
         self._stream = None  # (handle, {device: torch stream}) fo steps on; None: NULL, unset
         self._mirror_version = {}  # offloaded param -> its version when fo's host copy equalled it
-        self._stand_in = {}  # non-contiguous param -> [the contiguous tensor fo steps, version] (fo._torch_strided)
+        self._stand_in = {}  # non-contiguous param -> [the tensor fo steps, version, order] (fo._torch_strided)
         self.state = State(self)
         self._compile_key = _compile.register(self)
 
