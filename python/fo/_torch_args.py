@@ -124,8 +124,13 @@ class GradArray:
         self._keep = [None] * n  # the tensors whose memory the slots point at, for the call
 
     def set(self, i, g, name):
-        """Slot i passes gradient g of the parameter named `name` (for errors)."""
+        """Slot i passes gradient g of the parameter named `name` (for errors). fo's kernels
+        read a CUDA gradient contiguous: a strided one (a channels_last convolution's, whose
+        parameter steps through a stand-in, fo._torch_strided) passes a contiguous copy made
+        on the current stream, which fo steps on, and kept for the call."""
         t = g._local_tensor if DTensor is not None and isinstance(g, DTensor) else g
+        if t.is_cuda and not t.is_contiguous():
+            t = t.contiguous()
         layout = (t.dtype, t.device, t.shape, t.stride())
         if layout != self._layout[i]:
             self._configure(i, t, layout, f"gradient of parameter {name}")
