@@ -40,6 +40,14 @@ def local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
+def version(p):
+    """What moves when p is edited in place: its own version counter and its local tensor's.
+    A DTensor's in-place op (`p.mul_`, a model's load_state_dict) bumps the DTensor's counter
+    only, its local tensor being written below autograd, while a write into `p.to_local()`
+    bumps the local tensor's only; for a plain tensor the two are one."""
+    return p._version, local(p)._version
+
+
 def device_code(t, what):
     """fo's `device` for torch tensor `t` (a local tensor): FO_DEVICE_HOST on the CPU, the
     ordinal on CUDA; any other device (meta, mps, xpu...) is fo's UNSUPPORTED naming `what`."""

@@ -35,7 +35,7 @@ Only `fo.torch` imports this module (it needs torch)."""
 import numbers
 
 from . import _torch_cuda as _cuda
-from ._torch_args import UNSUPPORTED, error, group_names, local
+from ._torch_args import UNSUPPORTED, error, group_names, local, version
 
 
 def check_offload(offload):
@@ -99,13 +99,13 @@ class Offload:
 
     def _mirror_seen(self, p):
         """Records p's version now that fo's host copy equals it."""
-        self._mirror_version[p] = local(p)._version
+        self._mirror_version[p] = version(p)
 
     def _take_up_edits(self):
         """Offloaded parameters edited in place since fo last wrote them: the host copy takes
         the edit (as master: error bits reset, the mirror rewritten with the same values)."""
         for p, seen in list(self._mirror_version.items()):
-            if p in self._index and local(p)._version != seen:
+            if p in self._index and version(p) != seen:
                 if self._has_state(p):
                     self._load_param(p, {"master": local(p).detach().float()})
                 else:  # no state (no error bits) yet: fo's host copy is all there is

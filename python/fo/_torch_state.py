@@ -23,10 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from ._torch_args import local
-
-
-def _version(t):
-    return (t._version, local(t)._version)
+from ._torch_args import version as _version
 
 
 class ParamState(dict):

@@ -141,3 +141,38 @@ def test_copies_of_an_offloading_optimizer_step_on_their_own_parameters():
     run(opt, dev, 2, start=2)
     run(twin, twin_ps, 2, start=2)
     assert_same_bits(dev, twin_ps)
+
+
+def test_an_in_place_edit_of_an_offloaded_dtensor_is_taken_up():
+    """A DTensor's in-place op bumps the DTensor's version counter, not its local tensor's
+    (found 2026-11-27 on the host: fo compared the local tensor's, so an edit of an FSDP2
+    parameter offloaded with `offload=`, a model load_state_dict, was overwritten by fo's host
+    copy at the next step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        host = params("cpu")
+        dev = [DTensor.from_local(p.detach().to(CUDA), mesh, [Shard(0)], run_check=False).requires_grad_()
+               for p in host]
+        h = fo.torch.AdamW(host, lr=1e-2, arithmetic="exact")
+        d = fo.torch.AdamW(dev, lr=1e-2, arithmetic="exact", offload=1.0)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            for a, b in zip(host, dev):
+                a.grad = torch.randn(a.shape, generator=g)
+                b.grad = DTensor.from_local(a.grad.to(CUDA), mesh, [Shard(0)], run_check=False)
+            h.step()
+            d.step()
+            if step == 1:
+                with torch.no_grad():
+                    host[0].mul_(0.5)
+                    dev[0].mul_(0.5)  # bumps dev[0]._version only
+        torch.cuda.synchronize()
+        assert_same_bits(host, [p.to_local() for p in dev])
+    finally:
+        dist.destroy_process_group()
