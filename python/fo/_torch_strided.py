@@ -15,11 +15,11 @@ and `state_dict()`, fo's checkpoints and `opt.state[p]` are those of a contiguou
 The cost is a copy of the parameter per step (and, in fo, the gather of its strided gradient)
 and its memory once (the stand-in).
 
-Not for a DTensor whose local shard is not contiguous (FSDP2's shards are): it is refused,
-naming the parameter. Only `fo.torch` imports this module (it needs torch)."""
+A DTensor parameter whose local shard is not contiguous gets a stand-in for that shard (its
+shard spec is the parameter's). Only `fo.torch` imports this module (it needs torch)."""
 import torch
 
-from ._torch_args import UNSUPPORTED, error, is_dtensor, local
+from ._torch_args import local, version
 
 
 def storage_order(t):
@@ -33,7 +33,7 @@ def storage_order(t):
 
 class Strided:
     """Mixed into fo.torch's optimizers (which provide `_fresh`'s `_stand_in`: param ->
-    [stand-in, the parameter's version when the two were last equal, `storage_order`])."""
+    [stand-in, the parameter's `version` when the two were last equal, `storage_order`])."""
 
     def _stand_in_for(self, p, name):
         """A contiguous stand-in holding non-contiguous parameter p's values (the caller records
@@ -41,10 +41,6 @@ class Strided:
         t = local(p)
         if t.is_contiguous():
             return None
-        if is_dtensor(p):
-            raise error(UNSUPPORTED, f"parameter {name}: its local shard is not contiguous (strides "
-                                     f"{tuple(t.stride())} for shape {tuple(t.shape)}); fo steps a DTensor's "
-                                     f"shard in place and needs it contiguous")
         s = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         with torch.no_grad():
             s.copy_(t)
@@ -57,10 +53,9 @@ class Strided:
             return
         with torch.no_grad():
             for p, rec in self._stand_in.items():
-                t = local(p)
-                if t._version != rec[1]:
-                    rec[0].copy_(t)
-                    rec[1] = t._version
+                if version(p) != rec[1]:
+                    rec[0].copy_(local(p))
+                    rec[1] = version(p)
 
     def _stand_ins_out(self, params=None):
         """Copies what fo wrote into the stand-ins of `params` (all: None) into the parameters."""
@@ -75,4 +70,4 @@ class Strided:
                         t.copy_(rec[0])
                     else:  # written in its own memory order: torch's copy then runs over both in order
                         t.permute(order).copy_(rec[0].permute(order))
-                    rec[1] = t._version
+                    rec[1] = version(p)

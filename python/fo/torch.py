@@ -46,7 +46,7 @@ from . import optim as _optim
 from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
 from ._torch_args import (UNSUPPORTED, GradArray, TorchArg, error, group_names, is_dtensor, like_param, local,
-                          shard_spec)
+                          shard_spec, version)
 from ._torch_clip import Clip, clip_grad_norm_
 from ._torch_dicts import Dicts
 from . import _torch_cuda as _cuda
@@ -206,7 +206,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
                 self._fo.set_mirror(idx.value, mirror)
             self._mirror_seen(p)
         if stand_in is not None:
-            self._stand_in[p] = [stand_in, local(p)._version, storage_order(local(p))]
+            self._stand_in[p] = [stand_in, version(p), storage_order(local(p))]
         self._name[p] = name
         self._device[p] = device
 

@@ -220,23 +220,40 @@ def test_state_dict_master_and_deepcopy_round_trip():
     assert_same_state(ref_opt, opt2)
 
 
-def test_a_non_contiguous_local_shard_is_refused_naming_the_parameter():
+def test_a_dtensor_whose_local_shard_is_not_contiguous_steps_as_a_contiguous_one():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is needed")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (1,))
-        w = DTensor.from_local(torch.randn(4, 3).t(), mesh, [Replicate()], run_check=False).requires_grad_()
+        init = torch.randn(3, 40)
+
+        def leaf(t):
+            return DTensor.from_local(t, mesh, [Shard(0)], run_check=False).requires_grad_()
+
+        w = leaf(init.t().contiguous().t())  # local shard strides (1, 3)
+        ref = leaf(init.clone())
+        assert not w.to_local().is_contiguous()
         opt = fo.torch.AdamW([("tp.weight", w)], lr=1e-2)
-        w.grad = DTensor.from_local(torch.ones(3, 4), mesh, [Replicate()], run_check=False)
-        with pytest.raises(fo.FoError, match="parameter tp.weight: its local shard is not contiguous") as e:
+        ref_opt = fo.torch.AdamW([("tp.weight", ref)], lr=1e-2)
+        for s in range(3):
+            g = torch.randn(3, 40, generator=torch.Generator().manual_seed(s))
+            w.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+            ref.grad = DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
             opt.step()
-        assert e.value.name == "FO_ERR_UNSUPPORTED"
+            ref_opt.step()
+            if s == 1:
+                with torch.no_grad():  # an in-place edit of the DTensor reaches its local shard
+                    w.mul_(0.5)
+                    ref.mul_(0.5)
+        assert torch.equal(w.to_local(), ref.to_local())
+        assert w.to_local().stride() == (1, 3)
+        assert opt.state_dict()["state"][0]["exp_avg"].to_local().equal(ref_opt.state_dict()["state"][0]["exp_avg"].to_local())
     finally:
         dist.destroy_process_group()
 
