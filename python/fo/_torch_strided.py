@@ -35,7 +35,7 @@ class Strided:
     """Mixed into fo.torch's optimizers (which provide `_fresh`'s `_stand_in`: param ->
     [stand-in, the parameter's `version` when the two were last equal, `storage_order`])."""
 
-    def _stand_in_for(self, p, name):
+    def _stand_in_for(self, p):
         """A contiguous stand-in holding non-contiguous parameter p's values (the caller records
         it once fo took it); None if p is contiguous (fo steps it in place)."""
         t = local(p)

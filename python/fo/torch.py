@@ -180,7 +180,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         mirror = TorchArg(p, f"parameter {name}") if offloaded else None
         host = self._host_copy(p, name) if offloaded else None
         # a non-contiguous parameter: fo steps a contiguous stand-in (fo._torch_strided)
-        stand_in = None if offloaded else self._stand_in_for(p, name)
+        stand_in = None if offloaded else self._stand_in_for(p)
         arg = TorchArg(host if host is not None else p if stand_in is None else stand_in, f"parameter {name}")
         spec = shard_spec(p, f"parameter {name}") if is_dtensor(p) else None
         device = arg.struct.device if mirror is None else mirror.struct.device
