@@ -184,8 +184,8 @@ def test_a_step_left_open_is_put_back_in_the_stand_in_and_the_parameter():
     opt.zero_grad()
     loss(model, 7).backward()  # hands every gradient over: fo steps them (stand-ins included)
     strided = [(a, b) for a, b in zip(before, model.parameters()) if not b.is_contiguous()]
+    # (the contiguous ones are fo's pool's to write meanwhile: not read here)
     assert len(strided) == 2 and all(torch.equal(a, b) for a, b in strided)
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # contiguous: in place
     opt.zero_grad()  # no step(): the early steps are put back
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     train(ref, ref_opt, 2, start=2)
