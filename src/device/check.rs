@@ -134,6 +134,14 @@ pub struct KnownMemory {
 /// Ranges kept; past it the oldest is forgotten (and queried again if used again).
 const KNOWN_RANGES: usize = 1024;
 
+/// `t`'s bytes as `[lo, hi)`, or None where they are empty or wrap the address space.
+fn span(t: &TensorView) -> Option<(u64, u64)> {
+    let lo = t.as_ptr() as u64;
+    lo.checked_add(t.nbytes() as u64)
+        .filter(|&hi| hi > lo)
+        .map(|hi| (lo, hi))
+}
+
 impl KnownMemory {
     /// `check_tensor`, with the memory half skipped inside a range already validated.
     ///
@@ -148,11 +156,10 @@ impl KnownMemory {
     /// Whether `t`'s bytes lie inside a range already validated on its device (`check`
     /// then passes without a look-up): the caller can skip naming the tensor.
     pub fn knows(&self, t: &TensorView) -> bool {
-        let device = t.device();
-        let lo = t.as_ptr() as u64;
-        let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
-            return false; // empty or wrapping: `check` decides
-        };
+        span(t).is_some_and(|(lo, hi)| self.holds(t.device(), lo, hi))
+    }
+
+    fn holds(&self, device: Device, lo: u64, hi: u64) -> bool {
         self.ranges
             .iter()
             .any(|&(d, s, e)| d == device && s <= lo && hi <= e)
@@ -165,11 +172,10 @@ impl KnownMemory {
     /// As `check_memory`.
     pub unsafe fn check(&mut self, t: &TensorView, a: &DeviceArg<'_>) -> Result<()> {
         let device = t.device();
-        let lo = t.as_ptr() as u64;
-        let Some(hi) = lo.checked_add(t.nbytes() as u64).filter(|&hi| hi > lo) else {
+        let Some((lo, hi)) = span(t) else {
             return check_memory(t, a); // empty (nothing to check) or wrapping
         };
-        if self.knows(t) {
+        if self.holds(device, lo, hi) {
             return Ok(());
         }
         check_memory(t, a)?;
