@@ -36,8 +36,8 @@ class Strided:
     [stand-in, the parameter's `version` when the two were last equal, `storage_order`])."""
 
     def _stand_in_for(self, p):
-        """A contiguous stand-in holding non-contiguous parameter p's values (the caller records
-        it once fo took it); None if p is contiguous (fo steps it in place)."""
+        """A contiguous stand-in holding non-contiguous parameter p's values (the caller keeps
+        it, `_keep_stand_in`, once fo took it); None if p is contiguous (fo steps it in place)."""
         t = local(p)
         if t.is_contiguous():
             return None
@@ -45,6 +45,10 @@ class Strided:
         with torch.no_grad():
             s.copy_(t)
         return s
+
+    def _keep_stand_in(self, p, stand_in):
+        """Records the stand-in fo registered for p, equal to p now."""
+        self._stand_in[p] = [stand_in, version(p), storage_order(local(p))]
 
     def _stand_ins_in(self):
         """Parameters edited in place since their stand-in last equalled them: the stand-in
@@ -57,12 +61,12 @@ class Strided:
                     rec[0].copy_(local(p))
                     rec[1] = version(p)
 
-    def _stand_ins_out(self, params=None):
-        """Copies what fo wrote into the stand-ins of `params` (all: None) into the parameters."""
+    def _stand_ins_out(self, params):
+        """Copies what fo wrote into the stand-ins of `params` into the parameters."""
         if not self._stand_in:
             return
         with torch.no_grad():
-            for p in (self._stand_in if params is None else params):
+            for p in params:
                 rec = self._stand_in.get(p)
                 if rec is not None:
                     t, order = local(p), rec[2]

@@ -46,7 +46,7 @@ from . import optim as _optim
 from . import _torch_checks as _checks
 from ._ffi import FoError, check, tensor_array
 from ._torch_args import (UNSUPPORTED, GradArray, TorchArg, error, group_names, is_dtensor, like_param, local,
-                          shard_spec, version)
+                          shard_spec)
 from ._torch_clip import Clip, clip_grad_norm_
 from ._torch_dicts import Dicts
 from . import _torch_cuda as _cuda
@@ -55,7 +55,7 @@ from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
 from ._torch_storage import Storage
-from ._torch_strided import Strided, storage_order
+from ._torch_strided import Strided
 
 __all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 
@@ -206,7 +206,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
                 self._fo.set_mirror(idx.value, mirror)
             self._mirror_seen(p)
         if stand_in is not None:
-            self._stand_in[p] = [stand_in, version(p), storage_order(local(p))]
+            self._keep_stand_in(p, stand_in)
         self._name[p] = name
         self._device[p] = device
 
