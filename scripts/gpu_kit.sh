@@ -102,6 +102,8 @@ run() {
   fi
   OUT=${OUT:-$KIT/out}
   mkdir -p "$OUT"
+  local cores
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # nproc heeds OMP_NUM_THREADS
   # Test binaries find the kernel sources and fixtures through the checkout they were built
   # in (env!("CARGO_MANIFEST_DIR")); on the GPU machine that path is this copy.
   local built
@@ -116,7 +118,7 @@ run() {
     echo "commit $(cat "$KIT/COMMIT" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
     timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
     timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
-    echo "host cores: $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
+    echo "host cores: $cores"
   } | tee "$OUT/SUMMARY.txt"
   # The budget is the steps': the lines above are bounded by their own timeouts.
   DEADLINE=$((SECONDS + budget))
@@ -139,8 +141,7 @@ run() {
     step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
   fi
   if [ "$what" = overlap ]; then
-    local cores t done_t=" "
-    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # nproc heeds OMP_NUM_THREADS
+    local t done_t=" "
     for t in "$cores" $((cores - 1)) $((cores / 2)); do
       case $done_t in *" $t "*) continue ;; esac
       done_t="$done_t$t "
