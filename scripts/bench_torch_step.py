@@ -19,6 +19,7 @@ multi-threaded step collapses (measured: 57-344 ms per step instead of 7-35 ms a
 a 2-core machine running ~8 other jobs), which says nothing about either optimizer.
 """
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -81,7 +82,7 @@ def run(threads, rounds, steps, names, layout):
             per[n].append(med)
             best[n] = min(best[n], low)
     base = per[names[0]]
-    print(f"\n{threads} thread(s): {len(SHAPES)} tensors, {sum(p.numel() for p in make_params()) / 1e6:.1f}M "
+    print(f"\n{threads} thread(s): {len(SHAPES)} tensors, {sum(math.prod(s) for s in SHAPES) / 1e6:.1f}M "
           f"fp32 params ({layout}); {rounds} interleaved rounds x {steps} steps; ms/step median [min-max of round medians], "
           "fastest single step (the least disturbed by other load)")
     for n in names:
