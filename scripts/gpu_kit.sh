@@ -156,6 +156,11 @@ run() {
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \
         python3 scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3
+      # The same model under the fast arithmetic (fo_fast.cuh): its entry for bf16 + quant8.
+      step ncu_step_p7 150 ncu --clock-control none -k regex:fo_step_kernel_p7 --launch-skip 2 -c 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \
+        python3 scripts/profile_gpu_step.py --only "fo quant8 fast" --rounds 1 --steps 3
     else
       printf '%-22s %-8s %5s  %s\n' ncu_step_p4 skipped - "no ncu (Nsight Compute) on the PATH" | tee -a "$OUT/SUMMARY.txt"
     fi

@@ -14,7 +14,7 @@ KERNELS = pathlib.Path(__file__).resolve().parent.parent / "src" / "kernels" / "
 ARCHS = ["compute_80", "compute_90"]
 ENTRY = "fo_step_kernel"
 # One entry per compiled path besides ENTRY's (src/kernels/step_path.rs).
-STEP_PATHS = 6
+STEP_PATHS = 9
 STEP_ENTRIES = [ENTRY] + [f"{ENTRY}_p{p}" for p in range(1, STEP_PATHS)]
 # The clip's device norm and scaling (fo_norm.cuh).
 NORM_ENTRIES = ["fo_norm_lanes_kernel", "fo_norm_chunks_kernel", "fo_scale_kernel"]

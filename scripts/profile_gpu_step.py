@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from bench_torch_gpu_train import check_args, open_runs  # noqa: E402
 
 NAME = "profile_gpu_step"
-DEFAULT = ("torch fused", "fo quant8", "fo fp32")
+DEFAULT = ("torch fused", "fo quant8", "fo quant8 fast", "fo fp32")
 
 
 def parse(argv=None):

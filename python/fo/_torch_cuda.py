@@ -16,11 +16,11 @@ each device's legacy default stream). So:
   default streams. Host parameters take no stream: an optimizer without CUDA parameters
   never calls `fo_optimizer_set_stream`.
 
-fo's fast arithmetic has no GPU kernel (the C layer refuses it for device parameters of
-compressed formats, naming the parameter: the GPU reproduces the exact arithmetic's bits),
-so a param group that holds a CUDA parameter when it is added defaults to
-`arithmetic="exact"`; a group of host parameters keeps fo.torch's `"fast"`, and so does a
-group whose CUDA parameters are all offloaded (`offload=`: stepped on the host).
+Both arithmetics step CUDA parameters with the host's bits (fo_fast.cuh holds the fast
+one's coding). A param group that holds a CUDA parameter when it is added defaults to
+`arithmetic="exact"`, the GPU step measured on a GPU (the fast one has not run on one
+yet); a group of host parameters keeps fo.torch's `"fast"`, and so does a group whose CUDA
+parameters are all offloaded (`offload=`: stepped on the host).
 
 Only `fo.torch` imports this module (it needs torch)."""
 import torch
@@ -31,7 +31,7 @@ from ._ffi import FoError
 from ._torch_args import UNSUPPORTED, error, local
 
 HOST_ARITHMETIC = "fast"  # fo.torch's default for host parameters (within fo's bound of exact)
-DEVICE_ARITHMETIC = "exact"  # the only arithmetic fo's GPU kernels run for compressed state
+DEVICE_ARITHMETIC = "exact"  # a CUDA group's default: the GPU step measured on a GPU so far
 
 
 _SUPPORT = []  # [None, or the FoError of a libfo that cannot step CUDA tensors], probed once

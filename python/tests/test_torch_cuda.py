@@ -82,14 +82,17 @@ def assert_same_state(a, b):
 
 
 # -- trajectories ----------------------------------------------------------------------------
+@pytest.mark.parametrize("arithmetic", [None, "fast"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_cuda_steps_have_the_bits_of_the_host_steps(rule, fmt):
+def test_cuda_steps_have_the_bits_of_the_host_steps(rule, fmt, arithmetic):
+    """Both arithmetics: exact (a CUDA group's default) and fast (fo_fast.cuh) give the
+    host step's bits."""
     dtype, kw = FORMATS[fmt]
     host, dev = params("cpu", dtype), params(CUDA, dtype)
-    h = RULES[rule](host, arithmetic="exact", **kw)
-    d = RULES[rule](dev, **kw)
-    assert d.param_groups[0]["arithmetic"] == "exact"  # a CUDA group's default
+    h = RULES[rule](host, arithmetic=arithmetic or "exact", **kw)
+    d = RULES[rule](dev, arithmetic=arithmetic, **kw)
+    assert d.param_groups[0]["arithmetic"] == (arithmetic or "exact")  # None: a CUDA group's default
     run(h, host, 5)
     run(d, dev, 5)
     assert_same_bits(host, dev)

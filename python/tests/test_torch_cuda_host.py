@@ -201,7 +201,7 @@ def test_a_group_holding_a_cuda_parameter_defaults_to_exact(monkeypatch):
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1)), d]})
     assert opt.param_groups[-1]["arithmetic"] == "exact"
     assert opt.defaults["arithmetic"] is None  # each group's own default
-    # a choice made is kept: fo refuses "fast" for a CUDA parameter's compressed state itself
+    # a choice made is kept ("fast" steps CUDA parameters too, with the host's bits)
     opt = fo.torch.AdamW([a, b], arithmetic="fast")
     assert opt.param_groups[0]["arithmetic"] == "fast"
     opt = fo.torch.SGD([{"params": [a], "arithmetic": "fast"}, {"params": [b]}], arithmetic="exact")

@@ -5,10 +5,12 @@
 //! so more threads are resident. A launch whose rows all take one path runs that path's entry. The rule is
 //! written twice, here and in `fo_step_path_of`; `host_kernel_tests` checks that both give
 //! every combination of dtypes, formats and rule kinds the same path.
-use super::step_table::{FoRule, FoStepTensor, MomentKind, RULE_FLASH_ADAM, RULE_TORCH_ADAM};
+use super::step_table::{
+    FoRule, FoStepTensor, MomentKind, RULE_FAST_ADAM, RULE_FLASH_ADAM, RULE_TORCH_ADAM,
+};
 
 /// The paths (`fo_step_path`): 0 is the generic one, run by `fo_step_kernel`.
-pub const STEP_PATHS: u32 = 6;
+pub const STEP_PATHS: u32 = 9;
 
 /// `fo_step_path_of`: the path of row `t` under rule `r`.
 pub fn row_path(t: &FoStepTensor, r: &FoRule) -> u32 {
@@ -26,6 +28,9 @@ pub fn row_path(t: &FoStepTensor, r: &FoRule) -> u32 {
         (RULE_FLASH_ADAM, F32, 0) if quant8 => 3,
         (RULE_FLASH_ADAM, BF16, 0) if quant8 => 4,
         (RULE_FLASH_ADAM, BF16, 8) if quant8 => 5,
+        (RULE_FAST_ADAM, F32, 0) if quant8 => 6,
+        (RULE_FAST_ADAM, BF16, 0) if quant8 => 7,
+        (RULE_FAST_ADAM, BF16, 8) if quant8 => 8,
         _ => 0,
     }
 }

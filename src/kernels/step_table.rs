@@ -13,6 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::math::config::{OptimConfig, StateFormat};
 use crate::optim::math::quant8::GROUP;
+use crate::optim::math::rule::fast::FastRule;
 use crate::optim::math::rule::lion::Lion;
 use crate::optim::math::rule::sgd::Sgd;
 use crate::optim::math::rule::Rule;
@@ -25,6 +26,11 @@ pub const RULE_TORCH_SGD: i32 = 2;
 pub const RULE_FLASH_SGD: i32 = 3;
 pub const RULE_TORCH_LION: i32 = 4;
 pub const RULE_FLASH_LION: i32 = 5;
+/// The fast arithmetic (`Rule::Fast`): Adam's own kind, SGD and Lion with torch's
+/// operations; all three code their compressed states as fo_fast.cuh does.
+pub const RULE_FAST_ADAM: i32 = 6;
+pub const RULE_FAST_SGD: i32 = 7;
+pub const RULE_FAST_LION: i32 = 8;
 
 /// `fo_rule`: one tensor's scalars for one step. Unused fields are 0 (as `make_rule` in
 /// the C++ test leaves them), so two tables built from the same rule are byte-equal.
@@ -192,8 +198,7 @@ pub struct FoStepTensor {
 }
 
 impl FoRule {
-    /// The kernel's scalars for `rule`. The fast arithmetic has no GPU kernel (exact mode
-    /// is the one whose bits the GPU reproduces), so it is refused, not approximated.
+    /// The kernel's scalars for `rule` (every rule has a GPU kernel giving the host's bits).
     pub fn new(rule: &Rule) -> Result<FoRule> {
         let l2 = |l2: Option<f32>| (l2.is_some() as i32, l2.unwrap_or(0.0));
         fn sgd<O>(kind: i32, c: &Sgd<O>) -> FoRule {
@@ -255,10 +260,24 @@ impl FoRule {
             Rule::FlashSgd(u) => sgd(RULE_FLASH_SGD, u),
             Rule::TorchLion(u) => lion(RULE_TORCH_LION, u),
             Rule::FlashLion(u) => lion(RULE_FLASH_LION, u),
-            Rule::Fast(_) => return Err(Error::Unsupported(
-                "arithmetic = fast has no GPU kernel; device tensors step with arithmetic = exact"
-                    .into(),
-            )),
+            // Fast Adam's `v_root` is the kernel's too: it holds the root exactly where
+            // the row's variance is quantized, as `FastRule::new` decides from the format.
+            Rule::Fast(FastRule::Adam(u)) => FoRule {
+                kind: RULE_FAST_ADAM,
+                has_l2: l2(u.l2).0,
+                l2: l2(u.l2).1,
+                decay: u.decay,
+                b1: u.betas.b1,
+                w1: u.betas.w1,
+                b2: u.betas.b2,
+                w2: u.betas.w2,
+                bc2_sqrt: u.inv_sqrt_bc2,
+                eps: u.eps,
+                lr: u.step,
+                ..FoRule::default()
+            },
+            Rule::Fast(FastRule::Sgd(u)) => sgd(RULE_FAST_SGD, u),
+            Rule::Fast(FastRule::Lion(u)) => lion(RULE_FAST_LION, u),
         };
         Ok(r)
     }

@@ -252,12 +252,47 @@ fn rule_scalars_come_from_rule_new() {
     assert_eq!((r.kind, r.w2, r.lr), (RULE_FLASH_LION, 1.0 - 0.99f32, 1e-3));
 }
 
+/// The fast arithmetic's rules reach the kernel as its own kinds (their states coded the
+/// fast way), with Adam's folded scalars; fp32 state steps torch's rule under both.
 #[test]
-fn fast_arithmetic_and_non_float_dtypes_are_refused() {
-    let mut c = cfg(Algorithm::AdamW, StateFormat::Quant8, 24);
-    c.arithmetic = crate::optim::Arithmetic::Fast;
-    let e = FoRule::new(&Rule::new(&c, 1)).unwrap_err().to_string();
-    assert!(e.contains("arithmetic = fast"), "{e}");
+fn fast_rules_take_the_fast_kinds() {
+    let fast = |a: Algorithm, f: StateFormat| {
+        let mut c = cfg(a, f, 24);
+        c.arithmetic = crate::optim::Arithmetic::Fast;
+        (FoRule::new(&Rule::new(&c, 3)).unwrap(), Rule::new(&c, 3))
+    };
+    let (r, rule) = fast(Algorithm::AdamW, StateFormat::Quant8);
+    let Rule::Fast(crate::optim::math::rule::fast::FastRule::Adam(u)) = rule else {
+        panic!("{rule:?}")
+    };
+    assert_eq!(
+        (r.kind, r.lr, r.bc2_sqrt, r.eps, r.b1, r.decay),
+        (
+            RULE_FAST_ADAM,
+            u.step,
+            u.inv_sqrt_bc2,
+            u.eps,
+            u.betas.b1,
+            u.decay
+        )
+    );
+    assert_eq!((r.bc1, r.bc2), (0.0, 0.0), "unused fields stay 0");
+    assert_eq!(
+        fast(Algorithm::Sgd, StateFormat::Quant8).0.kind,
+        RULE_FAST_SGD
+    );
+    assert_eq!(
+        fast(Algorithm::Lion, StateFormat::ParamDtype).0.kind,
+        RULE_FAST_LION
+    );
+    assert_eq!(
+        fast(Algorithm::AdamW, StateFormat::Fp32).0.kind,
+        RULE_TORCH_ADAM
+    );
+}
+
+#[test]
+fn non_float_dtypes_are_refused() {
     let c = cfg(Algorithm::Sgd, StateFormat::Fp32, 0);
     let mut st = state(&c, DType::F32, 4);
     let e = build_table(&[TableEntry {

@@ -6,7 +6,7 @@ use std::time::Instant;
 use cudarc::driver::{result as cu, sys as cusys};
 use fo::ckpt::{pack, Mode, ParamsAs, SaveOptions};
 use fo::kernels::step_table::StateLayout;
-use fo::optim::{Algorithm, OptimConfig, Optimizer, StateFormat};
+use fo::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, Device, TensorView};
 
 use super::bench_util::{best, fill};
@@ -344,24 +344,33 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     }
     println!("fo selftest on CUDA device {ordinal} ({name}): GPU vs CPU, bit for bit");
     let (mut combos, mut bad, mut bad_ckpt) = (0, 0, 0);
-    for (rule, base) in rules() {
-        for format in FORMATS {
-            for (dtype, mw) in [(DType::F32, 0), (DType::BF16, 24), (DType::F16, 32)] {
-                let mut cfg = base.clone();
-                (cfg.state_format, cfg.master_weight_bits) = (format, mw);
-                let (m, c) = compare(device, &cfg, dtype)?;
-                if m + c > 0 {
-                    println!(
-                        "  {rule} {} {dtype} mw{mw}: {m} mismatching elements, {c} mismatching checkpoint entries",
-                        format.name()
-                    );
+    // Both arithmetics: fp32 state steps torch's rule under either, the compressed formats
+    // FlashOptim's (exact) or fo's fast one, each with the host's bits.
+    for arith in [Arithmetic::Exact, Arithmetic::Fast] {
+        for (rule, base) in rules() {
+            for format in FORMATS {
+                if arith == Arithmetic::Fast && format == StateFormat::Fp32 {
+                    continue;
                 }
-                (combos, bad, bad_ckpt) = (combos + 1, bad + m, bad_ckpt + c);
+                for (dtype, mw) in [(DType::F32, 0), (DType::BF16, 24), (DType::F16, 32)] {
+                    let mut cfg = base.clone();
+                    (cfg.state_format, cfg.master_weight_bits) = (format, mw);
+                    cfg.arithmetic = arith;
+                    let (m, c) = compare(device, &cfg, dtype)?;
+                    if m + c > 0 {
+                        println!(
+                            "  {rule} {} {} {dtype} mw{mw}: {m} mismatching elements, {c} mismatching checkpoint entries",
+                            arith.name(),
+                            format.name()
+                        );
+                    }
+                    (combos, bad, bad_ckpt) = (combos + 1, bad + m, bad_ckpt + c);
+                }
             }
         }
     }
     println!(
-        "{combos} combinations x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
+        "{combos} combinations (rule x format x dtype, exact and fast) x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
          {bad_ckpt} mismatching checkpoint entries"
     );
     let (cases, bad_totals, bad_clip) = clip_compare(device)?;
@@ -373,19 +382,32 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     let mut fp32 = OptimConfig::default_for(Algorithm::AdamW);
     (fp32.state_format, fp32.master_weight_bits) = (StateFormat::Fp32, 0);
     let q8 = OptimConfig::default_for(Algorithm::AdamW);
-    // fo.torch's default for CUDA bf16 parameters: quant8 state without master bits.
     let mut q8_bare = q8.clone();
     q8_bare.master_weight_bits = 0;
+    // fo.torch's default for CUDA bf16 parameters: quant8 state without master bits, fast.
+    let (mut q8_fast, mut q8_bare_fast) = (q8.clone(), q8_bare.clone());
+    q8_fast.arithmetic = Arithmetic::Fast;
+    q8_bare_fast.arithmetic = Arithmetic::Fast;
     println!(
         "throughput, {n} parameters in 64 tensors, best of {} steps:",
         iters
     );
     for (label, cfg, dtype) in [
         ("fp32 AdamW (f32 params, fp32 state)", fp32, DType::F32),
-        ("AdamW bf16 + quant8 + 24-bit master", q8, DType::BF16),
         (
-            "AdamW bf16 + quant8 (fo.torch's default)",
-            q8_bare,
+            "AdamW bf16 + quant8 + 24-bit master, exact",
+            q8,
+            DType::BF16,
+        ),
+        (
+            "AdamW bf16 + quant8 + 24-bit master, fast",
+            q8_fast,
+            DType::BF16,
+        ),
+        ("AdamW bf16 + quant8, exact", q8_bare, DType::BF16),
+        (
+            "AdamW bf16 + quant8, fast (fo.torch's default)",
+            q8_bare_fast,
             DType::BF16,
         ),
     ] {

@@ -22,6 +22,12 @@ pub type RunScale = unsafe extern "C" fn(*const FoNormTensor, i32, u64, f32, f64
 /// (fo_shim.cuh counts them; a misaligned one aborts, as it faults on a GPU).
 pub type VecCounts = unsafe extern "C" fn(*mut u64, *mut u64);
 
+/// The host build of fo_fast.cuh's scalar coding, over `n` inputs: (op, x, n, a, b, k, out).
+/// op 0: `fo_fast_quant_code(a, x, k)`; op 1: `fo_fast_error_code(a, bits, b, x)` with the
+/// bits `x` rounds to (out: bits << 16 | the code's low 16 bits); op 2:
+/// `fo_fast_round_away(x)`.
+pub type FastCodes = unsafe extern "C" fn(i32, *const f32, i32, i32, i32, f32, *mut i32);
+
 /// The kernels' host build, loaded from one shared object.
 #[derive(Clone, Copy)]
 pub struct HostKernels {
@@ -30,11 +36,12 @@ pub struct HostKernels {
     pub scale: RunScale,
     pub vec_counts: VecCounts,
     pub path_of: PathOf,
+    pub fast_codes: FastCodes,
 }
 
 /// Builds the host kernels into a shared object and loads them (once per process).
 pub fn host_kernels() -> std::result::Result<HostKernels, String> {
-    static K: OnceLock<std::result::Result<[usize; 5], String>> = OnceLock::new();
+    static K: OnceLock<std::result::Result<[usize; 6], String>> = OnceLock::new();
     let f = K.get_or_init(build).clone()?;
     // SAFETY: the addresses of the functions `build` defines, with these signatures.
     Ok(unsafe {
@@ -44,6 +51,7 @@ pub fn host_kernels() -> std::result::Result<HostKernels, String> {
             scale: std::mem::transmute::<usize, RunScale>(f[2]),
             vec_counts: std::mem::transmute::<usize, VecCounts>(f[3]),
             path_of: std::mem::transmute::<usize, PathOf>(f[4]),
+            fast_codes: std::mem::transmute::<usize, FastCodes>(f[5]),
         }
     })
 }
@@ -61,9 +69,20 @@ const HOST_RUNNERS: &str = r#"#include "fo_step.cuh"
 extern "C" void fo_test_run(const fo_step_tensor* t, int n, unsigned long long g, const fo_rule* r,
                             int first, unsigned path) {
   decltype(&fo_step_kernel) entries[] = {fo_step_kernel,    fo_step_kernel_p1, fo_step_kernel_p2,
-                                         fo_step_kernel_p3, fo_step_kernel_p4, fo_step_kernel_p5};
+                                         fo_step_kernel_p3, fo_step_kernel_p4, fo_step_kernel_p5,
+                                         fo_step_kernel_p6, fo_step_kernel_p7, fo_step_kernel_p8};
   if (path >= sizeof entries / sizeof entries[0]) abort();
   fo_host_launch(3, 64, [&] { entries[path](t, n, g, *r, first); });
+}
+extern "C" void fo_test_fast_codes(int op, const float* x, int n, int a, int b, float k, int32_t* out) {
+  for (int i = 0; i < n; ++i) {
+    if (op == 0) out[i] = (int32_t)fo_fast_quant_code(a, x[i], k);
+    if (op == 1) {
+      uint16_t bits = fo_f32_to_half(a, x[i]);
+      out[i] = (int32_t)((uint32_t)bits << 16 | ((uint32_t)fo_fast_error_code(a, bits, b, x[i]) & 0xffffu));
+    }
+    if (op == 2) out[i] = fo_fast_round_away(x[i]);
+  }
 }
 extern "C" int fo_test_path_of(const fo_step_tensor* t, const fo_rule* r) { return fo_step_path_of(*t, *r); }
 extern "C" void fo_test_norm(const fo_norm_tensor* t, int n, unsigned long long chunks, int power,
@@ -82,7 +101,7 @@ extern "C" void fo_test_vec_counts(unsigned long long* loads, unsigned long long
 }
 "#;
 
-fn build() -> std::result::Result<[usize; 5], String> {
+fn build() -> std::result::Result<[usize; 6], String> {
     let dir = std::env::temp_dir().join(format!("fo-host-kernel-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let src = dir.join("run.cpp");
@@ -108,7 +127,7 @@ fn build() -> std::result::Result<[usize; 5], String> {
         panic!("g++ failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: a library built just above, defining the five C functions looked up.
+    // SAFETY: a library built just above, defining the six C functions looked up.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
         assert!(!h.is_null(), "dlopen {so:?}");
@@ -123,6 +142,7 @@ fn build() -> std::result::Result<[usize; 5], String> {
             sym(c"fo_test_scale"),
             sym(c"fo_test_vec_counts"),
             sym(c"fo_test_path_of"),
+            sym(c"fo_test_fast_codes"),
         ])
     }
 }

@@ -37,6 +37,7 @@ FO_HD float fo_fma(float a, float b, float c) {
 #endif
 }
 FO_HD float fo_floor(float a) { return floorf(a); }
+FO_HD float fo_trunc(float a) { return truncf(a); }
 FO_HD float fo_abs(float a) { return fabsf(a); }
 FO_HD float fo_copysign(float a, float s) { return copysignf(a, s); }
 FO_HD float fo_maxnum(float a, float b) { return fmaxf(a, b); }
@@ -97,6 +98,7 @@ FO_HD float fo_div(float a, float b) { return a / b; }
 FO_HD float fo_sqrt(float a) { return std::sqrt(a); }
 FO_HD float fo_fma(float a, float b, float c) { return std::fma(a, b, c); }
 FO_HD float fo_floor(float a) { return std::floor(a); }
+FO_HD float fo_trunc(float a) { return std::trunc(a); }
 FO_HD float fo_abs(float a) { return std::fabs(a); }
 FO_HD float fo_copysign(float a, float s) { return std::copysign(a, s); }
 FO_HD float fo_maxnum(float a, float b) { return std::fmax(a, b); }

@@ -5,6 +5,7 @@
 // f32, apply the rule, encode back, exactly as fo's CPU kernel does per element (see
 // fo_step_kernel).
 #pragma once
+#include "fo_fast.cuh"
 #include "fo_halfconv.cuh"
 #include "fo_master.cuh"
 #include "fo_quant8.cuh"
@@ -108,6 +109,26 @@ FO_HD void fo_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32
   if (t.error_bits_width == 16) e[k] = (uint16_t)(int16_t)fo_error_encode(t.param_dtype, x, b, 32767.0f);
 }
 
+// The fast arithmetic's master of element k (fo_fast.cuh).
+FO_HD float fo_fast_param_decode(const fo_step_tensor& t, const uint32_t* p, const uint32_t* e, int k) {
+  if (t.param_dtype == 0) return fo_from_bits(p[k]);
+  int32_t q = t.error_bits_width == 8 ? (int32_t)(int8_t)(uint8_t)e[k]
+              : t.error_bits_width == 16 ? (int32_t)(int16_t)(uint16_t)e[k] : 0;
+  return fo_fast_master(t.param_dtype, (uint16_t)p[k], t.error_bits_width, q);
+}
+
+// The fast arithmetic's rounding of master x into p[k] and its error bits into e[k].
+FO_HD void fo_fast_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32_t* e, int k) {
+  if (t.param_dtype == 0) {
+    p[k] = fo_bits(x);
+    return;
+  }
+  uint16_t b = fo_f32_to_half(t.param_dtype, x);
+  p[k] = b;
+  if (t.error_bits_width == 8) e[k] = (uint8_t)(int8_t)fo_fast_error_code(t.param_dtype, b, 8, x);
+  if (t.error_bits_width == 16) e[k] = (uint16_t)(int16_t)fo_fast_error_code(t.param_dtype, b, 16, x);
+}
+
 FO_HD float fo_grad_decode(int32_t dtype, uint32_t w) {
   if (dtype == 0) return fo_from_bits(w);
   return dtype == 2 ? fo_bf16_to_f32((uint16_t)w) : fo_f16_to_f32((uint16_t)w);
@@ -124,6 +145,8 @@ FO_HD int fo_lane_range(const fo_step_tensor& t, uint64_t g, unsigned lane, uint
 // applies the rule element by element, stores the parameter, error bits and any
 // unquantized moment, and leaves the new moments in m and v and their largest quant keys
 // in *km and *kv for the group's encode. `fresh`: SGD's buffer is created by this step.
+// Under the fast arithmetic (fo_rule_fast) the states are coded as fo_fast.cuh says, and
+// m and v are left as the fast encoder takes them (the variance's root).
 FO_HD void fo_step_lane(const fo_code_tables& tb, const fo_step_tensor& t, const fo_rule& rule, bool fresh,
                         uint64_t g, unsigned lane, bool aligned, float* m, float* v, uint32_t* km, uint32_t* kv) {
   uint64_t e0;
@@ -140,20 +163,30 @@ FO_HD void fo_step_lane(const fo_code_tables& tb, const fo_step_tensor& t, const
   if (vs) fo_gather(vw, t.v, vs, e0, n, vec);
   float sm = fo_is_quantized(t.m_kind) ? fo_f16_to_f32(t.m_scales[g]) : 0.0f;
   float sv = fo_is_quantized(t.v_kind) ? fo_f16_to_f32(t.v_scales[g]) : 0.0f;
+  bool fast = fo_rule_fast(rule.kind);
+  bool fm = fast && fo_is_quantized(t.m_kind), fv = fast && fo_is_quantized(t.v_kind);
+  if (fm) sm = fo_fast_decode_factor(t.m_kind, sm);
+  if (fv) sv = fo_fast_decode_factor(t.v_kind, sv);
   // Unrolled over the FO_VEC elements (n only guards), so every array here is a register
   // (fo_vec.cuh says why); the same loop for the vector and the element path.
   FO_UNROLL
   for (int k = 0; k < FO_VEC; ++k) {
     if (k >= n) break;
-    float mk = fo_moment_decode(tb, t.m_kind, mw, k, sm), vk = fo_moment_decode(tb, t.v_kind, vw, k, sv);
-    float pk = fo_param_decode(tb, t, p, e, k);
-    fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh);
-    fo_param_encode(t, pk, p, e, k);
+    float mk = fm ? fo_fast_moment_decode(t.m_kind, mw[k], sm) : fo_moment_decode(tb, t.m_kind, mw, k, sm);
+    float vk = fv ? fo_fast_moment_decode(t.v_kind, vw[k], sv) : fo_moment_decode(tb, t.v_kind, vw, k, sv);
+    float pk = fast ? fo_fast_param_decode(t, p, e, k) : fo_param_decode(tb, t, p, e, k);
+    fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh, fv);
+    if (fast)
+      fo_fast_param_encode(t, pk, p, e, k);
+    else
+      fo_param_encode(t, pk, p, e, k);
     if (ms && !fo_is_quantized(t.m_kind)) mw[k] = fo_moment_encode(t.m_kind, mk);
     if (vs && !fo_is_quantized(t.v_kind)) vw[k] = fo_moment_encode(t.v_kind, vk);
+    if (fv) vk = fo_fast_encoded(t.v_kind, vk);
     m[k] = mk;
     v[k] = vk;
-    uint32_t a = fo_quant_key(t.m_kind, mk), b = fo_quant_key(t.v_kind, vk);
+    uint32_t a = fm ? fo_fast_quant_key(t.m_kind, mk) : fo_quant_key(t.m_kind, mk);
+    uint32_t b = fv ? fo_fast_quant_key(t.v_kind, vk) : fo_quant_key(t.v_kind, vk);
     *km = a > *km ? a : *km;
     *kv = b > *kv ? b : *kv;
   }
@@ -163,18 +196,19 @@ FO_HD void fo_step_lane(const fo_code_tables& tb, const fo_step_tensor& t, const
   if (vs && !fo_is_quantized(t.v_kind)) fo_scatter(t.v, vw, vs, e0, n, vec);
 }
 
-// Encodes one lane's elements of a quantized moment x with their group's f32 scale `a`;
-// the group's first lane also stores the fp16 scale.
-FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, void* s, uint16_t* scales, uint64_t g,
+// Encodes one lane's elements of a quantized moment x with their group's f32 scale `a`
+// (`fast`: the fast arithmetic's coding); the group's first lane also stores the fp16 scale.
+FO_HD void fo_quant_lane(const fo_step_tensor& t, int32_t kind, bool fast, void* s, uint16_t* scales, uint64_t g,
                          unsigned lane, bool aligned, const float* x, float a) {
   uint64_t e0;
   int n = fo_lane_range(t, g, lane, &e0);
   if (!fo_is_quantized(kind) || n == 0) return;
+  float f = fast ? fo_fast_encode_factor(kind, a) : 0.0f;
   uint32_t w[FO_VEC];
   FO_UNROLL
   for (int k = 0; k < FO_VEC; ++k) {
     if (k >= n) break;
-    w[k] = (uint8_t)fo_quant_code(kind, x[k], a);
+    w[k] = fast ? fo_fast_quant_code(kind, x[k], f) : (uint8_t)fo_quant_code(kind, x[k], a);
   }
   fo_scatter(s, w, 1, e0, n, aligned && n == FO_VEC);
   if (lane == 0) scales[g] = fo_f32_to_f16(a);
@@ -206,17 +240,21 @@ FO_HD void fo_step_group(const fo_code_tables& tb, const fo_step_tensor& row, co
   if (!fo_is_quantized(t.m_kind) && !fo_is_quantized(t.v_kind)) return;
   km = fo_lanes_max<FO_GROUP_LANES>(km);
   kv = fo_lanes_max<FO_GROUP_LANES>(kv);
-  float am = fo_quant_scale(t.m_kind, km), av = fo_quant_scale(t.v_kind, kv);
+  // The fast keys are already of the values encoded (the variance's root).
+  bool fast = fo_rule_fast(rule.kind);
+  float am = fast ? fo_floor_scale(fo_from_bits(km)) : fo_quant_scale(t.m_kind, km);
+  float av = fast ? fo_floor_scale(fo_from_bits(kv)) : fo_quant_scale(t.v_kind, kv);
   for (unsigned l = 0; l < FO_RUN_LANES; ++l) {
-    fo_quant_lane(t, t.m_kind, t.m, t.m_scales, g, lane0 + l, aligned, m + l * FO_VEC, am);
-    fo_quant_lane(t, t.v_kind, t.v, t.v_scales, g, lane0 + l, aligned, v + l * FO_VEC, av);
+    fo_quant_lane(t, t.m_kind, fast, t.m, t.m_scales, g, lane0 + l, aligned, m + l * FO_VEC, am);
+    fo_quant_lane(t, t.v_kind, fast, t.v, t.v_scales, g, lane0 + l, aligned, v + l * FO_VEC, av);
   }
 }
 
 // The specialized paths, by the formats of AdamW's common uses (0: the generic path):
-// torch's arithmetic for fp32 state over f32 or bf16 parameters, and FlashOptim's for
-// quant8 state over f32 parameters and over bf16 parameters with or without 24-bit
-// masters (8-bit error bits). Gradients of the parameter's dtype, as torch gives them.
+// torch's arithmetic for fp32 state over f32 or bf16 parameters, and FlashOptim's (exact)
+// and fo's fast arithmetic for quant8 state over f32 parameters and over bf16 parameters
+// with or without 24-bit masters (8-bit error bits). Gradients of the parameter's dtype,
+// as torch gives them.
 enum fo_step_path {
   FO_PATH_GENERIC = 0,
   FO_PATH_TORCH_ADAM_F32 = 1,
@@ -224,6 +262,10 @@ enum fo_step_path {
   FO_PATH_FLASH_ADAM_Q8_F32 = 3,
   FO_PATH_FLASH_ADAM_Q8_BF16 = 4,
   FO_PATH_FLASH_ADAM_Q8_BF16_E8 = 5,
+  FO_PATH_FAST_ADAM_Q8_F32 = 6,
+  FO_PATH_FAST_ADAM_Q8_BF16 = 7,
+  FO_PATH_FAST_ADAM_Q8_BF16_E8 = 8,
+  FO_PATH_LAST = FO_PATH_FAST_ADAM_Q8_BF16_E8,
 };
 
 // Path P's formats, the one table both the choice of a row's path (fo_step_path_of) and
@@ -241,6 +283,9 @@ FO_PATH_FORMATS(FO_PATH_TORCH_ADAM_BF16, 2, 0, FO_MOMENT_F32, FO_MOMENT_F32, FO_
 FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_F32, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
 FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_BF16, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
 FO_PATH_FORMATS(FO_PATH_FLASH_ADAM_Q8_BF16_E8, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FLASH_ADAM)
+FO_PATH_FORMATS(FO_PATH_FAST_ADAM_Q8_F32, 0, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FAST_ADAM)
+FO_PATH_FORMATS(FO_PATH_FAST_ADAM_Q8_BF16, 2, 0, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FAST_ADAM)
+FO_PATH_FORMATS(FO_PATH_FAST_ADAM_Q8_BF16_E8, 2, 8, FO_MOMENT_Q8_SIGNED, FO_MOMENT_Q8_SQRT, FO_RULE_FAST_ADAM)
 
 // Whether row t under rule r has path P's formats.
 template <int P>
@@ -253,7 +298,7 @@ FO_HD bool fo_path_takes(const fo_step_tensor& t, const fo_rule& r) {
 // The first path whose formats row t has, from P on (0 when none).
 template <int P = 1>
 FO_HD int fo_step_path_of(const fo_step_tensor& t, const fo_rule& r) {
-  if constexpr (P > FO_PATH_FLASH_ADAM_Q8_BF16_E8) {
+  if constexpr (P > FO_PATH_LAST) {
     return FO_PATH_GENERIC;
   } else {
     return fo_path_takes<P>(t, r) ? P : fo_step_path_of<P + 1>(t, r);
@@ -281,6 +326,10 @@ FO_HD void fo_step_item(const fo_code_tables& tb, const fo_step_tensor& t, const
     case FO_PATH_FLASH_ADAM_Q8_BF16: return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16>(tb, t, rule, f, g, lane0);
     case FO_PATH_FLASH_ADAM_Q8_BF16_E8:
       return fo_step_path_group<FO_PATH_FLASH_ADAM_Q8_BF16_E8>(tb, t, rule, f, g, lane0);
+    case FO_PATH_FAST_ADAM_Q8_F32: return fo_step_path_group<FO_PATH_FAST_ADAM_Q8_F32>(tb, t, rule, f, g, lane0);
+    case FO_PATH_FAST_ADAM_Q8_BF16: return fo_step_path_group<FO_PATH_FAST_ADAM_Q8_BF16>(tb, t, rule, f, g, lane0);
+    case FO_PATH_FAST_ADAM_Q8_BF16_E8:
+      return fo_step_path_group<FO_PATH_FAST_ADAM_Q8_BF16_E8>(tb, t, rule, f, g, lane0);
     default: return fo_step_group<-1, -1, -1, -1, -1, -1>(tb, t, rule, f, g, lane0);
   }
 }
@@ -355,3 +404,6 @@ FO_STEP_ENTRY(fo_step_kernel_p2, FO_PATH_TORCH_ADAM_BF16, FO_ANY_REGISTERS)
 FO_STEP_ENTRY(fo_step_kernel_p3, FO_PATH_FLASH_ADAM_Q8_F32, FO_ANY_REGISTERS)
 FO_STEP_ENTRY(fo_step_kernel_p4, FO_PATH_FLASH_ADAM_Q8_BF16, FO_ANY_REGISTERS)
 FO_STEP_ENTRY(fo_step_kernel_p5, FO_PATH_FLASH_ADAM_Q8_BF16_E8, FO_MIN_BLOCKS(10))
+FO_STEP_ENTRY(fo_step_kernel_p6, FO_PATH_FAST_ADAM_Q8_F32, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p7, FO_PATH_FAST_ADAM_Q8_BF16, FO_ANY_REGISTERS)
+FO_STEP_ENTRY(fo_step_kernel_p8, FO_PATH_FAST_ADAM_Q8_BF16_E8, FO_ANY_REGISTERS)

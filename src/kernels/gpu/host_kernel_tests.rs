@@ -10,7 +10,7 @@ use crate::kernels::step_path::{row_path, STEP_PATHS};
 use crate::kernels::step_table::{
     build_table, FoRule, FoStepTensor, MomentKind, StatePtrs, TableEntry,
 };
-use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::ParamState;
 use crate::optim::Optimizer;
@@ -232,29 +232,32 @@ fn the_host_kernel_steps_rust_built_tables_like_the_cpu() {
     }
     let (mut combos, mut paths) = (0, std::collections::BTreeSet::new());
     for base in &cfgs {
-        for f in [
-            StateFormat::Fp32,
-            StateFormat::ParamDtype,
-            StateFormat::Quant8,
-            StateFormat::Quant8Wide,
-        ] {
-            for (dt, mw) in [
-                (DType::F32, 0),
-                (DType::BF16, 24),
-                (DType::F16, 32),
-                (DType::BF16, 0),
+        for arith in [Arithmetic::Exact, Arithmetic::Fast] {
+            for f in [
+                StateFormat::Fp32,
+                StateFormat::ParamDtype,
+                StateFormat::Quant8,
+                StateFormat::Quant8Wide,
             ] {
-                let mut c = base.clone();
-                (c.state_format, c.master_weight_bits) = (f, mw);
-                let r = run_both(&k, &c, dt, &SIZES, [0; 3]);
-                assert_eq!(r.bad, 0, "{:?} {f:?} {dt} mw{mw}", c.algorithm);
-                assert_eq!(r.vectors, r.aligned_vectors, "{:?} {f:?} {dt}", c.algorithm);
-                paths.extend(r.paths);
-                combos += 1;
+                for (dt, mw) in [
+                    (DType::F32, 0),
+                    (DType::BF16, 24),
+                    (DType::F16, 32),
+                    (DType::BF16, 0),
+                ] {
+                    let mut c = base.clone();
+                    (c.state_format, c.master_weight_bits) = (f, mw);
+                    c.arithmetic = arith;
+                    let r = run_both(&k, &c, dt, &SIZES, [0; 3]);
+                    assert_eq!(r.bad, 0, "{:?} {arith:?} {f:?} {dt} mw{mw}", c.algorithm);
+                    assert_eq!(r.vectors, r.aligned_vectors, "{:?} {f:?} {dt}", c.algorithm);
+                    paths.extend(r.paths);
+                    combos += 1;
+                }
             }
         }
     }
-    assert_eq!(combos, 9 * 4 * 4);
+    assert_eq!(combos, 9 * 2 * 4 * 4);
     // Every entry of the kernel ran, each giving the CPU step's bits.
     assert_eq!(paths, (0..STEP_PATHS).collect());
 }
@@ -277,7 +280,7 @@ fn the_launch_and_the_kernel_give_every_row_the_same_path() {
         for gd in 0..3 {
             for ew in [0, 8, 16] {
                 for (m, v) in kinds(7).flat_map(|m| kinds(7).map(move |v| (m, v))) {
-                    for kind in 0..6 {
+                    for kind in 0..9 {
                         let t = FoStepTensor {
                             param_dtype: pd,
                             grad_dtype: gd,

@@ -17,6 +17,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fo_halfconv.cuh", include_str!("fo_halfconv.cuh")),
     ("fo_master.cuh", include_str!("fo_master.cuh")),
     ("fo_quant8.cuh", include_str!("fo_quant8.cuh")),
+    ("fo_fast.cuh", include_str!("fo_fast.cuh")),
     ("fo_rules.cuh", include_str!("fo_rules.cuh")),
     ("fo_vec.cuh", include_str!("fo_vec.cuh")),
     ("fo_step.cuh", include_str!("fo_step.cuh")),

@@ -5,7 +5,7 @@ use super::*;
 use crate::device::backend::Backend as _;
 use crate::device::emulated::{self, encode, values, EMULATED};
 use crate::dtype::DType;
-use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
+use crate::optim::math::config::{Algorithm, Arithmetic, OptimConfig, StateFormat};
 
 /// Three parameters in two groups: FlashOptim's layout (bf16, quant8, 24-bit master) and
 /// fp32 AdamW, sizes with partial scale groups.
@@ -17,9 +17,15 @@ fn view(at: *mut u8, n: usize) -> TensorView {
 }
 
 fn build(mem: &mut [Vec<u8>], device: Device) -> Optimizer {
+    build_with(mem, device, Arithmetic::Exact)
+}
+
+/// `build` with the quant8 group's arithmetic `arith`.
+fn build_with(mem: &mut [Vec<u8>], device: Device, arith: Arithmetic) -> Optimizer {
     let mut q8 = OptimConfig::default_for(Algorithm::AdamW);
     (q8.lr, q8.weight_decay) = (1e-2, 0.05);
     (q8.state_format, q8.master_weight_bits) = (StateFormat::Quant8, 24);
+    q8.arithmetic = arith;
     let mut f32 = OptimConfig::default_for(Algorithm::AdamW);
     (f32.state_format, f32.master_weight_bits) = (StateFormat::Fp32, 0);
     let mut opt = Optimizer::new(q8).unwrap();
@@ -81,6 +87,42 @@ fn assert_same(host: &Optimizer, dev: &Optimizer, hm: &[Vec<u8>], dm: &[Vec<u8>]
             "step {s}: p{i}"
         );
     }
+}
+
+/// The fast arithmetic on the device: the host's fast step's bits at every step, the
+/// device group stepping the fast kernel path (quant8 over bf16 with 24-bit masters).
+#[test]
+fn the_fast_arithmetic_steps_on_the_device_with_the_hosts_bits() {
+    if emulated::skip() {
+        return;
+    }
+    let b = emulated::device().unwrap();
+    let bytes = 4096;
+    let seg = Segment {
+        ptr: unsafe { b.alloc_zeroed(bytes, 0) }.unwrap(),
+        bytes,
+    };
+    let mem: Vec<Vec<u8>> = (0..3)
+        .map(|i| encode(DT, &values(SIZES[i], i as u64 + 1)))
+        .collect();
+    let (mut hm, mut dm) = (mem.clone(), mem);
+    let (mut host, mut dev) = (
+        build_with(&mut hm, Device::Host, Arithmetic::Fast),
+        build_with(&mut dm, emulated::dev(EMULATED), Arithmetic::Fast),
+    );
+    for s in 1..5 {
+        step(&mut host, &mut dev, &seg.grads(&[0, 512, 1024], s));
+        assert_same(&host, &dev, &hm, &dm, s);
+    }
+    assert_ne!(hm, mem_of(&[1, 2, 3]), "the parameters moved");
+}
+
+fn mem_of(seeds: &[u64]) -> Vec<Vec<u8>> {
+    seeds
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| encode(DT, &values(SIZES[i], s)))
+        .collect()
 }
 
 #[test]

@@ -383,39 +383,5 @@ pub unsafe fn store_codes<L: Lanes>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernels::host::fused::Portable;
-
-    /// `round_away` is `f32::round` (half away from zero) over the codes' range: the
-    /// values next to every half-integer, and the one below 0.5 that `x + 0.5` gets wrong.
-    #[test]
-    fn round_away_is_round_half_away_from_zero() {
-        let mut xs = vec![
-            0.0f32,
-            -0.0,
-            0.5f32.next_down(),
-            -0.5f32.next_down(),
-            1e-30,
-            -1e-30,
-        ];
-        for k in -32768i32..=32767 {
-            let h = k as f32 + 0.5;
-            xs.extend([
-                h,
-                h.next_up(),
-                h.next_down(),
-                k as f32,
-                (k as f32).next_up(),
-            ]);
-        }
-        for c in xs.chunks(W) {
-            let mut a = [0.0f32; W];
-            a[..c.len()].copy_from_slice(c);
-            let q = round_away(Portable, a);
-            for (x, q) in a.iter().zip(q) {
-                assert_eq!(q as i32, x.round() as i32, "round_away({x:e})");
-            }
-        }
-    }
-}
+#[path = "codec_tests.rs"]
+mod tests;
