@@ -50,12 +50,6 @@ FO_HD float fo_lerp(float start, float end, float w) {
   return fo_abs(w) < 0.5f ? fo_fma(w, d, start) : fo_fma(w - 1.0f, d, end);
 }
 
-// A bias correction divides until it reaches 1.0f (b^t under 2^-25: from about step 165
-// for b1 = 0.9, 17,300 for b2 = 0.999), then x / 1 is x, bit for bit (m and v come from
-// arithmetic, so never a signalling NaN): fo_div_bc skips the division (~10 instructions),
-// on a branch every thread of a launch takes the same way (a launch constant).
-FO_HD float fo_div_bc(float x, float bc) { return bc == 1.0f ? x : fo_div(x, bc); }
-
 // Updates one element: parameter *p from gradient g, states *m and *v (ignored where the
 // rule has none). `first`: the momentum buffer was just created (SGD copies g). `root`:
 // fast Adam's *v holds sqrt(v) in and out (quant8 state, fo_fast.cuh).
@@ -78,7 +72,7 @@ FO_HD void fo_rule_apply(const fo_rule& r, float* p, float g, float* m, float* v
       float pi = *p * r.decay;
       float mi = fo_lerp(*m, gi, r.w1);
       float vi = *v * r.b2 + (r.w2 * gi) * gi;
-      float denom = fo_div_bc(fo_sqrt(vi), r.bc2_sqrt) + r.eps;
+      float denom = fo_div(fo_sqrt(vi), r.bc2_sqrt) + r.eps;
       *p = pi + fo_div(r.lr * mi, denom);
       *m = mi;
       *v = vi;
@@ -89,7 +83,7 @@ FO_HD void fo_rule_apply(const fo_rule& r, float* p, float g, float* m, float* v
       float mi = *m * r.b1 + gi * r.w1;
       float vi = *v * r.b2 + (gi * gi) * r.w2;
       float pi = *p * r.decay;
-      *p = pi - fo_div(r.lr * fo_div_bc(mi, r.bc1), fo_sqrt(fo_div_bc(vi, r.bc2)) + r.eps);
+      *p = pi - fo_div(r.lr * fo_div(mi, r.bc1), fo_sqrt(fo_div(vi, r.bc2)) + r.eps);
       *m = mi;
       *v = vi;
       break;
