@@ -37,6 +37,16 @@ def fma_counts(ptx):
 
 
 def compile_ptx(nvrtc, arch):
+    """The kernels' PTX for `arch` (compute_XY) as text."""
+    return compile_program(nvrtc, arch, "PTX").decode()
+
+
+def compile_cubin(nvrtc, arch):
+    """The kernels' machine code for `arch` (sm_XY): an ELF, as fo's launch code loads first."""
+    return compile_program(nvrtc, arch, "CUBIN")
+
+
+def compile_program(nvrtc, arch, what):
     headers = sorted(KERNELS.glob("*.cuh"))
     # The program includes every header, so each one is compiled (and warned about) alone too.
     src = "".join(f'#include "{h.name}"\n' for h in headers).encode()
@@ -53,11 +63,11 @@ def compile_ptx(nvrtc, arch):
     text = log.value.decode(errors="replace").strip()
     if rc != 0 or text:
         sys.exit(f"NVRTC {arch} (rc {rc}) {' '.join(opts)}:\n{text}")
-    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "get PTX")
+    getattr(nvrtc, f"nvrtcGet{what}Size")(prog, ctypes.byref(size))
+    out = ctypes.create_string_buffer(size.value)
+    check(nvrtc, getattr(nvrtc, f"nvrtcGet{what}")(prog, out), f"get {what}")
     nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return ptx.value.decode()
+    return out.value if what == "PTX" else out.raw
 
 
 def check(nvrtc, rc, what):

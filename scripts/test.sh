@@ -62,6 +62,14 @@ NVRTC13_SO="$NVRTC13_SITE/nvidia/cu13/lib/libnvrtc.so.13"
   .venv/bin/python -m pip install -q --no-deps --target "$NVRTC13_SITE" nvidia-cuda-nvrtc==13.2.86
 .venv/bin/python scripts/nvrtc_check.py "$NVRTC12_SO"
 .venv/bin/python scripts/nvrtc_check.py "$NVRTC13_SO"
+# The kernels' machine code for sm_90, read without a GPU (cuobjdump + nvdisasm from PyPI,
+# 5.5 MB): the static counts docs/gpu.md quotes, and python/tests/test_kernel_sass.py's input.
+CUDA_TOOLS_SITE="${HOME}/.cache/fo/cuda-tools-13.5.37"
+[ -x "$CUDA_TOOLS_SITE/nvidia/cu13/bin/nvdisasm" ] ||
+  .venv/bin/python -m pip install -q --no-deps --target "$CUDA_TOOLS_SITE" \
+    nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
+.venv/bin/python scripts/kernel_sass.py "$NVRTC13_SO" --tools "$CUDA_TOOLS_SITE/nvidia/cu13/bin"
+export FO_TEST_NVRTC13_LIBRARY="$NVRTC13_SO"
 
 step "pytest (Python ctypes binding and examples)"
 export FO_LIBRARY="$ROOT/target/release/libfo.so"
