@@ -50,6 +50,9 @@ def parse_args(argv):
     ap.add_argument("--dtypes", default="fp32,bf16", help="param dtypes, comma-separated: fp32, bf16")
     ap.add_argument("--fo-formats", default="fp32,quant8",
                     help="fo state formats, comma-separated: fp32, param_dtype, quant8, quant8_wide")
+    ap.add_argument("--fo-arithmetic", default="exact,fast",
+                    help="fo arithmetics for its compressed formats, comma-separated: exact, fast "
+                         "(fp32 state steps the same under both, so it runs once)")
     ap.add_argument("--master-bits", type=int, default=24, choices=[0, 24, 32],
                     help="fo's master-weight bits for bf16 params with quant8 state (default 24)")
     ap.add_argument("--rounds", type=count, default=7, help="interleaved rounds (default 7)")
@@ -59,6 +62,12 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     a.dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     a.fo_formats = [f.strip() for f in a.fo_formats.split(",") if f.strip()]
+    a.fo_arithmetic = [m.strip() for m in a.fo_arithmetic.split(",") if m.strip()]
+    for m in a.fo_arithmetic:
+        if m not in ("exact", "fast"):
+            ap.error(f"--fo-arithmetic: unknown arithmetic {m!r} (exact, fast)")
+    if not a.fo_arithmetic:
+        ap.error("--fo-arithmetic: none given")
     for d in a.dtypes:
         if d not in ("fp32", "bf16"):
             ap.error(f"--dtypes: unknown dtype {d!r} (fp32, bf16)")
@@ -77,12 +86,13 @@ def parse_args(argv):
 class FoRunner:
     """An fo optimizer over CUDA tensors, through the C ABI."""
 
-    def __init__(self, torch, params, grads, state_format, master_bits, ordinal):
+    def __init__(self, torch, params, grads, state_format, master_bits, ordinal, arithmetic="exact"):
         from fo import _ffi
         from fo import optim as fo_optim
         self.ffi, self.o = _ffi, fo_optim
         self.params, self.grads = params, grads
-        cfg = fo_optim.config("adamw", state_format=state_format, master_weight_bits=master_bits, **HP)
+        cfg = fo_optim.config("adamw", state_format=state_format, master_weight_bits=master_bits,
+                              arithmetic=arithmetic, **HP)
         self.h = fo_optim._P()
         _ffi.check(fo_optim._create(ctypes.byref(cfg), ctypes.byref(self.h)))
         code = _ffi.DTYPE_CODES["f32" if params[0].dtype == torch.float32 else "bf16"]
@@ -140,11 +150,13 @@ def setup(torch, _ffi, a, dev):
             name = f"torch AdamW {kind} {d}"
             runners[name] = opt.step
             moved[name] = (3 * size + 2 * 2 * size) * a.params  # exp_avg, exp_avg_sq in the param dtype
-        for fmt in a.fo_formats:
+        for fmt, arith in [(f, m) for f in a.fo_formats for m in a.fo_arithmetic]:
+            if fmt == "fp32" and arith != a.fo_arithmetic[0]:
+                continue  # fp32 state: the same step under either arithmetic
             mw = a.master_bits if d == "bf16" and fmt.startswith("quant8") else 0
-            name = f"fo AdamW {fmt}{f'+{mw}b' if mw else ''} {d}"
+            name = f"fo AdamW {fmt}{f'+{mw}b' if mw else ''} {d}{' fast' if arith == 'fast' and fmt != 'fp32' else ''}"
             try:
-                r = FoRunner(torch, [p.clone() for p in init], grads, fmt, mw, a.device)
+                r = FoRunner(torch, [p.clone() for p in init], grads, fmt, mw, a.device, arith)
             except _ffi.FoError as e:
                 sys.exit(f"bench_gpu_step: fo cannot step CUDA tensors here ({_ffi.library_path}): {e}\n"
                          "(build libfo with `cargo build --release --features cuda`)")
