@@ -136,8 +136,8 @@ run() {
   }
   if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench_fsdp2_overlap 150 python3 scripts/bench_fsdp2_overlap.py --rounds 3
-    step bench_torch_gpu_train 150 python3 scripts/bench_torch_gpu_train.py --rounds 3
-    step bench_gpu_step 180 python3 scripts/bench_gpu_step.py --rounds 3
+    step bench_torch_gpu_train 180 python3 scripts/bench_torch_gpu_train.py --rounds 3
+    step bench_gpu_step 220 python3 scripts/bench_gpu_step.py --rounds 3
     step bench_offload 150 python3 scripts/bench_offload.py --rounds 3
   fi
   if [ "$what" = overlap ]; then
