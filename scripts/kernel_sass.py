@@ -32,17 +32,24 @@ COUNTED = ("FCHK", "MUFU", "CALL")
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 
-def parse_sass(text):
-    """{entry: {"instructions": n, opcode: n for COUNTED}} from `cuobjdump -sass` output."""
-    out, name = {}, None
+def by_entry(text, header):
+    """(entry, line) for each line after a line matching `header` (its group 1 names it)."""
+    name = None
     for line in text.splitlines():
-        m = re.search(r"Function : (\S+)", line)
+        m = re.search(header, line)
         if m:
             name = m.group(1)
-            out[name] = dict({"instructions": 0}, **{op: 0 for op in COUNTED})
-            continue
+        elif name is not None:
+            yield name, line
+
+
+def parse_sass(text):
+    """{entry: {"instructions": n, opcode: n for COUNTED}} from `cuobjdump -sass` output."""
+    out = {}
+    for name, line in by_entry(text, r"Function : (\S+)"):
+        out.setdefault(name, dict({"instructions": 0}, **{op: 0 for op in COUNTED}))
         m = INSTRUCTION.match(line)
-        if name is None or not m:
+        if not m:
             continue
         words = m.group(1).split()
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
@@ -55,16 +62,11 @@ def parse_sass(text):
 
 def parse_resources(text):
     """{entry: {"registers": n, "stack": bytes}} from `cuobjdump -res-usage` output."""
-    out, name = {}, None
-    for line in text.splitlines():
-        m = re.search(r"Function (\S+):", line)
-        if m:
-            name = m.group(1)
-            continue
+    out = {}
+    for name, line in by_entry(text, r"Function (\S+):"):
         m = re.search(r"REG:(\d+) STACK:(\d+)", line)
-        if name and m:
+        if m and name not in out:
             out[name] = {"registers": int(m.group(1)), "stack": int(m.group(2))}
-            name = None
     return out
 
 

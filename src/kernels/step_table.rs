@@ -16,7 +16,7 @@ use crate::optim::math::quant8::GROUP;
 use crate::optim::math::rule::fast::FastRule;
 use crate::optim::math::rule::lion::Lion;
 use crate::optim::math::rule::sgd::Sgd;
-use crate::optim::math::rule::Rule;
+use crate::optim::math::rule::{Betas, Rule};
 use crate::optim::math::state::{ErrorBits, F32Buf, Moment, ParamState, Root};
 
 /// `fo_rule_kind` of fo_rules.cuh.
@@ -227,6 +227,20 @@ impl FoRule {
                 ..FoRule::default()
             }
         }
+        // FlashOptim's and the fast arithmetic's Adam: the fields they share.
+        let adam = |kind, l2: Option<f32>, decay, b: Betas, eps, lr| FoRule {
+            kind,
+            has_l2: l2.is_some() as i32,
+            l2: l2.unwrap_or(0.0),
+            decay,
+            b1: b.b1,
+            w1: b.w1,
+            b2: b.b2,
+            w2: b.w2,
+            eps,
+            lr,
+            ..FoRule::default()
+        };
         let r = match rule {
             Rule::TorchAdam(u) => FoRule {
                 kind: RULE_TORCH_ADAM,
@@ -242,19 +256,9 @@ impl FoRule {
                 ..FoRule::default()
             },
             Rule::FlashAdam(u) => FoRule {
-                kind: RULE_FLASH_ADAM,
-                has_l2: l2(u.l2).0,
-                l2: l2(u.l2).1,
-                decay: u.decay,
-                b1: u.betas.b1,
-                w1: u.betas.w1,
-                b2: u.betas.b2,
-                w2: u.betas.w2,
                 bc1: u.bc1,
                 bc2: u.bc2,
-                eps: u.eps,
-                lr: u.lr,
-                ..FoRule::default()
+                ..adam(RULE_FLASH_ADAM, u.l2, u.decay, u.betas, u.eps, u.lr)
             },
             Rule::TorchSgd(u) => sgd(RULE_TORCH_SGD, u),
             Rule::FlashSgd(u) => sgd(RULE_FLASH_SGD, u),
@@ -263,18 +267,8 @@ impl FoRule {
             // Fast Adam's `v_root` is the kernel's too: it holds the root exactly where
             // the row's variance is quantized, as `FastRule::new` decides from the format.
             Rule::Fast(FastRule::Adam(u)) => FoRule {
-                kind: RULE_FAST_ADAM,
-                has_l2: l2(u.l2).0,
-                l2: l2(u.l2).1,
-                decay: u.decay,
-                b1: u.betas.b1,
-                w1: u.betas.w1,
-                b2: u.betas.b2,
-                w2: u.betas.w2,
                 bc2_sqrt: u.inv_sqrt_bc2,
-                eps: u.eps,
-                lr: u.step,
-                ..FoRule::default()
+                ..adam(RULE_FAST_ADAM, u.l2, u.decay, u.betas, u.eps, u.step)
             },
             Rule::Fast(FastRule::Sgd(u)) => sgd(RULE_FAST_SGD, u),
             Rule::Fast(FastRule::Lion(u)) => lion(RULE_FAST_LION, u),

@@ -97,16 +97,20 @@ FO_HD float fo_param_decode(const fo_code_tables& tb, const fo_step_tensor& t, c
   return fo_half_to_f32(t.param_dtype, b);
 }
 
-// Rounds master x into parameter word p[k] and splits off its error bits into e[k].
-FO_HD void fo_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32_t* e, int k) {
+// Rounds master x into parameter word p[k] and splits off its error bits into e[k], the
+// exact way or (`fast`) the fast arithmetic's (fo_fast.cuh).
+FO_HD void fo_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32_t* e, int k, bool fast) {
   if (t.param_dtype == 0) {
     p[k] = fo_bits(x);
     return;
   }
   uint16_t b = fo_f32_to_half(t.param_dtype, x);
   p[k] = b;
-  if (t.error_bits_width == 8) e[k] = (uint8_t)(int8_t)fo_error_encode(t.param_dtype, x, b, 127.0f);
-  if (t.error_bits_width == 16) e[k] = (uint16_t)(int16_t)fo_error_encode(t.param_dtype, x, b, 32767.0f);
+  int32_t w = t.error_bits_width;
+  if (w != 8 && w != 16) return;
+  int32_t c = fast ? fo_fast_error_code(t.param_dtype, b, w, x)
+                   : fo_error_encode(t.param_dtype, x, b, w == 8 ? 127.0f : 32767.0f);
+  e[k] = w == 8 ? (uint32_t)(uint8_t)(int8_t)c : (uint32_t)(uint16_t)(int16_t)c;
 }
 
 // The fast arithmetic's master of element k (fo_fast.cuh).
@@ -115,18 +119,6 @@ FO_HD float fo_fast_param_decode(const fo_step_tensor& t, const uint32_t* p, con
   int32_t q = t.error_bits_width == 8 ? (int32_t)(int8_t)(uint8_t)e[k]
               : t.error_bits_width == 16 ? (int32_t)(int16_t)(uint16_t)e[k] : 0;
   return fo_fast_master(t.param_dtype, (uint16_t)p[k], t.error_bits_width, q);
-}
-
-// The fast arithmetic's rounding of master x into p[k] and its error bits into e[k].
-FO_HD void fo_fast_param_encode(const fo_step_tensor& t, float x, uint32_t* p, uint32_t* e, int k) {
-  if (t.param_dtype == 0) {
-    p[k] = fo_bits(x);
-    return;
-  }
-  uint16_t b = fo_f32_to_half(t.param_dtype, x);
-  p[k] = b;
-  if (t.error_bits_width == 8) e[k] = (uint8_t)(int8_t)fo_fast_error_code(t.param_dtype, b, 8, x);
-  if (t.error_bits_width == 16) e[k] = (uint16_t)(int16_t)fo_fast_error_code(t.param_dtype, b, 16, x);
 }
 
 FO_HD float fo_grad_decode(int32_t dtype, uint32_t w) {
@@ -176,10 +168,7 @@ FO_HD void fo_step_lane(const fo_code_tables& tb, const fo_step_tensor& t, const
     float vk = fv ? fo_fast_moment_decode(t.v_kind, vw[k], sv) : fo_moment_decode(tb, t.v_kind, vw, k, sv);
     float pk = fast ? fo_fast_param_decode(t, p, e, k) : fo_param_decode(tb, t, p, e, k);
     fo_rule_apply(rule, &pk, fo_grad_decode(t.grad_dtype, gr[k]), &mk, &vk, fresh, fv);
-    if (fast)
-      fo_fast_param_encode(t, pk, p, e, k);
-    else
-      fo_param_encode(t, pk, p, e, k);
+    fo_param_encode(t, pk, p, e, k, fast);
     if (ms && !fo_is_quantized(t.m_kind)) mw[k] = fo_moment_encode(t.m_kind, mk);
     if (vs && !fo_is_quantized(t.v_kind)) vw[k] = fo_moment_encode(t.v_kind, vk);
     if (fv) vk = fo_fast_encoded(t.v_kind, vk);

@@ -89,6 +89,30 @@ fn assert_same(host: &Optimizer, dev: &Optimizer, hm: &[Vec<u8>], dm: &[Vec<u8>]
     }
 }
 
+/// The parameters' first values.
+fn first_values() -> Vec<Vec<u8>> {
+    (0..3)
+        .map(|i| encode(DT, &values(SIZES[i], i as u64 + 1)))
+        .collect()
+}
+
+/// A 4 KiB gradient segment on the emulated device, and the host and device optimizers
+/// (`build_with(arith)`) over the parameters' first values: (segment, host memory, device
+/// memory, host optimizer, device optimizer). The optimizers point into the two memories'
+/// buffers, which moving the vectors out leaves in place.
+fn pair(arith: Arithmetic) -> (Segment, Vec<Vec<u8>>, Vec<Vec<u8>>, Optimizer, Optimizer) {
+    let b = emulated::device().unwrap();
+    let bytes = 4096;
+    let seg = Segment {
+        ptr: unsafe { b.alloc_zeroed(bytes, 0) }.unwrap(),
+        bytes,
+    };
+    let (mut hm, mut dm) = (first_values(), first_values());
+    let host = build_with(&mut hm, Device::Host, arith);
+    let dev = build_with(&mut dm, emulated::dev(EMULATED), arith);
+    (seg, hm, dm, host, dev)
+}
+
 /// The fast arithmetic on the device: the host's fast step's bits at every step, the
 /// device group stepping the fast kernel path (quant8 over bf16 with 24-bit masters).
 #[test]
@@ -96,33 +120,13 @@ fn the_fast_arithmetic_steps_on_the_device_with_the_hosts_bits() {
     if emulated::skip() {
         return;
     }
-    let b = emulated::device().unwrap();
-    let bytes = 4096;
-    let seg = Segment {
-        ptr: unsafe { b.alloc_zeroed(bytes, 0) }.unwrap(),
-        bytes,
-    };
-    let mem: Vec<Vec<u8>> = (0..3)
-        .map(|i| encode(DT, &values(SIZES[i], i as u64 + 1)))
-        .collect();
-    let (mut hm, mut dm) = (mem.clone(), mem);
-    let (mut host, mut dev) = (
-        build_with(&mut hm, Device::Host, Arithmetic::Fast),
-        build_with(&mut dm, emulated::dev(EMULATED), Arithmetic::Fast),
-    );
+    let (seg, hm, dm, mut host, mut dev) = pair(Arithmetic::Fast);
     for s in 1..5 {
         step(&mut host, &mut dev, &seg.grads(&[0, 512, 1024], s));
         assert_same(&host, &dev, &hm, &dm, s);
     }
-    assert_ne!(hm, mem_of(&[1, 2, 3]), "the parameters moved");
-}
-
-fn mem_of(seeds: &[u64]) -> Vec<Vec<u8>> {
-    seeds
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| encode(DT, &values(SIZES[i], s)))
-        .collect()
+    assert_ne!(hm, first_values(), "the parameters moved");
+    unsafe { emulated::device().unwrap().free(seg.ptr) };
 }
 
 #[test]
@@ -130,20 +134,7 @@ fn a_step_with_unchanged_pointers_queries_no_pointer_and_uploads_no_table() {
     if emulated::skip() {
         return;
     }
-    let b = emulated::device().unwrap();
-    let bytes = 4096;
-    let seg = Segment {
-        ptr: unsafe { b.alloc_zeroed(bytes, 0) }.unwrap(),
-        bytes,
-    };
-    let mem: Vec<Vec<u8>> = (0..3)
-        .map(|i| encode(DT, &values(SIZES[i], i as u64 + 1)))
-        .collect();
-    let (mut hm, mut dm) = (mem.clone(), mem);
-    let (mut host, mut dev) = (
-        build(&mut hm, Device::Host),
-        build(&mut dm, emulated::dev(EMULATED)),
-    );
+    let (seg, hm, dm, mut host, mut dev) = pair(Arithmetic::Exact);
     let at = [0, 512, 1024];
 
     // Step 1: each gradient's segment is looked up (first and last byte, then its
@@ -203,7 +194,7 @@ fn a_step_with_unchanged_pointers_queries_no_pointer_and_uploads_no_table() {
     assert_eq!((q, u), (0, 1), "step 7: group 0's table changed back");
     assert_same(&host, &dev, &hm, &dm, 7);
     drop(dev);
-    unsafe { b.free(seg.ptr) };
+    unsafe { emulated::device().unwrap().free(seg.ptr) };
 }
 
 /// The offload case (host parameters, device gradients) takes the same validated ranges:
