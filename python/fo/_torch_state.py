@@ -22,8 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._torch_args import local
-from ._torch_args import version as _version
+from ._torch_args import local, version as _version
 
 
 class ParamState(dict):

@@ -52,9 +52,9 @@ FO_HD float fo_fast_moment_decode(int32_t kind, uint32_t code, float k) {
 // variance's root, quant8_wide's root of it), and that value's key: the group's scale is
 // the largest key's value (NaN and negative keys as 0, as the host's max drops them).
 FO_HD float fo_fast_encoded(int32_t kind, float x) { return kind == FO_MOMENT_Q8_FOURTH ? fo_sqrt(x) : x; }
+// The exact coding's key, but for quant8_wide, whose root fo_fast_encoded already took.
 FO_HD uint32_t fo_fast_quant_key(int32_t kind, float x) {
-  if (kind == FO_MOMENT_Q8_SIGNED) return fo_mag_bits(x);
-  return fo_is_q8_unsigned(kind) ? fo_nonneg_bits(x) : 0u;
+  return kind == FO_MOMENT_Q8_FOURTH ? fo_nonneg_bits(x) : fo_quant_key(kind, x);
 }
 
 // The encode factor of a group with f32 scale a: 1/a for the momentum, 255/a for the

@@ -19,8 +19,6 @@ enum fo_moment_kind {
   FO_MOMENT_Q8_FOURTH = 6,  // uint8 codes of v^(1/4) + fp16 scale per 32 (quant8_wide)
 };
 
-FO_HD bool fo_is_q8_unsigned(int32_t kind) { return kind == FO_MOMENT_Q8_SQRT || kind == FO_MOMENT_Q8_FOURTH; }
-
 // |x| as ordered bits, NaN as 0 (so max ignores it, as f32::max does).
 FO_HD uint32_t fo_mag_bits(float x) {
   uint32_t b = fo_bits(x) & 0x7fffffffu;
