@@ -511,8 +511,8 @@ typedef struct fo_optim_config {
  `fo_clip_grad_norm` does; <= 0: no clipping. `error_if_nonfinite` (0/1): a non-finite
  total fails the step, nothing changed or scaled. `undo_budget_bytes`: the most the
  undo records of parameters stepped before `fo_optimizer_step_end` may hold (parameter
- bytes + state bytes); parameters past it are stepped at `fo_optimizer_step_end`;
- 0: no bound.
+ bytes + state bytes, host and device records together); parameters past it are
+ stepped at `fo_optimizer_step_end`; 0: no bound.
  */
 typedef struct fo_overlap_options {
   double max_norm;
@@ -525,7 +525,8 @@ typedef struct fo_overlap_options {
  What an overlapped step did, written by `fo_optimizer_step_end` (also when it fails).
  `handed_over`: parameters whose gradients were handed over; of those `speculative`
  were stepped before step_end (with an undo record) and `deferred` at step_end (past
- the undo budget, or device work). `rolled_back`, `rolled_back_bytes`, `rollback_ns`:
+ the undo budget, handed over by `fo_optimizer_grads_at_end`, under `check_numerics` on
+ a device, or no device memory for a device parameter's record). `rolled_back`, `rolled_back_bytes`, `rollback_ns`:
  early steps undone (the clip coefficient was < 1, or the step failed), the bytes
  copied back and the time it took. `undo_high_water_bytes`: the most the undo records
  held. `total_norm`: the gradients' total norm, `fo_clip_grad_norm`'s bits (-1 when not
@@ -1179,12 +1180,16 @@ fo_status fo_optimizer_step_begin(struct fo_optimizer *opt,
  `grads[k]`, as for `fo_optimizer_step`: F32/BF16/F16, any strides on the host, on the
  parameter's device or, for a host parameter, on a device; `data == NULL`: no gradient,
  the entry is ignored) and returns while fo steps
- them on its thread pool. Any order, any number of calls; parameters never handed over
+ them: host parameters on its thread pool, device parameters on their GPU. Any order,
+ any number of calls; parameters never handed over
  are skipped. The gradients' memory must stay valid, and unchanged by the caller, until
- `fo_optimizer_step_end` returns (with clipping it may scale them in place). A device
- gradient of a host parameter (the offload case) is ordered here, at this call, after
- the work queued on the optimizer's stream so far (its producer): it comes down on a
- stream of fo's own, not behind the work queued on that stream later. A bad
+ `fo_optimizer_step_end` returns (with clipping it may scale them in place). Device work
+ is ordered here, at this call, after the work queued on the optimizer's stream so far
+ (the gradients' producer), on streams of fo's own, not behind the work queued on that
+ stream later: a device gradient of a host parameter (the offload case) comes down, and
+ a device parameter's step is launched after its undo record (parameter and state bytes,
+ in stream-ordered device memory until step_end, counted in `undo_budget_bytes`; without
+ device memory for it, the parameter waits for step_end). A bad
  gradient, an index out of range or handed over twice is returned at once (nothing of
  this call is taken) and fails the step at step_end, which then changes nothing. No
  step open: FO_ERR_INVALID_ARGUMENT.

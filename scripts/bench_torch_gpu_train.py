@@ -21,7 +21,8 @@ ratio to torch's fused AdamW in the same rounds, then the optimizer state each k
 
 Runners: `torch fused` (torch.optim.AdamW(fused=True)), `fo quant8` (fo.torch.AdamW: its
 defaults), `fo quant8 fast` (the same with arithmetic="fast", fo_fast.cuh on the GPU),
-`fo fp32` (state_format="fp32"), `fo offload` (offload=1.0: master weights and
+`fo quant8 overlap` (the defaults with overlap="always": each layer stepped on fo's step
+lane during backward), `fo fp32` (state_format="fp32"), `fo offload` (offload=1.0: master weights and
 state on the host, the CUDA parameters as fo's mirrors). Without torch, a CUDA GPU or a libfo
 that steps CUDA tensors it says why in one line and exits 2."""
 import argparse
@@ -36,7 +37,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from bench_cuda import die, fo_cuda_missing, need_torch_gpu  # noqa: E402
 
 NAME = "bench_torch_gpu_train"
-RUNNERS = ("torch fused", "fo quant8", "fo quant8 fast", "fo fp32", "fo offload")
+RUNNERS = ("torch fused", "fo quant8", "fo quant8 fast", "fo quant8 overlap", "fo fp32", "fo offload")
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -87,8 +88,8 @@ def optimizer(torch, name, model):
     ps = list(model.parameters())
     if name == "torch fused":
         return torch.optim.AdamW(ps, fused=True, **HP)
-    extra = {"fo quant8": {}, "fo quant8 fast": {"arithmetic": "fast"}, "fo fp32": {"state_format": "fp32"},
-             "fo offload": {"offload": 1.0}}[name]
+    extra = {"fo quant8": {}, "fo quant8 fast": {"arithmetic": "fast"}, "fo quant8 overlap": {"overlap": "always"},
+             "fo fp32": {"state_format": "fp32"}, "fo offload": {"offload": 1.0}}[name]
     return fo.torch.AdamW(ps, **HP, **extra)
 
 

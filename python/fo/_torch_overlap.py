@@ -40,6 +40,15 @@ and `step()` steps everything (the cost of overlap=False; a warning says so once
 `last_step_stats["not_overlapped"]` why). Backward on a GPU (parameters on CUDA, or FSDP2
 shards on the host of a CUDA mesh) leaves the host cores to fo.
 
+CUDA parameters step early on their GPU. The step's stream is the one current where the
+first hook ran (FSDP2 calls the hooks on its post-reduce stream; a plain backward on the
+stream of the op that made the gradient). A hook on that stream hands its gradient over
+and fo queues the parameter's step on a stream of its own that waits for the work queued
+on the step's stream so far (the gradient's producer) and for nothing after, so the step
+runs beside the rest of backward; its undo record (parameter and state bytes) is device
+memory until `step()`, counted in `undo_budget_bytes`. A hook on another stream leaves
+its gradient for `step()`.
+
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib
 import ctypes
@@ -276,8 +285,13 @@ class Overlap(Measured):
     def _from_backward(self, p, event):
         """A post-accumulate-grad hook: hands p's gradient over, or queues it while its copy
         (`event`) is in flight; first hands over the queued ones whose copy has landed. A
-        CUDA parameter's gradient is left for `step()` (module doc)."""
+        CUDA parameter's gradient is handed over where the hook runs on the step's stream
+        (module doc), else left for `step()`."""
         if is_cuda(p):
+            if not self._open:
+                self._begin()
+            if self._on_step_stream(p) and self._hand_over(p):
+                self._in_backward += 1
             return
         self._poll_pending(wait=False)
         if event is not None and not event.query():
@@ -287,6 +301,15 @@ class Overlap(Measured):
             return
         if self._hand_over(p):
             self._in_backward += 1
+
+    def _on_step_stream(self, p):
+        """Whether the stream current on CUDA parameter p's device is the step's: the one
+        fo orders p's early step after (its gradient's producer). FSDP2 calls the hooks on
+        its post-reduce stream, a plain backward on the stream of the op that made the
+        gradient; a hook on any other stream leaves the gradient for `step()`, which
+        orders fo's stream after the caller's."""
+        step = (self._stream[1] if self._stream is not None else {}).get(p.device.index)
+        return step is not None and step == torch.cuda.current_stream(p.device.index)
 
     def _poll_pending(self, wait):
         """Hands over the queued gradients whose copy has landed (`wait`: all of them, waiting

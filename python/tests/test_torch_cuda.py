@@ -234,6 +234,43 @@ def test_overlap_with_cuda_and_host_parameters_has_the_bits_of_the_plain_step():
     assert opt.last_step_stats["handed_over"] == 4
 
 
+@pytest.mark.parametrize("edit", [None, "clip_after", "scaler_skip"])
+@pytest.mark.parametrize("max_grad_norm", [None, 1e-3, 1e3])
+def test_cuda_parameters_step_early_in_backward_with_the_bits_of_the_plain_step(max_grad_norm, edit):
+    """overlap=True on a model on the GPU: each gradient is handed over by its hook and
+    stepped on fo's step lane during backward; clipping that scales, a gradient clipped
+    by the loop after hand-over, and a skipped step (GradScaler found inf) roll back on the
+    GPU, and every step has overlap=False's bits."""
+    def loop(overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(CUDA)
+        model = model.to(torch.bfloat16)
+        opt = fo.torch.AdamW(model.parameters(), lr=1e-2, state_format="quant8", master_weight_bits=24,
+                             overlap=overlap, max_grad_norm=max_grad_norm)
+        stats = []
+        for s in range(5):
+            opt.zero_grad()
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(CUDA, torch.bfloat16)
+            model(x).float().pow(2).mean().backward()
+            if edit == "clip_after":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+            if edit == "scaler_skip" and s == 2:
+                continue  # the loop skips this step: the next zero_grad rolls it back
+            opt.step()
+            stats.append(opt.last_step_stats)
+        torch.cuda.synchronize()
+        return model, opt, stats
+
+    ref_model, ref, _ = loop(False)
+    model, opt, stats = loop("always")
+    assert_same_bits(list(ref_model.parameters()), list(model.parameters()))
+    assert_same_state(ref, opt)
+    if edit is None:
+        assert all(s["speculative"] > 0 and s["handed_over_in_backward"] == 4 for s in stats), stats
+    if max_grad_norm == 1e-3:
+        assert all(s["clipped"] for s in stats), stats
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copies_continue_identically_on_the_gpu(how):
     ps = params(CUDA, torch.bfloat16)

@@ -209,17 +209,34 @@ def test_a_group_holding_a_cuda_parameter_defaults_to_exact(monkeypatch):
 
 
 # -- overlap and state -----------------------------------------------------------------------
-def test_overlap_leaves_cuda_gradients_for_step_with_the_same_bits(monkeypatch):
-    """The hooks hand no CUDA parameter's gradient over: step() does (grads_at_end), and
-    the result has overlap=False's bits. fc1.weight stands in for a CUDA parameter."""
+@pytest.mark.parametrize("on_step_stream", [True, False])
+def test_a_cuda_gradient_is_handed_over_by_its_hook_on_the_steps_stream_else_at_step(monkeypatch, on_step_stream):
+    """A CUDA parameter's hook hands its gradient over where it runs on the step's stream,
+    and leaves it for step() (grads_at_end) on another one; the result has overlap=False's
+    bits either way. fc1.weight stands in for a CUDA parameter."""
     monkeypatch.setattr(tov, "_host_cores", lambda: 64)  # backward's threads leave fo cores
     ref_model, ref = build("adamw", False, max_grad_norm=0.5)
     model, opt = build("adamw", "always", max_grad_norm=0.5)
     monkeypatch.setattr(tov, "is_cuda", lambda p: p is model.fc1.weight)
+    monkeypatch.setattr(opt, "_on_step_stream", lambda p: on_step_stream)
     train(ref_model, ref)
     stats = train(model, opt)
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
-    assert all(s["handed_over"] == 6 and s["handed_over_in_backward"] == 5 for s in stats), stats
+    in_backward = 6 if on_step_stream else 5
+    assert all(s["handed_over"] == 6 and s["handed_over_in_backward"] == in_backward for s in stats), stats
+
+
+def test_the_steps_stream_is_the_one_fo_took_for_the_parameters_device(current):
+    """`_on_step_stream`: the hook's current stream on the parameter's device against the
+    one fo took there (fo's stream and its per-device torch streams, `_stream`)."""
+    h = types.SimpleNamespace(_stream=(0x10, {0: FakeStream(0, 0x10)}))
+    step_stream = tov.Overlap._on_step_stream
+    current[0] = 0x10
+    assert step_stream(h, on("cuda:0"))
+    current[0] = 0x20  # a hook on another stream of that device
+    assert not step_stream(h, on("cuda:0"))
+    assert not step_stream(h, on("cuda:1"))  # a device fo took no stream of
+    assert not step_stream(types.SimpleNamespace(_stream=None), on("cuda:0"))  # no CUDA parameter yet
 
 
 def test_a_cuda_parameters_fp32_state_is_decoded_never_lent():

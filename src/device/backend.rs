@@ -39,6 +39,14 @@ pub trait Backend: LaneStreams + Send + Sync {
     /// `dst` must be `src.len()` writable bytes of this device; `stream` valid or 0.
     unsafe fn upload(&self, dst: u64, src: &[u8], stream: usize) -> Result<()>;
 
+    /// Copies `bytes` from `src` to `dst`, both memory of this device, in order on
+    /// `stream` after the work queued there (`cuMemcpyDtoDAsync`); the host does not wait.
+    ///
+    /// # Safety
+    /// Both ranges must be `bytes` of this device's memory that stay valid until the copy
+    /// has run, and not overlap; `stream` valid or 0.
+    unsafe fn copy_on_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()>;
+
     /// `bytes` (at least 1) of device memory, allocated in order on `stream` (its
     /// contents undefined), for `free_async` on the same stream.
     ///

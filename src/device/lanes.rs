@@ -1,5 +1,6 @@
 //! A device's copy lanes, for the offload pipeline: one stream per direction with a few
-//! pinned slots each, made on first use and reused by every later step.
+//! pinned slots each, made on first use and reused by every later step; and a third
+//! stream, without slots, for the overlapped step's early device steps (`Dir::Step`).
 //!
 //! Why two streams: a GPU runs a host-to-device and a device-to-host copy at once (two copy
 //! engines) only when they are on different streams; on one stream the gradients coming
@@ -43,6 +44,9 @@ pub enum Dir {
     Down,
     /// Host to device (updated parameters into their mirrors).
     Up,
+    /// No copies: the overlapped step's early device steps (`overlap::device_early`), on
+    /// a stream of their own so that they run beside backward, not behind it.
+    Step,
 }
 
 #[derive(Default)]
@@ -57,9 +61,9 @@ type Slots = [[Slot; LANE_SLOTS]; 2];
 /// The lanes of one device (kept by its backend for the process).
 #[derive(Default)]
 pub struct Lanes {
-    /// The down and up streams, made on first use; apart from the slots, so that a
+    /// The down, up and step streams, made on first use; apart from the slots, so that a
     /// stream can be had (to order a copy) while a step holds the slots.
-    streams: Mutex<Option<[usize; 2]>>,
+    streams: Mutex<Option<[usize; 3]>>,
     slots: Mutex<Option<Slots>>,
 }
 
@@ -78,7 +82,7 @@ impl Lanes {
     pub unsafe fn stream(&self, b: &dyn LaneStreams, dir: Dir) -> Result<usize> {
         let mut s = crate::sync::lock(&self.streams);
         if s.is_none() {
-            *s = Some([b.create_stream()?, b.create_stream()?]);
+            *s = Some([b.create_stream()?, b.create_stream()?, b.create_stream()?]);
         }
         Ok(s.expect("made above")[dir as usize])
     }

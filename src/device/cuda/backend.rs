@@ -126,6 +126,16 @@ impl Backend for Device {
         cu::stream::synchronize(s).map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
+    unsafe fn copy_on_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let _cur = self.enter()?;
+        cusys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream_of(stream))
+            .result()
+            .map_err(|e| cuda_err("cuMemcpyDtoDAsync", e))
+    }
+
     unsafe fn alloc_async(&self, bytes: usize, stream: usize) -> Result<u64> {
         let _cur = self.enter()?;
         cu::malloc_async(stream_of(stream), bytes.max(1))

@@ -210,6 +210,17 @@ impl Backend for Emulated {
         Ok(())
     }
 
+    unsafe fn copy_on_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
+        let _cur = self.enter();
+        let w = self.worker(stream)?;
+        let (s, d) = (Addr(src as usize), Addr(dst as usize));
+        w.push(Box::new(move || {
+            let (s, d) = (s, d);
+            std::ptr::copy_nonoverlapping(s.0 as *const u8, d.0 as *mut u8, bytes)
+        }));
+        Ok(())
+    }
+
     unsafe fn upload_table(&self, dst: u64, src: &[u8], stream: usize) -> Result<()> {
         let _cur = self.enter();
         TABLE_UPLOADS.with(|u| u.set(u.get() + 1));

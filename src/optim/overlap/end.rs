@@ -44,10 +44,18 @@ impl Optimizer {
         for d in dones.iter_mut() {
             self.entry_mut(d.i).state = d.param.state.take();
         }
-        let r = agreed.and_then(|_| self.finish(&mut open, &mut dones, comm));
+        // Early device steps: what comes next on the optimizer's stream (and the clip's,
+        // which may scale their gradients) waits for them.
+        let clip_stream = open.opts.clipping().then(|| comm.map_or(0, Comm::stream));
+        let joined = self.join_lanes(&open, clip_stream);
+        let r = joined
+            .and(agreed)
+            .and_then(|_| self.finish(&mut open, &mut dones, comm));
         if r.is_err() {
-            self.roll_back(&mut dones, &mut open.stats);
+            // The step's own error is the one reported.
+            let _ = self.roll_back(&mut dones, &mut open);
         }
+        self.free_device_undo(&mut open);
         self.keep_spares(&mut dones);
         *stats = open.stats;
         r
@@ -87,10 +95,12 @@ impl Optimizer {
         for d in dones.iter_mut() {
             self.entry_mut(d.i).state = d.param.state.take();
         }
-        self.roll_back(&mut dones, &mut open.stats);
+        // SAFETY: the records' streams are the optimizer's devices'.
+        let joined = unsafe { self.join_lanes(&open, None) };
+        let r = joined.and(self.roll_back(&mut dones, &mut open));
         self.keep_spares(&mut dones);
         *stats = open.stats;
-        Ok(())
+        r
     }
 
     unsafe fn finish(
@@ -128,7 +138,7 @@ impl Optimizer {
             let coef = clip::clip_coef(o.max_norm, total);
             if clip::needs_scaling(coef) {
                 open.stats.clipped = true;
-                self.roll_back(dones, &mut open.stats);
+                self.roll_back(dones, open)?;
                 let grads: Vec<ClipGrad> = handed
                     .iter()
                     .map(|&i| {
@@ -209,10 +219,17 @@ impl Optimizer {
     }
 
     /// Puts every early-stepped parameter back as it was before the step (memory and
-    /// state; a state the step created is dropped).
-    fn roll_back(&mut self, dones: &mut [Done], stats: &mut OverlapStats) {
+    /// state; a state the step created is dropped): host ones here, device ones in
+    /// order on the optimizer's stream (after `join_lanes`; a CUDA error there is
+    /// recorded as the step's, the first one kept).
+    fn roll_back(&mut self, dones: &mut [Done], open: &mut OpenStep) -> Result<()> {
         let t = Instant::now();
-        let mut n = 0;
+        // SAFETY: the lanes were joined; the parameters are valid (`step_end`'s contract).
+        let device = unsafe { self.roll_back_device(open) };
+        let (mut n, bytes) = device.as_ref().map_or((0, 0), |&nb| nb);
+        open.stats.rolled_back += n;
+        open.stats.rolled_back_bytes += bytes;
+        let stats = &mut open.stats;
         for d in dones.iter_mut() {
             let bytes = d.undo_bytes();
             match d.undo.take() {
@@ -242,6 +259,7 @@ impl Optimizer {
         if n > 0 {
             stats.rollback_ns += t.elapsed().as_nanos() as u64;
         }
+        device.map(|_| ())
     }
 }
 

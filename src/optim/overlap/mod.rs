@@ -9,11 +9,12 @@
 //!   `check_numerics` or a non-finite norm under `error_if_nonfinite` fails the whole
 //!   step at `step_end` with nothing changed. Undo records are bounded by
 //!   `undo_budget_bytes`; past it, parameters wait for `step_end` (`deferred`), as do
-//!   device parameters (which `step` launches) and gradients handed over as the step
-//!   ends (`grads_at_end`: an early step would gain nothing there). A host parameter
-//!   whose gradient is on a device (the offload case) steps early too: its task brings
-//!   the gradient down to a host copy first (through the device's pinned ring), and
-//!   `step_end` writes its mirror.
+//!   gradients handed over as the step ends (`grads_at_end`: an early step would gain
+//!   nothing there). A host parameter whose gradient is on a device (the offload case)
+//!   steps early too: its task brings the gradient down to a host copy first (through
+//!   the device's pinned ring), and `step_end` writes its mirror. A device parameter
+//!   steps early on its GPU, on a stream of fo's own, its undo record in device memory
+//!   (`device_early`).
 //! - Clipping (`max_norm` > 0): each gradient's share of the norm is taken as it arrives
 //!   and combined at `step_end` in parameter order through `clip`'s own reduction, so the
 //!   total has the bits `fo_clip_grad_norm` gives over the handed-over gradients in
@@ -23,8 +24,9 @@
 //!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
 //!   handed-over parameter is stepped again by `step`: clip-then-step, bit for bit.
 //!
-//! The background work lives in `task`, the end of the step in `end`, the open step's
-//! record and the caller's options in `open`.
+//! The background work lives in `task` (host) and `device_early` (device), the end of
+//! the step in `end`, the open step's record and the caller's options in `open`.
+mod device_early;
 mod end;
 pub(in crate::optim) mod open;
 pub(in crate::optim) mod task;
@@ -89,6 +91,7 @@ impl Optimizer {
                 total_norm: -1.0,
                 ..OverlapStats::default()
             },
+            device: Vec::new(),
         }));
         Ok(())
     }
@@ -173,21 +176,29 @@ impl Optimizer {
             }
             self.check_grad(i, g)?;
         }
-        // Early (speculative) steps need an undo record within the budget and a host
-        // parameter with a host gradient, and are not for `grads_at_end`; the rest waits
-        // for step_end's `step`. Once
-        // the clip is certain to scale, an early step would only be rolled back and taken
-        // again: from then on gradients wait for step_end, with no undo record.
+        // Early (speculative) steps need an undo record within the budget, and are not
+        // for `grads_at_end`; the rest waits for step_end's `step`. Host parameters step
+        // on the pool (one with a device gradient, the offload case, brings it down
+        // first), device parameters on their device's step lane (`device_early`; not
+        // under check_numerics, which `step` refuses for them). Once the clip is certain
+        // to scale, an early step would only be rolled back and taken again: from then on
+        // gradients wait for step_end, with no undo record.
         let certain = open.clip_certain
             || (open.opts.clipping() && clip_is_certain(&open.opts, open.inbox.arrived_partials()));
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
-        let mut early = Vec::with_capacity(indices.len());
+        let mut early: Vec<bool> = Vec::with_capacity(indices.len());
         for (&i, g) in indices.iter().zip(grads) {
             let p = self.entry(i);
-            let need = p.tensor().nbytes() + p.state.as_ref().map_or(0, |s| s.nbytes());
-            // A host parameter with a device gradient (the offload case) comes down first.
-            let host_step = p.device().is_host() && (g.device().is_host() || g.nbytes() > 0);
-            let fits = early_ok && host_step && !certain && used.saturating_add(need) <= budget;
+            let state = match p.device().is_cuda() {
+                true => p.gpu.as_ref().map_or(0, |s| s.nbytes()),
+                false => p.state.as_ref().map_or(0, |s| s.nbytes()),
+            };
+            let need = p.tensor().nbytes() + state;
+            let can = match p.device().is_cuda() {
+                true => !self.config(p.group()).check_numerics,
+                false => g.device().is_host() || g.nbytes() > 0,
+            };
+            let fits = early_ok && can && !certain && used.saturating_add(need) <= budget;
             if fits {
                 used += need;
             }
@@ -205,20 +216,41 @@ impl Optimizer {
             if e {
                 self.before_write(i)?;
             }
-            fetches.push(match e && g.device().is_cuda() {
-                true => Some(Fetch {
-                    src: g.as_ptr() as u64,
-                    bytes: g.nbytes(),
-                    device: g.device(),
-                    stream: self.down_lane(g.device(), &mut lanes)?,
-                }),
-                false => None,
-            });
+            fetches.push(
+                match e && g.device().is_cuda() && self.entry(i).device().is_host() {
+                    true => Some(Fetch {
+                        src: g.as_ptr() as u64,
+                        bytes: g.nbytes(),
+                        device: g.device(),
+                        stream: self.down_lane(g.device(), &mut lanes)?,
+                    }),
+                    false => None,
+                },
+            );
+        }
+        // Device parameters step now, on their lanes; one without device memory for
+        // its record waits for step_end instead.
+        let (on_device, device_grads): (Vec<usize>, Vec<TensorView>) = (indices.iter())
+            .zip(grads)
+            .zip(&early)
+            .filter(|((&i, _), &e)| e && self.entry(i).device().is_cuda())
+            .map(|((&i, g), _)| (i, g.clone()))
+            .unzip();
+        if !on_device.is_empty() {
+            for i in self.step_early_on_device(&on_device, &device_grads)? {
+                let k = indices
+                    .iter()
+                    .position(|&j| j == i)
+                    .expect("handed over here");
+                early[k] = false;
+                let p = self.entry(i);
+                used -= p.tensor().nbytes() + p.gpu.as_ref().map_or(0, |s| s.nbytes());
+            }
         }
         let mut items = Vec::new();
         let bucket = indices.iter().zip(grads).zip(&early).zip(fetches);
         for (((&i, g), &early), fetch) in bucket {
-            if early {
+            if early && self.entry(i).device().is_host() {
                 items.push(self.item(i, g.clone(), fetch));
             }
             let open = self.open_step_mut().expect("checked above");
@@ -328,3 +360,6 @@ mod offload_tests;
 
 #[cfg(test)]
 mod undo_tests;
+
+#[cfg(test)]
+mod device_early_tests;

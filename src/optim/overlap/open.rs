@@ -1,5 +1,6 @@
 //! What the optimizer holds while an overlapped step is open (`overlap.rs`): the step's
 //! options and counters, the gradients handed over, and the tasks still out on the pool.
+use super::device_early::DeviceUndo;
 use super::task::Inbox;
 use crate::error::Error;
 use crate::tensor::TensorView;
@@ -40,9 +41,11 @@ impl OverlapOptions {
 pub struct OverlapStats {
     /// Parameters whose gradients were handed over.
     pub handed_over: u64,
-    /// Of those, stepped on the pool before `step_end` (speculatively, with an undo record).
+    /// Of those, stepped before `step_end` (speculatively, with an undo record): on the
+    /// pool, or on a device's step lane for a device parameter.
     pub speculative: u64,
-    /// Of those, kept for `step_end` (past the undo budget, or device work).
+    /// Of those, kept for `step_end` (past the undo budget, no device memory for a device
+    /// parameter's record, or handed over as the step ends).
     pub deferred: u64,
     /// Early steps undone (the clip scaled the gradients, or the step failed).
     pub rolled_back: u64,
@@ -89,15 +92,22 @@ pub(crate) struct OpenStep {
     /// The first bad gradient handed over: the step fails at `step_end`.
     pub(super) failed: Option<Error>,
     pub(super) stats: OverlapStats,
+    /// The undo records of device parameters stepped early (`device_early`).
+    pub(super) device: Vec<DeviceUndo>,
 }
 
 impl Drop for OpenStep {
     /// An open step dropped without `step_end` (the optimizer destroyed meanwhile) is
-    /// abandoned: waits for its tasks, then puts the parameters' memory back.
+    /// abandoned: waits for its tasks (and early device steps), then puts the parameters'
+    /// memory back.
     fn drop(&mut self) {
         for d in self.inbox.wait_all() {
             // SAFETY: the task is over; the parameter memory outlives the optimizer.
             unsafe { d.restore_memory() };
+        }
+        for r in std::mem::take(&mut self.device) {
+            // SAFETY: as above; the copy back is waited for.
+            unsafe { r.restore_param_and_free() };
         }
     }
 }

@@ -98,6 +98,25 @@ impl DeviceState {
         self.ptrs
     }
 
+    /// Copies the state's buffers, one after the other, to `nbytes()` bytes of this
+    /// device at `dst` (`back`: from `dst` into the buffers), in order on `stream`; the
+    /// host does not wait. An overlapped step's undo record of a device parameter.
+    ///
+    /// # Safety
+    /// `dst` must be `nbytes()` bytes of the state's device, valid until the copies have
+    /// run; `stream` 0 or a valid stream of that device.
+    pub unsafe fn copy_with(&self, dst: u64, back: bool, stream: usize) -> Result<()> {
+        let mut at = dst;
+        for (d, bytes) in buffers(&self.ptrs, &self.layout, self.numel) {
+            if bytes > 0 {
+                let (to, from) = if back { (d, at) } else { (at, d) };
+                self.backend.copy_on_device(to, from, bytes, stream)?;
+            }
+            at += bytes as u64;
+        }
+        Ok(())
+    }
+
     /// A host copy of the state, read after the work queued on `stream`, which this
     /// waits for.
     ///

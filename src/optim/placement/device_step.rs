@@ -227,15 +227,20 @@ impl Optimizer {
         Ok(s)
     }
 
-    /// Launches a prepared device step and records it (step counters, new state).
+    /// Launches a prepared device step on `stream` (the optimizer's, or an overlapped
+    /// step's step lane) and records it (step counters, new state).
     ///
     /// # Safety
-    /// As `step`.
-    pub(in crate::optim) unsafe fn run_device_step(&mut self, s: DeviceStep) -> Result<()> {
+    /// As `step`; `stream` is the optimizer's or one of the parameters' device ordered
+    /// after it.
+    pub(in crate::optim) unsafe fn run_device_step(
+        &mut self,
+        s: DeviceStep,
+        stream: usize,
+    ) -> Result<()> {
         if s.stepped.is_empty() {
             return Ok(());
         }
-        let stream = self.stream();
         for (group, device, t) in &s.tables {
             self.resident_mut()
                 .tables

@@ -182,7 +182,7 @@ impl Optimizer {
         // runs while the CPU steps the host parameters; under check_numerics, after the
         // host result is known good, so a rolled-back step changed nothing anywhere.
         let device_step = if undo.is_empty() {
-            self.run_device_step(device_step)?;
+            self.run_device_step(device_step, self.stream())?;
             None
         } else {
             Some(device_step)
@@ -205,7 +205,7 @@ impl Optimizer {
         }
         undo.check_result(self)?;
         if let Some(d) = device_step {
-            self.run_device_step(d)?;
+            self.run_device_step(d, self.stream())?;
         }
         let stepped = grad_bytes.iter().enumerate().filter(|(_, g)| g.is_some());
         self.write_mirrors(stepped.map(|(i, _)| i).collect::<Vec<_>>())?;

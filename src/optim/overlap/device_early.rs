@@ -1,0 +1,228 @@
+//! Early steps of device parameters in an overlapped step: a device parameter's gradient
+//! handed over while backward goes on is stepped at once by its kernel, queued on its
+//! device's step lane (`lanes::Dir::Step`), which waits for the work queued on the
+//! optimizer's stream at hand-over (the gradient's producer) and for nothing queued after:
+//! the step runs on the GPU beside the rest of backward, not behind it. No host thread
+//! waits for anything.
+//!
+//! As on the host, every early step is speculative: before its kernel, the lane copies the
+//! parameter's bytes and its state (when it had one) into an undo record in stream-ordered
+//! device memory (`alloc_async`), so that `step_end` can put it back when the clip scales
+//! or the step fails, and `step_abort` when the loop drops the step. A record that cannot
+//! be allocated leaves its parameter for `step_end` (`deferred`): device memory full never
+//! fails a step that `overlap=False` would take. Records are freed at `step_end` /
+//! `step_abort`, in order on the optimizer's stream, which by then waits for the lanes.
+use std::sync::Arc;
+
+use super::open::OpenStep;
+use crate::device::backend::Backend;
+use crate::device::lanes::Dir;
+use crate::error::Result;
+use crate::optim::optimizer::Optimizer;
+use crate::tensor::TensorView;
+
+/// A device parameter stepped early: where its bytes and state were saved.
+pub(crate) struct DeviceUndo {
+    pub i: usize,
+    backend: Arc<dyn Backend>,
+    /// The step lane the record was written and the step launched on.
+    lane: usize,
+    /// `param_bytes` of the parameter, then its state's buffers (`DeviceState::copy_with`).
+    ptr: u64,
+    param: u64,
+    param_bytes: usize,
+    /// The state's `(step, m_valid)` before, or None: the early step created the state.
+    before: Option<(u64, bool)>,
+}
+
+impl DeviceUndo {
+    /// What the record holds (parameter bytes + state bytes).
+    pub fn bytes(&self, state_bytes: usize) -> usize {
+        self.param_bytes + self.before.map_or(0, |_| state_bytes)
+    }
+
+    /// Puts the parameter's bytes back in order on its lane and waits for it, then frees
+    /// the record: an open step dropped with its optimizer (the state goes with it).
+    ///
+    /// # Safety
+    /// The parameter's memory is still valid.
+    pub unsafe fn restore_param_and_free(self) {
+        let b = &self.backend;
+        let _ = b.copy_on_device(self.param, self.ptr, self.param_bytes, self.lane);
+        if let Ok(ev) = b.record_event(self.lane) {
+            let _ = b.wait_event(ev);
+        }
+        b.free_async(self.ptr, self.lane);
+    }
+}
+
+impl Optimizer {
+    /// Steps device parameters `idx` (their gradients `grads`, checked) early on their
+    /// devices' step lanes, each after an undo record, which goes to the open step.
+    /// Returns the parameters left for `step_end` (no device memory for their record).
+    /// An error before any launch leaves nothing behind (the records are freed); one
+    /// from a launch leaves the records with the step, which fails.
+    ///
+    /// # Safety
+    /// As `grads_ready`; the parameters are this step's and not handed over yet.
+    pub(super) unsafe fn step_early_on_device(
+        &mut self,
+        idx: &[usize],
+        grads: &[TensorView],
+    ) -> Result<Vec<usize>> {
+        let stream = self.stream();
+        let mut records: Vec<DeviceUndo> = Vec::with_capacity(idx.len());
+        let mut deferred = Vec::new();
+        let mut all: Vec<Option<TensorView>> = vec![None; self.num_params()];
+        for (&i, g) in idx.iter().zip(grads) {
+            let p = self.entry(i);
+            let b = crate::device::open::backend(p.device())?;
+            let lane = b.lanes().stream(&*b, Dir::Step)?;
+            let param_bytes = p.tensor().nbytes();
+            let before = p.gpu.as_ref().map(|s| (s.step, s.m_valid));
+            let bytes = param_bytes + p.gpu.as_ref().map_or(0, |s| s.nbytes());
+            match b.alloc_async(bytes, lane) {
+                Ok(ptr) => {
+                    all[i] = Some(g.clone());
+                    records.push(DeviceUndo {
+                        i,
+                        backend: b,
+                        lane,
+                        ptr,
+                        param: p.tensor().as_ptr() as u64,
+                        param_bytes,
+                        before,
+                    });
+                }
+                Err(_) => deferred.push(i),
+            }
+        }
+        let prepared = match self.prepare_device_step(&all) {
+            Ok(s) => s,
+            Err(e) => {
+                for r in records {
+                    r.backend.free_async(r.ptr, r.lane);
+                }
+                return Err(e);
+            }
+        };
+        // The lanes wait for the producer (and for fresh state's zeroing, queued on the
+        // optimizer's stream by `prepare_device_step`), then save what the kernels write.
+        let mut ordered: Vec<usize> = Vec::new();
+        let mut saved: Result<()> = Ok(());
+        for r in &records {
+            if !ordered.contains(&r.lane) {
+                saved = saved.and_then(|_| r.backend.order_streams(stream, r.lane));
+                ordered.push(r.lane);
+            }
+            saved = saved
+                .and_then(|_| {
+                    r.backend
+                        .copy_on_device(r.ptr, r.param, r.param_bytes, r.lane)
+                })
+                .and_then(|_| match (&self.entry(r.i).gpu, r.before) {
+                    (Some(st), Some(_)) => {
+                        st.copy_with(r.ptr + r.param_bytes as u64, false, r.lane)
+                    }
+                    _ => Ok(()),
+                });
+        }
+        if let Err(e) = saved {
+            // Nothing was launched: the records are dropped after what was queued.
+            for r in records {
+                r.backend.free_async(r.ptr, r.lane);
+            }
+            return Err(e);
+        }
+        // Kept before any launch: from here on a failure is the step's, and `step_end`
+        // puts back what the records saved.
+        let lanes: Vec<(Arc<dyn Backend>, usize)> = records
+            .iter()
+            .map(|r| (r.backend.clone(), r.lane))
+            .collect();
+        self.open_step_mut()
+            .expect("an open step")
+            .device
+            .extend(records);
+        match lanes.split_first() {
+            None => {}
+            Some(((_, l), rest)) if rest.iter().all(|(_, o)| o == l) => {
+                self.run_device_step(prepared, *l)?;
+            }
+            // Parameters on several devices (the optimizer's stream is then 0): each
+            // device's legacy stream, ordered after its lane.
+            Some(_) => {
+                for (b, l) in &lanes {
+                    b.order_streams(*l, 0)?;
+                }
+                self.run_device_step(prepared, 0)?;
+            }
+        }
+        Ok(deferred)
+    }
+
+    /// The optimizer's stream (and `also`, e.g. the clip's) wait for the work queued on
+    /// the step lanes of `open`'s early device steps.
+    ///
+    /// # Safety
+    /// The streams are valid for the records' devices.
+    pub(super) unsafe fn join_lanes(&self, open: &OpenStep, also: Option<usize>) -> Result<()> {
+        let mut done: Vec<usize> = Vec::new();
+        for r in &open.device {
+            if done.contains(&r.lane) {
+                continue;
+            }
+            done.push(r.lane);
+            r.backend.order_streams(r.lane, self.stream())?;
+            if let Some(s) = also.filter(|&s| s != self.stream()) {
+                r.backend.order_streams(r.lane, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts every early-stepped device parameter back (memory and state; a state the
+    /// step created is dropped) in order on the optimizer's stream, after `join_lanes`.
+    /// Returns (parameters, bytes) put back.
+    ///
+    /// # Safety
+    /// `join_lanes` ran; the parameters are still valid.
+    pub(super) unsafe fn roll_back_device(&mut self, open: &mut OpenStep) -> Result<(u64, u64)> {
+        let stream = self.stream();
+        let (mut n, mut bytes) = (0, 0);
+        let mut first_err = None;
+        for r in std::mem::take(&mut open.device) {
+            let state_bytes = self.entry(r.i).gpu.as_ref().map_or(0, |s| s.nbytes());
+            let mut put = r
+                .backend
+                .copy_on_device(r.param, r.ptr, r.param_bytes, stream);
+            match r.before {
+                Some((step, m_valid)) => {
+                    let st = self.entry_mut(r.i).gpu.as_mut().expect("saved with state");
+                    put =
+                        put.and_then(|_| st.copy_with(r.ptr + r.param_bytes as u64, true, stream));
+                    (st.step, st.m_valid) = (step, m_valid);
+                }
+                None => self.entry_mut(r.i).gpu = None,
+            }
+            bytes += r.bytes(state_bytes) as u64;
+            n += 1;
+            r.backend.free_async(r.ptr, stream);
+            if let Err(e) = put {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok((n, bytes)), Err)
+    }
+
+    /// Frees the undo records of early device steps that stand, in order on the
+    /// optimizer's stream (after `join_lanes`).
+    ///
+    /// # Safety
+    /// `join_lanes` ran.
+    pub(super) unsafe fn free_device_undo(&self, open: &mut OpenStep) {
+        for r in std::mem::take(&mut open.device) {
+            r.backend.free_async(r.ptr, self.stream());
+        }
+    }
+}
