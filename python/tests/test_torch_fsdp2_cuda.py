@@ -1,6 +1,8 @@
 """fo.torch's overlapped step (overlap="always") under FSDP2 + CPUOffloadPolicy on a GPU (NCCL at world 1): the
 overlapped runs have the bits of overlap=False (issue 33, case 1: the offloaded gradients'
-non-blocking copies must land before fo reads them). Runs where torch sees a GPU and NCCL."""
+non-blocking copies must land before fo reads them); and with the shards on the GPU, each
+stepped early on fo's step lane after its reduce-scatter (issue 35). Runs where torch sees a GPU
+and NCCL."""
 import json
 
 import pytest
@@ -30,4 +32,13 @@ def test_overlap_on_a_gpu_with_offloaded_gradients_has_the_bits_of_overlap_false
     r = result[state_format]
     assert r["same_bits"] == [True, True] and r["same_losses"] == [True, True], r
     assert all(n > 0 for n in r["handed_over_in_backward"][1:]), r  # it did overlap
+    assert not any(r["redone"]), r
+
+
+@pytest.mark.parametrize("state_format", ["quant8", "fp32"])
+def test_overlap_with_shards_on_the_gpu_steps_early_with_the_bits_of_overlap_false(result, state_format):
+    r = result[f"on_gpu_{state_format}"]
+    assert r["same_bits"] and r["same_losses"], r
+    assert all(n > 0 for n in r["handed_over_in_backward"]), r  # the hooks handed over
+    assert all(n > 0 for n in r["speculative"]), r  # and fo stepped on the GPU in backward
     assert not any(r["redone"]), r

@@ -1,5 +1,5 @@
-"""One torchrun rank of test_torch_fsdp2_cuda.py (issue 33, case 1): FSDP2 with
-CPUOffloadPolicy(pin_memory=True) on CUDA + NCCL, fo.torch.AdamW with overlap="always" (hand-over
+"""One torchrun rank of test_torch_fsdp2_cuda.py (issue 33, case 1; issue 35): FSDP2 with
+CPUOffloadPolicy(pin_memory=True) on CUDA + NCCL, and FSDP2 with its shards on the GPU, fo.torch.AdamW with overlap="always" (hand-over
 in every backward, never measured) against overlap=False on the same model and batches. FSDP2 copies each reduced gradient to pinned host
 memory with non_blocking=True and records `fsdp_param.grad_offload_event` (torch versions that
 keep the copy non-blocking when a post-accumulate-grad hook is registered, e.g. 2.11); fo must
@@ -19,19 +19,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 import fo.torch
 
 
-def build(mesh, width, layers):
+def build(mesh, width, layers, offload):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
                                   for _ in range(layers)]).cuda()
-    offload = CPUOffloadPolicy(pin_memory=True)
+    policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=True)) if offload else {}
     for m in model:
-        fully_shard(m, mesh=mesh, offload_policy=offload)
-    fully_shard(model, mesh=mesh, offload_policy=offload)
+        fully_shard(m, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     return model
 
 
-def run(mesh, width, layers, steps, overlap, state_format):
-    model = build(mesh, width, layers)
+def run(mesh, width, layers, steps, overlap, state_format, offload=True):
+    model = build(mesh, width, layers, offload)
     opt = fo.torch.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, state_format=state_format,
                          overlap=overlap)
     losses, stats = [], []
@@ -63,6 +63,18 @@ def main():
             "same_losses": [r[0] == ref_losses for r in runs],
             "handed_over_in_backward": [s["handed_over_in_backward"] for s in runs[0][2]],
             "redone": [s["redone"] for s in runs[0][2]],
+        }
+    # Shards on the GPU (no offload): the hooks run on FSDP2's post-reduce stream, and
+    # each shard steps early on fo's step lane after its reduce-scatter.
+    for fmt in ("quant8", "fp32"):
+        ref_losses, ref_params, _ = run(mesh, width, layers, steps, False, fmt, offload=False)
+        r = run(mesh, width, layers, steps, "always", fmt, offload=False)
+        res[f"on_gpu_{fmt}"] = {
+            "same_bits": all(torch.equal(a, b) for a, b in zip(ref_params, r[1])),
+            "same_losses": r[0] == ref_losses,
+            "handed_over_in_backward": [s["handed_over_in_backward"] for s in r[2]],
+            "speculative": [s["speculative"] for s in r[2]],
+            "redone": [s["redone"] for s in r[2]],
         }
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -6,6 +6,7 @@ use std::time::Instant;
 use cudarc::driver::{result as cu, sys as cusys};
 use fo::ckpt::{pack, Mode, ParamsAs, SaveOptions};
 use fo::kernels::step_table::StateLayout;
+use fo::optim::overlap::{OverlapOptions, OverlapStats};
 use fo::optim::{Algorithm, Arithmetic, OptimConfig, Optimizer, StateFormat};
 use fo::{DType, Device, TensorView};
 
@@ -102,18 +103,22 @@ const SIZES: [usize; 4] = [1000, 33, 4097, 65543];
 const STEPS: usize = 3;
 
 /// One rule x format x dtype on both sides from the same inputs: mismatching elements
-/// (params and state), and mismatching entries of their checkpoints (`fo_state_pack`).
-fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usize), String> {
+/// (params and state) of the GPU's plain step and of its overlapped one (each parameter
+/// handed over alone, last to first, stepped early on the step lane), mismatching
+/// entries of the checkpoints (`fo_state_pack`), and the parameters stepped early.
+fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, usize, u64), String> {
     let err = |e: fo::Error| e.to_string();
-    let (mut cpu, mut gpu) = (
+    let (mut cpu, mut gpu, mut ov) = (
+        Optimizer::new(cfg.clone()).map_err(err)?,
         Optimizer::new(cfg.clone()).map_err(err)?,
         Optimizer::new(cfg.clone()).map_err(err)?,
     );
     let mut host: Vec<Vec<u8>> = Vec::new();
-    let mut dev: Vec<Buf> = Vec::new();
+    let (mut dev, mut dev_ov): (Vec<Buf>, Vec<Buf>) = (Vec::new(), Vec::new());
     for (i, &n) in SIZES.iter().enumerate() {
         let bytes = encode(dtype, &values(n, 7 + i as u64, 2.0));
         dev.push(Buf::upload(&bytes)?);
+        dev_ov.push(Buf::upload(&bytes)?);
         host.push(bytes);
     }
     for (i, &n) in SIZES.iter().enumerate() {
@@ -125,8 +130,11 @@ fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, us
             cpu.add_param(&name, h, None, 0).map_err(err)?;
             gpu.add_param(&name, dev[i].view(device, dtype, n)?, None, 0)
                 .map_err(err)?;
+            ov.add_param(&name, dev_ov[i].view(device, dtype, n)?, None, 0)
+                .map_err(err)?;
         }
     }
+    let mut early = 0;
     for s in 0..STEPS {
         let grads: Vec<Vec<u8>> = SIZES
             .iter()
@@ -154,20 +162,30 @@ fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, us
                 .map(|(g, n)| g.view(device, dtype, n).map(Some))
                 .collect::<Result<Vec<_>, _>>()?;
             gpu.step(&dv).map_err(err)?;
+            let mut st = OverlapStats::default();
+            ov.step_begin(OverlapOptions::default()).map_err(err)?;
+            for (i, g) in dv.iter().enumerate().rev() {
+                let g = g.as_ref().expect("every gradient is given");
+                ov.grads_ready(&[i], std::slice::from_ref(g)).map_err(err)?;
+            }
+            ov.step_end(None, &mut st).map_err(err)?;
+            early += st.speculative;
         }
         cuda("cuCtxSynchronize", cu::ctx::synchronize())?;
     }
     let mut bad = 0;
     let w = dtype.size();
     for i in 0..SIZES.len() {
-        let got = dev[i].download()?;
-        bad += got
-            .chunks(w)
-            .zip(host[i].chunks(w))
-            .filter(|(a, b)| a != b)
-            .count();
         let want = cpu.param_state(i).ok_or("the CPU step created no state")?;
-        bad += state_mismatches(&gpu.device_state(i).map_err(err)?, want);
+        for (buf, opt) in [(&dev[i], &gpu), (&dev_ov[i], &ov)] {
+            let got = buf.download()?;
+            bad += got
+                .chunks(w)
+                .zip(host[i].chunks(w))
+                .filter(|(a, b)| a != b)
+                .count();
+            bad += state_mismatches(&opt.device_state(i).map_err(err)?, want);
+        }
     }
     // The GPU state's checkpoint, staged through the host, is the CPU state's.
     let mut o = SaveOptions::new(0, 1, Mode::Compressed);
@@ -179,8 +197,8 @@ fn compare(device: Device, cfg: &OptimConfig, dtype: DType) -> Result<(usize, us
             .zip(&b.entries)
             .filter(|(x, y)| x != y)
             .count();
-    drop((cpu, gpu));
-    Ok((bad, ckpt))
+    drop((cpu, gpu, ov));
+    Ok((bad, ckpt, early))
 }
 
 /// Seconds of the best of `iters` GPU steps over `n` parameters in 64 tensors, and the
@@ -343,7 +361,7 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
         cuda("cuCtxSetCurrent", cu::ctx::set_current(ctx))?;
     }
     println!("fo selftest on CUDA device {ordinal} ({name}): GPU vs CPU, bit for bit");
-    let (mut combos, mut bad, mut bad_ckpt) = (0, 0, 0);
+    let (mut combos, mut bad, mut bad_ckpt, mut early) = (0, 0, 0, 0);
     // Both arithmetics: fp32 state steps torch's rule under either, the compressed formats
     // FlashOptim's (exact) or fo's fast one, each with the host's bits.
     for arith in [Arithmetic::Exact, Arithmetic::Fast] {
@@ -356,7 +374,8 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
                     let mut cfg = base.clone();
                     (cfg.state_format, cfg.master_weight_bits) = (format, mw);
                     cfg.arithmetic = arith;
-                    let (m, c) = compare(device, &cfg, dtype)?;
+                    let (m, c, e) = compare(device, &cfg, dtype)?;
+                    early += e;
                     if m + c > 0 {
                         println!(
                             "  {rule} {} {} {dtype} mw{mw}: {m} mismatching elements, {c} mismatching checkpoint entries",
@@ -370,8 +389,9 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
         }
     }
     println!(
-        "{combos} combinations (rule x format x dtype, exact and fast) x {STEPS} steps, tensors of {SIZES:?} elements: {bad} mismatching elements, \
-         {bad_ckpt} mismatching checkpoint entries"
+        "{combos} combinations (rule x format x dtype, exact and fast) x {STEPS} steps, tensors of {SIZES:?} elements, plain and \
+         overlapped ({early} of {} parameter steps early on the step lane): {bad} mismatching elements, {bad_ckpt} mismatching checkpoint entries",
+        combos * STEPS * SIZES.len()
     );
     let (cases, bad_totals, bad_clip) = clip_compare(device)?;
     println!(
@@ -431,6 +451,12 @@ pub fn run(device: Device, size: usize, iters: usize) -> Result<(), String> {
     if bad_totals + bad_clip > 0 {
         return Err(format!(
             "fo_clip_grad_norm: {bad_totals} totals and {bad_clip} elements differ between device and host gradients"
+        ));
+    }
+    let steps = (combos * STEPS * SIZES.len()) as u64;
+    if early != steps {
+        return Err(format!(
+            "the overlapped step stepped {early} of {steps} device parameter steps early (no undo budget was set: all of them should)"
         ));
     }
     Ok(())

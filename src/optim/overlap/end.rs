@@ -220,8 +220,8 @@ impl Optimizer {
 
     /// Puts every early-stepped parameter back as it was before the step (memory and
     /// state; a state the step created is dropped): host ones here, device ones in
-    /// order on the optimizer's stream (after `join_lanes`; a CUDA error there is
-    /// recorded as the step's, the first one kept).
+    /// order on the optimizer's stream (after `join_lanes`). A CUDA error putting a
+    /// device parameter back is returned once every record has been tried.
     fn roll_back(&mut self, dones: &mut [Done], open: &mut OpenStep) -> Result<()> {
         let t = Instant::now();
         // SAFETY: the lanes were joined; the parameters are valid (`step_end`'s contract).
