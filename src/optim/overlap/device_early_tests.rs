@@ -3,30 +3,22 @@
 //! once on the device's step lane, with the bits of an all-host `step` (clipping, rollback
 //! by the clip, by `step_abort`, by a failing step and by drop included), beside work
 //! queued on the optimizer's stream after their hand-over.
+use super::offload_tests::{grads, params, view, DT, SIZES};
 use super::{OverlapOptions, OverlapStats};
 use crate::clip::{clip_grad_norm_checked, ClipGrad};
 use crate::comm::Comm;
 use crate::device::backend::Backend as _;
 use crate::device::emulated::{self, encode, values, EMULATED};
-use crate::dtype::DType;
 use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::tensor::TensorView;
-
-/// Partial scale groups; one parameter in an fp32 group.
-const SIZES: [usize; 3] = [100, 2048 + 33, 67];
-const DT: DType = DType::BF16;
-
-fn view(b: &mut [u8], n: usize) -> TensorView {
-    unsafe { TensorView::host(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
-}
 
 fn on_device(t: &TensorView) -> TensorView {
     emulated::on(emulated::dev(EMULATED), t)
 }
 
-/// quant8 with 24-bit masters (FlashOptim's layout) for p0 and p1, fp32 AdamW for p2; on
-/// the emulated device or on the host.
+/// `offload_tests`' sizes and values: quant8 with 24-bit masters (FlashOptim's layout)
+/// for p0 and p1, fp32 AdamW for p2; on the emulated device or on the host.
 fn build(mem: &mut [Vec<u8>], device: bool) -> Optimizer {
     let mut q8 = OptimConfig::default_for(Algorithm::AdamW);
     (q8.lr, q8.weight_decay) = (1e-2, 0.05);
@@ -41,18 +33,6 @@ fn build(mem: &mut [Vec<u8>], device: bool) -> Optimizer {
         unsafe { opt.add_param(&format!("p{i}"), v, None, usize::from(i == 2)) }.unwrap();
     }
     opt
-}
-
-fn params() -> Vec<Vec<u8>> {
-    (SIZES.iter().enumerate())
-        .map(|(i, &n)| encode(DT, &values(n, i as u64)))
-        .collect()
-}
-
-fn grads(s: u64) -> Vec<Vec<u8>> {
-    (SIZES.iter().enumerate())
-        .map(|(i, &n)| encode(DT, &values(n, 40 + s * 3 + i as u64)))
-        .collect()
 }
 
 /// The host optimizer's step with gradients `g` (clipped first when `max_norm` > 0).

@@ -11,10 +11,11 @@ use crate::optim::math::config::{Algorithm, OptimConfig, StateFormat};
 use crate::optim::Optimizer;
 use crate::tensor::TensorView;
 
-const SIZES: [usize; 3] = [100, 2048 + 33, 67];
-const DT: DType = DType::BF16;
+/// Partial scale groups (also `device_early_tests`' sizes).
+pub(super) const SIZES: [usize; 3] = [100, 2048 + 33, 67];
+pub(super) const DT: DType = DType::BF16;
 
-fn view(b: &mut [u8], n: usize) -> TensorView {
+pub(super) fn view(b: &mut [u8], n: usize) -> TensorView {
     unsafe { TensorView::host(b.as_mut_ptr(), DT, &[n as i64], None, "t").unwrap() }
 }
 
@@ -28,13 +29,13 @@ fn build(mem: &mut [Vec<u8>]) -> Optimizer {
     opt
 }
 
-fn params() -> Vec<Vec<u8>> {
+pub(super) fn params() -> Vec<Vec<u8>> {
     (SIZES.iter().enumerate())
         .map(|(i, &n)| encode(DT, &values(n, i as u64)))
         .collect()
 }
 
-fn grads(s: u64) -> Vec<Vec<u8>> {
+pub(super) fn grads(s: u64) -> Vec<Vec<u8>> {
     (SIZES.iter().enumerate())
         .map(|(i, &n)| encode(DT, &values(n, 40 + s * 3 + i as u64)))
         .collect()
