@@ -25,10 +25,11 @@ An iteration whose step was skipped or failed (GradScaler found inf/NaN, an erro
 early steps were put back (`zero_grad()` without `step()`, a forward or a state read between
 backward and `step()`, gradients edited after hand-over) is not timed: it costs what the
 loop did, not what overlapping costs. An overlapped iteration in which backward handed
-nothing over (the cores rule, CUDA gradients, gradients set by hand) is not timed either,
-and not counted against the probe. After `DISCARD_LIMIT` iterations left out the probe
-decides with what it has, and without both kinds timed it stops handing over: a loop that
-keeps putting early steps back only pays for them.
+nothing over (the cores rule, CUDA gradients whose hooks ran on another stream than the
+step's, gradients set by hand) is not timed either, and not counted against the probe.
+After `DISCARD_LIMIT` iterations left out the probe decides with what it has, and without
+both kinds timed it stops handing over: a loop that keeps putting early steps back only
+pays for them.
 
 The decision is the machine's and the loop's, not training state: `state_dict()` does not
 carry it; a new optimizer, a deep copy or an unpickled one measures again.

@@ -3,7 +3,7 @@ steps on the host, the CUDA parameter written back as fo's mirror. Their traject
 host optimizer's bits in either arithmetic (the CUDA parameter equal to fo's host copy after
 every step), a fraction splits one optimizer between host and GPU steps, state and checkpoints
 move between placements, an in-place edit of an offloaded parameter is taken up, and a side
-stream and overlap=True give the same bits. Runs where torch sees a GPU and libfo was built
+stream and overlap=True (gradients handed over in backward too) give the same bits. Runs where torch sees a GPU and libfo was built
 with the `cuda` feature (test_torch_cuda's skips); test_torch_offload_host.py checks the
 placement rules anywhere."""
 import copy
@@ -129,6 +129,33 @@ def test_a_side_stream_and_overlap_give_the_same_bits(overlap):
         mirrored = [p.detach().clone() for p in dev]
     side.synchronize()
     assert_same_bits(host, mirrored)
+
+
+@pytest.mark.parametrize("offload", [1.0, 0.5])
+def test_backward_hands_offloaded_and_device_gradients_over_with_the_bits_of_overlap_false(offload):
+    """overlap="always" with a real backward: an offloaded parameter's gradient comes down on
+    fo's down lane and steps on its pool, a GPU-stepped one on fo's step lane, both during
+    backward; parameters (the CUDA ones, written back as mirrors) and state have
+    overlap=False's bits."""
+    def loop(overlap):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(CUDA)
+        opt = fo.torch.AdamW(model.parameters(), lr=1e-2, offload=offload, overlap=overlap, max_grad_norm=1.0)
+        stats = []
+        for s in range(4):
+            opt.zero_grad()
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(CUDA)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            stats.append(opt.last_step_stats)
+        torch.cuda.synchronize()
+        return model, opt, stats
+
+    ref_model, ref, _ = loop(False)
+    model, opt, stats = loop("always")
+    assert_same_bits(list(ref_model.parameters()), list(model.parameters()))
+    assert_same_state(ref, opt)
+    assert all(s["handed_over_in_backward"] == 4 for s in stats), stats
 
 
 def test_copies_of_an_offloading_optimizer_step_on_their_own_parameters():
