@@ -27,7 +27,7 @@ use crate::optim::math::master_split::Half;
 use crate::optim::math::rule::fast::FastRule;
 use crate::optim::math::rule::Rule;
 use crate::optim::math::state::{
-    ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, ParamChunk, ParamState,
+    ErrChunk, ErrorBits, GradChunk, Moment, MomentChunk, MomentView, ParamChunk, ParamState,
 };
 use crate::tensor::TensorView;
 
@@ -65,6 +65,7 @@ fn run_blocks(mut job: Job<'_>, scratch: &mut [f32]) {
             g: job.g.sub(lo, hi),
             m: job.m.as_mut().map(|m| m.sub(lo, hi)),
             v: job.v.as_mut().map(|v| v.sub(lo, hi)),
+            old: [0, 1].map(|k| job.old[k].as_ref().map(|o| o.sub(lo, hi))),
             rule: job.rule,
             first: job.first,
         };
@@ -79,6 +80,7 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
         g,
         mut m,
         mut v,
+        old,
         rule,
         first,
     } = job;
@@ -100,22 +102,10 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
             &mut pb[..n]
         }
     };
-    let ms: &mut [f32] = match &mut m {
-        Some(MomentChunk::F32(s)) => s,
-        Some(c) => {
-            c.load(&mut mb[..n], true);
-            &mut mb[..n]
-        }
-        None => &mut [],
-    };
-    let vs: &mut [f32] = match &mut v {
-        Some(MomentChunk::F32(s)) => s,
-        Some(c) => {
-            c.load(&mut vb[..n], true);
-            &mut vb[..n]
-        }
-        None => &mut [],
-    };
+    // A moment read from elsewhere (`Job::old`) is decoded from there; an f32 one
+    // updated in place gets its values copied in first.
+    let ms = load_moment(&mut m, &old[0], mb, n);
+    let vs = load_moment(&mut v, &old[1], vb, n);
     rule.apply(ps, gs, ms, vs, first);
     if !matches!(p, ParamChunk::F32(_)) {
         p.store(&pb[..n]);
@@ -125,6 +115,34 @@ fn run_generic(job: Job<'_>, scratch: &mut [f32]) {
     }
     if let Some(c) = v.as_mut().filter(|c| !matches!(c, MomentChunk::F32(_))) {
         c.store(&vb[..n]);
+    }
+}
+
+/// A job's moment of `n` elements as the f32 values its update reads and writes: an f32
+/// chunk itself, else the first `n` of `buf` holding its decoded values; read from `old`
+/// where given.
+#[inline(always)]
+fn load_moment<'a>(
+    c: &'a mut Option<MomentChunk<'_>>,
+    old: &Option<MomentView<'_>>,
+    buf: &'a mut [f32],
+    n: usize,
+) -> &'a mut [f32] {
+    match (c, old) {
+        (Some(MomentChunk::F32(s)), None) => s,
+        (Some(MomentChunk::F32(s)), Some(o)) => {
+            o.load(s, true);
+            s
+        }
+        (Some(c), None) => {
+            c.load(&mut buf[..n], true);
+            &mut buf[..n]
+        }
+        (Some(_), Some(o)) => {
+            o.load(&mut buf[..n], true);
+            &mut buf[..n]
+        }
+        (None, _) => &mut [],
     }
 }
 
@@ -309,6 +327,7 @@ pub(crate) unsafe fn push_range_jobs<'a>(
             g,
             m,
             v,
+            old: [None, None],
             rule,
             first,
         });

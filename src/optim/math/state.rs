@@ -79,6 +79,11 @@ pub struct ParamState {
 }
 
 impl ParamState {
+    /// `m` (k = 0) or `v` (k = 1).
+    pub fn moment(&self, k: usize) -> Option<&Moment> {
+        [&self.m, &self.v][k].as_ref()
+    }
+
     /// Makes `new` this state and returns the state it replaces, keeping every lent f32
     /// buffer live (`F32Buf::adopt`: its values copied in place rather than the buffer
     /// swapped out). What loads, rollbacks and undos write a whole state through.
@@ -236,6 +241,18 @@ pub enum MomentView<'a> {
 }
 
 impl MomentView<'_> {
+    /// Elements `lo..hi` (group-aligned `lo`).
+    #[inline(always)]
+    pub fn sub(&self, lo: usize, hi: usize) -> MomentView<'_> {
+        let (gl, gh) = (lo / GROUP, hi.div_ceil(GROUP));
+        match self {
+            MomentView::F32(s) => MomentView::F32(&s[lo..hi]),
+            MomentView::Half(h, s) => MomentView::Half(*h, &s[lo..hi]),
+            MomentView::Signed(c, s) => MomentView::Signed(&c[lo..hi], &s[gl..gh]),
+            MomentView::Unsigned(c, s, r) => MomentView::Unsigned(&c[lo..hi], &s[gl..gh], *r),
+        }
+    }
+
     /// Decodes into `out` (same length). `kernel`: the values the update uses, where
     /// `Quant8Wide` floors a zero variance code (see `StateFormat::Quant8Wide`).
     #[inline(always)]

@@ -188,3 +188,49 @@ fn gradients_handed_over_at_the_end_wait_for_step_end_with_no_undo() {
         assert!(snapshot(&a) == snapshot(&b), "step {step}: bits differ");
     }
 }
+
+/// A stepped parameter's quantized moments change places with its undo record's instead
+/// of being copied into it: after each kept step the record holds the buffers the
+/// parameter had (the values before the step) and the parameter the record's (written
+/// by the step), with the bits of plain steps.
+#[test]
+fn quantized_moments_change_places_with_the_undo_record_instead_of_being_copied() {
+    let cfg = cfg_for(Algorithm::AdamW, DType::BF16);
+    let mut a = model(&cfg, DType::BF16, 5, false).unwrap();
+    let mut b = model(&cfg, DType::BF16, 5, false).unwrap();
+    let mut rng = Rng::new(23);
+    let codes = |st: Option<&crate::optim::math::state::ParamState>| match st
+        .and_then(|st| st.m.as_ref())
+    {
+        Some(crate::optim::math::state::Moment::Signed { codes, .. }) => codes.as_ptr() as usize,
+        _ => 0,
+    };
+    let mut before: Option<(usize, usize)> = None;
+    for step in 0..4 {
+        let mut ga = Grads::new(&mut rng, 1.0, step == 0);
+        let mut gb = Grads {
+            dt: ga.dt.clone(),
+            bufs: ga.bufs.clone(),
+        };
+        let (va, vb) = (ga.views(), gb.views());
+        let all: Vec<Option<TensorView>> = va.iter().cloned().map(Some).collect();
+        unsafe { a.opt.step(&all) }.unwrap();
+        let idx: Vec<usize> = (0..vb.len()).collect();
+        let mut st = OverlapStats::default();
+        unsafe {
+            b.opt.step_begin(OverlapOptions::default()).unwrap();
+            b.opt.grads_ready(&idx, &vb).unwrap();
+            b.opt.step_end(None, &mut st).unwrap();
+        }
+        assert!(snapshot(&a) == snapshot(&b), "step {step}");
+        let spare = b.opt.undo_spares()[0]
+            .as_ref()
+            .and_then(|s| s.state.as_ref());
+        let now = (codes(b.opt.entry(0).state.as_ref()), codes(spare));
+        assert_ne!(now.0, 0, "parameter 0 has quant8 momentum");
+        if let Some((live, rec)) = before.filter(|&(_, rec)| rec != 0) {
+            assert_eq!(now, (rec, live), "step {step}: the buffers changed places");
+        }
+        before = Some(now);
+    }
+}

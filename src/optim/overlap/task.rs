@@ -4,7 +4,9 @@
 //! view of its memory; it comes back as a `Done` carrying the undo record (the bytes and
 //! state from before the step), the gradient's share of the clip norm, and what went
 //! wrong, if anything. The arithmetic is `step`'s: the same `push_param_jobs` over the
-//! same chunk jobs, the same `numerics` checks, so a parameter gets the same bits here.
+//! same chunk jobs (reading the moments' values before the step from the undo record,
+//! whose buffers they changed places with: `swap_moments`), the same `numerics` checks,
+//! so a parameter gets the same bits here.
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -65,10 +67,9 @@ pub(super) struct Done {
     grad: TensorView,
     /// A contiguous copy of a strided gradient.
     gathered: Option<Vec<u8>>,
-    /// f32 moments (`m`, `v`) whose buffers changed places with the undo record's: the
-    /// record's buffer (the values before the step) and the live one's address, which the
-    /// chunks refill from it just before their kernels (`swap_f32_moments`).
-    refill: [Option<Refill>; 2],
+    /// The moments (`m`, `v`) whose buffers changed places with the undo record's
+    /// (`swap_moments`): the step reads their values from the record (`Job::old`).
+    swapped: [bool; 2],
     pub fresh: bool,
     /// Taken before the step; None when the parameter was not stepped.
     pub undo: Option<Saved>,
@@ -103,66 +104,45 @@ impl Done {
     }
 }
 
-/// An f32 moment whose values before the step are in the undo record's buffer (`old`),
-/// and whose live buffer (`live`, the same length) holds stale values until each chunk is
-/// refilled from `old` just before its kernel runs.
-#[derive(Clone, Copy)]
-struct Refill {
-    old: *const f32,
-    live: *const f32,
-    len: usize,
-}
-
-// SAFETY: the pointers are to buffers the item owns (its state and its undo record) for
-// as long as the item lives; only the item's own jobs read and write through them.
-unsafe impl Send for Refill {}
-unsafe impl Sync for Refill {}
-
-/// The undo record's state: f32 moments not lent out change places with the record's
-/// buffers (no copy: the live moment gets the record's buffer, refilled chunk by chunk
-/// as the step reaches it, so the step writes its new values once and the values before
-/// it stay where they were); everything else is copied into the record.
-fn swap_f32_moments(rec: &mut Option<ParamState>, live: &mut ParamState) -> [Option<Refill>; 2] {
+/// The undo record's state. Moments change places with the record's buffers (no copy:
+/// the record keeps the values before the step, which the step reads from there through
+/// `Job::old` and writes into the live buffer, so each moment is written once and never
+/// copied); an f32 moment lent out keeps its address, so its values are copied. The rest
+/// (error bits) is copied into the record. Returns which moments changed places.
+fn swap_moments(rec: &mut Option<ParamState>, live: &mut ParamState) -> [bool; 2] {
     clone_state_into(rec, live, true);
     let rec = rec.as_mut().expect("just filled");
-    let mut refill = [None, None];
+    let mut swapped = [false, false];
     for (k, (l, r)) in [(&mut live.m, &mut rec.m), (&mut live.v, &mut rec.v)]
         .into_iter()
         .enumerate()
     {
-        let (Some(Moment::F32(lb)), Some(Moment::F32(rb))) = (l.as_mut(), r.as_mut()) else {
+        let (Some(lm), Some(rm)) = (l.as_mut(), r.as_mut()) else {
             continue;
         };
-        if lb.is_shared() {
-            // A borrower sees this buffer: it keeps its address, so its values are copied.
-            rb.clone_from(lb);
-            continue;
+        match (lm, rm) {
+            (Moment::F32(lb), Moment::F32(rb)) if lb.is_shared() => rb.clone_from(lb),
+            (Moment::F32(lb), Moment::F32(rb)) => std::mem::swap(lb, rb),
+            (lm, rm) => std::mem::swap(lm, rm),
         }
-        if rb.len() != lb.len() {
-            *rb = crate::optim::math::state::F32Buf::zeros(lb.len());
-        }
-        std::mem::swap(lb, rb);
-        refill[k] = Some(Refill {
-            old: rb.as_ptr(),
-            live: lb.as_ptr(),
-            len: lb.len(),
-        });
+        swapped[k] = !matches!(l, Some(Moment::F32(b)) if b.is_shared());
     }
-    refill
+    swapped
 }
 
 /// `*dst = Some(src.clone())`, reusing the buffers `dst` already holds where their kinds
-/// match (`Vec::clone_from` keeps its allocation). `skip_f32`: f32 moments get a buffer of
-/// the right kind but not the values (`swap_f32_moments` swaps them in).
-fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState, skip_f32: bool) {
+/// match (`Vec::clone_from` keeps its allocation). `skip_moments`: a moment of the right
+/// kind and size keeps its buffer without the values (`swap_moments` swaps them in); one
+/// of another kind or size is cloned.
+fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState, skip_moments: bool) {
     let Some(d) = dst else {
         *dst = Some(src.clone());
         return;
     };
     d.step = src.step;
     d.m_valid = src.m_valid;
-    clone_moment_into(&mut d.m, &src.m, skip_f32);
-    clone_moment_into(&mut d.v, &src.v, skip_f32);
+    clone_moment_into(&mut d.m, &src.m, skip_moments);
+    clone_moment_into(&mut d.v, &src.v, skip_moments);
     match (&mut d.error_bits, &src.error_bits) {
         (Some(ErrorBits::I8(a)), Some(ErrorBits::I8(b))) => a.clone_from(b),
         (Some(ErrorBits::I16(a)), Some(ErrorBits::I16(b))) => a.clone_from(b),
@@ -170,9 +150,11 @@ fn clone_state_into(dst: &mut Option<ParamState>, src: &ParamState, skip_f32: bo
     }
 }
 
-fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>, skip_f32: bool) {
+fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>, skip: bool) {
+    if skip && same_layout(dst, src) {
+        return;
+    }
     match (dst, src) {
-        (Some(Moment::F32(_)), Some(Moment::F32(_))) if skip_f32 => {}
         (Some(Moment::F32(a)), Some(Moment::F32(b))) => a.clone_from(b),
         (Some(Moment::Half(ha, a)), Some(Moment::Half(hb, b))) => {
             *ha = *hb;
@@ -208,6 +190,47 @@ fn clone_moment_into(dst: &mut Option<Moment>, src: &Option<Moment>, skip_f32: b
     }
 }
 
+/// Whether `a` and `b` are moments of one kind and size (their values aside).
+fn same_layout(a: &Option<Moment>, b: &Option<Moment>) -> bool {
+    match (a, b) {
+        (Some(Moment::F32(x)), Some(Moment::F32(y))) => x.len() == y.len(),
+        (Some(Moment::Half(hx, x)), Some(Moment::Half(hy, y))) => hx == hy && x.len() == y.len(),
+        (Some(Moment::Signed { codes: x, .. }), Some(Moment::Signed { codes: y, .. })) => {
+            x.len() == y.len()
+        }
+        (
+            Some(Moment::Unsigned {
+                codes: x, root: rx, ..
+            }),
+            Some(Moment::Unsigned {
+                codes: y, root: ry, ..
+            }),
+        ) => rx == ry && x.len() == y.len(),
+        _ => false,
+    }
+}
+
+/// Where a moment chunk's values start and how many it has (for its offset in the
+/// moment: the chunks are `Moment::range_chunks_mut`'s).
+fn chunk_at(c: &MomentChunk<'_>) -> (usize, usize, usize) {
+    match c {
+        MomentChunk::F32(s) => (s.as_ptr() as usize, s.len(), 4),
+        MomentChunk::Half(_, s) => (s.as_ptr() as usize, s.len(), 2),
+        MomentChunk::Signed(q, _) => (q.as_ptr() as usize, q.len(), 1),
+        MomentChunk::Unsigned(q, _, _) => (q.as_ptr() as usize, q.len(), 1),
+    }
+}
+
+/// The address of a moment's values (f32 values, 16-bit patterns or 8-bit codes).
+fn moment_base(m: &Moment) -> usize {
+    match m {
+        Moment::F32(b) => b.as_ptr() as usize,
+        Moment::Half(_, v) => v.as_ptr() as usize,
+        Moment::Signed { codes, .. } => codes.as_ptr() as usize,
+        Moment::Unsigned { codes, .. } => codes.as_ptr() as usize,
+    }
+}
+
 fn panic_error(what: &str, p: Box<dyn std::any::Any + Send>) -> Error {
     let msg = crate::error::panic_message(p.as_ref()).unwrap_or("unknown panic");
     Error::Internal(format!("{what} panicked: {msg}"))
@@ -227,7 +250,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         cfg: it.cfg,
         grad: it.grad,
         gathered: None,
-        refill: [None, None],
+        swapped: [false, false],
         fresh: it.fresh,
         undo: None,
         spare: None,
@@ -277,7 +300,7 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         bytes.extend_from_slice(now);
         let state = match (&mut d.param.state, d.fresh) {
             (Some(live), false) => {
-                d.refill = swap_f32_moments(&mut state, live);
+                d.swapped = swap_moments(&mut state, live);
                 state
             }
             _ => None,
@@ -306,41 +329,50 @@ pub(super) unsafe fn run(items: Vec<Item>, clip_p: Option<f64>) -> Vec<Done> {
         .map(|it| prepare(it, clip_p))
         .collect();
     let stepped = catch_unwind(AssertUnwindSafe(|| {
-        let mut jobs: Vec<(Job<'_>, [Option<Refill>; 2])> = Vec::new();
+        let mut jobs: Vec<Job<'_>> = Vec::new();
         for d in dones.iter_mut().filter(|d| d.undo.is_some()) {
             let Done {
                 param,
                 cfg,
                 grad,
                 gathered,
-                refill,
+                swapped,
+                undo,
                 ..
             } = d;
             let g = match gathered {
                 Some(v) => &v[..],
                 None => grad.contiguous_bytes().expect("contiguous"),
             };
+            // The moments' values before the step, where they changed places with the
+            // record: each chunk reads them at its own offset there.
+            let rec = undo.as_ref().and_then(|u| u.state.as_ref());
+            let live = param.state.as_ref();
+            let from: [Option<(&Moment, usize)>; 2] = [0, 1].map(|k| {
+                match (
+                    swapped[k],
+                    rec.and_then(|s| s.moment(k)),
+                    live.and_then(|s| s.moment(k)),
+                ) {
+                    (true, Some(r), Some(l)) => Some((r, moment_base(l))),
+                    _ => None,
+                }
+            });
             let mut own = Vec::new();
             push_param_jobs(&mut own, param, cfg, g, grad.dtype());
-            jobs.extend(own.into_iter().map(|j| (j, *refill)));
-        }
-        jobs.into_par_iter().for_each(|(mut job, refill)| {
-            for (m, r) in [&mut job.m, &mut job.v].into_iter().zip(refill) {
-                if let (Some(MomentChunk::F32(dst)), Some(r)) = (m.as_mut(), r) {
-                    // SAFETY: `dst` lies in the live buffer `r.live` of `r.len` values, and
-                    // `r.old` has as many: the same offset in it holds this chunk's values
-                    // before the step, which nothing writes during the step.
-                    let at = (dst.as_ptr() as usize)
-                        .checked_sub(r.live as usize)
-                        .map(|b| b / 4)
-                        .filter(|&at| at <= r.len && dst.len() <= r.len - at)
-                        .expect("a chunk outside its moment");
-                    let src = unsafe { std::slice::from_raw_parts(r.old.add(at), dst.len()) };
-                    dst.copy_from_slice(src);
+            for mut job in own {
+                for (k, c) in [&job.m, &job.v].into_iter().enumerate() {
+                    let (Some((r, base)), Some(c)) = (from[k], c) else {
+                        continue;
+                    };
+                    let (ptr, len, size) = chunk_at(c);
+                    let at = (ptr - base) / size;
+                    job.old[k] = Some(r.view(at, at + len));
                 }
+                jobs.push(job);
             }
-            kernel::run(job)
-        });
+        }
+        jobs.into_par_iter().for_each(kernel::run);
     }));
     if let Err(p) = stepped {
         let e = panic_error("the step's kernels", p);

@@ -27,15 +27,31 @@ use super::job::Job;
 use crate::optim::math::quant8::GROUP;
 use crate::optim::math::rule::fast::FastRule;
 use crate::optim::math::rule::update::{Elem, Elementwise, Runner};
-use crate::optim::math::state::{ErrChunk, GradChunk, MomentChunk, ParamChunk};
+use crate::optim::math::state::{ErrChunk, GradChunk, MomentChunk, MomentView, ParamChunk};
 
-/// A job's memory as raw pointers (valid for the job's `n` elements).
+/// A job's memory as raw pointers (valid for the job's `n` elements). The moments are
+/// read through `m_in` / `v_in` (their values before the step: `Job::old`, else the same
+/// as `m` / `v`) and written through `m` / `v`.
 struct Ptrs {
     p: ParamPtr,
     g: GradPtr,
     m: MomentPtr,
     v: MomentPtr,
+    m_in: MomentPtr,
+    v_in: MomentPtr,
     n: usize,
+}
+
+/// A read-only view as the kernel's pointer (only ever read through).
+fn view_ptr(v: &MomentView<'_>) -> MomentPtr {
+    match v {
+        MomentView::F32(s) => MomentPtr::F32(s.as_ptr() as *mut f32),
+        MomentView::Half(h, s) => MomentPtr::Half(*h, s.as_ptr() as *mut u16),
+        MomentView::Signed(q, s) => MomentPtr::Signed(q.as_ptr() as *mut i8, s.as_ptr() as *mut _),
+        MomentView::Unsigned(q, s, r) => {
+            MomentPtr::Unsigned(q.as_ptr() as *mut u8, s.as_ptr() as *mut _, *r)
+        }
+    }
 }
 
 fn moment_ptr(c: &mut Option<MomentChunk<'_>>) -> MomentPtr {
@@ -69,11 +85,14 @@ impl Ptrs {
             GradChunk::F32(s) => GradPtr::F32(s.as_ptr()),
             GradChunk::Half(h, s) => GradPtr::Half(*h, s.as_ptr()),
         };
+        let (m, v) = (moment_ptr(&mut job.m), moment_ptr(&mut job.v));
         Ptrs {
             p,
             g,
-            m: moment_ptr(&mut job.m),
-            v: moment_ptr(&mut job.v),
+            m,
+            v,
+            m_in: job.old[0].as_ref().map_or(m, view_ptr),
+            v_in: job.old[1].as_ref().map_or(v, view_ptr),
             n,
         }
     }
@@ -115,12 +134,12 @@ unsafe fn block<L: Lanes, U: Elementwise, const FULL: bool>(
         U::V && codec::is_quantized(x.v),
     );
     let mdec = if U::READ_M {
-        codec::decode_factors(l, x.m, g0, ng)
+        codec::decode_factors(l, x.m_in, g0, ng)
     } else {
         [0.0; W]
     };
     let vdec = if U::V {
-        codec::decode_factors(l, x.v, g0, ng)
+        codec::decode_factors(l, x.v_in, g0, ng)
     } else {
         [0.0; W]
     };
@@ -141,12 +160,12 @@ unsafe fn block<L: Lanes, U: Elementwise, const FULL: bool>(
         let at = lo + j * GROUP;
         let nn = halves(j);
         let mut m = if U::READ_M {
-            codec::load_moment(l, x.m, at, nn, mdec[j])
+            codec::load_moment(l, x.m_in, at, nn, mdec[j])
         } else {
             [zero; 2]
         };
         let mut v = if U::V {
-            codec::load_moment(l, x.v, at, nn, vdec[j])
+            codec::load_moment(l, x.v_in, at, nn, vdec[j])
         } else {
             [zero; 2]
         };
@@ -212,7 +231,7 @@ unsafe fn block<L: Lanes, U: Elementwise, const FULL: bool>(
 #[inline(always)]
 unsafe fn run_groups<L: Lanes, U: Elementwise>(l: L, u: &U, x: &Ptrs) {
     let unused = MomentPtr::F32(std::ptr::null_mut());
-    let m = match x.m {
+    let signed = |p: MomentPtr| match p {
         MomentPtr::Signed(q, s) if U::M => Some(MomentPtr::Signed(q, s)),
         _ if !U::M => Some(unused),
         _ => None,
@@ -228,11 +247,13 @@ unsafe fn run_groups<L: Lanes, U: Elementwise>(l: L, u: &U, x: &Ptrs) {
         ) => Some((bits, err, g)),
         _ => None,
     };
-    if let (true, Some(m), Some((bits, err, g))) = (L::SPECIALIZE, m, layout) {
+    if let (true, Some(m), Some(m_in), Some((bits, err, g))) =
+        (L::SPECIALIZE, signed(x.m), signed(x.m_in), layout)
+    {
         // Each arm rebuilds the pointers from constants and the matched fields, so the
         // inlined block sees every layout test's answer.
         macro_rules! known {
-            ($err:expr, $v:expr) => {
+            ($err:expr, $v:expr, $v_in:expr) => {
                 return blocks(
                     l,
                     u,
@@ -245,25 +266,36 @@ unsafe fn run_groups<L: Lanes, U: Elementwise>(l: L, u: &U, x: &Ptrs) {
                         g: GradPtr::Half(Half::BF16, g),
                         m,
                         v: $v,
+                        m_in,
+                        v_in: $v_in,
                         n: x.n,
                     },
                 )
             };
         }
-        match (err, x.v) {
-            (ErrPtr::I8(e), _) if !U::V => known!(ErrPtr::I8(e), unused),
-            (ErrPtr::I16(e), _) if !U::V => known!(ErrPtr::I16(e), unused),
-            (ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Sqrt)) => {
-                known!(ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Sqrt))
+        use MomentPtr::Unsigned as U8;
+        match (err, x.v, x.v_in) {
+            (ErrPtr::I8(e), _, _) if !U::V => known!(ErrPtr::I8(e), unused, unused),
+            (ErrPtr::I16(e), _, _) if !U::V => known!(ErrPtr::I16(e), unused, unused),
+            (ErrPtr::I8(e), U8(q, s, Root::Sqrt), U8(qi, si, Root::Sqrt)) => {
+                known!(ErrPtr::I8(e), U8(q, s, Root::Sqrt), U8(qi, si, Root::Sqrt))
             }
-            (ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Sqrt)) => {
-                known!(ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Sqrt))
+            (ErrPtr::I16(e), U8(q, s, Root::Sqrt), U8(qi, si, Root::Sqrt)) => {
+                known!(ErrPtr::I16(e), U8(q, s, Root::Sqrt), U8(qi, si, Root::Sqrt))
             }
-            (ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Fourth)) => {
-                known!(ErrPtr::I8(e), MomentPtr::Unsigned(q, s, Root::Fourth))
+            (ErrPtr::I8(e), U8(q, s, Root::Fourth), U8(qi, si, Root::Fourth)) => {
+                known!(
+                    ErrPtr::I8(e),
+                    U8(q, s, Root::Fourth),
+                    U8(qi, si, Root::Fourth)
+                )
             }
-            (ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Fourth)) => {
-                known!(ErrPtr::I16(e), MomentPtr::Unsigned(q, s, Root::Fourth))
+            (ErrPtr::I16(e), U8(q, s, Root::Fourth), U8(qi, si, Root::Fourth)) => {
+                known!(
+                    ErrPtr::I16(e),
+                    U8(q, s, Root::Fourth),
+                    U8(qi, si, Root::Fourth)
+                )
             }
             _ => {}
         }
