@@ -234,6 +234,29 @@ def test_overlap_with_cuda_and_host_parameters_has_the_bits_of_the_plain_step():
     assert opt.last_step_stats["handed_over"] == 4
 
 
+def backward_loop(overlap, steps=5, dtype=torch.float32, edit=None, **kw):
+    """A small model on the GPU trained with real backward passes by fo.torch.AdamW(**kw,
+    overlap=overlap): (model, optimizer, each step's last_step_stats). `edit`: "clip_after"
+    clips the gradients after backward (after hand-over), "scaler_skip" skips step 2's
+    `step()` (as GradScaler does on inf: the next zero_grad rolls it back)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(CUDA, dtype)
+    opt = fo.torch.AdamW(model.parameters(), lr=1e-2, overlap=overlap, **kw)
+    stats = []
+    for s in range(steps):
+        opt.zero_grad()
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(CUDA, dtype)
+        model(x).float().pow(2).mean().backward()
+        if edit == "clip_after":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+        if edit == "scaler_skip" and s == 2:
+            continue
+        opt.step()
+        stats.append(opt.last_step_stats)
+    torch.cuda.synchronize()
+    return model, opt, stats
+
+
 @pytest.mark.parametrize("edit", [None, "clip_after", "scaler_skip"])
 @pytest.mark.parametrize("max_grad_norm", [None, 1e-3, 1e3])
 def test_cuda_parameters_step_early_in_backward_with_the_bits_of_the_plain_step(max_grad_norm, edit):
@@ -242,24 +265,8 @@ def test_cuda_parameters_step_early_in_backward_with_the_bits_of_the_plain_step(
     by the loop after hand-over, and a skipped step (GradScaler found inf) roll back on the
     GPU, and every step has overlap=False's bits."""
     def loop(overlap):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(CUDA)
-        model = model.to(torch.bfloat16)
-        opt = fo.torch.AdamW(model.parameters(), lr=1e-2, state_format="quant8", master_weight_bits=24,
-                             overlap=overlap, max_grad_norm=max_grad_norm)
-        stats = []
-        for s in range(5):
-            opt.zero_grad()
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(CUDA, torch.bfloat16)
-            model(x).float().pow(2).mean().backward()
-            if edit == "clip_after":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
-            if edit == "scaler_skip" and s == 2:
-                continue  # the loop skips this step: the next zero_grad rolls it back
-            opt.step()
-            stats.append(opt.last_step_stats)
-        torch.cuda.synchronize()
-        return model, opt, stats
+        return backward_loop(overlap, dtype=torch.bfloat16, edit=edit, state_format="quant8",
+                             master_weight_bits=24, max_grad_norm=max_grad_norm)
 
     ref_model, ref, _ = loop(False)
     model, opt, stats = loop("always")

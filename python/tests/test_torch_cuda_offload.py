@@ -15,8 +15,8 @@ import fo.torch  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-from test_torch_cuda import (CUDA, FORMATS, RULES, assert_same_bits, assert_same_state, give_grads,  # noqa: E402
-                             params, run)
+from test_torch_cuda import (CUDA, FORMATS, RULES, assert_same_bits, assert_same_state, backward_loop,  # noqa: E402
+                             give_grads, params, run)
 
 
 def host_copies(opt, ps):
@@ -138,18 +138,7 @@ def test_backward_hands_offloaded_and_device_gradients_over_with_the_bits_of_ove
     backward; parameters (the CUDA ones, written back as mirrors) and state have
     overlap=False's bits."""
     def loop(overlap):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).to(CUDA)
-        opt = fo.torch.AdamW(model.parameters(), lr=1e-2, offload=offload, overlap=overlap, max_grad_norm=1.0)
-        stats = []
-        for s in range(4):
-            opt.zero_grad()
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(s)).to(CUDA)
-            model(x).pow(2).mean().backward()
-            opt.step()
-            stats.append(opt.last_step_stats)
-        torch.cuda.synchronize()
-        return model, opt, stats
+        return backward_loop(overlap, steps=4, offload=offload, max_grad_norm=1.0)
 
     ref_model, ref, _ = loop(False)
     model, opt, stats = loop("always")
