@@ -16,7 +16,7 @@ use crate::clip::{grad_norms, ClipGrad};
 use crate::error::{Error, Result};
 use crate::kernels::host::{self as kernel, Job};
 use crate::optim::math::config::OptimConfig;
-use crate::optim::math::state::{ErrorBits, Moment, MomentChunk, ParamState};
+use crate::optim::math::state::{ErrorBits, Moment, MomentChunk, MomentView, ParamState};
 use crate::optim::optimizer::Param;
 use crate::optim::step::numerics;
 use crate::optim::step::push_param_jobs;
@@ -372,7 +372,19 @@ pub(super) unsafe fn run(items: Vec<Item>, clip_p: Option<f64>) -> Vec<Done> {
                 jobs.push(job);
             }
         }
-        jobs.into_par_iter().for_each(kernel::run);
+        jobs.into_par_iter().for_each(|mut job| {
+            // An f32 moment updated in place gets its values before the step in one copy
+            // of the chunk, just before its kernel (read through `Job::old` block by
+            // block, the overlapped fp32 step was 1.4x slower).
+            for (c, o) in [&mut job.m, &mut job.v].into_iter().zip(&mut job.old) {
+                if let (Some(MomentChunk::F32(s)), Some(MomentView::F32(from))) = (c.as_mut(), &*o)
+                {
+                    s.copy_from_slice(from);
+                    *o = None;
+                }
+            }
+            kernel::run(job)
+        });
     }));
     if let Err(p) = stepped {
         let e = panic_error("the step's kernels", p);
