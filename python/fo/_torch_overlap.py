@@ -46,8 +46,10 @@ stream of the op that made the gradient). A hook on that stream hands its gradie
 and fo queues the parameter's step on a stream of its own that waits for the work queued
 on the step's stream so far (the gradient's producer) and for nothing after, so the step
 runs beside the rest of backward; its undo record (parameter and state bytes) is device
-memory until `step()`, counted in `undo_budget_bytes`. A hook on another stream leaves
-its gradient for `step()`.
+memory until `step()`, counted in `undo_budget_bytes`. An offloaded CUDA parameter
+(`offload=`) is handed over the same way and steps on fo's pool instead, its gradient
+brought down on the device's down lane. A hook on another stream leaves its gradient for
+`step()`.
 
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib

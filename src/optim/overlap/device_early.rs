@@ -76,8 +76,17 @@ impl Optimizer {
         let mut all: Vec<Option<TensorView>> = vec![None; self.num_params()];
         for (&i, g) in idx.iter().zip(grads) {
             let p = self.entry(i);
-            let b = crate::device::open::backend(p.device())?;
-            let lane = b.lanes().stream(&*b, Dir::Step)?;
+            let opened = crate::device::open::backend(p.device())
+                .and_then(|b| b.lanes().stream(&*b, Dir::Step).map(|lane| (b, lane)));
+            let (b, lane) = match opened {
+                Ok(bl) => bl,
+                Err(e) => {
+                    for r in records {
+                        r.backend.free_async(r.ptr, r.lane);
+                    }
+                    return Err(e);
+                }
+            };
             let param_bytes = p.tensor().nbytes();
             let before = p.gpu.as_ref().map(|s| (s.step, s.m_valid));
             let bytes = param_bytes + p.gpu.as_ref().map_or(0, |s| s.nbytes());
