@@ -73,7 +73,7 @@ impl Optimizer {
         let stream = self.stream();
         let mut records: Vec<DeviceUndo> = Vec::with_capacity(idx.len());
         let mut deferred = Vec::new();
-        let mut all: Vec<Option<TensorView>> = vec![None; self.num_params()];
+        let mut given: Vec<(usize, &TensorView)> = Vec::with_capacity(idx.len());
         for (&i, g) in idx.iter().zip(grads) {
             let p = self.entry(i);
             let opened = crate::device::open::backend(p.device())
@@ -92,7 +92,7 @@ impl Optimizer {
             let bytes = param_bytes + p.gpu.as_ref().map_or(0, |s| s.nbytes());
             match b.alloc_async(bytes, lane) {
                 Ok(ptr) => {
-                    all[i] = Some(g.clone());
+                    given.push((i, g));
                     records.push(DeviceUndo {
                         i,
                         backend: b,
@@ -106,7 +106,9 @@ impl Optimizer {
                 Err(_) => deferred.push(i),
             }
         }
-        let prepared = match self.prepare_device_step(&all) {
+        // By index, as `step` lays its tables out.
+        given.sort_by_key(|&(i, _)| i);
+        let prepared = match self.prepare_device_step_of(&given) {
             Ok(s) => s,
             Err(e) => {
                 for r in records {

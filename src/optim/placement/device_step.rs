@@ -150,16 +150,31 @@ impl Optimizer {
         &self,
         grads: &[Option<TensorView>],
     ) -> Result<DeviceStep> {
+        let given: Vec<(usize, &TensorView)> = (grads.iter().enumerate())
+            .filter_map(|(i, g)| g.as_ref().map(|g| (i, g)))
+            .filter(|&(i, _)| self.entry(i).device().is_cuda())
+            .collect();
+        self.prepare_device_step_of(&given)
+    }
+
+    /// `prepare_device_step` for the device parameters `given` alone (index, gradient;
+    /// by index), without a slot per parameter: what an overlapped step's hand-over of
+    /// one bucket costs does not grow with the model.
+    ///
+    /// # Safety
+    /// As `step`.
+    pub(in crate::optim) unsafe fn prepare_device_step_of(
+        &self,
+        given: &[(usize, &TensorView)],
+    ) -> Result<DeviceStep> {
         let mut s = DeviceStep {
             fresh: Vec::new(),
             stepped: Vec::new(),
             tables: Vec::new(),
         };
         // Refusals first, before any device memory is allocated or anything queued.
-        for (i, p) in self.entries().iter().enumerate() {
-            let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
-                continue;
-            };
+        for &(i, g) in given {
+            let p = self.entry(i);
             let cfg = self.config(p.group());
             if cfg.check_numerics {
                 return Err(Error::Unsupported(format!(
@@ -188,10 +203,8 @@ impl Optimizer {
             }
         }
         let mut entries: BTreeMap<(usize, Device), Vec<TableEntry>> = BTreeMap::new();
-        for (i, p) in self.entries().iter().enumerate() {
-            let (Some(g), true) = (&grads[i], p.device().is_cuda()) else {
-                continue;
-            };
+        for &(i, g) in given {
+            let p = self.entry(i);
             let cfg = self.config(p.group());
             let n = p.tensor().numel();
             let next = p.gpu.as_ref().map_or(1, |st| st.step + 1);
