@@ -41,6 +41,14 @@ impl DeviceUndo {
         self.param_bytes + self.before.map_or(0, |_| state_bytes)
     }
 
+    /// Frees the record in order on its lane, after the work queued there.
+    ///
+    /// # Safety
+    /// No work on another stream uses the record.
+    unsafe fn discard(self) {
+        self.backend.free_async(self.ptr, self.lane);
+    }
+
     /// Puts the parameter's bytes back in order on its lane and waits for it, then frees
     /// the record: an open step dropped with its optimizer (the state goes with it).
     ///
@@ -52,7 +60,7 @@ impl DeviceUndo {
         if let Ok(ev) = b.record_event(self.lane) {
             let _ = b.wait_event(ev);
         }
-        b.free_async(self.ptr, self.lane);
+        self.discard();
     }
 }
 
@@ -81,9 +89,7 @@ impl Optimizer {
             let (b, lane) = match opened {
                 Ok(bl) => bl,
                 Err(e) => {
-                    for r in records {
-                        r.backend.free_async(r.ptr, r.lane);
-                    }
+                    records.into_iter().for_each(|r| r.discard());
                     return Err(e);
                 }
             };
@@ -111,9 +117,7 @@ impl Optimizer {
         let prepared = match self.prepare_device_step_of(&given) {
             Ok(s) => s,
             Err(e) => {
-                for r in records {
-                    r.backend.free_async(r.ptr, r.lane);
-                }
+                records.into_iter().for_each(|r| r.discard());
                 return Err(e);
             }
         };
@@ -140,9 +144,7 @@ impl Optimizer {
         }
         if let Err(e) = saved {
             // Nothing was launched: the records are dropped after what was queued.
-            for r in records {
-                r.backend.free_async(r.ptr, r.lane);
-            }
+            records.into_iter().for_each(|r| r.discard());
             return Err(e);
         }
         // Kept before any launch: from here on a failure is the step's, and `step_end`

@@ -187,6 +187,7 @@ impl Optimizer {
             || (open.opts.clipping() && clip_is_certain(&open.opts, open.inbox.arrived_partials()));
         let (mut used, budget) = (open.undo_bytes, open.opts.undo_budget_bytes);
         let mut early: Vec<bool> = Vec::with_capacity(indices.len());
+        let mut needs: Vec<usize> = Vec::with_capacity(indices.len());
         for (&i, g) in indices.iter().zip(grads) {
             let p = self.entry(i);
             let state = match p.device().is_cuda() {
@@ -203,6 +204,7 @@ impl Optimizer {
                 used += need;
             }
             early.push(fits);
+            needs.push(need);
         }
         // An async save in flight takes what it still needs first (a failure here has
         // taken nothing).
@@ -243,8 +245,7 @@ impl Optimizer {
                     .position(|&j| j == i)
                     .expect("handed over here");
                 early[k] = false;
-                let p = self.entry(i);
-                used -= p.tensor().nbytes() + p.gpu.as_ref().map_or(0, |s| s.nbytes());
+                used -= needs[k];
             }
         }
         let mut items = Vec::new();

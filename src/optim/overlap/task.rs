@@ -117,15 +117,18 @@ fn swap_moments(rec: &mut Option<ParamState>, live: &mut ParamState) -> [bool; 2
         .into_iter()
         .enumerate()
     {
-        let (Some(lm), Some(rm)) = (l.as_mut(), r.as_mut()) else {
-            continue;
+        // `clone_state_into` left `r` of `l`'s kind and size.
+        swapped[k] = match (l.as_mut(), r.as_mut()) {
+            (Some(Moment::F32(lb)), Some(Moment::F32(rb))) if lb.is_shared() => {
+                rb.clone_from(lb);
+                false
+            }
+            (Some(lm), Some(rm)) => {
+                std::mem::swap(lm, rm);
+                true
+            }
+            _ => false,
         };
-        match (lm, rm) {
-            (Moment::F32(lb), Moment::F32(rb)) if lb.is_shared() => rb.clone_from(lb),
-            (Moment::F32(lb), Moment::F32(rb)) => std::mem::swap(lb, rb),
-            (lm, rm) => std::mem::swap(lm, rm),
-        }
-        swapped[k] = !matches!(l, Some(Moment::F32(b)) if b.is_shared());
     }
     swapped
 }
