@@ -85,7 +85,8 @@ step() {
   [ $rc -ne 0 ] && verdict="rc=$rc"
   [ $rc -eq 124 ] && verdict="timeout"
   local last
-  last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1 | cut -c1-110)
+  last=$(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1)
+  last=${last:0:110} # characters, not bytes (cut -c splits a UTF-8 quote from timeout)
   printf '%-22s %-8s %4ss  %s\n' "$name" "$verdict" $((SECONDS - t0)) "$last" | tee -a "$OUT/SUMMARY.txt"
 }
 

@@ -80,6 +80,19 @@ def test_the_logs_travel_as_one_archive_when_asked(tmp_path):
         assert b"selftest ran" in t.extractfile("./selftest.log").read()
 
 
+def test_a_steps_last_line_is_cut_at_110_characters_not_bytes(tmp_path):
+    """SUMMARY.txt shows each step's last line cut at 110 characters; cut by bytes, a UTF-8
+    character at the cut (timeout's quotes under LANG=C.UTF-8) left invalid text."""
+    line = "x" * 108 + "\u2018\u2019\u2026 tail"
+    kit, out = fake_kit(tmp_path, f"echo '{line}'\n")
+    r = run("run", "checks", "11", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out), LANG="C.UTF-8",
+            LC_ALL="C.UTF-8")
+    assert r.returncode == 0, r.stderr
+    summary = (out / "SUMMARY.txt").read_bytes().decode("utf-8")  # strict: valid UTF-8
+    (shown,) = [ln for ln in summary.splitlines() if ln.startswith("selftest ")]
+    assert shown.endswith(line[:110]), shown
+
+
 def test_profile_splits_a_step_and_reads_counters_only_where_ncu_is(tmp_path):
     """`run profile` (a dry run here): the step split runs and, without ncu on the PATH, the
     counters' step says why it was skipped."""
