@@ -22,6 +22,27 @@ fn bench_overlap_reports_every_case_with_fp32_state() {
     assert!(s.contains("AdamW, fp32 state"), "{s}");
 }
 
+#[test]
+fn bench_overlap_with_a_devices_backward_gives_fo_every_core_and_waits() {
+    let s = report_every_case(&["--backward", "device", "--backward-share", "0.5"]);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    assert!(s.contains(&format!("fo's pool {cores} thread(s)")), "{s}");
+    assert!(
+        s.contains("ms wait per layer on the calling thread (a device's)"),
+        "{s}"
+    );
+    assert!(s.contains("calibrated to 0.50 x the step's"), "{s}");
+}
+
+#[test]
+fn bench_overlap_with_a_hosts_backward_leaves_a_core_to_it() {
+    let s = report_every_case(&["--backward-share", "2"]);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let pool = cores.saturating_sub(1).max(1);
+    assert!(s.contains(&format!("fo's pool {pool} thread(s)")), "{s}");
+    assert!(s.contains("sweeps/layer (calibrated to 2.00 x"), "{s}");
+}
+
 /// Runs a tiny benchmark with `extra` flags, checks its report and returns it.
 fn report_every_case(extra: &[&str]) -> String {
     let mut args = vec!["--layers", "16", "--layer-size", "4K", "--rounds", "2"];
@@ -37,6 +58,8 @@ fn report_every_case(extra: &[&str]) -> String {
     }
     assert_eq!(s.matches("exposed step").count(), 3, "{s}");
     assert_eq!(s.matches("overlapped iter").count(), 3, "{s}");
+    // Each case's overlapped iteration as a ratio to its sequential one.
+    assert_eq!(s.matches("] the sequential iter").count(), 3, "{s}");
     // Clipping that triggers rolls back every early step; the others roll back none.
     // How many step early under a triggering clip depends on timing: once the norms that
     // have arrived make the clip certain, later gradients wait for step_end instead.
@@ -73,6 +96,9 @@ fn bench_overlap_refuses_out_of_range_flags() {
         (&["--layer-size", "100"][..], "--layer-size"),
         (&["--rounds", "0"][..], "--rounds"),
         (&["--state-format", "fp16"][..], "--state-format"),
+        (&["--backward", "gpu"][..], "--backward"),
+        (&["--backward-share", "0.01"][..], "--backward-share"),
+        (&["--backward-share", "x"][..], "--backward-share"),
     ] {
         let out = fo(args);
         let err = String::from_utf8_lossy(&out.stderr);

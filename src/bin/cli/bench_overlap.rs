@@ -9,6 +9,11 @@
 //! that does not trigger and clipping that triggers. Reported: medians [min-max] of the
 //! iteration times, and the exposed step (last `grads_ready` returned -> `step_end`
 //! returned) as a share of the sequential step.
+//!
+//! `--backward device` models a backward that runs elsewhere (a GPU's, as with FSDP2 and
+//! `CPUOffloadPolicy`): the calling thread only waits while each layer's gradient is
+//! made, so fo's pool has every core. `--backward-share` sets backward's length as a
+//! share of the step's (both kinds).
 use std::time::Instant;
 
 use fo::clip::clip_grad_norm;
@@ -24,7 +29,8 @@ use super::bench_util::fill;
 #[command(after_help = "Examples:
   fo bench overlap
   fo bench overlap --layers 32 --layer-size 512K --rounds 9
-  fo bench overlap --state-format fp32")]
+  fo bench overlap --state-format fp32
+  fo bench overlap --backward device --backward-share 0.5")]
 pub struct OverlapArgs {
     /// Equal layers in the model (16..=4096).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(16..=4096))]
@@ -39,6 +45,31 @@ pub struct OverlapArgs {
     /// moments, torch's layout: the largest undo records).
     #[arg(long, value_enum, default_value_t = Format::Quant8)]
     pub state_format: Format,
+    /// Where backward runs: host (memory-touching work on the calling thread, fo's pool
+    /// on the other cores) or device (the calling thread waits, as for a GPU's backward;
+    /// fo's pool on every core).
+    #[arg(long, value_enum, default_value_t = Backward::Host)]
+    pub backward: Backward,
+    /// Backward's length as a share of the step's (0.05..=20).
+    #[arg(long, default_value_t = 1.0, value_parser = share)]
+    pub backward_share: f64,
+}
+
+fn share(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if !(0.05..=20.0).contains(&v) {
+        return Err(format!("{v} is not in 0.05..=20"));
+    }
+    Ok(v)
+}
+
+/// Where the benchmark's backward runs. (Plain comments on the variants, as `Format`.)
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
+pub enum Backward {
+    // Memory-touching sweeps on the calling thread.
+    Host,
+    // A wait on the calling thread: a GPU's backward, which leaves the host cores free.
+    Device,
 }
 
 /// The state formats the benchmark compares. (Plain comments on the variants: doc
@@ -74,6 +105,8 @@ struct Model {
     grads: Vec<Vec<u16>>,
     work: Vec<f32>,
     n: usize,
+    /// `--backward device`: each layer's wait (the gradients were written once).
+    wait: Option<std::time::Duration>,
 }
 
 fn bf16(x: f32) -> u16 {
@@ -84,6 +117,11 @@ impl Model {
     /// One layer's backward: `passes` memory-touching sweeps of its buffer, then its
     /// gradient (a function of the buffer, so the work cannot be skipped).
     fn backward_layer(&mut self, l: usize, passes: usize) {
+        if let Some(w) = self.wait {
+            // A device's backward: the host thread waits (asleep, so its core is fo's).
+            std::thread::sleep(w);
+            return;
+        }
         let w = &mut self.work;
         for _ in 0..passes {
             w.iter_mut().for_each(|x| *x = *x * 0.999_9 + 1e-4);
@@ -142,7 +180,13 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         .and_then(|b| b.checked_add(4 * n as u64));
     super::mem::check_memory(need, &format!("--layers {layers} --layer-size {n}"))?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    threads::set_num_threads(cores.saturating_sub(1).max(1)).map_err(|e| e.to_string())?;
+    let device = a.backward == Backward::Device;
+    let pool = if device {
+        cores
+    } else {
+        cores.saturating_sub(1).max(1)
+    };
+    threads::set_num_threads(pool).map_err(|e| e.to_string())?;
     let mut params: Vec<Vec<u16>> = (0..layers)
         .map(|l| fill(n, 10 + l as u64, 1.0).into_iter().map(bf16).collect())
         .collect();
@@ -169,7 +213,15 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         grads: (0..layers).map(|_| vec![0u16; n]).collect(),
         work: fill(n, 3, 1.0),
         n,
+        wait: None,
     };
+    if device {
+        // The gradients are written once: a device's backward writes them by DMA, not
+        // with the host's cores.
+        for l in 0..layers {
+            m.backward_layer(l, 1);
+        }
+    }
     let comm = Comm::local_group(1)
         .pop()
         .ok_or("cannot create a one-rank group")?;
@@ -181,17 +233,33 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         unsafe { m.opt.step(&gs) }.map_err(|e| e.to_string())?;
         step_t.push(t.elapsed().as_secs_f64());
     }
-    let t = Instant::now();
-    m.backward_layer(0, 4);
-    let sweep = t.elapsed().as_secs_f64() / 4.0;
     let step_s = median_range(step_t).0;
-    let passes = ((step_s / layers as f64 / sweep).round() as usize).max(1);
+    let layer_s = a.backward_share * step_s / layers as f64;
+    let (passes, how) = if device {
+        m.wait = Some(std::time::Duration::from_secs_f64(layer_s));
+        (
+            0,
+            format!(
+                "backward: a {:.2} ms wait per layer on the calling thread (a device's)",
+                layer_s * 1e3
+            ),
+        )
+    } else {
+        let t = Instant::now();
+        m.backward_layer(0, 4);
+        let sweep = t.elapsed().as_secs_f64() / 4.0;
+        let passes = ((layer_s / sweep).round() as usize).max(1);
+        (
+            passes,
+            format!("backward on the calling thread: {passes} sweeps/layer"),
+        )
+    };
     println!(
         "fo bench overlap: {layers} layers x {n} bf16 elements (AdamW, {} state, 24-bit masters); \
-         {cores} cores: backward on the calling thread, fo's pool {} thread(s); \
-         backward: {passes} sweeps/layer (calibrated to the step's {:.1} ms); {} rounds",
+         {cores} cores, fo's pool {} thread(s); {how} (calibrated to {:.2} x the step's {:.1} ms); {} rounds",
         a.state_format.state_format().name(),
         threads::num_threads().map_err(|e| e.to_string())?,
+        a.backward_share,
         step_s * 1e3,
         a.rounds
     );
@@ -254,14 +322,25 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
             .collect();
         let (p, plo, phi) = median_range(pct);
         let (oi, _, _) = median_range(r.ovl_iter.clone());
+        // Each round's overlapped iteration over its own sequential one (interleaved).
+        let ratio: Vec<f64> = r
+            .ovl_iter
+            .iter()
+            .zip(&r.seq_iter)
+            .map(|(o, s)| o / s)
+            .collect();
+        let (q, qlo, qhi) = median_range(ratio);
         let st = r.stats.last().copied().unwrap_or_default();
         println!("{label}:");
         println!("  backward            {}", fmt_ms(&r.backward));
         println!("  sequential step     {}", fmt_ms(&r.seq_step));
         println!("  sequential iter     {}", fmt_ms(&r.seq_iter));
         println!(
-            "  overlapped iter     {}  = {:.2}x max(backward, step)",
+            "  overlapped iter     {}  = {:.3}x [{:.3}-{:.3}] the sequential iter, {:.2}x max(backward, step)",
             fmt_ms(&r.ovl_iter),
+            q,
+            qlo,
+            qhi,
             oi / bwd.max(seq)
         );
         println!(
