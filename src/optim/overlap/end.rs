@@ -237,8 +237,8 @@ impl Optimizer {
                     // SAFETY: the task is over and the step is closed: the memory is ours.
                     unsafe {
                         let dst = self.entry(d.i).tensor().contiguous_bytes_mut();
-                        dst.expect("parameters are contiguous")
-                            .copy_from_slice(&u.bytes)
+                        let dst = dst.expect("parameters are contiguous");
+                        open.pool.install(|| super::task::copy_par(dst, &u.bytes))
                     };
                     // The record's buffers, with the state it replaced, serve the next
                     // step (`keep_spares`); not `d.undo`: a second rollback finds nothing.

@@ -11,6 +11,10 @@ use crate::tensor::TensorView;
 
 /// Elements per parameter: three f32 chunks and a bit; several 2048-element chunks.
 const SIZES: [usize; 2] = [3 * 16384 + 100, 5 * 2048 + 45];
+/// Parameters whose records are copied and put back in 1 MiB pieces across the pool
+/// (`task::fill_par`, `task::copy_par`): 2.4 MB and 1.2 MB of f32, 1.2 MB and 0.6 MB of
+/// 16-bit values, neither a whole number of pieces.
+const LARGE: [usize; 2] = [600_001, 300_007];
 
 fn views(bufs: &mut [Vec<u8>], dt: &[DType]) -> Vec<TensorView> {
     bufs.iter_mut()
@@ -23,11 +27,15 @@ fn views(bufs: &mut [Vec<u8>], dt: &[DType]) -> Vec<TensorView> {
 }
 
 fn model(fmt: StateFormat, pdt: DType, bits: u32) -> Model {
+    model_of(&SIZES, fmt, pdt, bits)
+}
+
+fn model_of(sizes: &[usize; 2], fmt: StateFormat, pdt: DType, bits: u32) -> Model {
     let mut cfg = OptimConfig::default_for(Algorithm::AdamW);
     (cfg.state_format, cfg.master_weight_bits, cfg.check_numerics) = (fmt, bits, true);
     cfg.lr = 1e-2;
     let mut rng = Rng::new(11);
-    let mut mem: Vec<Vec<u8>> = SIZES
+    let mut mem: Vec<Vec<u8>> = sizes
         .iter()
         .map(|&n| encode(pdt, &(0..n).map(|_| rng.unit()).collect::<Vec<f32>>()))
         .collect();
@@ -39,7 +47,11 @@ fn model(fmt: StateFormat, pdt: DType, bits: u32) -> Model {
 }
 
 fn grads(rng: &mut Rng, dt: DType) -> Vec<Vec<u8>> {
-    SIZES
+    grads_of(&SIZES, rng, dt)
+}
+
+fn grads_of(sizes: &[usize; 2], rng: &mut Rng, dt: DType) -> Vec<Vec<u8>> {
+    sizes
         .iter()
         .map(|&n| encode(dt, &(0..n).map(|_| rng.unit()).collect::<Vec<f32>>()))
         .collect()
@@ -47,12 +59,22 @@ fn grads(rng: &mut Rng, dt: DType) -> Vec<Vec<u8>> {
 
 #[test]
 fn multi_chunk_parameters_are_put_back_whole_from_fresh_and_reused_records() {
+    put_back_whole(&SIZES);
+}
+
+#[test]
+fn parameters_of_several_copy_pieces_are_put_back_whole() {
+    put_back_whole(&LARGE);
+}
+
+/// Steps that succeed and fail in turn: a failed one puts every parameter back bit for bit.
+fn put_back_whole(sizes: &[usize; 2]) {
     for (fmt, pdt, bits) in [
         (StateFormat::Fp32, DType::F32, 0),
         (StateFormat::Quant8, DType::BF16, 24),
         (StateFormat::Quant8, DType::F16, 32),
     ] {
-        let mut m = model(fmt, pdt, bits);
+        let mut m = model_of(sizes, fmt, pdt, bits);
         let mut rng = Rng::new(5);
         for step in 0..4 {
             // Steps 0 and 2 succeed (step 0 creates the state, step 2 refills the
@@ -60,7 +82,7 @@ fn multi_chunk_parameters_are_put_back_whole_from_fresh_and_reused_records() {
             // handed over after the other parameter stepped early.
             let fail = step % 2 == 1;
             let before = snapshot(&m);
-            let mut g = grads(&mut rng, pdt);
+            let mut g = grads_of(sizes, &mut rng, pdt);
             if fail {
                 let nan = encode(pdt, &[f32::NAN]);
                 g[1][..nan.len()].copy_from_slice(&nan);
