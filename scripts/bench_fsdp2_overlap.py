@@ -85,20 +85,34 @@ def main():
     n = sum(p.numel() for p in runs[False][0].parameters())
     x = torch.randn(a.batch, a.width, device=device)
 
+    mode_of = {id(opt): m for m, (_, opt) in runs.items()}
+    parts = {m: {"backward": [], "step": [], "in_backward": [], "early": []} for m in runs}
+
     def iteration(model, opt):
         t0 = time.perf_counter()
         opt.zero_grad()
         model(x).float().pow(2).mean().backward()
+        t1 = time.perf_counter()  # the host's view: backward's launches and hooks returned
         opt.step()
         if cuda:
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        st = opt.last_step_stats or {}  # None with overlap=False (no clipping)
+        part = parts[mode_of[id(opt)]]
+        part["backward"].append(t1 - t0)
+        part["step"].append(t2 - t1)
+        part["in_backward"].append(st.get("handed_over_in_backward", 0))
+        part["early"].append(st.get("speculative", 0))
+        return t2 - t0
 
     for overlap in (False, "always"):  # warm-up: state created, kernels compiled, pinned buffers allocated
         for _ in range(2):
             iteration(*runs[overlap])
     ran = settle(runs[True][1], lambda: iteration(*runs[True]))  # overlap=True's warm-up and probe
     said, word = decision(runs[True][1], ran)
+    for p in parts.values():  # the rounds' own iterations only
+        for v in p.values():
+            v.clear()
     times = {m: [] for m in runs}
     high_water = 0
     order = list(runs)
@@ -116,6 +130,13 @@ def main():
     for m, name in MODES.items():
         v = [t * 1e3 for t in times[m]]
         print(f"  {name:<16}: {med[m]:8.2f} ms per iteration [{min(v):.2f}-{max(v):.2f}] over {a.rounds} rounds")
+    nparams = len(list(runs[False][0].parameters()))
+    for m, name in MODES.items():
+        p = parts[m]
+        print(f"  {name:<16}: forward + backward {statistics.median(p['backward']) * 1e3:.2f} ms, step() "
+              f"{statistics.median(p['step']) * 1e3:.2f} ms (medians); of {nparams} parameters, "
+              f"{statistics.median(p['in_backward']):.0f} handed over in backward, "
+              f"{statistics.median(p['early']):.0f} stepped early (medians)")
     print(f"  overlap=True {said}")
     # the last line (scripts/gpu_kit.sh shows it): the mechanism's ratio, then overlap=True's
     print(f"  overlapped / sequential: {med['always'] / med[False]:.3f}x; "

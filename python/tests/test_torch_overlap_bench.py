@@ -33,6 +33,16 @@ def test_bench_fsdp2_overlap_runs_on_gloo_and_keeps_its_last_line():
     for mode in MODES:
         assert any(re.match(r"\s+overlap=" + re.escape(mode) + r"\s*: +[\d.]+ ms per iteration", ln) for ln in lines)
     assert any(ln.strip().startswith("overlap=True ") and "iterations" in ln for ln in lines), lines
+    # Where each mode's iteration goes, and how many gradients the hooks handed over: the
+    # figures that tell a GPU run's loss apart (late copies, or the undo records' cost).
+    parts = {m: [ln for ln in lines if re.match(r"\s+overlap=" + re.escape(m) + r"\s*: forward \+ backward", ln)]
+             for m in MODES}
+    for mode, found in parts.items():
+        assert len(found) == 1, (mode, lines)
+        assert re.search(r": forward \+ backward [\d.]+ ms, step\(\) [\d.]+ ms \(medians\); of 4 parameters, "
+                         r"\d+ handed over in backward, \d+ stepped early \(medians\)$", found[0]), found[0]
+    assert parts["False"][0].endswith("0 handed over in backward, 0 stepped early (medians)"), parts
+    assert parts["'always'"][0].endswith("4 handed over in backward, 4 stepped early (medians)"), parts
     last = lines[-1]
     assert re.match(r"\s+overlapped / sequential: [\d.]+x; undo high-water [\d.]+ MiB \([\d.]+ B/param\); "
                     r"overlap=True [\d.]+x \((kept|dropped|warm-up|probing|stopped)\)$", last), last
