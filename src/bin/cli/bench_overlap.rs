@@ -153,6 +153,11 @@ fn median_range(mut v: Vec<f64>) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
+/// Median [min, max] of each round's `a` over the same round's `b` (interleaved rounds).
+fn ratios(a: &[f64], b: &[f64]) -> (f64, f64, f64) {
+    median_range(a.iter().zip(b).map(|(x, y)| x / y).collect())
+}
+
 fn fmt_ms(v: &[f64]) -> String {
     let (m, lo, hi) = median_range(v.to_vec());
     format!("{:8.2} ms [{:.2}-{:.2}]", m * 1e3, lo * 1e3, hi * 1e3)
@@ -314,22 +319,9 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     for ((label, _), r) in cases.iter().zip(&results) {
         let (seq, _, _) = median_range(r.seq_step.clone());
         let (bwd, _, _) = median_range(r.backward.clone());
-        let pct: Vec<f64> = r
-            .exposed
-            .iter()
-            .zip(&r.seq_step)
-            .map(|(e, s)| e / s)
-            .collect();
-        let (p, plo, phi) = median_range(pct);
+        let (p, plo, phi) = ratios(&r.exposed, &r.seq_step);
         let (oi, _, _) = median_range(r.ovl_iter.clone());
-        // Each round's overlapped iteration over its own sequential one (interleaved).
-        let ratio: Vec<f64> = r
-            .ovl_iter
-            .iter()
-            .zip(&r.seq_iter)
-            .map(|(o, s)| o / s)
-            .collect();
-        let (q, qlo, qhi) = median_range(ratio);
+        let (q, qlo, qhi) = ratios(&r.ovl_iter, &r.seq_iter);
         let st = r.stats.last().copied().unwrap_or_default();
         println!("{label}:");
         println!("  backward            {}", fmt_ms(&r.backward));
