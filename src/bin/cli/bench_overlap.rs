@@ -45,13 +45,12 @@ pub struct OverlapArgs {
     /// moments, torch's layout: the largest undo records).
     #[arg(long, value_enum, default_value_t = Format::Quant8)]
     pub state_format: Format,
-    /// Where backward runs: host (memory-touching work on the calling thread, fo's pool
-    /// on the other cores) or device (the calling thread waits, as for a GPU's backward;
-    /// fo's pool on every core).
-    #[arg(long, value_enum, default_value_t = Backward::Host)]
+    /// Where backward runs: host (the calling thread's work) or device (a wait, as for a
+    /// GPU's: fo's pool takes every core).
+    #[arg(long, value_enum, default_value_t = Backward::Host, value_name = "WHERE")]
     pub backward: Backward,
     /// Backward's length as a share of the step's (0.05..=20).
-    #[arg(long, default_value_t = 1.0, value_parser = share)]
+    #[arg(long, default_value_t = 1.0, value_parser = share, value_name = "SHARE")]
     pub backward_share: f64,
 }
 
