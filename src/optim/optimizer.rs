@@ -34,7 +34,7 @@
 //! - `resident`: `placement::device_step`'s, through `resident` / `resident_mut`.
 use super::math::config::OptimConfig;
 use super::overlap::open::OpenStep;
-use super::overlap::task::Saved;
+use super::overlap::record::Saved;
 use super::placement::Mirror;
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use super::open::OverlapOptions;
 use super::open::{no_step, Given, OpenStep, OverlapStats};
-use super::task::{Done, Saved};
+use super::record::Saved;
+use super::task::Done;
 use crate::clip::{self, ClipGrad};
 use crate::comm::{agree, Comm};
 use crate::error::{Error, Result};
@@ -238,7 +239,7 @@ impl Optimizer {
                     unsafe {
                         let dst = self.entry(d.i).tensor().contiguous_bytes_mut();
                         let dst = dst.expect("parameters are contiguous");
-                        open.pool.install(|| super::task::copy_par(dst, &u.bytes))
+                        open.pool.install(|| super::record::copy_par(dst, &u.bytes))
                     };
                     // The record's buffers, with the state it replaced, serve the next
                     // step (`keep_spares`); not `d.undo`: a second rollback finds nothing.

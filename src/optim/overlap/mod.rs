@@ -24,11 +24,13 @@
 //!   (the caller sees them scaled afterwards, as after `fo_clip_grad_norm`), and every
 //!   handed-over parameter is stepped again by `step`: clip-then-step, bit for bit.
 //!
-//! The background work lives in `task` (host) and `device_early` (device), the end of
-//! the step in `end`, the open step's record and the caller's options in `open`.
+//! The background work lives in `task` (host; its undo records in `record`) and
+//! `device_early` (device), the end of the step in `end`, the open step's record and the
+//! caller's options in `open`.
 mod device_early;
 mod end;
 pub(in crate::optim) mod open;
+pub(in crate::optim) mod record;
 pub(in crate::optim) mod task;
 
 use crate::clip;

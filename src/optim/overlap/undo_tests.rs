@@ -12,7 +12,7 @@ use crate::tensor::TensorView;
 /// Elements per parameter: three f32 chunks and a bit; several 2048-element chunks.
 const SIZES: [usize; 2] = [3 * 16384 + 100, 5 * 2048 + 45];
 /// Parameters whose records are copied and put back in 1 MiB pieces across the pool
-/// (`task::fill_par`, `task::copy_par`): 2.4 MB and 1.2 MB of f32, 1.2 MB and 0.6 MB of
+/// (`record::fill_par`, `record::copy_par`): 2.4 MB and 1.2 MB of f32, 1.2 MB and 0.6 MB of
 /// 16-bit values, neither a whole number of pieces.
 const LARGE: [usize; 2] = [600_001, 300_007];
 
