@@ -39,10 +39,7 @@ fn clipping_gives_the_bits_of_clip_grad_norm_then_step() {
             let mut rng = Rng::new(50 + k as u64);
             for step in 0..2 {
                 let mut ga = Grads::new(&mut rng, 1.0, step == 0);
-                let mut gb = Grads {
-                    dt: ga.dt.clone(),
-                    bufs: ga.bufs.clone(),
-                };
+                let mut gb = ga.clone();
                 let (va, vb) = (ga.views(), gb.views());
                 let which = handed(&mut rng);
                 let list: Vec<(TensorView, bool)> =

@@ -45,10 +45,7 @@ fn a_clip_certain_to_scale_defers_the_rest_and_keeps_the_bits() {
         let mut a = model(&cfg, DType::BF16, 3, true).unwrap();
         let mut b = model(&cfg, DType::BF16, 3, true).unwrap();
         let mut ga = Grads::seeded(9);
-        let mut gb = Grads {
-            dt: ga.dt.clone(),
-            bufs: ga.bufs.clone(),
-        };
+        let mut gb = ga.clone();
         let (va, vb) = (ga.views(), gb.views());
         let list: Vec<(TensorView, bool)> = va
             .iter()
@@ -95,10 +92,7 @@ fn undo_records_are_refilled_from_step_to_step() {
     let mut seen: Option<Vec<(usize, [usize; 2])>> = None;
     for (step, max_norm) in [0.0, 0.0, 1e-3, 0.0].into_iter().enumerate() {
         let mut ga = Grads::new(&mut rng, 1.0, step == 0);
-        let mut gb = Grads {
-            dt: ga.dt.clone(),
-            bufs: ga.bufs.clone(),
-        };
+        let mut gb = ga.clone();
         let (va, vb) = (ga.views(), gb.views());
         if max_norm > 0.0 {
             let list: Vec<(TensorView, bool)> = va.iter().map(|v| (v.clone(), false)).collect();
@@ -208,10 +202,7 @@ fn quantized_moments_change_places_with_the_undo_record_instead_of_being_copied(
     let mut before: Option<(usize, usize)> = None;
     for step in 0..4 {
         let mut ga = Grads::new(&mut rng, 1.0, step == 0);
-        let mut gb = Grads {
-            dt: ga.dt.clone(),
-            bufs: ga.bufs.clone(),
-        };
+        let mut gb = ga.clone();
         let (va, vb) = (ga.views(), gb.views());
         let all: Vec<Option<TensorView>> = va.iter().cloned().map(Some).collect();
         unsafe { a.opt.step(&all) }.unwrap();

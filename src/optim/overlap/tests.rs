@@ -60,6 +60,7 @@ fn view(b: &mut [u8], dt: DType, shape: &[usize]) -> TensorView {
 
 /// One step's gradients: contiguous buffers, and for `STRIDED` a transposed buffer
 /// viewed with strides.
+#[derive(Clone)]
 pub(super) struct Grads {
     pub dt: Vec<DType>,
     pub bufs: Vec<Vec<u8>>,
