@@ -1,6 +1,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "python"))
 ORACLE = ROOT / "tests" / "oracle"
@@ -11,6 +13,25 @@ ORACLE = ROOT / "tests" / "oracle"
 # both cores busy; the workers now skip finalization (`exit_skipping_finalization`), which
 # passed 12 of 12 launches under the same load. The one relaunch stays as a safety net.
 TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+@pytest.fixture(autouse=True)
+def torch_on_one_thread():
+    """Every test computes torch's host ops on one intra-op thread, as scripts/test.sh runs
+    the suite (OMP_NUM_THREADS=1), whatever the caller's environment: fo.torch's overlapped
+    step leaves the cores to a host backward whose torch threads cover them all (no early
+    steps), so on a 16-core GPU machine without OMP_NUM_THREADS the overlap tests' host
+    models handed nothing over in backward. Tests of that rule set the count themselves."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def torchrun(nproc, script, *args):

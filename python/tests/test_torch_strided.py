@@ -265,8 +265,10 @@ def test_channels_last_cuda_parameters_step_as_contiguous_ones(config):
         pytest.skip("this libfo steps host tensors only")
     ref, ref_opt = build(False, config, device="cuda")
     model, opt = build(True, config, device="cuda")
-    train(ref, ref_opt, 3)
-    train(model, opt, 3)
+    # ref's gradients in each layout (cuDNN's channels_last convolutions round differently:
+    # the H200 gave c1.weight 1358 ulps apart after 3 steps of `train`)
+    train_twins(ref, ref_opt, [(model, opt)], 3)
+    assert not model.c1.weight.grad.is_contiguous()
     torch.cuda.synchronize()
     assert_same(ref, model)
     assert_same_state(ref_opt, opt)

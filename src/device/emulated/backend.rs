@@ -84,6 +84,9 @@ impl PinnedCopy for Emulated {
             ))
         })?;
         let mut done = ev.0.lock().unwrap();
+        if !*done {
+            super::BLOCKING_WAITS.with(|w| w.set(w.get() + 1));
+        }
         while !*done {
             done = ev.1.wait(done).unwrap();
         }

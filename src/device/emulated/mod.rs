@@ -88,6 +88,7 @@ thread_local! {
     static DOWNLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static POINTER_QUERIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static TABLE_UPLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static BLOCKING_WAITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Copies down made by this thread so far (a test counts a call's PCIe transfers).
@@ -105,6 +106,12 @@ pub fn pointer_queries_on_this_thread() -> usize {
 /// Step-table uploads (`upload_table`) made by this thread so far, on any emulated device.
 pub fn table_uploads_on_this_thread() -> usize {
     TABLE_UPLOADS.with(|u| u.get())
+}
+
+/// Host waits (`wait_event`) by this thread so far that found their event not yet
+/// completed, so the thread blocked for the device: a test counts a call's.
+pub fn blocking_waits_on_this_thread() -> usize {
+    BLOCKING_WAITS.with(|w| w.get())
 }
 
 impl Emulated {
