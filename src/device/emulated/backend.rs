@@ -215,6 +215,7 @@ impl Backend for Emulated {
 
     unsafe fn copy_on_device(&self, dst: u64, src: u64, bytes: usize, stream: usize) -> Result<()> {
         let _cur = self.enter();
+        super::DEVICE_COPIES.with(|c| c.set(c.get() + 1));
         let w = self.worker(stream)?;
         let (s, d) = (Addr(src as usize), Addr(dst as usize));
         w.push(Box::new(move || {

@@ -89,6 +89,7 @@ thread_local! {
     static POINTER_QUERIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static TABLE_UPLOADS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static BLOCKING_WAITS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static DEVICE_COPIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Copies down made by this thread so far (a test counts a call's PCIe transfers).
@@ -106,6 +107,12 @@ pub fn pointer_queries_on_this_thread() -> usize {
 /// Step-table uploads (`upload_table`) made by this thread so far, on any emulated device.
 pub fn table_uploads_on_this_thread() -> usize {
     TABLE_UPLOADS.with(|u| u.get())
+}
+
+/// Device-to-device copies (`copy_on_device`) this thread queued so far, on any emulated
+/// device: a test counts a hand-over's (each is a driver call on a GPU).
+pub fn device_copies_on_this_thread() -> usize {
+    DEVICE_COPIES.with(|c| c.get())
 }
 
 /// Host waits (`wait_event`) by this thread so far that found their event not yet

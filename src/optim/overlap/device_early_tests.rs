@@ -271,7 +271,8 @@ fn device_parameters_past_the_undo_budget_wait_for_step_end() {
     }
 }
 
-/// A hand-over never waits on the host for the device: each early step's one-row table
+/// A hand-over never waits on the host for the device, and its undo record is two copies
+/// (parameter, state) whatever the state's buffers: each early step's one-row table
 /// goes up through the ring, and a ring slot reused while the copy queued from it still
 /// waits (on the step lane, behind the gradient's producer) blocked the hook that handed
 /// over, so the host could not queue backward's next kernels ahead of the GPU (measured
@@ -318,6 +319,7 @@ fn hand_overs_queue_their_steps_without_waiting_for_the_device() {
             // step waits for them on the device, and none of the hand-overs on the host.
             d.stall(stream, 3000);
             let before = emulated::blocking_waits_on_this_thread();
+            let copies = emulated::device_copies_on_this_thread();
             let t0 = std::time::Instant::now();
             for i in (0..N).rev() {
                 let v = on_device(&view(&mut gd[i], sizes[i]));
@@ -328,6 +330,14 @@ fn hand_overs_queue_their_steps_without_waiting_for_the_device() {
                 waited == 0 && t0.elapsed() < std::time::Duration::from_millis(2500),
                 "step {s}: {waited} hand-overs of {N} waited for the device ({:?})",
                 t0.elapsed()
+            );
+            // Each undo record is two copies: the parameter, and its state's one block
+            // (none before the first step made it).
+            let per_record = if s == 0 { 1 } else { 2 };
+            assert_eq!(
+                emulated::device_copies_on_this_thread() - copies,
+                per_record * N,
+                "step {s}"
             );
             dev.step_end(None, &mut st).unwrap();
         }

@@ -105,10 +105,8 @@ impl Drop for OpenStep {
             // SAFETY: the task is over; the parameter memory outlives the optimizer.
             unsafe { d.restore_memory() };
         }
-        for r in std::mem::take(&mut self.device) {
-            // SAFETY: as above; the copy back is waited for.
-            unsafe { r.restore_param_and_free() };
-        }
+        // SAFETY: as above; the copies back are waited for.
+        unsafe { DeviceUndo::restore_params_and_free(std::mem::take(&mut self.device)) };
     }
 }
 

@@ -19,9 +19,16 @@ pub struct DeviceState {
     numel: usize,
     ptrs: StatePtrs,
     backend: Arc<dyn Backend>,
-    /// The allocations behind `ptrs`, freed on drop.
-    owned: Vec<u64>,
+    /// The one allocation every buffer of `ptrs` lies in (address, bytes; 0 when the state
+    /// holds no byte), freed on drop. One block, so that an overlapped step's undo record
+    /// of it is one copy: on an H200 each `cuMemcpyDtoDAsync` cost microseconds of host
+    /// time that a backward bound by the host's launches waited for.
+    block: (u64, usize),
 }
+
+/// Where a buffer starts in its state's block: the step kernel's vector accesses need 16
+/// bytes, and 256 is what a separate allocation of its own would give.
+const BUFFER_ALIGN: usize = 256;
 
 /// A state's buffers as `(address, bytes)`, in one fixed order (m, m scales, v, v scales,
 /// error bits), so a host and a device state of one layout pair up buffer by buffer.
@@ -60,33 +67,38 @@ impl DeviceState {
                 error_bits_width: layout.error_bits_width,
             },
             backend: backend(device)?,
-            owned: Vec::new(),
+            block: (0, 0),
         };
-        // Allocations go into `st` as they are made, so an error frees them (drop).
-        let moment = |st: &mut DeviceState, kind| -> Result<Option<MomentPtrs>> {
-            if kind == MomentKind::None {
-                return Ok(None);
-            }
-            let (d, sc) = StateLayout::moment_bytes(kind, numel);
-            Ok(Some(MomentPtrs {
-                kind,
-                data: st.alloc(d, stream)?,
-                scales: st.alloc(sc, stream)?,
-            }))
+        // The buffers' offsets in `buffers` order (a buffer of no byte has address 0).
+        let mut end = 0usize;
+        let mut place = |bytes: usize| -> Option<usize> {
+            (bytes > 0).then(|| {
+                let at = end.next_multiple_of(BUFFER_ALIGN);
+                end = at + bytes;
+                at
+            })
         };
-        st.ptrs.m = moment(&mut st, layout.m)?;
-        st.ptrs.v = moment(&mut st, layout.v)?;
-        st.ptrs.error_bits = st.alloc(numel * layout.error_bits_width as usize / 8, stream)?;
-        Ok(st)
-    }
-
-    unsafe fn alloc(&mut self, bytes: usize, stream: usize) -> Result<u64> {
-        if bytes == 0 {
-            return Ok(0);
+        let moment = |kind, place: &mut dyn FnMut(usize) -> Option<usize>| {
+            (kind != MomentKind::None).then(|| {
+                let (d, sc) = StateLayout::moment_bytes(kind, numel);
+                (kind, place(d), place(sc))
+            })
+        };
+        let (m, v) = (moment(layout.m, &mut place), moment(layout.v, &mut place));
+        let eb = place(numel * layout.error_bits_width as usize / 8);
+        if end > 0 {
+            st.block = (st.backend.alloc_zeroed(end, stream)?, end);
         }
-        let p = self.backend.alloc_zeroed(bytes, stream)?;
-        self.owned.push(p);
-        Ok(p)
+        let at = |off: Option<usize>| off.map_or(0, |o| st.block.0 + o as u64);
+        let ptrs = |m: Option<(MomentKind, Option<usize>, Option<usize>)>| {
+            m.map(|(kind, d, sc)| MomentPtrs {
+                kind,
+                data: at(d),
+                scales: at(sc),
+            })
+        };
+        (st.ptrs.m, st.ptrs.v, st.ptrs.error_bits) = (ptrs(m), ptrs(v), at(eb));
+        Ok(st)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -98,23 +110,26 @@ impl DeviceState {
         self.ptrs
     }
 
-    /// Copies the state's buffers, one after the other, to `nbytes()` bytes of this
-    /// device at `dst` (`back`: from `dst` into the buffers), in order on `stream`; the
-    /// host does not wait. An overlapped step's undo record of a device parameter.
+    /// The bytes `copy_with` copies: the state's block, its buffers and the padding that
+    /// aligns them (at most `BUFFER_ALIGN` a buffer more than `nbytes()`).
+    pub fn record_bytes(&self) -> usize {
+        self.block.1
+    }
+
+    /// Copies the state's block to `record_bytes()` bytes of this device at `dst` (`back`:
+    /// from `dst` into the block), in order on `stream`, in one copy; the host does not
+    /// wait. An overlapped step's undo record of a device parameter.
     ///
     /// # Safety
-    /// `dst` must be `nbytes()` bytes of the state's device, valid until the copies have
-    /// run; `stream` 0 or a valid stream of that device.
+    /// `dst` must be `record_bytes()` bytes of the state's device, valid until the copy
+    /// has run; `stream` 0 or a valid stream of that device.
     pub unsafe fn copy_with(&self, dst: u64, back: bool, stream: usize) -> Result<()> {
-        let mut at = dst;
-        for (d, bytes) in buffers(&self.ptrs, &self.layout, self.numel) {
-            if bytes > 0 {
-                let (to, from) = if back { (d, at) } else { (at, d) };
-                self.backend.copy_on_device(to, from, bytes, stream)?;
-            }
-            at += bytes as u64;
+        let (base, bytes) = self.block;
+        if bytes == 0 {
+            return Ok(());
         }
-        Ok(())
+        let (to, from) = if back { (base, dst) } else { (dst, base) };
+        self.backend.copy_on_device(to, from, bytes, stream)
     }
 
     /// A host copy of the state, read after the work queued on `stream`, which this
@@ -178,8 +193,8 @@ impl DeviceState {
 impl Drop for DeviceState {
     fn drop(&mut self) {
         // SAFETY: allocated by this backend in `zeroed`, used by nothing after the state.
-        self.owned
-            .iter()
-            .for_each(|&p| unsafe { self.backend.free(p) });
+        if self.block.0 != 0 {
+            unsafe { self.backend.free(self.block.0) };
+        }
     }
 }
