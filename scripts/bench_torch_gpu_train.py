@@ -20,7 +20,8 @@ ratio to torch's fused AdamW in the same rounds, then the optimizer state each k
     python scripts/bench_torch_gpu_train.py --layers 8 --width 1024 --rounds 3   # --help: all flags
 
 Runners: `torch fused` (torch.optim.AdamW(fused=True)), `fo quant8` (fo.torch.AdamW: its
-defaults), `fo quant8 fast` (the same with arithmetic="fast", fo_fast.cuh on the GPU),
+defaults, arithmetic="fast", fo_fast.cuh on the GPU), `fo quant8 exact` (the same with
+arithmetic="exact": FlashOptim's bits),
 `fo quant8 overlap` (the defaults with overlap="always": each layer stepped on fo's step
 lane during backward), `fo fp32` (state_format="fp32"), `fo offload` (offload=1.0: master weights and
 state on the host, the CUDA parameters as fo's mirrors). Without torch, a CUDA GPU or a libfo
@@ -37,7 +38,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from bench_cuda import die, fo_cuda_missing, need_torch_gpu  # noqa: E402
 
 NAME = "bench_torch_gpu_train"
-RUNNERS = ("torch fused", "fo quant8", "fo quant8 fast", "fo quant8 overlap", "fo fp32", "fo offload")
+RUNNERS = ("torch fused", "fo quant8", "fo quant8 exact", "fo quant8 overlap", "fo fp32", "fo offload")
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -88,7 +89,7 @@ def optimizer(torch, name, model):
     ps = list(model.parameters())
     if name == "torch fused":
         return torch.optim.AdamW(ps, fused=True, **HP)
-    extra = {"fo quant8": {}, "fo quant8 fast": {"arithmetic": "fast"}, "fo quant8 overlap": {"overlap": "always"},
+    extra = {"fo quant8": {}, "fo quant8 exact": {"arithmetic": "exact"}, "fo quant8 overlap": {"overlap": "always"},
              "fo fp32": {"state_format": "fp32"}, "fo offload": {"offload": 1.0}}[name]
     return fo.torch.AdamW(ps, **HP, **extra)
 

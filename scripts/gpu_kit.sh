@@ -18,7 +18,7 @@
 # (checks = rust + py: the Rust test binaries and pytest, which may run side by side).
 # `run profile` splits a training step's time (scripts/profile_gpu_step.py, with its CUDA
 # kernels) and, where Nsight Compute (ncu) is installed, reads the counters of one launch of
-# fo.torch's default path (fo_step_kernel_p4); it is not part of `all`. `run overlap` times
+# fo.torch's default path (fo_step_kernel_p7, fast) and its exact twin (p4); it is not part of `all`. `run overlap` times
 # FSDP2 + CPUOffloadPolicy's overlapped iteration (scripts/bench_fsdp2_overlap.py, on the GPU)
 # with fo's pool on every host core, on all but one (the core the thread driving backward
 # needs: its launches wait while the pool holds every core) and on half of them; not in `all`.
@@ -156,12 +156,12 @@ run() {
       step ncu_step_p4 150 ncu --clock-control none -k regex:fo_step_kernel_p4 --launch-skip 2 -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \
-        python3 scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3
-      # The same model under the fast arithmetic (fo_fast.cuh): its entry for bf16 + quant8.
+        python3 scripts/profile_gpu_step.py --only "fo quant8 exact" --rounds 1 --steps 3
+      # The same model under the fast arithmetic (fo_fast.cuh, the default): its entry for bf16 + quant8.
       step ncu_step_p7 150 ncu --clock-control none -k regex:fo_step_kernel_p7 --launch-skip 2 -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \
-        python3 scripts/profile_gpu_step.py --only "fo quant8 fast" --rounds 1 --steps 3
+        python3 scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3
     else
       printf '%-22s %-8s %5s  %s\n' ncu_step_p4 skipped - "no ncu (Nsight Compute) on the PATH" | tee -a "$OUT/SUMMARY.txt"
     fi

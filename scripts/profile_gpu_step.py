@@ -16,8 +16,9 @@ is timed in three parts, each a median over the rounds' steps:
     python scripts/profile_gpu_step.py --only "torch fused,fo quant8" --kernels   # --help: all flags
 
 For one kernel's hardware counters, run it under Nsight Compute, e.g.
-`ncu --clock-control none -k regex:fo_step_kernel_p4 --launch-skip 2 -c 1 python
-scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3` (`scripts/gpu_kit.sh run
+`ncu --clock-control none -k regex:fo_step_kernel_p7 --launch-skip 2 -c 1 python
+scripts/profile_gpu_step.py --only "fo quant8" --rounds 1 --steps 3` (p7: the default, fast;
+p4 under `--only "fo quant8 exact"`) (`scripts/gpu_kit.sh run
 profile` does both). Without torch, a CUDA GPU or a libfo that steps CUDA tensors it says why in
 one line and exits 2."""
 import argparse
@@ -33,7 +34,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from bench_torch_gpu_train import check_args, open_runs  # noqa: E402
 
 NAME = "profile_gpu_step"
-DEFAULT = ("torch fused", "fo quant8", "fo quant8 fast", "fo fp32")
+DEFAULT = ("torch fused", "fo quant8", "fo quant8 exact", "fo fp32")
 
 
 def parse(argv=None):

@@ -92,11 +92,10 @@ def arithmetic_code(value):
     return code
 
 
-def arithmetic_name(value):
-    """The name param_groups show ("exact"/"fast") for a name or fo code; None stays None
-    (no choice: the group's default, fo._torch_cuda.default_arithmetic)."""
+def arithmetic_name(value, default):
+    """The name param_groups show ("exact"/"fast") for a name or fo code; None: `default`."""
     if value is None:
-        return None
+        return default
     code = arithmetic_code(value)
     return next(k for k, v in ARITHMETIC.items() if v == code)
 

@@ -17,10 +17,8 @@ each device's legacy default stream). So:
   never calls `fo_optimizer_set_stream`.
 
 Both arithmetics step CUDA parameters with the host's bits (fo_fast.cuh holds the fast
-one's coding). A param group that holds a CUDA parameter when it is added defaults to
-`arithmetic="exact"`, the GPU step measured on a GPU (the fast one has not run on one
-yet); a group of host parameters keeps fo.torch's `"fast"`, and so does a group whose CUDA
-parameters are all offloaded (`offload=`: stepped on the host).
+one's coding; `fo selftest` on an H200, 2026-11-28), and every param group defaults to
+fo.torch's `"fast"`, wherever its parameters step.
 
 Only `fo.torch` imports this module (it needs torch)."""
 import torch
@@ -30,8 +28,6 @@ from ._codes import FO_DEVICE_HOST
 from ._ffi import FoError
 from ._torch_args import UNSUPPORTED, error, local
 
-HOST_ARITHMETIC = "fast"  # fo.torch's default for host parameters (within fo's bound of exact)
-DEVICE_ARITHMETIC = "exact"  # a CUDA group's default: the GPU step measured on a GPU so far
 
 
 _SUPPORT = []  # [None, or the FoError of a libfo that cannot step CUDA tensors], probed once
@@ -56,12 +52,6 @@ def device_support():
 def is_cuda(p):
     """Whether p's memory (a DTensor's local shard) is on a CUDA device."""
     return local(p).device.type == "cuda"
-
-
-def default_arithmetic(params, offloaded=lambda p: False):
-    """The arithmetic a new param group defaults to: exact when it holds a CUDA parameter
-    that steps on its GPU (an `offloaded` one steps on the host, fo._torch_offload)."""
-    return DEVICE_ARITHMETIC if any(is_cuda(p) and not offloaded(p) for p in params) else HOST_ARITHMETIC
 
 
 def choose_stream(current):

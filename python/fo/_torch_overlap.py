@@ -40,16 +40,7 @@ and `step()` steps everything (the cost of overlap=False; a warning says so once
 `last_step_stats["not_overlapped"]` why). Backward on a GPU (parameters on CUDA, or FSDP2
 shards on the host of a CUDA mesh) leaves the host cores to fo.
 
-CUDA parameters step early on their GPU. The step's stream is the one current where the
-first hook ran (FSDP2 calls the hooks on its post-reduce stream; a plain backward on the
-stream of the op that made the gradient). A hook on that stream hands its gradient over
-and fo queues the parameter's step on a stream of its own that waits for the work queued
-on the step's stream so far (the gradient's producer) and for nothing after, so the step
-runs beside the rest of backward; its undo record (parameter and state bytes) is device
-memory until `step()`, counted in `undo_budget_bytes`. An offloaded CUDA parameter
-(`offload=`) is handed over the same way and steps on fo's pool instead, its gradient
-brought down on the device's down lane. A hook on another stream leaves its gradient for
-`step()`.
+CUDA parameters step early on their GPU, handed over in buckets (fo._torch_overlap_cuda).
 
 Only `fo.torch` imports this module (it needs torch)."""
 import contextlib
@@ -66,6 +57,8 @@ from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
 from ._torch_args import TorchArg, is_dtensor, local
 from ._torch_cuda import is_cuda
+from ._torch_overlap_amp import GradScaling
+from ._torch_overlap_cuda import CudaBuckets
 from ._torch_overlap_tune import Measured
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
@@ -198,7 +191,7 @@ def _hook(ref):
     return hook
 
 
-class Overlap(Measured):
+class Overlap(Measured, CudaBuckets, GradScaling):
     """Mixed into fo.torch's optimizers (which provide `_fo`, `_index`, `_name`, `_names`,
     `_flush`, `_sync`, `_group_hp`, `_pushed`, `param_groups`, fo._torch_clip's `Clip` and
     fo._torch_cuda's `Streams`, and call `_after_step` when `step()` returns)."""
@@ -210,6 +203,7 @@ class Overlap(Measured):
         self._handed = {}  # param -> the TorchArg fo reads its gradient through until step_end
         self._marks = {}  # param -> _grad_mark of the gradient handed over
         self._pending = []  # (param, event): gradients whose copy had not landed at their hook
+        self._cuda_init()
         self._deferred = None  # why the hooks no longer hand over (None: they do)
         self._redone_in_a_row = 0
         self._unscaled = False  # GradScaler unscaled every gradient since hand-over
@@ -292,8 +286,8 @@ class Overlap(Measured):
         if is_cuda(p):
             if not self._open:
                 self._begin()
-            if self._on_step_stream(p) and self._hand_over(p):
-                self._in_backward += 1
+            if self._on_step_stream(p):
+                self._queue_cuda(p)  # fo._torch_overlap_cuda: handed over in buckets
             return
         self._poll_pending(wait=False)
         if event is not None and not event.query():
@@ -303,15 +297,6 @@ class Overlap(Measured):
             return
         if self._hand_over(p):
             self._in_backward += 1
-
-    def _on_step_stream(self, p):
-        """Whether the stream current on CUDA parameter p's device is the step's: the one
-        fo orders p's early step after (its gradient's producer). FSDP2 calls the hooks on
-        its post-reduce stream, a plain backward on the stream of the op that made the
-        gradient; a hook on any other stream leaves the gradient for `step()`, which
-        orders fo's stream after the caller's."""
-        step = (self._stream[1] if self._stream is not None else {}).get(p.device.index)
-        return step is not None and step == torch.cuda.current_stream(p.device.index)
 
     def _poll_pending(self, wait):
         """Hands over the queued gradients whose copy has landed (`wait`: all of them, waiting
@@ -328,49 +313,62 @@ class Overlap(Measured):
         self._pending = still
 
     def _hand_over(self, p, at_end=False):
-        """Hands p's gradient to fo (opening the step if none is; `at_end`: from `step()`, so
-        fo steps it at step_end with no undo record); False if fo already holds
-        this very gradient. A gradient that changed since it was handed over means the step
-        fo began was not the one `step()` will close (a second backward accumulated into it,
-        or a new backward followed model.zero_grad()): the step starts over from here. A
-        gradient fo refuses fails the step: it is closed at once (nothing changed) and the
-        error raised."""
+        """`_hand_over_many` of p alone: whether fo took p's gradient."""
+        return self._hand_over_many([p], at_end) == 1
+
+    def _hand_over_many(self, ps, at_end=False):
+        """Hands the gradients of `ps` to fo in one call (opening the step if none is;
+        `at_end`: from `step()`, so fo steps them at step_end with no undo record); returns
+        how many it took (not those whose very gradient fo already holds, nor those without
+        one). A gradient that changed since it was handed over means the step fo began was
+        not the one `step()` will close (a second backward accumulated into it, or a new
+        backward followed model.zero_grad()): the step starts over from here. A gradient fo
+        refuses fails the step: it is closed at once (nothing changed) and the error raised."""
         if not self._open:
             self._begin()
-        name = self._name.get(p, "?")
-        g = p.grad
-        if p in self._handed:
-            if _same_grad(self._marks.get(p), g):
-                return False
-            self._warn_once("rehanded", f"fo.torch overlap=True: the gradient of parameter {name} changed "
-                            "after backward handed it over (a second backward before optimizer.step(): "
-                            "gradient accumulation without `with optimizer.no_handover():`, or "
-                            "model.zero_grad() after a skipped step); fo put its early steps back and "
-                            "starts the step over from the new gradients (same result, less overlap)")
-            self._abandon()
-            self._begin()
-        if g is None:
-            return False
-        if g.layout != torch.strided:
-            self._fail(RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                                    f"(parameter {name}) with overlap=True"))
-        try:
-            arg = TorchArg(g, f"gradient of parameter {name}", empty_non_null=True)
-        except FoError as e:
-            self._fail(e)
-        idx = (ctypes.c_int32 * 1)(self._index[p])
-        arr = (type(arg.struct) * 1)(arg.struct)
-        self._handed[p], self._marks[p] = arg, _grad_mark(g)
-        status = (_optim._grads_at_end if at_end else _optim._grads_ready)(self._fo._handle, idx, arr, 1)
+        give = []
+        for p in ps:
+            if p in self._handed:
+                if _same_grad(self._marks.get(p), p.grad):
+                    continue
+                self._warn_once("rehanded", f"fo.torch overlap=True: the gradient of parameter "
+                                f"{self._name.get(p, '?')} changed after backward handed it over (a second "
+                                "backward before optimizer.step(): gradient accumulation without `with "
+                                "optimizer.no_handover():`, or model.zero_grad() after a skipped step); fo put "
+                                "its early steps back and starts the step over from the new gradients (same "
+                                "result, less overlap)")
+                self._abandon()
+                self._begin()
+            if p.grad is not None:
+                give.append(p)
+        if not give:
+            return 0
+        args = []
+        for p in give:
+            name, g = self._name.get(p, "?"), p.grad
+            if g.layout != torch.strided:
+                self._fail(RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                                        f"(parameter {name}) with overlap=True"))
+            try:
+                args.append(TorchArg(g, f"gradient of parameter {name}", empty_non_null=True))
+            except FoError as e:
+                self._fail(e)
+        n = len(give)
+        idx = (ctypes.c_int32 * n)(*(self._index[p] for p in give))
+        arr = (type(args[0].struct) * n)(*(a.struct for a in args))
+        for p, arg in zip(give, args):
+            self._handed[p], self._marks[p] = arg, _grad_mark(p.grad)
+        status = (_optim._grads_at_end if at_end else _optim._grads_ready)(self._fo._handle, idx, arr, n)
         if status:
             try:
                 check(status)
             except FoError as e:
                 self._fail(e)
-        return True
+        return n
 
     def _fail(self, error):
         """Closes the open step as failed (fo puts back what it stepped) and raises `error`."""
+        self._drop_cuda_queue()
         self._abandon()
         self._undone = {}
         raise error
@@ -403,35 +401,6 @@ class Overlap(Measured):
             return [self._name.get(p, "?") for p in self._handed]
         return [self._name.get(p, "?") for p in self._handed if not _same_grad(self._marks.get(p), p.grad)]
 
-    # -- GradScaler ---------------------------------------------------------------------
-    # fo.torch's optimizers set `_step_supports_amp_scaling`, so `GradScaler.step(opt)` does
-    # not unscale the gradients itself: it sets `opt.grad_scale` (None if `unscale_` already
-    # ran) and `opt.found_inf` and calls `step()`. Unscaling here is the same op with the same
-    # factor as `GradScaler.unscale_`, so the bits are those of torch's own flow; and fo knows
-    # the gradients changed (that op leaves `_version` alone, so no edit check could see it).
-    def _grad_scaler_step(self):
-        """GradScaler's part of `step()`: False if the step is skipped (inf/NaN gradients,
-        any open step rolled back), else True with the gradients unscaled."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return True
-        if float(found_inf) > 0:
-            self._settle_open()
-            return False
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None:
-            inv_scale = scale.double().reciprocal().float()
-            groups = {}
-            for _, p, _ in self._names():
-                if p.grad is not None:
-                    groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            dummy = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-            for (device, _), grads in groups.items():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy.to(device), inv_scale.to(device))
-        # with scale None, GradScaler.unscale_ already unscaled them in place
-        self._unscaled = True
-        return True
-
     def _end(self):
         """optimizer.step() with overlap=True: hands over the gradients no hook handed over
         (their parameters' hooks did not fire: set by hand, or only under no_handover),
@@ -439,6 +408,8 @@ class Overlap(Measured):
         that can no longer stand (hyper-parameters or gradients changed after backward
         handed them over) are rolled back and the step taken again: the bits of overlap=False."""
         self._poll_pending(wait=True)
+        self._drop_cuda_queue()  # handed over below (at_end), or stepped by the plain step
+        self._cuda_callback = False  # (a backward that raised never ran its callback)
         redone, in_backward = None, self._in_backward
         if self._open and (len(self.param_groups) != len(self._pushed) or any(
                 self._group_hp(g) != hp for g, hp in zip(self.param_groups, self._pushed))):
@@ -477,9 +448,8 @@ class Overlap(Measured):
             self.last_step_stats = dict(stats, **extra)
         else:
             behind = self._order_after_current()  # CUDA gradients are ordered on the caller's stream
-            for _, p, _ in self._names():
-                if p.grad is not None and p not in self._handed:
-                    self._hand_over(p, at_end=True)
+            self._hand_over_many([p for _, p, _ in self._names() if p.grad is not None and p not in self._handed],
+                                 at_end=True)
             if self._ov["max_grad_norm"] is not None and self._stream is not None:
                 # step_end takes CUDA gradients' norm and scales them on the comm's stream
                 self._comm().set_stream(self._stream[0])
@@ -504,6 +474,7 @@ class Overlap(Measured):
         over, step() not called yet) it abandons that step first: nothing is changed, as
         torch drops those gradients."""
         self._settle_open()
+        self._drop_cuda_queue()  # those gradients are dropped too
         self._undone = {}  # that step is dropped: its rollback is not the next step's
         type(self).zero_grad(self, set_to_none=set_to_none)
 

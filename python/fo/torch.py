@@ -17,11 +17,10 @@ torch.optim checkpoint loads into any fo state format. fp32 state is handed out 
 torch's is (fo's own buffers: no copy); compressed state is decoded into new tensors.
 
 Defaults: `state_format="quant8"` (FlashOptim's 8-bit state: 2.125 B/param for AdamW instead
-of torch's 8) with `arithmetic="fast"` for a param group of host parameters (within fo's
-stated bound of FlashOptim's bits per step, about as fast as torch's fused AdamW) and
-`"exact"` for a group holding a CUDA parameter (fo's GPU kernels run exact); pass
-`arithmetic="exact"` for bit-parity with FlashOptim everywhere, `state_format="fp32"` for
-torch's trajectories (rtol 1e-5).
+of torch's 8) with `arithmetic="fast"` (within fo's stated bound of FlashOptim's bits per
+step, on the host about as fast as torch's fused AdamW, on a GPU the faster of fo's two
+kernels; host and GPU steps have the same bits); pass `arithmetic="exact"` for bit-parity
+with FlashOptim everywhere, `state_format="fp32"` for torch's trajectories (rtol 1e-5).
 `opt.state[p]` tensors of compressed state are decoded copies whose edits reach fo before
 the next step, those of fp32 state fo's live buffers (`fo._torch_state`); `opt.state_memory()` says what fo really stores, `opt.save_checkpoint(dir)`
 writes it compressed (fo's checkpoint, DCP-readable). `copy.deepcopy` and pickle rebuild fo's
@@ -49,8 +48,7 @@ from ._torch_args import (UNSUPPORTED, GradArray, TorchArg, error, group_names, 
                           shard_spec)
 from ._torch_clip import Clip, clip_grad_norm_
 from ._torch_dicts import Dicts
-from . import _torch_cuda as _cuda
-from ._torch_cuda import HOST_ARITHMETIC, Streams
+from ._torch_cuda import Streams
 from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
 from ._torch_state import State
@@ -62,10 +60,11 @@ __all__ = ["AdamW", "Adam", "SGD", "Lion", "clip_grad_norm_"]
 PORTABLE = ("step", "exp_avg", "exp_avg_sq", "momentum_buffer")
 # what fp32 state lends live instead of decoding (fo_optimizer_share_state)
 _LENDABLE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-# The default for host parameters: the fast arithmetic (within fo's stated bound of exact per
-# step; "exact" = FlashOptim's bits). A group holding a CUDA parameter defaults to "exact",
-# the arithmetic fo's GPU kernels run (fo._torch_cuda).
-DEFAULT_ARITHMETIC = HOST_ARITHMETIC
+# The default arithmetic, on the host and on a GPU: fast (within fo's stated bound of exact per
+# step; "exact" = FlashOptim's bits). Both step CUDA parameters with the host's bits of the
+# same arithmetic (`fo selftest` on an H200, 2026-11-28), and fast is the faster GPU step too
+# (bf16 + quant8 100.3 vs 88.6 G params/s there).
+DEFAULT_ARITHMETIC = "fast"
 
 
 def _create(cfg):
@@ -86,8 +85,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         for flag in ("amsgrad", "maximize", "differentiable"):
             if defaults.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        # None: each group's default (default_arithmetic: exact where it holds a CUDA parameter)
-        defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"))
+        defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"), DEFAULT_ARITHMETIC)
         _checks.state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
         self._fresh()
@@ -97,8 +95,6 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         super().__init__(params, defaults)
         self._placing = False
         self._place_groups(self.param_groups, 0)
-        for g in self.param_groups:
-            self._default_arithmetic(g)
         self.state = State(self)  # torch's __init__ set a defaultdict
         self._overlap_init(options)
 
@@ -123,20 +119,15 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         for flag in ("amsgrad", "maximize", "differentiable"):
             if param_group.get(flag):
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
-        if "arithmetic" in param_group:
-            param_group["arithmetic"] = _checks.arithmetic_name(param_group["arithmetic"])
+        if "arithmetic" in param_group:  # None: the default
+            param_group["arithmetic"] = _checks.arithmetic_name(param_group["arithmetic"], DEFAULT_ARITHMETIC)
         if "state_format" in param_group:
             _checks.state_format(param_group["state_format"])
         super().add_param_group(param_group)
-        if not self._placing:  # a group added later: placed, and its arithmetic fixed, now
+        if not self._placing:  # a group added later: placed now
             self._place_groups(self.param_groups[-1:], len(self.param_groups) - 1)
-            self._default_arithmetic(self.param_groups[-1])
         if self._ov["overlap"] and self._hooked:  # groups after __init__ (which hooks its own)
             self._hook_params(self.param_groups[-1]["params"])
-
-    def _default_arithmetic(self, g):
-        if g["arithmetic"] is None:  # no choice made: the group's own default, fixed here
-            g["arithmetic"] = _cuda.default_arithmetic(g["params"], self._is_offloaded)
 
     # -- hyper-parameters -------------------------------------------------------------
     def _hp(self, group):
@@ -416,11 +407,10 @@ class AdamW(_FoOptimizer):
     - `state_format="quant8"` (default: 2.125 B/param of state vs torch's 8; "fp32": torch's
       arithmetic and trajectories, 8 B/param; "quant8_wide"; "param_dtype");
     - `master_weight_bits=0` (24/32 keep int8/int16 error bits for bf16/f16 params: +1/+2 B/param);
-    - `arithmetic` (None, the default: "fast" for a param group of host parameters, within
-      fo's stated bound of exact per step, a quant8 step ~3.5x faster than "exact"
-      (scripts/bench_torch_step.py); "exact" for a group holding a CUDA parameter, the only
-      arithmetic fo's GPU kernels run. "exact": FlashOptim's bits; fp32 state steps the same
-      under both).
+    - `arithmetic` (None, the default: "fast", within fo's stated bound of exact per step, a
+      quant8 step ~3.5x faster than "exact" on the host (scripts/bench_torch_step.py) and
+      1.13x on an H200 (fo selftest); "exact": FlashOptim's bits; fp32 state steps the same
+      under both; a GPU steps either with the host's bits).
     `fused`/`foreach` are accepted and change nothing (fo's step is fused). Every fo.torch
     optimizer also takes `overlap=False` (True: step parameters during backward, kept only
     where the loop's iterations measure faster so; "always": in every backward),

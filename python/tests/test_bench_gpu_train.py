@@ -24,7 +24,7 @@ def test_help_names_every_flag_and_runner():
     for flag in ("--layers", "--width", "--batch", "--dtype", "--rounds", "--steps", "--warmup", "--only", "--device"):
         assert flag in r.stdout
     text = " ".join(r.stdout.split())  # argparse wraps the default list anywhere
-    for runner in ("torch fused", "fo quant8", "fo quant8 fast", "fo quant8 overlap", "fo fp32", "fo offload"):
+    for runner in ("torch fused", "fo quant8", "fo quant8 exact", "fo quant8 overlap", "fo fp32", "fo offload"):
         assert runner in text
 
 

@@ -82,17 +82,17 @@ def assert_same_state(a, b):
 
 
 # -- trajectories ----------------------------------------------------------------------------
-@pytest.mark.parametrize("arithmetic", [None, "fast"])
+@pytest.mark.parametrize("arithmetic", [None, "exact"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_cuda_steps_have_the_bits_of_the_host_steps(rule, fmt, arithmetic):
-    """Both arithmetics: exact (a CUDA group's default) and fast (fo_fast.cuh) give the
-    host step's bits."""
+    """Both arithmetics: fast (the default, fo_fast.cuh) and exact give the host step's
+    bits."""
     dtype, kw = FORMATS[fmt]
     host, dev = params("cpu", dtype), params(CUDA, dtype)
-    h = RULES[rule](host, arithmetic=arithmetic or "exact", **kw)
+    h = RULES[rule](host, arithmetic=arithmetic or "fast", **kw)
     d = RULES[rule](dev, arithmetic=arithmetic, **kw)
-    assert d.param_groups[0]["arithmetic"] == (arithmetic or "exact")  # None: a CUDA group's default
+    assert d.param_groups[0]["arithmetic"] == (arithmetic or "fast")  # None: the default
     run(h, host, 5)
     run(d, dev, 5)
     assert_same_bits(host, dev)
@@ -181,9 +181,9 @@ def test_host_and_cuda_parameters_in_one_optimizer_step_as_each_alone():
     shapes = SHAPES + [(0, 3)]  # an empty parameter too
     host_ref, dev_ref = params("cpu", shapes=shapes), params("cpu", shapes=shapes, seed=1)
     mixed_host, mixed_dev = params("cpu", shapes=shapes), params(CUDA, shapes=shapes, seed=1)
-    ref = fo.torch.AdamW(host_ref + dev_ref, lr=1e-2, state_format="quant8", arithmetic="exact")
+    ref = fo.torch.AdamW(host_ref + dev_ref, lr=1e-2, state_format="quant8")
     mixed = fo.torch.AdamW(mixed_host + mixed_dev, lr=1e-2, state_format="quant8")
-    assert mixed.param_groups[0]["arithmetic"] == "exact"
+    assert mixed.param_groups[0]["arithmetic"] == "fast"
     run(ref, host_ref + dev_ref, 4)
     run(mixed, mixed_host + mixed_dev, 4)
     assert_same_bits(host_ref + dev_ref, mixed_host + mixed_dev)

@@ -1,7 +1,7 @@
 """What of fo.torch's CUDA support can be checked without a GPU (python/tests/test_torch_cuda.py
 runs the rest on one): device codes and refusals naming the parameter, the stream choice and
 when fo is told of a new stream (torch's streams stood in for), the arithmetic a group of
-CUDA parameters defaults to, and what overlap=True and the state path do with a parameter
+CUDA parameters defaults to (fast, as on the host), and what overlap=True and the state path do with a parameter
 fo.torch takes for a CUDA one."""
 import types
 
@@ -12,9 +12,10 @@ import fo  # noqa: E402
 import fo._torch_args as targs  # noqa: E402
 import fo._torch_cuda as tcuda  # noqa: E402
 import fo._torch_overlap as tov  # noqa: E402
+import fo._torch_overlap_cuda as tovc  # noqa: E402
 import fo.torch  # noqa: E402
 from fo import _codes  # noqa: E402
-from test_torch_overlap import assert_same_bits, build, snapshot, train  # noqa: E402
+from test_torch_overlap import assert_same_bits, backward, build, snapshot, train  # noqa: E402
 
 
 def on(device):
@@ -191,19 +192,19 @@ def test_a_step_opened_on_another_stream_is_ordered_after_the_callers_by_events(
 
 
 # -- arithmetic ----------------------------------------------------------------------------
-def test_a_group_holding_a_cuda_parameter_defaults_to_exact(monkeypatch):
-    assert tcuda.default_arithmetic([on("cpu"), on("cuda:0")]) == "exact"
-    assert tcuda.default_arithmetic([on("cpu"), on("meta")]) == "fast"
+def test_every_group_defaults_to_fast_whether_its_parameters_are_on_cuda_or_not(monkeypatch):
     a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
     monkeypatch.setattr(tcuda, "is_cuda", lambda p: p is a or p is d)  # stand-ins for CUDA parameters
     opt = fo.torch.AdamW([{"params": [a, b]}, {"params": [c]}, {"params": [c.new_zeros(1)], "arithmetic": None}])
-    assert [g["arithmetic"] for g in opt.param_groups] == ["exact", "fast", "fast"]
+    assert [g["arithmetic"] for g in opt.param_groups] == ["fast", "fast", "fast"]
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1)), d]})
-    assert opt.param_groups[-1]["arithmetic"] == "exact"
-    assert opt.defaults["arithmetic"] is None  # each group's own default
-    # a choice made is kept ("fast" steps CUDA parameters too, with the host's bits)
-    opt = fo.torch.AdamW([a, b], arithmetic="fast")
-    assert opt.param_groups[0]["arithmetic"] == "fast"
+    assert opt.param_groups[-1]["arithmetic"] == "fast"
+    assert opt.defaults["arithmetic"] == "fast" == fo.torch.DEFAULT_ARITHMETIC
+    # a choice made is kept, by name or fo's code (exact's is 0: not taken for "no choice")
+    opt = fo.torch.AdamW([a, b], arithmetic="exact")
+    assert opt.param_groups[0]["arithmetic"] == "exact"
+    opt = fo.torch.AdamW([a, b], arithmetic=_codes.FO_ARITHMETIC_EXACT)
+    assert opt.param_groups[0]["arithmetic"] == "exact"
     opt = fo.torch.SGD([{"params": [a], "arithmetic": "fast"}, {"params": [b]}], arithmetic="exact")
     assert [g["arithmetic"] for g in opt.param_groups] == ["fast", "exact"]
 
@@ -224,6 +225,58 @@ def test_a_cuda_gradient_is_handed_over_by_its_hook_on_the_steps_stream_else_at_
     assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
     in_backward = 6 if on_step_stream else 5
     assert all(s["handed_over"] == 6 and s["handed_over_in_backward"] == in_backward for s in stats), stats
+
+
+@pytest.mark.parametrize("bucket", [1 << 30, 5600, 1], ids=["one-bucket", "two-buckets", "each-alone"])
+def test_cuda_gradients_go_over_in_buckets_and_the_rest_when_backward_ends(monkeypatch, bucket):
+    """Hooks of CUDA parameters on the step's stream queue their gradients: a bucket of
+    BUCKET_BYTES goes over in one grads_ready call, the rest when backward ends, so every
+    gradient is handed over in backward, in fewer calls, with overlap=False's bits; a step
+    skipped (zero_grad after backward) drops the queue. Net's trained parameters (6, 7588
+    bytes) stand in for CUDA ones."""
+    monkeypatch.setattr(tov, "_host_cores", lambda: 64)
+    monkeypatch.setattr(tovc, "BUCKET_BYTES", bucket)
+    ref_model, ref = build("adamw", False, max_grad_norm=0.5)
+    model, opt = build("adamw", "always", max_grad_norm=0.5)
+    trained = {id(p) for n, p in model.named_parameters() if not n.startswith("unused")}
+    monkeypatch.setattr(tov, "is_cuda", lambda p: id(p) in trained)
+    monkeypatch.setattr(opt, "_on_step_stream", lambda p: True)
+    calls, real = [], tov._optim._grads_ready
+    monkeypatch.setattr(tov._optim, "_grads_ready", lambda h, idx, arr, n: calls.append(n) or real(h, idx, arr, n))
+    train(ref_model, ref)
+    stats = train(model, opt)
+    assert all(s["handed_over"] == 6 and s["handed_over_in_backward"] == 6 for s in stats), stats
+    per_step = {1 << 30: [6], 5600: None, 1: [1] * 6}[bucket]
+    if per_step is None:  # head and fc2 (5820 bytes, whichever of fc2's comes first), then fc1 at the end
+        assert len(calls) == 6 and all(a + b == 6 and a >= 3 for a, b in zip(calls[::2], calls[1::2])), calls
+    else:
+        assert calls == per_step * 3, calls
+    for m, o in ((ref_model, ref), (model, opt)):
+        backward(m, 7)
+        o.zero_grad()  # a skipped step: what was handed over is put back, the queue dropped
+    assert not opt._cuda_queue
+    train(ref_model, ref)
+    train(model, opt)
+    assert_same_bits(snapshot(ref_model, ref), snapshot(model, opt))
+
+
+def test_a_cuda_gradient_queued_outside_backward_is_handed_over_at_once(monkeypatch):
+    """No backward to end (a hook called directly): no final callback can be queued, so the
+    gradient goes over at once rather than wait for a callback that never runs."""
+    model, opt = build("adamw", "always")
+    monkeypatch.setattr(tov, "is_cuda", lambda p: True)
+    monkeypatch.setattr(opt, "_on_step_stream", lambda p: True)
+    backward(model, 0)  # hands all six over, the last when backward ends
+    assert len(opt._handed) == 6 and not opt._cuda_queue
+    opt.zero_grad()  # dropped: nothing handed over now
+    assert not opt._handed
+    backward(model, 1)
+    opt._settle_open()
+    p = model.fc2.weight
+    opt._from_backward(p, None)
+    assert p in opt._handed and not opt._cuda_queue and not opt._cuda_callback
+    opt.step()
+    assert opt.last_step_stats["handed_over"] == 6
 
 
 def test_the_steps_stream_is_the_one_fo_took_for_the_parameters_device(current):

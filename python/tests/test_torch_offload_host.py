@@ -72,7 +72,7 @@ def test_a_predicate_sees_the_names_and_places_cuda_parameters_only():
 
 def fake_cuda(monkeypatch, cuda):
     """Host parameters in `cuda` stand in for CUDA ones where fo.torch asks (placement,
-    arithmetic defaults, overlap hooks)."""
+    overlap hooks)."""
     monkeypatch.setattr(tcuda, "is_cuda", lambda p: any(p is q for q in cuda))
 
 
@@ -82,11 +82,11 @@ def test_the_constructors_groups_are_placed_together_and_a_later_group_by_itself
     opt = fo.torch.AdamW([{"params": w[:2]}, {"params": w[2:3], "lr": 0.1}], lr=1e-3, offload=0.5)
     # 60 elements in the constructor's groups: w0 (0 before it) goes, w1 (30 before) stays
     assert [opt._is_offloaded(p) for p in w[:3]] == [True, False, False]
-    # a group of host-stepped parameters only keeps the host default; one stepping on its GPU: exact
-    assert [g["arithmetic"] for g in opt.param_groups] == ["exact", "exact"]
+    # every group defaults to fast, stepped on the host or on its GPU
+    assert [g["arithmetic"] for g in opt.param_groups] == ["fast", "fast"]
     opt.add_param_group({"params": w[3:]})  # 48 elements by itself: w3 (40) goes, w4 stays
     assert [opt._is_offloaded(p) for p in w[3:]] == [True, False]
-    assert opt.param_groups[2]["arithmetic"] == "exact"
+    assert opt.param_groups[2]["arithmetic"] == "fast"
     all_off = fo.torch.AdamW([{"params": w[:1]}, {"params": w[1:2]}], lr=1e-3, offload=1.0)
     assert [g["arithmetic"] for g in all_off.param_groups] == ["fast", "fast"]
     named = fo.torch.SGD([("enc.w", w[0]), ("dec.w", w[1])], lr=0.1, offload=lambda n, p: n.startswith("dec"))

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import fo  # noqa: E402
+import fo._torch_cuda  # noqa: E402
 import fo.torch  # noqa: E402
 
 CONFIGS = {
@@ -261,7 +262,7 @@ def test_a_dtensor_whose_local_shard_is_not_contiguous_steps_as_a_contiguous_one
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 @pytest.mark.parametrize("config", ["fp32", "quant8-exact-bf16-24bit"])
 def test_channels_last_cuda_parameters_step_as_contiguous_ones(config):
-    if fo.torch._cuda.device_support() is not None:
+    if fo._torch_cuda.device_support() is not None:
         pytest.skip("this libfo steps host tensors only")
     ref, ref_opt = build(False, config, device="cuda")
     model, opt = build(True, config, device="cuda")
