@@ -20,7 +20,8 @@ holds `BUCKET_BYTES` of parameters (as DDP buckets its all-reduces) and, for the
 backward ends (an autograd final callback, as FSDP2 queues its own): every gradient is
 still handed over in backward, behind the work that made it, and the step has the same
 bits. There, 32 MiB buckets (6 calls) took 2.2-2.9 ms in `grads_ready` and one bucket at the
-end 1.8-2.2 ms (iteration 8.0-10.6 and 7.4-8.7 ms; without overlap 4.9-5.4). A gradient
+end 1.8-2.2 ms (iteration 8.0-10.6 and 7.4-8.7 ms; without overlap 4.9-5.4), before a
+record became two copies instead of six (src/optim/overlap/device_early.rs). A gradient
 handed over and changed again (a second backward) goes through the single hand-over, which
 starts the step over."""
 import weakref
