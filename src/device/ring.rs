@@ -262,7 +262,7 @@ mod tests {
         let dev = emulated::device_at(emulated::EMULATED + 1).unwrap();
         let b: &dyn Backend = &*dev;
         let stream = emulated::create_stream(emulated::EMULATED + 1);
-        let n = 5 * RING_BYTES + 123;
+        let n = 9 * RING_BYTES + 123; // beyond the bound below, were it held whole
         let src: Vec<u8> = (0..n).map(|i| (i * 7 + i / 251) as u8).collect();
         unsafe {
             let d = b.alloc_async(n, stream).unwrap();
@@ -274,9 +274,15 @@ mod tests {
             b.free_async(d, stream);
         }
         emulated::synchronize_all();
-        assert!(b.ring().held_bytes() <= RING_BYTES);
-        // Only rings allocate pinned memory: no test ever holds more than one ring's worth.
-        assert!(dev.usage().pinned_peak <= RING_BYTES, "{:?}", dev.usage());
+        // Only rings allocate pinned memory: no test ever holds more than one ring's worth,
+        // its slots and its small slots (another test's step tables on this device take
+        // those, and may have run first).
+        assert!(b.ring().held_bytes() <= RING_BYTES + SMALL_BYTES);
+        assert!(
+            dev.usage().pinned_peak <= RING_BYTES + SMALL_BYTES,
+            "{:?}",
+            dev.usage()
+        );
     }
 
     /// Small uploads queue `SMALL_SLOTS` copies behind a stalled stream without a host
