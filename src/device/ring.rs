@@ -287,8 +287,8 @@ mod tests {
 
     /// Small uploads queue copies behind a stalled stream without a host wait until a
     /// slot comes round again, whose copy is still stalled: that upload waits for it.
-    /// (Other tests' step tables take small slots of this device too, so the first 200
-    /// may not wait, and the `SMALL_SLOTS + 1`-th at the latest must.)
+    /// (Other tests' step tables take small slots of this device too, so: the first 200
+    /// do not wait, and by the `SMALL_SLOTS + 1`-th one has.)
     #[test]
     fn small_uploads_wait_for_the_device_only_when_every_small_slot_is_in_flight() {
         if emulated::skip() {

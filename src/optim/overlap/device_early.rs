@@ -89,6 +89,35 @@ impl DeviceUndo {
     }
 }
 
+/// A device parameter to step early, before memory is found for its record.
+struct Plan<'g> {
+    i: usize,
+    grad: &'g TensorView,
+    backend: Arc<dyn Backend>,
+    lane: usize,
+    param: u64,
+    param_bytes: usize,
+    before: Option<(u64, bool)>,
+    /// The record's size: the parameter's bytes, then its state's block.
+    bytes: usize,
+}
+
+impl Plan<'_> {
+    /// Its undo record at `ptr` (`owns`: as `DeviceUndo::owns`).
+    fn record(&self, ptr: u64, owns: bool) -> DeviceUndo {
+        DeviceUndo {
+            i: self.i,
+            backend: self.backend.clone(),
+            lane: self.lane,
+            ptr,
+            owns,
+            param: self.param,
+            param_bytes: self.param_bytes,
+            before: self.before,
+        }
+    }
+}
+
 /// Where each record of `bytes` starts in one allocation for all of them, and its size.
 fn pack(bytes: &[usize]) -> (Vec<usize>, usize) {
     let mut end = 0usize;
@@ -115,49 +144,46 @@ impl Optimizer {
         grads: &[TensorView],
     ) -> Result<Vec<usize>> {
         let stream = self.stream();
-        // Each parameter's backend, lane and record (parameter bytes + state block).
         let mut plans = Vec::with_capacity(idx.len());
-        for (&i, g) in idx.iter().zip(grads) {
+        for (&i, grad) in idx.iter().zip(grads) {
             let p = self.entry(i);
-            let (b, lane) = crate::device::open::backend(p.device())
+            let (backend, lane) = crate::device::open::backend(p.device())
                 .and_then(|b| b.lanes().stream(&*b, Dir::Step).map(|lane| (b, lane)))?;
             let param_bytes = p.tensor().nbytes();
-            let before = p.gpu.as_ref().map(|s| (s.step, s.m_valid));
-            let bytes = param_bytes + p.gpu.as_ref().map_or(0, |s| s.record_bytes());
-            plans.push((i, g, b, lane, param_bytes, before, bytes));
+            plans.push(Plan {
+                i,
+                grad,
+                backend,
+                lane,
+                param: p.tensor().as_ptr() as u64,
+                param_bytes,
+                before: p.gpu.as_ref().map(|s| (s.step, s.m_valid)),
+                bytes: param_bytes + p.gpu.as_ref().map_or(0, |s| s.record_bytes()),
+            });
         }
         let mut records: Vec<DeviceUndo> = Vec::with_capacity(idx.len());
         let mut deferred = Vec::new();
         let mut given: Vec<(usize, &TensorView)> = Vec::with_capacity(idx.len());
         let mut lanes_seen: Vec<usize> = Vec::new();
-        for &(_, _, _, lane, ..) in &plans {
+        for lane in plans.iter().map(|p| p.lane) {
             if lanes_seen.contains(&lane) {
                 continue;
             }
             lanes_seen.push(lane);
-            let on_lane: Vec<_> = plans.iter().filter(|p| p.3 == lane).collect();
-            let (offsets, total) = pack(&on_lane.iter().map(|p| p.6).collect::<Vec<_>>());
-            let block = on_lane[0].2.alloc_async(total, lane).ok();
-            for (k, &&(i, g, ref b, _, param_bytes, before, bytes)) in on_lane.iter().enumerate() {
+            let on_lane: Vec<&Plan> = plans.iter().filter(|p| p.lane == lane).collect();
+            let (offsets, total) = pack(&on_lane.iter().map(|p| p.bytes).collect::<Vec<_>>());
+            let block = on_lane[0].backend.alloc_async(total, lane).ok();
+            for (k, p) in on_lane.into_iter().enumerate() {
                 let (ptr, owns) = match block {
                     Some(base) => (Ok(base + offsets[k] as u64), k == 0),
-                    None => (b.alloc_async(bytes, lane), true),
+                    None => (p.backend.alloc_async(p.bytes, lane), true),
                 };
                 match ptr {
                     Ok(ptr) => {
-                        given.push((i, g));
-                        records.push(DeviceUndo {
-                            i,
-                            backend: b.clone(),
-                            lane,
-                            ptr,
-                            owns,
-                            param: self.entry(i).tensor().as_ptr() as u64,
-                            param_bytes,
-                            before,
-                        });
+                        given.push((p.i, p.grad));
+                        records.push(p.record(ptr, owns));
                     }
-                    Err(_) => deferred.push(i),
+                    Err(_) => deferred.push(p.i),
                 }
             }
         }
