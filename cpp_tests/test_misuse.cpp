@@ -679,6 +679,36 @@ std::vector<Case> cases() {
   E("fo_optimizer_step_abort", "opt NULL", [](Fx&) { return fo_optimizer_step_abort(nullptr, nullptr); });
   E("fo_optimizer_step_abort", "no step open", [](Fx& f) { return fo_optimizer_step_abort(f.opt, nullptr); });
   E("fo_optimizer_release_undo", "opt NULL", [](Fx&) { return fo_optimizer_release_undo(nullptr, nullptr); });
+  E("fo_optimizer_set_full_fingerprints", "opt NULL", [](Fx&) { return fo_optimizer_set_full_fingerprints(nullptr, 1); });
+  E("fo_optimizer_set_full_fingerprints", "full not 0/1", [](Fx& f) { return fo_optimizer_set_full_fingerprints(f.opt, 2); });
+  E("fo_optimizer_set_full_fingerprints", "a step open", [opened](Fx& f) { return fo_optimizer_set_full_fingerprints(opened(f), 1); });
+  E("fo_optimizer_grads_changed", "opt NULL", [](Fx&) {
+    size_t n = 0;
+    return fo_optimizer_grads_changed(nullptr, nullptr, 0, nullptr, 0, &n);
+  });
+  E("fo_optimizer_grads_changed", "no step open", [](Fx& f) {
+    size_t n = 0;
+    return fo_optimizer_grads_changed(f.opt, nullptr, 0, nullptr, 0, &n);
+  });
+  E("fo_optimizer_grads_changed", "out_n NULL", [opened](Fx& f) { return fo_optimizer_grads_changed(opened(f), nullptr, 0, nullptr, 0, nullptr); });
+  E("fo_optimizer_grads_changed", "full NULL", [opened](Fx& f) {
+    size_t n = 0;
+    return fo_optimizer_grads_changed(opened(f), nullptr, 1, nullptr, 0, &n);
+  });
+  E("fo_optimizer_grads_changed", "out NULL", [opened](Fx& f) {
+    size_t n = 0;
+    return fo_optimizer_grads_changed(opened(f), nullptr, 0, nullptr, 2, &n);
+  });
+  E("fo_optimizer_grads_changed", "full index out of range", [opened](Fx& f) {
+    size_t n = 0;
+    int32_t i = 99;
+    return fo_optimizer_grads_changed(opened(f), &i, 1, nullptr, 0, &n);
+  });
+  E("fo_optimizer_grads_changed", "full index negative", [opened](Fx& f) {
+    size_t n = 0;
+    int32_t i = -1;
+    return fo_optimizer_grads_changed(opened(f), &i, 1, nullptr, 0, &n);
+  });
   E("fo_optimizer_step", "a step open", [opened](Fx& f) { T g = f.grad(); return fo_optimizer_step(opened(f), &g, 1); });
 
   auto get = [](std::function<void(int32_t&, const char*&, T&)> edit) {

@@ -23,6 +23,13 @@ uint16_t bf16(float x) {
   return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
 
+float bf16_to_float(uint16_t h) {
+  uint32_t b = (uint32_t)h << 16;
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
 int64_t numel(const std::vector<int64_t>& s) {
   int64_t n = 1;
   for (auto d : s) n *= d;
@@ -216,6 +223,34 @@ void kept_undo_records_are_released() {
   }
 }
 
+// A gradient edited after its early step is named by fo_optimizer_grads_changed: scaled
+// (the sampled fingerprint), or one element changed (only the full one, once asked for);
+// one multiplied by 1.0 is not named. Redone as fo.torch does it (abort, then the plain
+// step), the result is the plain step's with the final gradients.
+void edited_gradients_are_named_and_the_redone_step_is_exact() {
+  Model m, plain;
+  CHECK_OK(fo_optimizer_set_full_fingerprints(m.opt, 1));
+  Grads g(9, 1.0f), final_g(9, 1.0f);
+  int32_t all[4] = {0, 1, 2, 3}, out[4] = {-1, -1, -1, -1};
+  size_t n = 99;
+  CHECK_OK(fo_optimizer_step_begin(m.opt, nullptr));
+  CHECK_OK(fo_optimizer_grads_ready(m.opt, all, g.views.data(), 4));
+  CHECK_OK(fo_optimizer_grads_changed(m.opt, all, 4, out, 4, &n));
+  CHECK(n == 0);
+  for (auto& e : g.data[3]) e = bf16(0.5f * bf16_to_float(e));  // a loop's clip, say
+  g.data[2][600] ^= 1;  // one element between the sampled bytes
+  CHECK_OK(fo_optimizer_grads_changed(m.opt, nullptr, 0, out, 4, &n));
+  CHECK(n == 1 && out[0] == 3);
+  CHECK_OK(fo_optimizer_grads_changed(m.opt, all, 4, out, 1, &n));
+  CHECK(n == 2 && out[0] == 2);  // two changed; room for one
+  CHECK_OK(fo_optimizer_step_abort(m.opt, nullptr));
+  CHECK_OK(fo_optimizer_step(m.opt, g.views.data(), g.views.size()));
+  for (auto& e : final_g.data[3]) e = bf16(0.5f * bf16_to_float(e));
+  final_g.data[2][600] ^= 1;
+  CHECK_OK(fo_optimizer_step(plain.opt, final_g.views.data(), final_g.views.size()));
+  CHECK(m.bits() == plain.bits());
+}
+
 void misuse_is_an_error() {
   Model m;
   Grads g(5, 1.0f);
@@ -282,6 +317,7 @@ int main() {
   clipping_equals_clip_then_step();
   a_bad_gradient_changes_nothing();
   misuse_is_an_error();
+  edited_gradients_are_named_and_the_redone_step_is_exact();
   abort_puts_every_early_step_back();
   kept_undo_records_are_released();
   destroy_with_a_step_open_restores();

@@ -1249,6 +1249,39 @@ fo_status fo_optimizer_step_abort(struct fo_optimizer *opt, struct fo_overlap_st
 fo_status fo_optimizer_release_undo(struct fo_optimizer *opt, size_t *released);
 
 /*
+ Whether early steps of host parameters also fingerprint every byte of their gradient,
+ from the next `fo_optimizer_step_begin` on (`full` 1; 0, the default: a sampled
+ fingerprint only, 8 bytes in every 1024 and the last 8). A full fingerprint reads each
+ gradient once more on fo's pool; `fo_optimizer_grads_changed` then tells a gradient
+ edited to the same bits (multiplied by 1.0: a clip that does not trigger) from one
+ that changed. A step open: FO_ERR_BUSY.
+ */
+fo_status fo_optimizer_set_full_fingerprints(struct fo_optimizer *opt, int32_t full);
+
+/*
+ Which early-stepped host parameters' gradients differ from the ones their early step
+ read, for a loop that may have edited gradients after handing them over (between
+ backward and `fo_optimizer_step_end`, which would otherwise step with the old ones):
+ waits for the open step's work on fo's pool, reads those gradients again and writes
+ the indices of the changed ones, ascending, to `out` (`capacity` entries; `*out_n`:
+ how many there are, also when more than `capacity`, of which the first `capacity` are
+ written). The `n_full` parameters `full` are compared by every byte (those whose step
+ kept no full fingerprint, see `fo_optimizer_set_full_fingerprints`, or whose gradient
+ came down from a device, count as changed), the others by the sampled fingerprint:
+ an edit that scales or averages a gradient changes it; one of a few elements between
+ the sampled bytes does not. Parameters stepped at step_end or on a device are never
+ named. The caller redoes the step where something changed (`fo_optimizer_step_abort`,
+ then `fo_optimizer_step`). No step open, or an index out of range:
+ FO_ERR_INVALID_ARGUMENT.
+ */
+fo_status fo_optimizer_grads_changed(struct fo_optimizer *opt,
+                                     const int32_t *full,
+                                     size_t n_full,
+                                     int32_t *out,
+                                     size_t capacity,
+                                     size_t *out_n);
+
+/*
  Starts saving the optimizer's state into `dir` in the background and returns once a
  copy-on-write snapshot of it is registered: the checkpoint holds the state as of this
  call, byte-identical to what `fo_state_save` (or `fo_state_save_comm`) would write

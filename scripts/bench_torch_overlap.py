@@ -100,7 +100,9 @@ def main():
     print(f"overlap=True {said}")
     print(f"overlapped / sequential: {med['always'] / med[False]:.3f}x; "
           f"overlap=True / sequential: {med[True] / med[False]:.3f}x ({word})")
-    print(f"last overlapped step: {runs['always'][1].last_step_stats}")
+    last = runs['always'][1].last_step_stats
+    print(f"last overlapped step: {last}")
+    print(f"undo high-water: {last['undo_high_water_bytes'] / 2**20:.2f} MiB (overlap='always', last step)")
 
 
 if __name__ == "__main__":

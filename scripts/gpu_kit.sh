@@ -131,7 +131,9 @@ run() {
     step unit_device 240 "$KIT/tests/lib" device:: kernels:: clip:: comm:: broadcast:: optim::placement optim::overlap
   }
   case $what in checks | all | py) ;; *) false ;; esac && {
-    step pytest_cuda 300 python3 -m pytest -q -rs -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
+    # -rP: what passing tests print (fo's and torch's fp32 gaps to fused AdamW, the FSDP2
+    # overlap's result) comes back in the log.
+    step pytest_cuda 300 python3 -m pytest -q -rsP -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
       $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_strided.py \
       python/tests/test_torch_examples.py
   }

@@ -43,6 +43,25 @@ fn bench_overlap_with_a_hosts_backward_leaves_a_core_to_it() {
     assert!(s.contains("sweeps/layer (calibrated to 2.00 x"), "{s}");
 }
 
+#[test]
+fn bench_overlap_with_a_launch_bound_backward_keeps_the_calling_thread_busy() {
+    let s = report_every_case(&["--backward", "launch", "--backward-share", "0.5"]);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    assert!(s.contains(&format!("fo's pool {cores} thread(s)")), "{s}");
+    assert!(
+        s.contains("ms of arithmetic per layer on the calling thread (a launch-bound device's)"),
+        "{s}"
+    );
+}
+
+#[test]
+fn bench_overlap_pool_sets_fos_threads_whatever_the_backward() {
+    for backward in ["host", "device", "launch"] {
+        let s = report_every_case(&["--backward", backward, "--pool", "3"]);
+        assert!(s.contains("fo's pool 3 thread(s)"), "{backward}: {s}");
+    }
+}
+
 /// Runs a tiny benchmark with `extra` flags, checks its report and returns it.
 fn report_every_case(extra: &[&str]) -> String {
     let mut args = vec!["--layers", "16", "--layer-size", "4K", "--rounds", "2"];
@@ -99,6 +118,7 @@ fn bench_overlap_refuses_out_of_range_flags() {
         (&["--backward", "gpu"][..], "--backward"),
         (&["--backward-share", "0.01"][..], "--backward-share"),
         (&["--backward-share", "x"][..], "--backward-share"),
+        (&["--pool", "1025"][..], "--pool"),
     ] {
         let out = fo(args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -18,10 +18,10 @@ What a real loop does between backward and `step()` is honoured, never silently 
   copies synchronously when a hook is registered). The hand-over waits for that event
   without blocking backward: the gradient is queued and handed over by a later hook once
   the event has completed, or by `step()`.
-- A gradient edited after its hand-over (`clip_grad_norm_`, `GradScaler.unscale_`, HF
-  Trainer's clipping; an in-place edit bumps the tensor's `_version`, a replaced `.grad` is
-  another tensor) makes `step()` roll every early step back and step again with the final
-  gradients (`last_step_stats["redone"]` says why). After two such steps in a row the hooks
+- A gradient changed after its hand-over (a clip that scales, `GradScaler.unscale_`, an
+  edit through `.data`; a replaced `.grad`; fo._torch_overlap_edits tells an edit that
+  changed bits from one that did not) makes `step()` roll every early step back and step
+  again with the final gradients (`last_step_stats["redone"]` says why). After two such steps in a row the hooks
   stop handing over (a warning says so and what to use instead: `max_grad_norm=`): the
   step then costs what `overlap=False` costs, never more.
 - A gradient that changes before `step()` because a second backward accumulated into it
@@ -59,6 +59,7 @@ from ._torch_args import TorchArg, is_dtensor, local
 from ._torch_cuda import is_cuda
 from ._torch_overlap_amp import GradScaling
 from ._torch_overlap_cuda import CudaBuckets
+from ._torch_overlap_edits import changed_since_hand_over, grad_mark, keep_full_fingerprints, same_grad
 from ._torch_overlap_tune import Measured
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
@@ -126,23 +127,6 @@ def _computes_on_host(p):
     return p.device.type == "cpu"
 
 
-def _grad_mark(g):
-    """What tells whether a gradient changed since it was handed over: the tensor object (a
-    replaced `.grad` is another one) and its in-place edit counters (a DTensor's and its
-    local shard's: FSDP2 accumulates into the local tensor)."""
-    if g is None:
-        return None
-    loc = local(g)
-    try:
-        return g, g._version, loc._version
-    except RuntimeError:  # an inference-mode tensor has no version counter: identity only
-        return g, None, None
-
-
-def _same_grad(mark, g):
-    return mark is not None and g is mark[0] and _grad_mark(g)[1:] == mark[1:]
-
-
 # Optimizers with an overlapped step open. While there is one, a global forward pre-hook
 # rolls their early steps back before any forward outside backward runs: a forward between
 # backward and step() (the next micro-batch of gradient accumulation without no_handover(),
@@ -207,6 +191,9 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         self._deferred = None  # why the hooks no longer hand over (None: they do)
         self._redone_in_a_row = 0
         self._unscaled = False  # GradScaler unscaled every gradient since hand-over
+        # An edit counter moved after hand-over (fo._torch_overlap_edits): fo keeps full
+        # fingerprints from then on, on this optimizer's handle (a copy has its own).
+        self._edit_seen = self._full_fingerprints = False
         self._undone = {}  # rollbacks since the last step(): UNDO_KEYS -> count
         self._warned = set()
         self._hooks = []
@@ -329,7 +316,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         give = []
         for p in ps:
             if p in self._handed:
-                if _same_grad(self._marks.get(p), p.grad):
+                if same_grad(self._marks.get(p), p.grad):
                     continue
                 self._warn_once("rehanded", f"fo.torch overlap=True: the gradient of parameter "
                                 f"{self._name.get(p, '?')} changed after backward handed it over (a second "
@@ -357,7 +344,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         idx = (ctypes.c_int32 * n)(*(self._index[p] for p in give))
         arr = (type(args[0].struct) * n)(*(a.struct for a in args))
         for p, arg in zip(give, args):
-            self._handed[p], self._marks[p] = arg, _grad_mark(p.grad)
+            self._handed[p], self._marks[p] = arg, grad_mark(p.grad)
         status = (_optim._grads_at_end if at_end else _optim._grads_ready)(self._fo._handle, idx, arr, n)
         if status:
             try:
@@ -395,11 +382,11 @@ class Overlap(Measured, CudaBuckets, GradScaling):
             self._abandon()
 
     def _edited(self):
-        """Names of the handed-over parameters whose gradient changed since (edited in place,
-        replaced or removed; all of them after a GradScaler unscale)."""
-        if self._unscaled:
-            return [self._name.get(p, "?") for p in self._handed]
-        return [self._name.get(p, "?") for p in self._handed if not _same_grad(self._marks.get(p), p.grad)]
+        """Names of the handed-over parameters whose gradient changed since (fo._torch_overlap_edits)."""
+        changed, moved = changed_since_hand_over(self)
+        if moved:
+            self._edit_seen = True
+        return [self._name.get(p, "?") for p in changed]
 
     def _end(self):
         """optimizer.step() with overlap=True: hands over the gradients no hook handed over
@@ -420,6 +407,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
                   "before backward (e.g. scheduler.step() after optimizer.step()).")
             redone = "param_groups changed after backward"
             self._abandon()
+        unscaled = self._unscaled  # (cleared by _abandon)
         edited = self._edited() if self._open else []
         if edited:
             redone = f"{len(edited)} gradients changed after backward handed them over ({edited[0]}, ...)"
@@ -427,12 +415,18 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         self._redone_in_a_row = self._redone_in_a_row + 1 if edited else 0
         if self._redone_in_a_row >= 2 and self._deferred is None:
             self._deferred = redone
+            if unscaled:
+                advice = ("GradScaler.unscale_ divides every gradient by the scale after backward handed it over, "
+                          "so an early step can never stand: with bf16 autocast no GradScaler is needed")
+            else:
+                advice = ("to overlap, clip with the optimizer's max_grad_norm= instead (HF Trainer: "
+                          "max_grad_norm=0 and the optimizer's max_grad_norm=...; a clip that does not scale "
+                          "leaves the bits, and overlap, as they were)")
             _warn(
-                f"fo.torch overlap=True: gradients were edited between backward and optimizer.step() in two "
-                f"steps in a row (e.g. parameter {edited[0]}: clip_grad_norm_, GradScaler.unscale_, a trainer's "
-                "clipping), so every early step had to be redone; from now on gradients are handed over at "
-                "step() (the cost of overlap=False). To overlap, clip with the optimizer's max_grad_norm= "
-                "instead (HF Trainer: max_grad_norm=0 and the optimizer's max_grad_norm=...)")
+                f"fo.torch overlap=True: gradients changed between backward and optimizer.step() in two "
+                f"steps in a row (e.g. parameter {edited[0]}: a clip that scaled, GradScaler.unscale_, an edit "
+                "through .data), so every early step had to be redone; from now on gradients are handed over at "
+                f"step() (the cost of overlap=False); {advice}")
         held = self._deferred or self._probe_held() or (self._cores_taken(warn=False) if in_backward == 0 else None)
         extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held, overlap_probe=None)
         undone, self._undone, self._in_backward = self._undone, {}, 0
@@ -461,6 +455,8 @@ class Overlap(Measured, CudaBuckets, GradScaling):
             self.last_step_stats = dict(_stats_dict(stats), **extra)
         for k, v in undone.items():  # early steps put back before this step() closed
             self.last_step_stats[k] += v
+        if self._edit_seen and not self._open:
+            keep_full_fingerprints(self)
         check(status)
 
     def _warn_once(self, key, message):

@@ -115,6 +115,9 @@ _grads_at_end = declare("fo_optimizer_grads_at_end", [_P, _i32p, _tp, ctypes.c_s
 _step_end = declare("fo_optimizer_step_end", [_P, ctypes.c_void_p, ctypes.POINTER(OverlapStats)])
 _step_abort = declare("fo_optimizer_step_abort", [_P, ctypes.POINTER(OverlapStats)])
 _release_undo = declare("fo_optimizer_release_undo", [_P, ctypes.POINTER(ctypes.c_size_t)])
+_set_full_fingerprints = declare("fo_optimizer_set_full_fingerprints", [_P, ctypes.c_int32])
+_grads_changed = declare("fo_optimizer_grads_changed",
+                         [_P, _i32p, ctypes.c_size_t, _i32p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)])
 
 
 def config(algorithm: str = "adamw", **hp: Any) -> OptimConfig:
@@ -260,6 +263,22 @@ class Optimizer(Owned):
             self.__dict__.pop("_overlap_refs", None)
         check(status)
         return _overlap_stats(st)
+
+    def set_full_fingerprints(self, full: bool = True) -> None:
+        """From the next overlapped step on, early host steps also fingerprint every byte
+        of their gradient (see `grads_changed`); refused (FO_ERR_BUSY) while a step is open."""
+        check(_set_full_fingerprints(self._handle, int(bool(full))))
+
+    def grads_changed(self, full: Sequence[int] = ()) -> list[int]:
+        """The parameters stepped early on the host whose gradient differs from the one their
+        step read (edited after hand-over), ascending: compared by every byte for `full`
+        (without a full fingerprint: changed), by a sampled fingerprint for the rest. Waits
+        for the step's work on fo's pool. Redo with `step_abort` then `step`."""
+        idx = (ctypes.c_int32 * max(len(full), 1))(*full)
+        cap = self.num_params
+        out, n = (ctypes.c_int32 * max(cap, 1))(), ctypes.c_size_t(0)
+        check(_grads_changed(self._handle, idx, len(full), out, cap, ctypes.byref(n)))
+        return list(out[:n.value])
 
     def release_undo(self) -> int:
         """Frees the undo records fo keeps between overlapped steps for the next one (as

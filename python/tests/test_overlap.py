@@ -176,3 +176,40 @@ def test_step_abort_puts_every_early_step_back():
     assert stats["speculative"] > 0 and stats["rolled_back"] == stats["speculative"]
     assert all(x.tobytes() == y.tobytes() for x, y in zip(before[0], params)) and state(opt) == before[1]
     opt.step(gs)  # the step is closed
+
+
+def test_grads_changed_names_gradients_edited_after_their_early_step():
+    opt, params = make(7)
+    ref, ref_params = make(7)
+    gs = grads(3)
+    opt.set_full_fingerprints(True)
+    opt.step_begin()
+    opt.grads_ready(list(range(len(gs))), gs)
+    assert opt.grads_changed(full=range(len(gs))) == []
+    gs[1] *= 0.5  # scaled: the sampled fingerprint sees it
+    gs[0] *= 1.0  # the same bits
+    assert opt.grads_changed() == [1]
+    assert opt.grads_changed(full=[0, 1]) == [1]
+    with pytest.raises(fo.FoError, match="fo_optimizer_set_full_fingerprints") as e:
+        opt.set_full_fingerprints(False)
+    assert e.value.name == "FO_ERR_BUSY"
+    with pytest.raises(fo.FoError, match=r"full\[0\]"):
+        opt.grads_changed(full=[99])
+    opt.step_abort()  # redone with the final gradients: the plain step's bits
+    opt.step(gs)
+    ref.step(gs)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(params, ref_params)) and state(opt) == state(ref)
+    with pytest.raises(fo.FoError, match="no overlapped step is open"):
+        opt.grads_changed()
+
+
+def test_bench_grads_changed_prints_each_cost():
+    from conftest import ROOT, run_script
+
+    r = run_script(ROOT / "scripts" / "bench_grads_changed.py", "--params", "2", "--size", "4K", "--rounds", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("bench_grads_changed: 2 x 4096 f32 params"), lines[0]
+    for label in ("early steps, sampled fingerprint:", "early steps, full fingerprint:", "  full / sampled:",
+                  "sampled check of every gradient:", "full check of every gradient:", "plain step:"):
+        assert any(line.startswith(label) for line in lines[1:]), (label, r.stdout)

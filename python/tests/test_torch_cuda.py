@@ -353,8 +353,9 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("save", ["save", "async_save"])
 @pytest.mark.parametrize("fmt", ["fp32", "quant8"])
-def test_dcp_resume_under_fsdp2_on_a_cuda_mesh_is_bit_equal(one_rank, tmp_path, fmt):
+def test_dcp_resume_under_fsdp2_on_a_cuda_mesh_is_bit_equal(one_rank, tmp_path, fmt, save):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -385,7 +386,12 @@ def test_dcp_resume_under_fsdp2_on_a_cuda_mesh_is_bit_equal(one_rank, tmp_path, 
     msd, osd = get_state_dict(saved, opt)
     assert type(osd["state"]["0.weight"]["exp_avg"]).__name__ == "DTensor"
     assert osd["state"]["0.weight"]["exp_avg"].device.type == "cuda"
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ckpt")
+    if save == "save":
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ckpt")
+    else:  # the state of the call, while training goes on
+        fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ckpt")
+        steps(saved, opt, 100, 2)
+        fut.result()
     resumed, r_opt = build()
     msd, osd = get_state_dict(resumed, r_opt)  # a fresh optimizer: DCP initializes its state
     state = {"model": msd, "optim": osd}

@@ -23,6 +23,7 @@ def test_bench_torch_overlap_prints_three_modes_and_the_decision():
                     r"still in its)", lines[3]), lines[3]
     assert re.match(r"overlapped / sequential: [\d.]+x; overlap=True / sequential: [\d.]+x \(\w", lines[4]), lines[4]
     assert lines[5].startswith("last overlapped step: {'handed_over': 3")
+    assert re.match(r"undo high-water: [\d.]+ MiB \(overlap='always', last step\)$", lines[6]), lines[6]
 
 
 def test_bench_fsdp2_overlap_runs_on_gloo_and_keeps_its_last_line():

@@ -119,6 +119,7 @@ const ALLOWED_WHILE_OPEN: &[&str] = &[
     "fo_optimizer_grads_at_end",
     "fo_optimizer_step_end",
     "fo_optimizer_step_abort",
+    "fo_optimizer_grads_changed",
     "fo_optimizer_num_params",
     "fo_optimizer_get_group_config",
     "fo_optimizer_param_groups_json",

@@ -1,6 +1,6 @@
 //! The overlapped step's C ABI: `fo_optimizer_step_begin`, `fo_optimizer_grads_ready`,
 //! `fo_optimizer_step_end` (see `crate::optim::overlap`). Thin: check, call the core.
-use super::args::arg_slice;
+use super::args::{arg_flag, arg_mut, arg_slice, arg_slice_mut};
 use super::comm::fo_comm;
 use super::handle::enter;
 use super::optim::{enter_opt, fo_optimizer, index};
@@ -268,6 +268,64 @@ pub unsafe extern "C" fn fo_optimizer_release_undo(
         let n = enter_opt(opt, "fo_optimizer_release_undo")?.release_undo();
         if let Some(out) = released.as_mut() {
             *out = n;
+        }
+        Ok(())
+    })
+}
+
+/// Whether early steps of host parameters also fingerprint every byte of their gradient,
+/// from the next `fo_optimizer_step_begin` on (`full` 1; 0, the default: a sampled
+/// fingerprint only, 8 bytes in every 1024 and the last 8). A full fingerprint reads each
+/// gradient once more on fo's pool; `fo_optimizer_grads_changed` then tells a gradient
+/// edited to the same bits (multiplied by 1.0: a clip that does not trigger) from one
+/// that changed. A step open: FO_ERR_BUSY.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_set_full_fingerprints(
+    opt: *mut fo_optimizer,
+    full: i32,
+) -> fo_status {
+    guard(|| {
+        let full = arg_flag(full, "full")?;
+        enter_opt(opt, "fo_optimizer_set_full_fingerprints")?.set_full_fingerprints(full)
+    })
+}
+
+/// Which early-stepped host parameters' gradients differ from the ones their early step
+/// read, for a loop that may have edited gradients after handing them over (between
+/// backward and `fo_optimizer_step_end`, which would otherwise step with the old ones):
+/// waits for the open step's work on fo's pool, reads those gradients again and writes
+/// the indices of the changed ones, ascending, to `out` (`capacity` entries; `*out_n`:
+/// how many there are, also when more than `capacity`, of which the first `capacity` are
+/// written). The `n_full` parameters `full` are compared by every byte (those whose step
+/// kept no full fingerprint, see `fo_optimizer_set_full_fingerprints`, or whose gradient
+/// came down from a device, count as changed), the others by the sampled fingerprint:
+/// an edit that scales or averages a gradient changes it; one of a few elements between
+/// the sampled bytes does not. Parameters stepped at step_end or on a device are never
+/// named. The caller redoes the step where something changed (`fo_optimizer_step_abort`,
+/// then `fo_optimizer_step`). No step open, or an index out of range:
+/// FO_ERR_INVALID_ARGUMENT.
+#[no_mangle]
+pub unsafe extern "C" fn fo_optimizer_grads_changed(
+    opt: *mut fo_optimizer,
+    full: *const i32,
+    n_full: usize,
+    out: *mut i32,
+    capacity: usize,
+    out_n: *mut usize,
+) -> fo_status {
+    guard(|| {
+        let opt = enter_opt(opt, "fo_optimizer_grads_changed")?;
+        let out_n = arg_mut(out_n, "out_n")?;
+        let out = arg_slice_mut(out, capacity, "out")?;
+        let full = arg_slice(full, n_full, "full")?
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| index(i, &format!("full[{k}]")))
+            .collect::<Result<Vec<usize>>>()?;
+        let changed = opt.grads_changed(&full)?;
+        *out_n = changed.len();
+        for (o, &i) in out.iter_mut().zip(&changed) {
+            *o = i as i32;
         }
         Ok(())
     })

@@ -133,6 +133,8 @@ pub struct Optimizer {
     /// What device steps keep from one step to the next: validated device memory and
     /// resident launch tables (`placement::device_table`).
     resident: DeviceResident,
+    /// Early host steps fingerprint every byte of their gradient (`overlap::fingerprint`).
+    pub(in crate::optim) full_fingerprints: bool,
 }
 
 /// What device steps reuse across steps, so a step's host cost does not grow with the
@@ -186,6 +188,7 @@ impl Optimizer {
             open: None,
             undo_spares: Vec::new(),
             resident: DeviceResident::default(),
+            full_fingerprints: false,
         }
     }
 

@@ -12,8 +12,13 @@
 //!
 //! `--backward device` models a backward that runs elsewhere (a GPU's, as with FSDP2 and
 //! `CPUOffloadPolicy`): the calling thread only waits while each layer's gradient is
-//! made, so fo's pool has every core. `--backward-share` sets backward's length as a
-//! share of the step's (both kinds).
+//! made, so fo's pool has every core. `--backward launch` models a GPU's backward bound by
+//! the host's kernel launches (measured so on an H200: fo.torch's hooks and torch's
+//! launches keep the driving thread busy): the calling thread does a fixed amount of
+//! arithmetic per layer, touching no memory, so that what stretches it is only losing its
+//! core to fo's pool. `--backward-share` sets backward's length as a share of the step's
+//! (every kind); `--pool` sets fo's pool (default: every core but the calling thread's for
+//! `host`, every core otherwise).
 use std::time::Instant;
 
 use fo::clip::clip_grad_norm;
@@ -30,7 +35,8 @@ use super::bench_util::fill;
   fo bench overlap
   fo bench overlap --layers 32 --layer-size 512K --rounds 9
   fo bench overlap --state-format fp32
-  fo bench overlap --backward device --backward-share 0.5")]
+  fo bench overlap --backward device --backward-share 0.5
+  fo bench overlap --backward launch --pool 1")]
 pub struct OverlapArgs {
     /// Equal layers in the model (16..=4096).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(16..=4096))]
@@ -52,6 +58,10 @@ pub struct OverlapArgs {
     /// Backward's length as a share of the step's (0.05..=20).
     #[arg(long, default_value_t = 1.0, value_parser = share, value_name = "SHARE")]
     pub backward_share: f64,
+    /// fo's pool threads (0..=1024; 0: every core but the calling thread's for `--backward
+    /// host`, every core for `device` and `launch`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub pool: u32,
 }
 
 fn share(s: &str) -> Result<f64, String> {
@@ -69,6 +79,8 @@ pub enum Backward {
     Host,
     // A wait on the calling thread: a GPU's backward, which leaves the host cores free.
     Device,
+    // Arithmetic on the calling thread, no memory: a GPU's backward bound by launches.
+    Launch,
 }
 
 /// The state formats the benchmark compares. (Plain comments on the variants: doc
@@ -106,6 +118,21 @@ struct Model {
     n: usize,
     /// `--backward device`: each layer's wait (the gradients were written once).
     wait: Option<std::time::Duration>,
+    /// `--backward launch`: each layer's rounds of arithmetic (the gradients were written
+    /// once).
+    spin: Option<u64>,
+}
+
+/// `rounds` of dependent integer arithmetic on registers: CPU time that only the core
+/// running it can give, and that memory traffic does not slow.
+fn spin(rounds: u64) -> u64 {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+    }
+    std::hint::black_box(x)
 }
 
 fn bf16(x: f32) -> u16 {
@@ -119,6 +146,10 @@ impl Model {
         if let Some(w) = self.wait {
             // A device's backward: the host thread waits (asleep, so its core is fo's).
             std::thread::sleep(w);
+            return;
+        }
+        if let Some(r) = self.spin {
+            spin(r);
             return;
         }
         let w = &mut self.work;
@@ -184,11 +215,12 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         .and_then(|b| b.checked_add(4 * n as u64));
     super::mem::check_memory(need, &format!("--layers {layers} --layer-size {n}"))?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let device = a.backward == Backward::Device;
-    let pool = if device {
-        cores
-    } else {
-        cores.saturating_sub(1).max(1)
+    // The gradients are not the host's work: written once, before the rounds.
+    let device = a.backward != Backward::Host;
+    let pool = match (a.pool, a.backward) {
+        (0, Backward::Host) => cores.saturating_sub(1).max(1),
+        (0, _) => cores,
+        (n, _) => n as usize,
     };
     threads::set_num_threads(pool).map_err(|e| e.to_string())?;
     let mut params: Vec<Vec<u16>> = (0..layers)
@@ -218,6 +250,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         work: fill(n, 3, 1.0),
         n,
         wait: None,
+        spin: None,
     };
     if device {
         // The gradients are written once: a device's backward writes them by DMA, not
@@ -239,7 +272,21 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
     }
     let step_s = median_range(step_t).0;
     let layer_s = a.backward_share * step_s / layers as f64;
-    let (passes, how) = if device {
+    let (passes, how) = if a.backward == Backward::Launch {
+        // Calibrated with the pool idle: the rounds one core does in the layer's time.
+        let probe = 1u64 << 22;
+        let t = Instant::now();
+        spin(probe);
+        let rounds = (layer_s / t.elapsed().as_secs_f64() * probe as f64).max(1.0) as u64;
+        m.spin = Some(rounds);
+        (
+            0,
+            format!(
+                "backward: {:.2} ms of arithmetic per layer on the calling thread (a launch-bound device's)",
+                layer_s * 1e3
+            ),
+        )
+    } else if device {
         m.wait = Some(std::time::Duration::from_secs_f64(layer_s));
         (
             0,

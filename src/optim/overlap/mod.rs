@@ -29,6 +29,7 @@
 //! caller's options in `open`.
 mod device_early;
 mod end;
+pub(in crate::optim) mod fingerprint;
 pub(in crate::optim) mod open;
 pub(in crate::optim) mod record;
 pub(in crate::optim) mod task;
@@ -331,6 +332,7 @@ impl Optimizer {
             fresh,
             fetch,
             spare,
+            full_fingerprint: self.full_fingerprints,
         }
     }
 }

@@ -22,6 +22,7 @@ use crate::optim::step::numerics;
 use crate::optim::step::push_param_jobs;
 use crate::tensor::{try_with_capacity, Device, TensorView};
 
+use super::fingerprint::Fingerprint;
 use super::record::{fill_par, swap_moments, Saved};
 
 /// One parameter handed to the pool. `param.state` is its state (fresh, zeroed, when
@@ -36,6 +37,8 @@ pub(super) struct Item {
     pub fetch: Option<Fetch>,
     /// The previous overlapped step's undo record of this parameter, to fill again.
     pub spare: Option<Saved>,
+    /// Record a fingerprint of every byte of the gradient, not only a sampled one.
+    pub full_fingerprint: bool,
 }
 
 /// A device gradient's way down to a host copy (through the device's pinned ring), on
@@ -70,6 +73,8 @@ pub(super) struct Done {
     pub error: Option<Error>,
     /// What the step made non-finite (groups with `check_numerics`).
     pub bad_result: Option<String>,
+    /// The gradient the step read, for `grads_changed` (None: brought down from a device).
+    pub fingerprint: Option<Fingerprint>,
 }
 
 impl Done {
@@ -139,7 +144,9 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
         partial: None,
         error: None,
         bad_result: None,
+        fingerprint: None,
     };
+    let (full_fingerprint, came_down) = (it.full_fingerprint, it.fetch.is_some());
     let r = catch_unwind(AssertUnwindSafe(|| -> Result<()> {
         if let Some(f) = it.fetch {
             // From here on the gradient is its host copy, as in `step_offloaded`; the
@@ -166,6 +173,9 @@ unsafe fn prepare(it: Item, clip_p: Option<f64>) -> Done {
             None => d.grad.contiguous_bytes().expect("contiguous"),
         };
         numerics::check_param(&d.param, &d.cfg, g, d.grad.dtype())?;
+        if !came_down {
+            d.fingerprint = Some(Fingerprint::of(g, full_fingerprint));
+        }
         let now = d.param.tensor().contiguous_bytes();
         let now = now.expect("parameters are contiguous");
         // The last step's record is refilled in place: fresh memory would be faulted in
@@ -325,6 +335,19 @@ impl Inbox {
     #[cfg(test)]
     pub fn pending(&self) -> usize {
         self.lock().0
+    }
+
+    /// Waits until every bucket sent to the pool is back; the fingerprints of the
+    /// gradients their steps read, by parameter (`fingerprint::grads_changed`).
+    pub fn fingerprints(&self) -> Vec<(usize, Option<Fingerprint>)> {
+        let mut g = self.lock();
+        while g.0 > 0 {
+            g = self.landed.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g.1.iter()
+            .filter(|d| d.undo.is_some() && d.error.is_none())
+            .map(|d| (d.i, d.fingerprint))
+            .collect()
     }
 
     /// Waits until every bucket sent to the pool is back; takes their parameters.
