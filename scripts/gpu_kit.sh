@@ -21,7 +21,9 @@
 # fo.torch's default path (fo_step_kernel_p7, fast) and its exact twin (p4); it is not part of `all`. `run overlap` times
 # FSDP2 + CPUOffloadPolicy's overlapped iteration (scripts/bench_fsdp2_overlap.py, on the GPU)
 # with fo's pool on every host core, on all but one (the core the thread driving backward
-# needs: its launches wait while the pool holds every core) and on half of them; not in `all`.
+# needs: its launches wait while the pool holds every core) and on half of them, then `fo bench
+# overlap --backward launch` (the driving thread busy, no GPU) with the pool on every core and on
+# all but one; not in `all`.
 # Without a GPU (torch sees none) `run` says so and exits 2, having run nothing, unless
 # FO_GPU_KIT_ANYWAY=1 (a dry run here: the steps run and skip or refuse as they do without one).
 # FO_GPU_KIT_TAR=1 packs the logs into $OUT/logs-<what>.tgz (SUMMARY.txt stays beside it).
@@ -150,6 +152,11 @@ run() {
       done_t="$done_t$t "
       [ "$t" -ge 1 ] && step "fsdp2_overlap_t$t" 170 python3 scripts/bench_fsdp2_overlap.py --device cuda --rounds 3 \
         --fo-threads "$t"
+    done
+    # The same question without the GPU: a backward whose driving thread is busy (launch-bound)
+    # beside fo's pool on every core and on all but one.
+    for t in "$cores" $((cores - 1)); do
+      [ "$t" -ge 1 ] && step "bench_overlap_launch_t$t" 60 "$KIT/fo" bench overlap --backward launch --pool "$t" --rounds 5
     done
   fi
   if [ "$what" = profile ]; then

@@ -112,7 +112,8 @@ def test_profile_splits_a_step_and_reads_counters_only_where_ncu_is(tmp_path):
 
 def test_overlap_times_fsdp2_at_three_pool_sizes_and_needs_a_gpu(tmp_path):
     """`run overlap` (a dry run here): bench_fsdp2_overlap.py at fo's pool of every core, all
-    but one and half, each on the GPU, so without one each step refuses at once (rc 2)."""
+    but one and half, each on the GPU, so without one each step refuses at once (rc 2); then
+    `fo bench overlap --backward launch` at every core and all but one."""
     pytest.importorskip("torch")  # the benchmark needs torch to say there is no GPU
     kit, out = fake_kit(tmp_path, "echo fo\n")
     r = run("run", "overlap", "120", FO_GPU_KIT=str(kit), FO_GPU_KIT_ANYWAY="1", OUT=str(out))
@@ -125,4 +126,7 @@ def test_overlap_times_fsdp2_at_three_pool_sizes_and_needs_a_gpu(tmp_path):
     assert sorted(steps) == sorted(f"fsdp2_overlap_t{t}" for t in sizes), summary
     for name in steps:
         assert "rc=2" in lines[name] and "torch sees no GPU" in lines[name], summary
+    # Then the host's own model of that backward (the kit's fo: a stand-in that echoes).
+    launch = [name for name in lines if name.startswith("bench_overlap_launch_t")]
+    assert sorted(launch) == sorted(f"bench_overlap_launch_t{t}" for t in {cores, cores - 1} if t >= 1), summary
     assert "selftest" not in lines and "bench_fsdp2_overlap" not in lines
