@@ -121,9 +121,10 @@ def test_fp32_adamw_follows_torchs_fused_cuda_adamw():
 
 
 # -- state and checkpoints ---------------------------------------------------------------------
-def test_state_lives_on_the_parameters_device_and_edits_reach_fo():
+@pytest.mark.parametrize("fmt", ["quant8", "fp32"])
+def test_state_lives_on_the_parameters_device_and_edits_reach_fo(fmt):
     ps = params(CUDA)
-    opt = fo.torch.AdamW(ps, lr=1e-2, state_format="quant8")
+    opt = fo.torch.AdamW(ps, lr=1e-2, state_format=fmt)
     run(opt, ps, 2)
     for p in ps:
         st = opt.state[p]
@@ -157,9 +158,9 @@ def test_state_dict_round_trip_across_devices(direction, fmt):
         assert_same_state(a, b)
 
 
-@pytest.mark.parametrize("to", ["cuda", "cpu"])
-def test_fos_compressed_checkpoint_moves_between_devices_with_the_same_bits(tmp_path, to):
-    dev = params(CUDA, torch.bfloat16)
+@pytest.mark.parametrize("frm,to", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_fos_compressed_checkpoint_moves_between_devices_with_the_same_bits(tmp_path, frm, to):
+    dev = params(CUDA if frm == "cuda" else "cpu", torch.bfloat16)
     a = fo.torch.AdamW(dev, lr=1e-2, state_format="quant8", master_weight_bits=24, arithmetic="exact")
     run(a, dev, 3)
     a.save_checkpoint(tmp_path / "sync")
