@@ -340,11 +340,9 @@ impl Inbox {
     /// Waits until every bucket sent to the pool is back; the fingerprints of the
     /// gradients their steps read, by parameter (`fingerprint::grads_changed`).
     pub fn fingerprints(&self) -> Vec<(usize, Option<Fingerprint>)> {
-        let mut g = self.lock();
-        while g.0 > 0 {
-            g = self.landed.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-        g.1.iter()
+        self.landed_all()
+            .1
+            .iter()
             .filter(|d| d.undo.is_some() && d.error.is_none())
             .map(|d| (d.i, d.fingerprint))
             .collect()
@@ -353,11 +351,16 @@ impl Inbox {
     /// Waits until every bucket sent to the pool is back; takes their parameters.
     /// The work always ends (kernels over finite memory), so no timeout.
     pub fn wait_all(&self) -> Vec<Done> {
+        std::mem::take(&mut self.landed_all().1)
+    }
+
+    /// The inbox once every bucket sent to the pool is back.
+    fn landed_all(&self) -> std::sync::MutexGuard<'_, (usize, Vec<Done>)> {
         let mut g = self.lock();
         while g.0 > 0 {
             g = self.landed.wait(g).unwrap_or_else(|p| p.into_inner());
         }
-        std::mem::take(&mut g.1)
+        g
     }
 }
 
