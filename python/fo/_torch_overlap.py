@@ -187,6 +187,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         self._handed = {}  # param -> the TorchArg fo reads its gradient through until step_end
         self._marks = {}  # param -> _grad_mark of the gradient handed over
         self._pending = []  # (param, event): gradients whose copy had not landed at their hook
+        self._copy_events = [0, 0]  # hooks that found FSDP2's copy event, and found it in flight
         self._cuda_init()
         self._deferred = None  # why the hooks no longer hand over (None: they do)
         self._redone_in_a_row = 0
@@ -277,7 +278,10 @@ class Overlap(Measured, CudaBuckets, GradScaling):
                 self._queue_cuda(p)  # fo._torch_overlap_cuda: handed over in buckets
             return
         self._poll_pending(wait=False)
+        if event is not None:  # counted for the FSDP2 tests: was the copy found, was it in flight
+            self._copy_events[0] += 1
         if event is not None and not event.query():
+            self._copy_events[1] += 1
             if not self._open:
                 self._begin()
             self._pending = [(q, e) for q, e in self._pending if q is not p] + [(p, event)]

@@ -45,6 +45,9 @@ def run(mesh, width, layers, steps, overlap, state_format, offload=True):
         losses.append(loss.item())
         stats.append(opt.last_step_stats)
     params = [p.to_local().detach().cpu().clone() for p in model.parameters()]
+    # Hooks that found FSDP2's offload event, and found its copy still in flight (then fo
+    # waited for it): printed by the test, as evidence that the wait is exercised.
+    stats[-1]["copy_events"] = list(getattr(opt, "_copy_events", [0, 0]))
     return losses, params, stats
 
 
@@ -63,6 +66,7 @@ def main():
             "same_losses": [r[0] == ref_losses for r in runs],
             "handed_over_in_backward": [s["handed_over_in_backward"] for s in runs[0][2]],
             "redone": [s["redone"] for s in runs[0][2]],
+            "copy_events_found_in_flight": [r[2][-1]["copy_events"] for r in runs],
         }
     # Shards on the GPU (no offload): the hooks run on FSDP2's post-reduce stream, and
     # each shard steps early on fo's step lane after its reduce-scatter.
