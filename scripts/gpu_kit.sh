@@ -154,9 +154,10 @@ run() {
         --fo-threads "$t"
     done
     # The same question without the GPU: a backward whose driving thread is busy (launch-bound)
-    # beside fo's pool on every core and on all but one.
+    # beside fo's pool on every core and on all but one, the same 20 ms backward for both.
     for t in "$cores" $((cores - 1)); do
-      [ "$t" -ge 1 ] && step "bench_overlap_launch_t$t" 60 "$KIT/fo" bench overlap --backward launch --pool "$t" --rounds 5
+      [ "$t" -ge 1 ] && step "bench_overlap_launch_t$t" 60 "$KIT/fo" bench overlap --backward launch --pool "$t" --rounds 5 \
+        --backward-ms 20
     done
   fi
   if [ "$what" = profile ]; then

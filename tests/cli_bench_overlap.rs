@@ -55,6 +55,18 @@ fn bench_overlap_with_a_launch_bound_backward_keeps_the_calling_thread_busy() {
 }
 
 #[test]
+fn bench_overlap_backward_ms_sets_backwards_length_whatever_the_pool() {
+    for pool in ["1", "2"] {
+        let s = report_every_case(&["--backward", "launch", "--pool", pool, "--backward-ms", "4"]);
+        // 16 layers: 0.25 ms each.
+        assert!(
+            s.contains("backward: 0.25 ms of arithmetic per layer"),
+            "{pool}: {s}"
+        );
+    }
+}
+
+#[test]
 fn bench_overlap_pool_sets_fos_threads_whatever_the_backward() {
     for backward in ["host", "device", "launch"] {
         let s = report_every_case(&["--backward", backward, "--pool", "3"]);
@@ -119,6 +131,11 @@ fn bench_overlap_refuses_out_of_range_flags() {
         (&["--backward-share", "0.01"][..], "--backward-share"),
         (&["--backward-share", "x"][..], "--backward-share"),
         (&["--pool", "1025"][..], "--pool"),
+        (&["--backward-ms", "0"][..], "--backward-ms"),
+        (
+            &["--backward-ms", "2", "--backward-share", "1"][..],
+            "--backward-ms",
+        ),
     ] {
         let out = fo(args);
         let err = String::from_utf8_lossy(&out.stderr);

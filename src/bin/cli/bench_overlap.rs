@@ -17,8 +17,8 @@
 //! launches keep the driving thread busy): the calling thread does a fixed amount of
 //! arithmetic per layer, touching no memory, so that what stretches it is only losing its
 //! core to fo's pool. `--backward-share` sets backward's length as a share of the step's
-//! (every kind); `--pool` sets fo's pool (default: every core but the calling thread's for
-//! `host`, every core otherwise).
+//! (every kind), or `--backward-ms` its length; `--pool` sets fo's pool (default: every core
+//! but the calling thread's for `host`, every core otherwise).
 use std::time::Instant;
 
 use fo::clip::clip_grad_norm;
@@ -36,7 +36,7 @@ use super::bench_util::fill;
   fo bench overlap --layers 32 --layer-size 512K --rounds 9
   fo bench overlap --state-format fp32
   fo bench overlap --backward device --backward-share 0.5
-  fo bench overlap --backward launch --pool 1")]
+  fo bench overlap --backward launch --pool 1 --backward-ms 50")]
 pub struct OverlapArgs {
     /// Equal layers in the model (16..=4096).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(16..=4096))]
@@ -62,6 +62,18 @@ pub struct OverlapArgs {
     /// host`, every core for `device` and `launch`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub pool: u32,
+    /// Backward's length in ms, instead of a share of the step (0.1..=100000): runs at
+    /// different `--pool` sizes then face the same backward.
+    #[arg(long, value_parser = millis, value_name = "MS", conflicts_with = "backward_share")]
+    pub backward_ms: Option<f64>,
+}
+
+fn millis(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if !(0.1..=100_000.0).contains(&v) {
+        return Err(format!("{v} is not in 0.1..=100000"));
+    }
+    Ok(v)
 }
 
 fn share(s: &str) -> Result<f64, String> {
@@ -271,7 +283,10 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
         step_t.push(t.elapsed().as_secs_f64());
     }
     let step_s = median_range(step_t).0;
-    let layer_s = a.backward_share * step_s / layers as f64;
+    let backward_s = a
+        .backward_ms
+        .map_or(a.backward_share * step_s, |ms| ms * 1e-3);
+    let layer_s = backward_s / layers as f64;
     let (passes, how) = if a.backward == Backward::Launch {
         // Calibrated with the pool idle: the rounds one core does in the layer's time.
         let probe = 1u64 << 22;
@@ -310,7 +325,7 @@ pub fn run(a: &OverlapArgs) -> Result<(), String> {
          {cores} cores, fo's pool {} thread(s); {how} (calibrated to {:.2} x the step's {:.1} ms); {} rounds",
         a.state_format.state_format().name(),
         threads::num_threads().map_err(|e| e.to_string())?,
-        a.backward_share,
+        backward_s / step_s,
         step_s * 1e3,
         a.rounds
     );
