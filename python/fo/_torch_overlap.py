@@ -21,9 +21,9 @@ What a real loop does between backward and `step()` is honoured, never silently 
 - A gradient changed after its hand-over (a clip that scales, `GradScaler.unscale_`, an
   edit through `.data`; a replaced `.grad`; fo._torch_overlap_edits tells an edit that
   changed bits from one that did not) makes `step()` roll every early step back and step
-  again with the final gradients (`last_step_stats["redone"]` says why). After two such steps in a row the hooks
-  stop handing over (a warning says so and what to use instead: `max_grad_norm=`): the
-  step then costs what `overlap=False` costs, never more.
+  again with the final gradients (`last_step_stats["redone"]` says why). After two such
+  steps in a row the hooks stop handing over (a warning says so and what to use instead:
+  `max_grad_norm=`): the step then costs what `overlap=False` costs, never more.
 - A gradient that changes before `step()` because a second backward accumulated into it
   (gradient accumulation without `no_handover()`) or a new backward followed
   `model.zero_grad()` (GradScaler skipped the step): the early steps are rolled back and the
