@@ -1261,7 +1261,7 @@ fo_status fo_optimizer_set_full_fingerprints(struct fo_optimizer *opt, int32_t f
 /*
  Which early-stepped host parameters' gradients differ from the ones their early step
  read, for a loop that may have edited gradients after handing them over (between
- backward and `fo_optimizer_step_end`, which would otherwise step with the old ones):
+ backward and `fo_optimizer_step_end`: those early steps used the gradients as they were):
  waits for the open step's work on fo's pool, reads those gradients again and writes
  the indices of the changed ones, ascending, to `out` (`capacity` entries; `*out_n`:
  how many there are, also when more than `capacity`, of which the first `capacity` are
