@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import fo.torch  # noqa: E402
 import fo._torch_overlap_tune as tune  # noqa: E402
 from test_torch_overlap import assert_same_bits, backward, build, snapshot  # noqa: E402
+from test_torch_overlap_edits import settle  # noqa: E402
 
 # what the probe does from the first iteration: WARM_UP overlapped, then plain and overlapped
 # in turn until PAIRS of each are timed (6 = the hooks handed every gradient over, 0 = none)
@@ -210,6 +211,7 @@ def test_always_hands_over_in_every_backward_and_never_measures(clock):
 
 def test_gradients_edited_after_every_hand_over_stop_the_probe(clock):
     def clip(model, opt, it):
+        settle(opt)  # (test_torch_overlap_edits.settle: a redo count that does not depend on timing)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
 
     model, opt = build("adamw", True)
