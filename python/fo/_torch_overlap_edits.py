@@ -67,7 +67,8 @@ def changed_since_hand_over(opt):
     if n.value:
         by_index = {opt._index[p]: p for p in opt._handed}
         named = {by_index[i] for i in out[:n.value] if i in by_index}
-        changed += [p for p in opt._handed if p in named and p not in changed]
+        already = set(changed)
+        changed += [p for p in opt._handed if p in named and p not in already]
     return changed, moved
 
 

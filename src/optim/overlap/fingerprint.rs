@@ -126,11 +126,14 @@ impl Optimizer {
                 )
             })?;
         }
+        // By index: `full` may name every parameter of a large model.
+        let mut by_every_byte = vec![false; self.num_params()];
+        full.iter().for_each(|&i| by_every_byte[i] = true);
         let recorded = open.inbox.fingerprints();
         let mut changed: Vec<usize> = open.pool.install(|| {
             recorded
                 .into_par_iter()
-                .filter_map(|(i, fp)| unsafe { changed_since(open, i, fp, full.contains(&i)) })
+                .filter_map(|(i, fp)| unsafe { changed_since(open, i, fp, by_every_byte[i]) })
                 .collect()
         });
         changed.sort_unstable();
