@@ -76,3 +76,58 @@ def overlap_runs(tmp_path_factory):
         torchrun(2, OVERLAP_WORKER, d / "r.json")
         _OVERLAP.update(json.loads((d / "r.json").read_text()))
     return _OVERLAP
+
+
+# -- on GPUs: one rank per GPU over NCCL alone, shards stepped there ------------------------------
+def cuda_world():
+    """Ranks for the GPU runs, one per GPU: 4 where there are 4 (a rank with empty shards),
+    else 2 (uneven shards). Skips with the reason where that cannot run."""
+    import fo._torch_cuda
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, one per rank (torch sees {n})")
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("needs torch.distributed with NCCL")
+    why = fo._torch_cuda.device_support()
+    if why is not None:
+        pytest.skip(f"the loaded libfo cannot step CUDA tensors: {why.message}")
+    return 4 if n >= 4 else 2
+
+
+@pytest.fixture(scope="module")
+def cuda_runs(tmp_path_factory):
+    """Trains on the GPUs and dcp.saves, then loads that checkpoint on host ranks of another
+    world size (gloo, offloaded shards) and continues."""
+    world = cuda_world()
+    d = tmp_path_factory.mktemp("fsdp2_gpus")
+    torchrun(world, WORKER, "save", d / "ckpt", d / "gpu.json", "cuda")
+    torchrun(6 - world, WORKER, "load", d / "ckpt", d / "host.json", "cpu")
+    return json.loads((d / "gpu.json").read_text()), json.loads((d / "host.json").read_text())
+
+
+def test_on_gpus_uneven_shards_follow_torch_and_resume_on_host_ranks(cuda_runs):
+    gpu, host = cuda_runs
+    world = gpu["world"]
+    assert gpu["device"] == "cuda" and host["device"] == "cpu" and host["world"] == 6 - world
+    first = -(-13 // world)  # FSDP2 chunks dim 0 like torch.chunk: ceil(13 / world) rows a rank
+    shapes = gpu["local_shapes"]
+    assert shapes[0][0] == [first, 10] and shapes[-1][0] == [13 - (world - 1) * first, 10]
+    if world == 4:
+        assert shapes[3][2] == [0, 13]  # fc2.weight: 6 rows, none left for rank 3
+    assert gpu["fp32_close_ratio"] <= 1.0  # fo's CUDA kernel against torch's CUDA AdamW
+    assert gpu["quant8_losses"] == pytest.approx(gpu["torch_losses"], rel=QUANT8_LOSS_RTOL)
+    assert gpu["optim_state_is_dtensor"] == "DTensor" and host["loaded_step"] == 10
+    assert host["continued"] == pytest.approx(gpu["continued"], rel=1e-5)
+
+
+def test_overlap_on_gpus_over_nccl_alone_has_the_bits_of_the_plain_step(tmp_path):
+    """The early device steps on uneven CUDA shards, and the clip's norm all-reduced through
+    CUDA tensors (a group with NCCL alone takes no host tensors)."""
+    world = cuda_world()
+    torchrun(world, OVERLAP_WORKER, tmp_path / "r.json", "cuda")
+    out = json.loads((tmp_path / "r.json").read_text())
+    for clip in ("noclip", "clip"):
+        assert out[clip]["same_bits_on_every_rank"], out[clip]
+        assert all(s["handed_over_in_backward"] > 0 for s in out[clip]["stats"]), out[clip]
+    assert all(s["clipped"] for s in out["clip"]["stats"]), out["clip"]

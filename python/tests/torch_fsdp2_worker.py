@@ -1,7 +1,9 @@
 """One torchrun rank of test_torch_fsdp2.py: FSDP2 with CPUOffloadPolicy on gloo, a model
-whose dims do not divide by the world size (some ranks hold empty shards).
+whose dims do not divide by the world size (some ranks hold empty shards); with `cuda`, the
+shards on one GPU per rank over NCCL alone (no offload policy; fo steps them on the GPUs, and
+its clip norm's host values travel through CUDA tensors).
 
-    torchrun --nproc-per-node N torch_fsdp2_worker.py save|load CKPT_DIR OUT_JSON
+    torchrun --nproc-per-node N torch_fsdp2_worker.py save|load CKPT_DIR OUT_JSON [cpu|cuda]
 
 Every launch checks fo.torch.AdamW(fp32 state) against torch.optim.AdamW step by step and
 runs fo's quant8 + 24-bit master weights on bf16 params beside torch's fp32 run. `save`
@@ -37,27 +39,33 @@ class Net(torch.nn.Module):
 
 
 def build(mesh, dtype=torch.float32):
+    """The model on `mesh`: on a CUDA mesh its shards stay on the GPUs, on a host mesh they
+    are offloaded (the same initial values either way)."""
     torch.manual_seed(0)
     model = Net().to(dtype)
-    # Pinned host memory needs a CUDA driver; without one the shards live in plain memory.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if mesh.device_type == "cuda":
+        kw = {}
+        model = model.cuda()
+    else:  # pinned host memory needs a CUDA driver; without one the shards live in plain memory
+        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
     for m in (model.fc1, model.fc2, model.head):
-        fully_shard(m, mesh=mesh, offload_policy=offload)
-    fully_shard(model, mesh=mesh, offload_policy=offload)
+        fully_shard(m, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
-def batch(step, rank, world, dtype=torch.float32):
-    """This rank's rows of the global batch of `step` (the same global batch at any world size)."""
+def batch(step, rank, world, dtype=torch.float32, device="cpu"):
+    """This rank's rows of the global batch of `step` (the same global batch at any world size
+    and on any device: drawn on the host)."""
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(GLOBAL_BATCH, 10, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    return x[rows].to(dtype), y[rows].to(dtype)
+    return x[rows].to(dtype).to(device), y[rows].to(dtype).to(device)
 
 
 def train_step(model, opt, step, dtype=torch.float32):
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = batch(step, rank, world, dtype)
+    x, y = batch(step, rank, world, dtype, next(model.parameters()).device)
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
     loss.backward()
@@ -71,12 +79,23 @@ def full(model):
     return [p.full_tensor().detach().float() for p in model.parameters()]
 
 
+def init(device):
+    """The default group and a 1-D mesh over it: gloo on the host; NCCL alone with one GPU
+    per rank (so that fo's collectives meet a group that takes CUDA tensors only)."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
 def main():
     mode, ckpt, out = sys.argv[1:4]
-    dist.init_process_group("gloo")
+    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    mesh = init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    res = {"world": world}
+    res = {"world": world, "device": device}
 
     # fp32 state: follows torch.optim.AdamW step by step (same FSDP2 gradients).
     ref, mine = build(mesh), build(mesh)
