@@ -134,10 +134,12 @@ run() {
   }
   case $what in checks | all | py) ;; *) false ;; esac && {
     # -rP: what passing tests print (fo's and torch's fp32 gaps to fused AdamW, the FSDP2
-    # overlap's result) comes back in the log.
+    # overlap's result) comes back in the log. The FSDP2 runs on GPUs need two (skipped on one).
     step pytest_cuda 300 python3 -m pytest -q -rsP -p no:cacheprovider python/tests/test_torch_fsdp2_cuda.py \
       $(ls python/tests/test_torch_cuda*.py 2>/dev/null) python/tests/test_torch_strided.py \
-      python/tests/test_torch_examples.py
+      python/tests/test_torch_examples.py \
+      python/tests/test_torch_fsdp2.py::test_on_gpus_uneven_shards_follow_torch_and_resume_on_host_ranks \
+      python/tests/test_torch_fsdp2.py::test_overlap_on_gpus_over_nccl_alone_has_the_bits_of_the_plain_step
   }
   if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench_fsdp2_overlap 150 python3 scripts/bench_fsdp2_overlap.py --rounds 3
