@@ -69,7 +69,11 @@ def group_names(group, gi):
 
 class TorchArg:
     """An fo_tensor over a torch tensor's memory: its data_ptr(), dtype, shape and strides
-    exactly as torch holds them. Keeps the tensor and the shape/stride arrays alive."""
+    exactly as torch holds them. Keeps the memory and the shape/stride arrays alive: it holds
+    an alias of the tensor (`detach()`: the same storage, its own tensor object), so fo's
+    pointer stays valid when the tensor itself is given new storage (`p.data = ...`,
+    `module.to(...)`) while fo may still read or write it (an overlapped step's pool; the
+    registration until fo registers the parameter again, at the next step)."""
 
     def __init__(self, t, what, empty_non_null=False):
         t = local(t)
@@ -77,7 +81,7 @@ class TorchArg:
         code = _CODES.get(t.dtype)
         if code is None:
             raise error(DTYPE, f"{what} has dtype {t.dtype}, which fo has no code for")
-        self.tensor = t
+        self.tensor = t.detach()
         nd = t.dim()
         self._shape = (ctypes.c_int64 * max(nd, 1))(*t.shape)
         self._strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())

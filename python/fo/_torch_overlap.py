@@ -24,10 +24,8 @@ What a real loop does between backward and `step()` is honoured, never silently 
   again with the final gradients (`last_step_stats["redone"]` says why). After two such
   steps in a row the hooks stop handing over (a warning says so and what to use instead:
   `max_grad_norm=`): the step then costs what `overlap=False` costs, never more.
-- A gradient that changes before `step()` because a second backward accumulated into it
-  (gradient accumulation without `no_handover()`) or a new backward followed
-  `model.zero_grad()` (GradScaler skipped the step): the early steps are rolled back and the
-  step starts over from the new gradients.
+- Whatever else reads or writes a parameter stepped early before `step()` (a forward, a
+  backward that keeps its graph, an in-place edit): fo._torch_overlap_params.
 - A step left open when the state is read or written (`state_dict()`, `opt.state[p]`, a
   checkpoint) or by `zero_grad()` is rolled back first: parameters and state exactly as
   before the backward, as torch drops a step that never ran.
@@ -55,11 +53,12 @@ import torch
 from . import optim as _optim
 from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
-from ._torch_args import TorchArg, is_dtensor, local
+from ._torch_args import INVALID_ARGUMENT, TorchArg, error, is_dtensor, local
 from ._torch_cuda import is_cuda
 from ._torch_overlap_amp import GradScaling
 from ._torch_overlap_cuda import CudaBuckets
 from ._torch_overlap_edits import changed_since_hand_over, grad_mark, keep_full_fingerprints, same_grad
+from ._torch_overlap_params import keeps_graph, param_mark, raise_touched, touched, track_open
 from ._torch_overlap_tune import Measured
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
@@ -127,49 +126,12 @@ def _computes_on_host(p):
     return p.device.type == "cpu"
 
 
-# Optimizers with an overlapped step open. While there is one, a global forward pre-hook
-# rolls their early steps back before any forward outside backward runs: a forward between
-# backward and step() (the next micro-batch of gradient accumulation without no_handover(),
-# an evaluation, the next iteration after a skipped step) must see the parameters as they
-# were, which no later rollback could repair. The hook exists only while a step is open, so a
-# loop that runs backward then step() never calls it (nor does torch.compile trace it).
-_OPEN = weakref.WeakSet()
-_forward_hook = None
-
-
-@torch.compiler.disable  # fo's bookkeeping, not model code: Dynamo never traces it
-def _before_forward(module, args):
-    if torch._C._current_graph_task_id() != -1:
-        return  # a forward recomputed inside backward (activation checkpointing)
-    for opt in list(_OPEN):
-        if not any(p in opt._handed for p in module._parameters.values()):
-            continue  # another model's forward (or a container's): this step is not its concern
-        opt._warn_once("forward", "fo.torch overlap=True: a forward ran between backward and optimizer.step() "
-                       "(gradient accumulation without `with optimizer.no_handover():`, an evaluation, or a "
-                       "step skipped); fo put its early steps back so the forward sees the parameters as "
-                       "before (same result, less overlap)")
-        opt._settle_open()
-
-
-def _track_open(opt, is_open):
-    global _forward_hook
-    if is_open:
-        _OPEN.add(opt)
-        if _forward_hook is None:
-            _forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(_before_forward)
-    else:
-        _OPEN.discard(opt)
-        if not _OPEN and _forward_hook is not None:
-            _forward_hook.remove()
-            _forward_hook = None
-
-
 def _hook(ref):
     @torch.compiler.disable  # runs eagerly in backward; traced, every call would break a graph
     def hook(p):
         opt = ref()
         if (opt is not None and not opt._accumulating and not opt._deferred and opt._probe_hands_over()
-                and not opt._cores_taken()):
+                and not opt._cores_taken() and not opt._graph_kept()):
             event = _fsdp_offload_event(p, sys._getframe(1))
             opt._from_backward(p, event)
     return hook
@@ -186,6 +148,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         self._open, self._in_backward = False, 0
         self._handed = {}  # param -> the TorchArg fo reads its gradient through until step_end
         self._marks = {}  # param -> _grad_mark of the gradient handed over
+        self._pmarks = {}  # param stepped early -> its param_mark then (fo._torch_overlap_params)
         self._pending = []  # (param, event): gradients whose copy had not landed at their hook
         self._copy_events = [0, 0]  # hooks that found FSDP2's copy event, and found it in flight
         self._cuda_init()
@@ -233,6 +196,15 @@ class Overlap(Measured, CudaBuckets, GradScaling):
                             "rest).")
         return reason
 
+    def _graph_kept(self):
+        """Whether this backward keeps its graph (fo._torch_overlap_params): it hands nothing over."""
+        if not keeps_graph():
+            return False
+        self._warn_once("graph", "fo.torch overlap=True: a backward with retain_graph=True (or create_graph=True) "
+                        "hands no gradient over (another backward through that graph reads the parameters); "
+                        "optimizer.step() steps them")
+        return True
+
     @property
     def overlap(self):
         return self._ov["overlap"]
@@ -263,8 +235,8 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         opts.error_if_nonfinite = int(o["error_if_nonfinite"])
         opts.undo_budget_bytes = o["undo_budget_bytes"]
         check(_optim._step_begin(self._fo._handle, ctypes.byref(opts)))
-        self._open, self._handed, self._marks, self._in_backward = True, {}, {}, 0
-        _track_open(self, True)
+        self._open, self._handed, self._marks, self._pmarks, self._in_backward = True, {}, {}, {}, 0
+        track_open(self, True)
 
     def _from_backward(self, p, event):
         """A post-accumulate-grad hook: hands p's gradient over, or queues it while its copy
@@ -311,10 +283,12 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         """Hands the gradients of `ps` to fo in one call (opening the step if none is;
         `at_end`: from `step()`, so fo steps them at step_end with no undo record); returns
         how many it took (not those whose very gradient fo already holds, nor those without
-        one). A gradient that changed since it was handed over means the step fo began was
-        not the one `step()` will close (a second backward accumulated into it, or a new
-        backward followed model.zero_grad()): the step starts over from here. A gradient fo
-        refuses fails the step: it is closed at once (nothing changed) and the error raised."""
+        one). A gradient that changed since it was handed over means a second backward
+        reached a parameter fo may have stepped already, from a forward fo's forward pre-hook
+        did not see (fo._torch_overlap_params: any module forward puts the early steps back
+        first): that backward may have read the stepped values, so the step is put back and
+        fo raises. A gradient fo refuses fails the step: it is closed at once (nothing
+        changed) and the error raised."""
         if not self._open:
             self._begin()
         give = []
@@ -322,14 +296,14 @@ class Overlap(Measured, CudaBuckets, GradScaling):
             if p in self._handed:
                 if same_grad(self._marks.get(p), p.grad):
                     continue
-                self._warn_once("rehanded", f"fo.torch overlap=True: the gradient of parameter "
-                                f"{self._name.get(p, '?')} changed after backward handed it over (a second "
-                                "backward before optimizer.step(): gradient accumulation without `with "
-                                "optimizer.no_handover():`, or model.zero_grad() after a skipped step); fo put "
-                                "its early steps back and starts the step over from the new gradients (same "
-                                "result, less overlap)")
-                self._abandon()
-                self._begin()
+                self._settle_open()
+                raise error(INVALID_ARGUMENT, (
+                    f"{type(self).__name__} (overlap={self._ov['overlap']!r}): parameter {self._name.get(p, '?')} "
+                    "got a second gradient after fo had stepped it early, from a forward that ran outside a "
+                    "module call fo sees (a functional call, module.forward() called directly, or a forward run "
+                    "before the previous backward); that backward may have read the stepped values. fo put its "
+                    "early steps back. Run every backward but the last of a step inside `with "
+                    "optimizer.no_handover():`, or call the model's modules"))
             if p.grad is not None:
                 give.append(p)
         if not give:
@@ -349,6 +323,8 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         arr = (type(args[0].struct) * n)(*(a.struct for a in args))
         for p, arg in zip(give, args):
             self._handed[p], self._marks[p] = arg, grad_mark(p.grad)
+            if not at_end:  # stepped early: no one else may write it before step()
+                self._pmarks[p] = param_mark(p)
         status = (_optim._grads_at_end if at_end else _optim._grads_ready)(self._fo._handle, idx, arr, n)
         if status:
             try:
@@ -371,8 +347,8 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         stats = _optim.OverlapStats()
         status = _optim._step_abort(self._fo._handle, ctypes.byref(stats))
         self._probe_spoil()  # that iteration is no measure of the overlap's cost
-        self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
-        _track_open(self, False)
+        self._open, self._handed, self._marks, self._pmarks, self._unscaled = False, {}, {}, {}, False
+        track_open(self, False)
         self.last_step_stats = _stats_dict(stats)
         for k in UNDO_KEYS:  # counted into the stats of the step() that follows
             self._undone[k] = self._undone.get(k, 0) + self.last_step_stats[k]
@@ -383,7 +359,10 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         skipped step, or state read between backward and step) is rolled back before fo's
         state is read or written: parameters and state as before that backward."""
         if getattr(self, "_open", False):
+            found = touched(self)
             self._abandon()
+            if found:
+                raise_touched(self, found)
 
     def _edited(self):
         """Names of the handed-over parameters whose gradient changed since (fo._torch_overlap_edits)."""
@@ -399,6 +378,11 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         that can no longer stand (hyper-parameters or gradients changed after backward
         handed them over) are rolled back and the step taken again: the bits of overlap=False."""
         self._poll_pending(wait=True)
+        found = touched(self) if self._open else []
+        if found:
+            self._drop_cuda_queue()
+            self._abandon()
+            raise_touched(self, found)
         self._drop_cuda_queue()  # handed over below (at_end), or stepped by the plain step
         self._cuda_callback = False  # (a backward that raised never ran its callback)
         redone, in_backward = None, self._in_backward
@@ -425,11 +409,12 @@ class Overlap(Measured, CudaBuckets, GradScaling):
             else:
                 advice = ("to overlap, clip with the optimizer's max_grad_norm= instead (HF Trainer: "
                           "max_grad_norm=0 and the optimizer's max_grad_norm=...; a clip that does not scale "
-                          "leaves the bits, and overlap, as they were)")
+                          "leaves the bits, and overlap, as they were); under DistributedDataParallel, which "
+                          "averages every gradient after its hook, no early step can stand: FSDP2 overlaps")
             _warn(
                 f"fo.torch overlap=True: gradients changed between backward and optimizer.step() in two "
                 f"steps in a row (e.g. parameter {edited[0]}: a clip that scaled, GradScaler.unscale_, an edit "
-                "through .data), so every early step had to be redone; from now on gradients are handed over at "
+                "through .data, DistributedDataParallel's averaging), so every early step had to be redone; from now on gradients are handed over at "
                 f"step() (the cost of overlap=False); {advice}")
         held = self._deferred or self._probe_held() or (self._cores_taken(warn=False) if in_backward == 0 else None)
         extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held, overlap_probe=None)
@@ -454,8 +439,8 @@ class Overlap(Measured, CudaBuckets, GradScaling):
             stats = _optim.OverlapStats()
             status = _optim._step_end(self._fo._handle, self._comm_handle(), ctypes.byref(stats))
             self._order_current(behind)
-            self._open, self._handed, self._marks, self._unscaled = False, {}, {}, False
-            _track_open(self, False)
+            self._open, self._handed, self._marks, self._pmarks, self._unscaled = False, {}, {}, {}, False
+            track_open(self, False)
             self.last_step_stats = dict(_stats_dict(stats), **extra)
         for k, v in undone.items():  # early steps put back before this step() closed
             self.last_step_stats[k] += v

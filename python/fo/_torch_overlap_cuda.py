@@ -23,7 +23,7 @@ bits. There, 32 MiB buckets (6 calls) took 2.2-2.9 ms in `grads_ready` and one b
 end 1.8-2.2 ms (iteration 8.0-10.6 and 7.4-8.7 ms; without overlap 4.9-5.4), before a
 record became two copies instead of six (src/optim/overlap/device_early.rs). A gradient
 handed over and changed again (a second backward) goes through the single hand-over, which
-starts the step over."""
+puts the early steps back and raises (fo._torch_overlap._hand_over_many)."""
 import weakref
 
 import torch

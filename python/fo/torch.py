@@ -246,6 +246,8 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         """Edits made through `opt.state` reach fo (see fo._torch_state); a step left open
         (overlap=True: backward handed gradients over, step() not called) is rolled back first."""
         self._settle_open()
+        if self._fo is not None and self._moved():  # read state of the parameters as they are now
+            self._rebuild()
         edits = self.state.edits()
         if edits:
             self._sync(also=set(edits))
