@@ -2,9 +2,10 @@
 where it makes the loop's iterations faster; `overlap="always"`, never measured); the
 optimizer-side clip (`max_grad_norm=`) it closes with is fo._torch_clip's.
 
-With overlap on, every parameter gets a post-accumulate-grad hook: the first hook of an
-iteration opens fo's step (`fo_optimizer_step_begin`), each hook hands that parameter's
-final gradient over (`fo_optimizer_grads_ready`) and fo steps it on its own pool while
+With overlap on, every parameter gets a post-accumulate-grad hook: the first hand-over of
+an iteration opens fo's step (`fo_optimizer_step_begin`); each parameter's final gradient
+is handed over (`fo_optimizer_grads_ready`) once its hooks have all run (at the next hook,
+or when backward ends; CUDA ones in buckets) and fo steps it on its own pool while
 backward goes on; `optimizer.step()` hands over whatever has a gradient and was not handed
 over yet, and closes the step (`fo_optimizer_step_end`). The result has the bits of the
 plain step with the same gradients (`overlap=False`), clipping included: fo keeps an undo
@@ -58,7 +59,7 @@ from ._torch_cuda import is_cuda
 from ._torch_overlap_amp import GradScaling
 from ._torch_overlap_cuda import CudaBuckets
 from ._torch_overlap_edits import changed_since_hand_over, grad_mark, keep_full_fingerprints, same_grad
-from ._torch_overlap_params import keeps_graph, param_mark, raise_touched, touched, track_open
+from ._torch_overlap_params import AfterTheirHooks, keeps_graph, param_mark, raise_touched, touched, track_open
 from ._torch_overlap_tune import Measured
 
 UNDO_KEYS = ("rolled_back", "rolled_back_bytes", "rollback_ns")
@@ -133,11 +134,14 @@ def _hook(ref):
         if (opt is not None and not opt._accumulating and not opt._deferred and opt._probe_hands_over()
                 and not opt._cores_taken() and not opt._graph_kept()):
             event = _fsdp_offload_event(p, sys._getframe(1))
-            opt._from_backward(p, event)
+            if is_cuda(p):
+                opt._from_backward(p, event)  # on the stream that made it: queued in a bucket
+            else:
+                opt._after_its_hooks(p, event)  # once the hooks registered after fo's have run
     return hook
 
 
-class Overlap(Measured, CudaBuckets, GradScaling):
+class Overlap(Measured, CudaBuckets, GradScaling, AfterTheirHooks):
     """Mixed into fo.torch's optimizers (which provide `_fo`, `_index`, `_name`, `_names`,
     `_flush`, `_sync`, `_group_hp`, `_pushed`, `param_groups`, fo._torch_clip's `Clip` and
     fo._torch_cuda's `Streams`, and call `_after_step` when `step()` returns)."""
@@ -152,6 +156,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         self._pending = []  # (param, event): gradients whose copy had not landed at their hook
         self._copy_events = [0, 0]  # hooks that found FSDP2's copy event, and found it in flight
         self._cuda_init()
+        self._behind_init()
         self._deferred = None  # why the hooks no longer hand over (None: they do)
         self._redone_in_a_row = 0
         self._unscaled = False  # GradScaler unscaled every gradient since hand-over
@@ -377,6 +382,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         then closes the step. Also opens one when no hook fired (a plain step). Early steps
         that can no longer stand (hyper-parameters or gradients changed after backward
         handed them over) are rolled back and the step taken again: the bits of overlap=False."""
+        self._behind, self._behind_callback = None, None  # (a backward that raised): handed over below
         self._poll_pending(wait=True)
         found = touched(self) if self._open else []
         if found:
@@ -460,6 +466,7 @@ class Overlap(Measured, CudaBuckets, GradScaling):
         torch drops those gradients."""
         self._settle_open()
         self._drop_cuda_queue()  # those gradients are dropped too
+        self._behind, self._behind_callback = None, None
         self._undone = {}  # that step is dropped: its rollback is not the next step's
         type(self).zero_grad(self, set_to_none=set_to_none)
 

@@ -33,6 +33,7 @@ BUCKET_BYTES = 32 << 20
 
 
 def _at_backward_end(ref):
+    @torch.compiler.disable  # run by autograd at the end of backward, eagerly: never traced
     def flush():
         opt = ref()
         if opt is not None:

@@ -17,6 +17,12 @@ all, and an edit of it there cannot be carried over (it applied to the stepped v
   what to do. fo's own pointer stays valid meanwhile (fo._torch_args.TorchArg holds the old
   storage).
 
+- A hook registered on the parameter after fo's (a per-parameter clip of its gradient, a
+  decay that reads the parameter) runs before fo takes the gradient: a host gradient is
+  handed over at the next hook fo gets, or when backward ends (`AfterTheirHooks`), so the
+  hook reads the parameter as it was and fo the gradient as it leaves. (CUDA gradients go
+  over in buckets, fo._torch_overlap_cuda, later still.)
+
 Not seen (docs/python.md says so): reads (an EMA update, `model.state_dict()`) and edits
 through `.data` of those parameters between backward and `step()`.
 
@@ -128,3 +134,44 @@ def track_open(opt, is_open):
         if not _OPEN and _forward_hook is not None:
             _forward_hook.remove()
             _forward_hook = None
+
+
+def _at_backward_end(ref, task):
+    @torch.compiler.disable  # run by autograd at the end of backward, eagerly: never traced
+    def flush():
+        opt = ref()
+        if opt is not None:
+            if opt._behind_callback == task:
+                opt._behind_callback = None
+            opt._flush_behind()
+    return flush
+
+
+class AfterTheirHooks:
+    """Mixed into fo._torch_overlap's `Overlap` (which provides `_from_backward`): the host
+    parameter whose hook ran last waits until the next hook or the end of its backward, when
+    every hook of its own has run (torch runs a parameter's post-accumulate-grad hooks one
+    after another, in the order they were registered). A backward inside backward (reentrant
+    activation checkpointing) is a graph task of its own, with its own end."""
+
+    def _behind_init(self):
+        self._behind = None  # (param, event): its hooks registered after fo's may still run
+        self._behind_callback = None  # the graph task whose end flushes it (None: none queued)
+
+    def _after_its_hooks(self, p, event):
+        prev, self._behind = self._behind, (p, event)
+        if prev is not None and prev[0] is not p:
+            self._from_backward(*prev)
+        task = torch._C._current_graph_task_id()
+        if self._behind_callback != task:
+            try:
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(_at_backward_end(weakref.ref(self), task))
+                self._behind_callback = task
+            except RuntimeError:  # not inside a backward (the hook called directly): no one runs after
+                self._flush_behind()
+
+    def _flush_behind(self):
+        prev, self._behind = self._behind, None
+        if prev is not None:
+            self._from_backward(*prev)

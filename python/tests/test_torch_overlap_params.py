@@ -134,6 +134,39 @@ def test_a_compiled_models_forward_between_backward_and_step_sees_the_parameters
     assert any("a forward ran between backward" in c for c in caught), caught
 
 
+# -- hooks registered after fo's run before fo takes the gradient ----------------------------
+def with_user_hooks(hook):
+    """A loop whose parameters carry `hook(opt, p)` as a post-accumulate-grad hook registered
+    after the optimizer's (so after fo's own)."""
+    def loop(model, opt, it):
+        if not getattr(model, "_hooked", False):
+            model._hooked = True
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p, opt=opt: hook(opt, p))
+        opt.zero_grad()
+        backward(model, it)
+        opt.step()
+    return loop
+
+
+def decay_through_the_gradient(opt, p):
+    settle(opt)  # fo's early steps so far have run: the parameter must not be among them
+    p.grad.add_(p.detach(), alpha=0.1)
+
+
+def clamp_the_gradient(opt, p):
+    p.grad.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("hook", [decay_through_the_gradient, clamp_the_gradient])
+def test_a_hook_registered_after_fos_sees_the_parameter_before_and_fo_its_gradient_after(hook):
+    """A hook that reads the parameter reads it unstepped; one that edits the gradient edits
+    it before fo takes it, so nothing is redone and the step overlaps."""
+    ref, mine, stats, _, _ = run_pair(with_user_hooks(hook), state_format="fp32")
+    assert_same_bits(ref, mine)
+    assert all(s["redone"] is None and s["handed_over_in_backward"] == 6 for s in stats), stats
+
+
 # -- writes fo cannot carry over: an error, the early steps put back ------------------------
 def edit_clamp(model):
     with torch.no_grad():
