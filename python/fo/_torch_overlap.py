@@ -52,7 +52,6 @@ import weakref
 import torch
 
 from . import optim as _optim
-from ._codes import FO_ERR_INVALID_ARGUMENT
 from ._ffi import FoError, check
 from ._torch_args import INVALID_ARGUMENT, TorchArg, error, is_dtensor, local
 from ._torch_cuda import is_cuda

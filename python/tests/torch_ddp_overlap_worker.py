@@ -6,7 +6,6 @@ a warning that names DDP.
 
     torchrun --nproc-per-node N torch_ddp_overlap_worker.py OUT_JSON
 """
-import json
 import sys
 import warnings
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fo.torch
-from torch_fsdp2_worker import exit_skipping_finalization
+from torch_fsdp2_worker import finish
 
 
 def run(overlap, bucket_view):
@@ -49,12 +48,8 @@ def main():
                                  "warned": [c for c in caught if "DistributedDataParallel" in c],
                                  "redone": [s["redone"] for s in stats],
                                  "handed_over_in_backward": [s["handed_over_in_backward"] for s in stats]}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.destroy_process_group()
+    finish(out, res)
 
 
 if __name__ == "__main__":
     main()
-    exit_skipping_finalization(0)

@@ -7,14 +7,13 @@ norm's host values all-reduced through CUDA tensors).
 
     torchrun --nproc-per-node N torch_fsdp2_overlap_worker.py OUT_JSON [cpu|cuda]
 """
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 
 import fo.torch
-from torch_fsdp2_worker import build, exit_skipping_finalization, init, train_step
+from torch_fsdp2_worker import build, finish, init, train_step
 
 
 def main():
@@ -35,12 +34,8 @@ def main():
         flags = torch.tensor([int(same)], device=mesh.device_type)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         res[name] = {"same_bits_on_every_rank": bool(flags.item()), "stats": stats}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.destroy_process_group()
+    finish(out, res)
 
 
 if __name__ == "__main__":
     main()
-    exit_skipping_finalization(0)

@@ -94,7 +94,7 @@ def main():
     mode, ckpt, out = sys.argv[1:4]
     device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     mesh = init(device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     res = {"world": world, "device": device}
 
     # fp32 state: follows torch.optim.AdamW step by step (same FSDP2 gradients).
@@ -140,10 +140,16 @@ def main():
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         res["loaded_step"] = opt.state_dict()["state"][0]["step"].item()
     res["continued"] = [train_step(model, opt, s) for s in range(TRAIN, TRAIN + MORE)]
-    if rank == 0:
+    finish(out, res)
+
+
+def finish(out, res):
+    """Rank 0 writes the measurements to `out`; every rank leaves the group and exits."""
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(res, f)
     dist.destroy_process_group()
+    exit_skipping_finalization(0)
 
 
 def exit_skipping_finalization(code):
@@ -160,4 +166,3 @@ def exit_skipping_finalization(code):
 
 if __name__ == "__main__":
     main()
-    exit_skipping_finalization(0)
