@@ -419,8 +419,8 @@ class Overlap(Measured, CudaBuckets, GradScaling, AfterTheirHooks):
             _warn(
                 f"fo.torch overlap=True: gradients changed between backward and optimizer.step() in two "
                 f"steps in a row (e.g. parameter {edited[0]}: a clip that scaled, GradScaler.unscale_, an edit "
-                "through .data, DistributedDataParallel's averaging), so every early step had to be redone; from now on gradients are handed over at "
-                f"step() (the cost of overlap=False); {advice}")
+                "through .data, DistributedDataParallel's averaging), so every early step had to be redone; from "
+                f"now on gradients are handed over at step() (the cost of overlap=False); {advice}")
         held = self._deferred or self._probe_held() or (self._cores_taken(warn=False) if in_backward == 0 else None)
         extra = dict(handed_over_in_backward=in_backward, redone=redone, not_overlapped=held, overlap_probe=None)
         undone, self._undone, self._in_backward = self._undone, {}, 0

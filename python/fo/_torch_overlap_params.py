@@ -16,7 +16,6 @@ all, and an edit of it there cannot be carried over (it applied to the stepped v
   ...`) before `step()`: fo puts its early steps back and raises, naming the parameter and
   what to do. fo's own pointer stays valid meanwhile (fo._torch_args.TorchArg holds the old
   storage).
-
 - A hook registered on the parameter after fo's (a per-parameter clip of its gradient, a
   decay that reads the parameter) runs before fo takes the gradient: a host gradient is
   handed over at the next hook fo gets, or when backward ends (`AfterTheirHooks`), so the
@@ -68,8 +67,8 @@ def touched(opt):
 _HOW = {
     "edited": ("was edited in place (p.clamp_() under no_grad, load_state_dict, a SAM perturbation, ...)",
                "that edit applied to the stepped values, so overlap=False's result cannot be had. fo put its "
-               "early steps back: the parameter is as that backward found it, the edit included only where it "
-               "rewrote the values whole"),
+               "early steps back: the parameter holds its values from before that backward again, without the "
+               "edit"),
     "new storage": ("was given new storage (p.data = ..., module.to(...))",
                     "what was copied into it may hold the early step, so overlap=False's result cannot be had. fo "
                     "put its early steps back in the old storage; the new one holds what was copied"),
