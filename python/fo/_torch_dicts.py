@@ -44,6 +44,8 @@ class Dicts:
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, "
                              f"this optimizer has {len(self.param_groups)}")
         by_id = {}
+        for gi, s in enumerate(saved_groups):
+            self._refuse_flags(s, f" (param group {gi} of the loaded state dict)")
         for gi, (g, s) in enumerate(zip(self.param_groups, saved_groups)):
             if len(s["params"]) != len(g["params"]):
                 raise ValueError(f"loaded param group {gi} has {len(s['params'])} parameters, "
@@ -57,7 +59,12 @@ class Dicts:
                 if k not in ("params", "param_names") and k not in FO_KEYS:
                     g[k] = v
         self._flush()
-        self._sync(also={by_id[k] for k in state_dict["state"]})
+        loaded = {by_id[k] for k in state_dict["state"]}
+        for p in self._index:  # state the loaded dict has none for starts over, as torch's does
+            if p not in loaded and self._has_state(p):
+                self.state[p] = {}
+        self._flush()
+        self._sync(also=loaded)
         for k, entries in state_dict["state"].items():
             self._load_param(by_id[k], entries)
         self.state.after_step()  # tensors handed out before the load now show it

@@ -51,7 +51,7 @@ from ._torch_dicts import Dicts
 from ._torch_cuda import Streams
 from ._torch_offload import Offload, check_offload
 from ._torch_overlap import OPTION_KEYS, Overlap, overlap_options
-from ._torch_state import State
+from ._torch_state import Rebuild, State
 from ._torch_storage import Storage
 from ._torch_strided import Strided
 
@@ -77,14 +77,16 @@ def _create(cfg):
     return opt
 
 
-class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, torch.optim.Optimizer):
+# torch.optim flags fo has no step for: refused wherever a group carries them set.
+UNIMPLEMENTED = ("amsgrad", "maximize", "differentiable")
+
+
+class _FoOptimizer(Dicts, Rebuild, Overlap, Clip, Streams, Offload, Strided, Storage, torch.optim.Optimizer):
     algorithm = "adamw"
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
     def __init__(self, params, defaults):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if defaults.get(flag):
-                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
+        self._refuse_flags(defaults, "")
         defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"), DEFAULT_ARITHMETIC)
         _checks.state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
@@ -106,6 +108,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         self._where = {}  # param -> (data_ptr, shape, dtype) registered with fo
         self._keep = {}  # param -> what fo borrows (the local tensor, its shard spec)
         self._name = {}  # param -> the name fo knows it by (for error messages)
+        self._group_of, self._layout = {}, None  # param -> its group at registration; fo._torch_state
         self._pushed = []  # the hyper-parameters last pushed to each fo group
         self._grads = None  # the step's gradient array (GradArray), kept across steps
         self._device = {}  # param -> the fo device code it is registered with
@@ -116,9 +119,7 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
         self._compile_key = _compile.register(self)
 
     def add_param_group(self, param_group):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if param_group.get(flag):
-                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True")
+        self._refuse_flags(param_group, "")
         if "arithmetic" in param_group:  # None: the default
             param_group["arithmetic"] = _checks.arithmetic_name(param_group["arithmetic"], DEFAULT_ARITHMETIC)
         if "state_format" in param_group:
@@ -130,12 +131,26 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
             self._hook_params(self.param_groups[-1]["params"])
 
     # -- hyper-parameters -------------------------------------------------------------
+    def _refuse_flags(self, group, where):
+        """torch's flags fo does not implement, in a group however they got there (the
+        constructor, `add_param_group`, an edit of `param_groups`, a loaded state dict)."""
+        for flag in UNIMPLEMENTED:
+            if group.get(flag):
+                raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True{where}")
+
+    def _algorithm(self, group):
+        """fo's algorithm for a torch param group (fo.torch.Adam's follows its group)."""
+        return self.algorithm
+
     def _hp(self, group):
         """fo's hyper-parameters for a torch param group (subclasses map torch's names)."""
         raise NotImplementedError
 
     def _group_hp(self, group):
+        self._refuse_flags(group, f" (param group {next(i for i, g in enumerate(self.param_groups) if g is group)})"
+                           if any(group.get(f) for f in UNIMPLEMENTED) else "")
         hp = self._hp(group)
+        hp["algorithm"] = self._algorithm(group)
         hp["lr"] = float(group["lr"])
         hp["weight_decay"] = float(group["weight_decay"])
         hp["initial_lr"] = float(group.get("initial_lr", group["lr"])) or 1.0
@@ -200,26 +215,31 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
             self._keep_stand_in(p, stand_in)
         self._name[p] = name
         self._device[p] = device
+        self._group_of[p] = gi
 
     def _sync(self, also=()):
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
         one fo group per torch group with its current hyper-parameters (pushed only when
         they changed), and every parameter that has a gradient (or is in `also`) registered."""
-        if self._fo is not None and self._moved():
+        if self._fo is not None and (self._moved() or self._regrouped()):
             self._rebuild()
+        if self._fo is not None:
+            reset = self._dropped_state()
+            if reset:
+                self._rebuild(reset)
         if self._fo is None:
             hp = self._group_hp(self.param_groups[0])
-            self._fo = _create(_optim.config(self.algorithm, **hp))
+            self._fo = _create(_optim.config(**hp))
             self._pushed, self._stream = [hp], None  # a new handle steps on NULL until told
         for gi, g in enumerate(self.param_groups):
             hp = self._group_hp(g)
             if gi == len(self._pushed):
                 g_idx = ctypes.c_int32(-1)
-                check(_optim._add_group(self._fo._handle, ctypes.byref(_optim.config(self.algorithm, **hp)),
+                check(_optim._add_group(self._fo._handle, ctypes.byref(_optim.config(**hp)),
                                         ctypes.byref(g_idx)))
                 self._pushed.append(hp)
             if hp != self._pushed[gi]:
-                self._fo.set_group_config(gi, _optim.config(self.algorithm, **hp))
+                self._fo.set_group_config(gi, _optim.config(**hp))
                 self._pushed[gi] = hp
         if len(self._index) < sum(len(g["params"]) for g in self.param_groups):
             for gi, p, name in self._names():
@@ -227,27 +247,13 @@ class _FoOptimizer(Dicts, Overlap, Clip, Streams, Offload, Strided, Storage, tor
                     self._register(p, gi, name)
         self._stand_ins_in()  # parameters edited in place since: fo reads their stand-ins next
 
-    def _rebuild(self):
-        """A parameter's storage moved (its module reloaded or re-sharded): register the
-        parameters again and carry their state over decoded (master weights excepted: the
-        parameter now holds whatever was written into it)."""
-        saved = {p: self._export(p, local_only=True) for p in self._index if self._has_state(p)}
-        self._fo.close()
-        self.state.forget_live()
-        self._fo, self._index, self._where, self._keep, self._pushed, self._device = None, {}, {}, {}, [], {}
-        self._order = []
-        self._mirror_version, self._stand_in = {}, {}
-        self._sync(also=set(saved))
-        for p, st in saved.items():
-            st.pop("master", None)
-            self._load_param(p, st)
-
     def _flush(self):
         """Edits made through `opt.state` reach fo (see fo._torch_state); a step left open
         (overlap=True: backward handed gradients over, step() not called) is rolled back first."""
         self._settle_open()
-        if self._fo is not None and self._moved():  # read state of the parameters as they are now
-            self._rebuild()
+        reset = self.state.resets()
+        if self._fo is not None and (reset or self._moved()):  # state of the parameters as they are now
+            self._rebuild(reset)
         edits = self.state.edits()
         if edits:
             self._sync(also=set(edits))
@@ -452,6 +458,9 @@ class Adam(AdamW):
     def algorithm(self):
         return "adamw" if self.defaults["decoupled_weight_decay"] else "adam"
 
+    def _algorithm(self, group):
+        return "adamw" if group.get("decoupled_weight_decay", self.defaults["decoupled_weight_decay"]) else "adam"
+
 
 class SGD(_FoOptimizer):
     """torch.optim.SGD (L2 weight decay, torch's dampening and nesterov); fo's arguments as
@@ -469,6 +478,13 @@ class SGD(_FoOptimizer):
 
     def _hp(self, g):
         return dict(momentum=float(g["momentum"]), dampening=float(g["dampening"]), nesterov=bool(g["nesterov"]))
+
+    def _dropped_state(self):
+        """Parameters stepped without momentum in a group that now has it: torch starts their
+        buffer from the next gradient; fo registers them again, without state, to do the same."""
+        return {p for gi, g in enumerate(self.param_groups[:len(self._pushed)])
+                if self._pushed[gi].get("momentum") == 0 and float(g["momentum"]) != 0
+                for p in g["params"] if p in self._index}
 
 
 class Lion(_FoOptimizer):
