@@ -1093,7 +1093,8 @@ fo_status fo_optimizer_set_group_lr(struct fo_optimizer *opt, int32_t group, dou
 
 /*
  Replaces group `group`'s hyper-parameters (algorithm, state format and master weight
- bits must stay as they are).
+ bits must stay as they are, and SGD's momentum cannot be turned on once a parameter of
+ the group was stepped without it: FO_ERR_INVALID_ARGUMENT names it).
  */
 fo_status fo_optimizer_set_group_config(struct fo_optimizer *opt,
                                         int32_t group,

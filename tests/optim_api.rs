@@ -565,6 +565,34 @@ fn sgd_dampens_a_loaded_momentum_buffer_but_not_a_fresh_one() {
 }
 
 #[test]
+fn sgd_momentum_turned_on_after_a_step_without_it_is_refused_naming_the_parameter() {
+    // Was a panic in the step ("range end index ... out of range"): the state stepped
+    // without momentum has no buffer for it. Before any step, turning it on is fine.
+    for stepped in [false, true] {
+        let mut opt = Optimizer::new(cfg(Algorithm::Sgd, StateFormat::Fp32, 0)).unwrap();
+        let mut p = vec![0f32; 12];
+        let mut g = vec![1f32; 12];
+        unsafe {
+            opt.add_param("w", view(&mut p, DType::F32, &[12]), None, 0)
+                .unwrap()
+        };
+        if stepped {
+            unsafe { opt.step(&[Some(view(&mut g, DType::F32, &[12]))]).unwrap() };
+        }
+        let mut on = opt.group_config(0).unwrap().clone();
+        on.momentum = 0.9;
+        let r = opt.set_group_config(0, on);
+        if stepped {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("momentum") && e.contains("parameter w"), "{e}");
+        } else {
+            r.unwrap();
+        }
+        unsafe { opt.step(&[Some(view(&mut g, DType::F32, &[12]))]).unwrap() };
+    }
+}
+
+#[test]
 fn overlapping_params_and_grads_that_alias_params_are_refused() {
     let mut buf = vec![0f32; 16];
     let mut opt = Optimizer::new(cfg(Algorithm::AdamW, StateFormat::Fp32, 0)).unwrap();

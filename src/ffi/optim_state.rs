@@ -121,7 +121,8 @@ pub unsafe extern "C" fn fo_optimizer_set_group_lr(
 }
 
 /// Replaces group `group`'s hyper-parameters (algorithm, state format and master weight
-/// bits must stay as they are).
+/// bits must stay as they are, and SGD's momentum cannot be turned on once a parameter of
+/// the group was stepped without it: FO_ERR_INVALID_ARGUMENT names it).
 #[no_mangle]
 pub unsafe extern "C" fn fo_optimizer_set_group_config(
     opt: *mut fo_optimizer,

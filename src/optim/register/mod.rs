@@ -26,7 +26,8 @@ impl Optimizer {
     }
 
     /// Replaces a group's hyper-parameters. The algorithm, state format and master weight
-    /// bits fix the layout of state already created, so they cannot change.
+    /// bits fix the layout of state already created, so they cannot change; nor can SGD's
+    /// momentum be turned on once a parameter of the group was stepped without it.
     pub fn set_group_config(&mut self, group: usize, cfg: OptimConfig) -> Result<()> {
         self.check_group(group)?;
         self.refuse_if_step_open("set_group_config")?;
@@ -44,6 +45,24 @@ impl Optimizer {
                 return Err(Error::invalid(
                     name,
                     format!("cannot change group {group}'s {name} after creation"),
+                ));
+            }
+        }
+        // SGD without momentum creates no momentum buffer: state stepped that way has no
+        // place for one (fo.torch registers such parameters again, as torch starts a buffer).
+        if !old.has_momentum_state() && cfg.has_momentum_state() {
+            let (params, _) = self.params_mut_with_groups();
+            let stepped = params
+                .iter()
+                .find(|p| p.group() == group && (p.state.is_some() || p.gpu.is_some()));
+            if let Some(p) = stepped {
+                return Err(Error::invalid(
+                    "momentum",
+                    format!(
+                        "cannot turn momentum on in group {group}: parameter {} was stepped \
+                         without it and has no momentum buffer (register it again)",
+                        p.fqn()
+                    ),
                 ));
             }
         }
