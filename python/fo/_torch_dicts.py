@@ -60,10 +60,9 @@ class Dicts:
                     g[k] = v
         self._flush()
         loaded = {by_id[k] for k in state_dict["state"]}
-        for p in self._index:  # state the loaded dict has none for starts over, as torch's does
-            if p not in loaded and self._has_state(p):
-                self.state[p] = {}
-        self._flush()
+        missing = {p for p in self._index if p not in loaded and self._has_state(p)}
+        if missing:  # state the loaded dict has none for starts over, as torch's does
+            self._rebuild(missing)
         self._sync(also=loaded)
         for k, entries in state_dict["state"].items():
             self._load_param(by_id[k], entries)

@@ -381,14 +381,11 @@ class Overlap(Measured, CudaBuckets, GradScaling, AfterTheirHooks):
         then closes the step. Also opens one when no hook fired (a plain step). Early steps
         that can no longer stand (hyper-parameters or gradients changed after backward
         handed them over) are rolled back and the step taken again: the bits of overlap=False."""
-        self._behind, self._behind_callback = None, None  # (a backward that raised): handed over below
+        self._drop_behind()  # (a backward that raised): handed over below
         self._poll_pending(wait=True)
-        found = touched(self) if self._open else []
-        if found:
-            self._drop_cuda_queue()
-            self._abandon()
-            raise_touched(self, found)
         self._drop_cuda_queue()  # handed over below (at_end), or stepped by the plain step
+        if self._open and touched(self):
+            self._settle_open()  # puts the early steps back and raises, naming the parameters
         self._cuda_callback = False  # (a backward that raised never ran its callback)
         redone, in_backward = None, self._in_backward
         if self._open and (len(self.param_groups) != len(self._pushed) or any(
@@ -465,7 +462,7 @@ class Overlap(Measured, CudaBuckets, GradScaling, AfterTheirHooks):
         torch drops those gradients."""
         self._settle_open()
         self._drop_cuda_queue()  # those gradients are dropped too
-        self._behind, self._behind_callback = None, None
+        self._drop_behind()
         self._undone = {}  # that step is dropped: its rollback is not the next step's
         type(self).zero_grad(self, set_to_none=set_to_none)
 

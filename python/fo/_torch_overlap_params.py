@@ -170,6 +170,11 @@ class AfterTheirHooks:
             except RuntimeError:  # not inside a backward (the hook called directly): no one runs after
                 self._flush_behind()
 
+    def _drop_behind(self):
+        """Forgets the one behind (`step()` hands every gradient over itself; a dropped step
+        hands nothing), and any flush a backward that raised left queued."""
+        self._behind, self._behind_callback = None, None
+
     def _flush_behind(self):
         prev, self._behind = self._behind, None
         if prev is not None:

@@ -124,8 +124,7 @@ class State(MutableMapping):
     def replace(self, entries):
         """`opt.state = mapping` (a reset to `defaultdict(dict)`, or any param -> dict): every
         parameter's state is dropped, then what `entries` holds is loaded like an edit."""
-        for p in list(self):
-            self[p] = {}
+        self.clear()
         for p, st in dict(entries).items():
             if st:
                 self[p] = st

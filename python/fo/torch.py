@@ -86,7 +86,7 @@ class _FoOptimizer(Dicts, Rebuild, Overlap, Clip, Streams, Offload, Strided, Sto
     _step_supports_amp_scaling = True  # GradScaler hands its scale over (fo._torch_overlap)
 
     def __init__(self, params, defaults):
-        self._refuse_flags(defaults, "")
+        self._refuse_flags(defaults, "")  # (no group yet: nothing to name)
         defaults["arithmetic"] = _checks.arithmetic_name(defaults.get("arithmetic"), DEFAULT_ARITHMETIC)
         _checks.state_format(defaults["state_format"])
         options = overlap_options(**{k: defaults.pop(k) for k in OPTION_KEYS if k in defaults})
@@ -131,11 +131,14 @@ class _FoOptimizer(Dicts, Rebuild, Overlap, Clip, Streams, Offload, Strided, Sto
             self._hook_params(self.param_groups[-1]["params"])
 
     # -- hyper-parameters -------------------------------------------------------------
-    def _refuse_flags(self, group, where):
+    def _refuse_flags(self, group, where=None):
         """torch's flags fo does not implement, in a group however they got there (the
-        constructor, `add_param_group`, an edit of `param_groups`, a loaded state dict)."""
+        constructor, `add_param_group`, an edit of `param_groups`, a loaded state dict);
+        `where` names the group (None: its index in `param_groups`)."""
         for flag in UNIMPLEMENTED:
             if group.get(flag):
+                if where is None:
+                    where = f" (param group {next(i for i, g in enumerate(self.param_groups) if g is group)})"
                 raise ValueError(f"{type(self).__name__}: fo does not implement {flag}=True{where}")
 
     def _algorithm(self, group):
@@ -147,8 +150,7 @@ class _FoOptimizer(Dicts, Rebuild, Overlap, Clip, Streams, Offload, Strided, Sto
         raise NotImplementedError
 
     def _group_hp(self, group):
-        self._refuse_flags(group, f" (param group {next(i for i, g in enumerate(self.param_groups) if g is group)})"
-                           if any(group.get(f) for f in UNIMPLEMENTED) else "")
+        self._refuse_flags(group)
         hp = self._hp(group)
         hp["algorithm"] = self._algorithm(group)
         hp["lr"] = float(group["lr"])
@@ -221,11 +223,9 @@ class _FoOptimizer(Dicts, Rebuild, Overlap, Clip, Streams, Offload, Strided, Sto
         """Makes fo match the torch side: rebuilt if a registered parameter's storage moved,
         one fo group per torch group with its current hyper-parameters (pushed only when
         they changed), and every parameter that has a gradient (or is in `also`) registered."""
-        if self._fo is not None and (self._moved() or self._regrouped()):
-            self._rebuild()
         if self._fo is not None:
             reset = self._dropped_state()
-            if reset:
+            if reset or self._moved() or self._regrouped():
                 self._rebuild(reset)
         if self._fo is None:
             hp = self._group_hp(self.param_groups[0])

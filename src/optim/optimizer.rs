@@ -202,6 +202,11 @@ impl Optimizer {
         &self.groups[g]
     }
 
+    /// The parameters, in registration order.
+    pub(in crate::optim) fn params(&self) -> &[Param] {
+        &self.params
+    }
+
     /// The parameters, mutable, beside the groups they read (a step borrows both).
     pub(in crate::optim) fn params_mut_with_groups(&mut self) -> (&mut [Param], &[OptimConfig]) {
         (&mut self.params, &self.groups)

@@ -51,8 +51,8 @@ impl Optimizer {
         // SGD without momentum creates no momentum buffer: state stepped that way has no
         // place for one (fo.torch registers such parameters again, as torch starts a buffer).
         if !old.has_momentum_state() && cfg.has_momentum_state() {
-            let (params, _) = self.params_mut_with_groups();
-            let stepped = params
+            let stepped = self
+                .params()
                 .iter()
                 .find(|p| p.group() == group && (p.state.is_some() || p.gpu.is_some()));
             if let Some(p) = stepped {
